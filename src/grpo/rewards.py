@@ -1,0 +1,162 @@
+"""Reward functions: pure, one signature, registered by name.
+
+Every reward has the signature ``reward(completions: list[str], answers: list[str]) -> list[float]``
+with one float per completion. ``answers`` are the reference final answers as text.
+
+Model output is data. Nothing here evaluates it: numbers are read with linear-time regular
+expressions and compared as exact rationals (``fractions.Fraction``) built from digit strings of
+bounded length, so a 1 MB completion or ``9**9**9**9`` is scored in bounded time.
+
+Answer extraction (``extract_answer``) picks, in order of precedence, the last
+``#### N`` marker, the last ``\\boxed{N}``, the last "answer is N", and otherwise the last number
+in the text. The number is normalised: thousands separators, currency and unit signs dropped,
+``18.00 -> 18``, ``-3``, ``1/2 -> 0.5``, ``\\frac{1}{3} -> 1/3`` (terminating decimals are written
+as decimals, other fractions as ``p/q`` in lowest terms).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from fractions import Fraction
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+MAX_DIGITS = 40  # longer digit strings are not answers (and would make big-int work unbounded)
+
+# A number: optional sign/currency, digits with optional thousands commas, decimals, "/denominator".
+# The look-behind stops a match from starting inside a word or another number, so scanning is linear.
+_NUM_RE = re.compile(
+    r"(?<![\w.])(?:-\$?|\$-?|−)?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s?/\s?\d+(?:\.\d+)?)?(?!\d)"
+)
+_FRAC_RE = re.compile(r"\\d?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}")
+_HASH_RE = re.compile(r"####\s*([^\n]*)")
+_BOXED_RE = re.compile(r"\\boxed\{([^{}\n]*(?:\{[^{}\n]*\}[^{}\n]*)*)\}")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]{0,80})", re.IGNORECASE)
+_STRICT_RE = re.compile(r"(?:^|\n)####[ \t]*(?:-|−)?\$?[ \t]*[\d,]+(?:\.\d+)?(?:/\d+)?[ \t]*\.?[ \t]*\Z")
+
+
+def _to_fraction(token: str) -> Fraction | None:
+    """Parse one number token (as matched by ``_NUM_RE``) into an exact rational."""
+    t = token.replace("−", "-").replace("$", "").replace(",", "").replace(" ", "")
+    if len(t) > 2 * MAX_DIGITS + 3:
+        return None
+    num, _, den = t.partition("/")
+    try:
+        value = Fraction(num)
+        if den:
+            d = Fraction(den)
+            if d == 0:
+                return None
+            value /= d
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value
+
+
+def format_number(value: Fraction) -> str:
+    """Canonical text of a rational: ``18``, ``-3``, ``0.5``, ``1/3``."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    if den == 1:  # terminating decimal
+        text = f"{value.numerator / value.denominator:.12f}".rstrip("0").rstrip(".")
+        if Fraction(text) == value:
+            return text
+    return f"{value.numerator}/{value.denominator}"
+
+
+def _last_number(text: str) -> str | None:
+    text = _FRAC_RE.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text)
+    last = None
+    for m in _NUM_RE.finditer(text):
+        last = m
+    if last is None:
+        return None
+    value = _to_fraction(last.group(0))
+    return None if value is None else format_number(value)
+
+
+def _first_number(text: str) -> str | None:
+    text = _FRAC_RE.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text)
+    m = _NUM_RE.search(text)
+    if m is None:
+        return None
+    value = _to_fraction(m.group(0))
+    return None if value is None else format_number(value)
+
+
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    last = None
+    for m in pattern.finditer(text):
+        last = m
+    return last
+
+
+def extract_answer(text: str) -> str | None:
+    """The final numeric answer of ``text``, normalised, or ``None`` when there is none.
+
+    Precedence: last ``#### N``, last ``\\boxed{N}``, last "answer is N", last number.
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    for pattern in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE):
+        m = _last_match(pattern, text)
+        if m is not None:
+            found = _first_number(m.group(1))
+            if found is not None:
+                return found
+    return _last_number(text)
+
+
+def normalize_answer(answer: str) -> str | None:
+    """Reference answers go through the same normalisation (``"1,000" -> "1000"``)."""
+    return extract_answer(str(answer))
+
+
+def correctness(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the extracted final answer equals the reference answer, else 0.0."""
+    out = []
+    for completion, answer in zip(completions, answers, strict=True):
+        got, want = extract_answer(completion), normalize_answer(answer)
+        out.append(1.0 if got is not None and got == want else 0.0)
+    return out
+
+
+def format_strict(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion has exactly one ``####`` and ends with the line ``#### <number>``."""
+    return [
+        1.0 if c.count("####") == 1 and _STRICT_RE.search(c.rstrip()) else 0.0
+        for c in completions
+    ]
+
+
+def format_soft(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion marks a numeric answer anywhere (``####``, ``\\boxed{}``, "answer is")."""
+    out = []
+    for c in completions:
+        marked = any(
+            (m := _last_match(p, c)) is not None and _first_number(m.group(1)) is not None
+            for p in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE)
+        )
+        out.append(1.0 if marked else 0.0)
+    return out
+
+
+REWARDS: dict[str, RewardFn] = {
+    "correctness": correctness,
+    "format_strict": format_strict,
+    "format_soft": format_soft,
+}
+
+
+def combined_rewards(
+    completions: list[str], answers: list[str], weights: dict[str, float]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Weighted sum of the named rewards, plus each reward's own values (for logging)."""
+    per_fn = {name: REWARDS[name](completions, answers) for name in weights}
+    total = [sum(weights[n] * per_fn[n][i] for n in weights) for i in range(len(completions))]
+    return total, per_fn

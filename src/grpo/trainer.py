@@ -1,0 +1,343 @@
+"""The GRPO training loop: rollouts, rewards, advantages, clipped updates; checkpoint and resume.
+
+One optimizer step:
+
+1. take the next ``prompts_per_step`` problems in the order given (the curriculum's order;
+   the data position wraps around at the end),
+2. sample G completions per prompt from the current policy (the rollout backend),
+3. score them with the weighted rewards and turn the scores into group-relative advantages,
+4. if ``beta > 0``, reference log-probs with the LoRA adapter disabled (same weights, no copy);
+   if ``mu > 1``, the sampling policy's log-probs (old_logp) once, before any update,
+5. ``mu`` times: for each micro-batch, one body forward with grad, entropy and log-probs of all
+   completion tokens without grad (chunked, fused kernel), the LM head with grad only at the
+   high-entropy tokens, ``grpo_loss`` normalised over the whole batch, backward; then clip the
+   gradient norm and take an AdamW step on the LoRA parameters.
+
+With ``mu = 1`` the old policy is the current one, so old_logp is the detached current log-prob
+(ratio 1 in value, the usual on-policy gradient) and no extra pass is run.
+
+Checkpoints (every ``checkpoint_every`` steps) hold the adapter, optimizer, scheduler, RNG
+states, step and data position; they are written to a temporary directory and renamed, so a
+``kill -9`` leaves either a complete checkpoint or none. ``GRPOTrainer.train`` resumes from the
+newest one and truncates the per-step log to it, so the resumed run repeats and skips nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import resource
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo.config import TrainConfig
+from grpo.data import build_prompt
+from grpo.entropy import high_entropy_mask
+from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
+from grpo.loss import group_advantages, grpo_loss, loss_normalizer
+from grpo.models import lm_parts
+from grpo.rewards import REWARDS, combined_rewards
+from grpo.rollout import RolloutBackend, TransformersBackend
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[dict], None]
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the peak lr at scheduler step s: linear warm-up, then the chosen decay."""
+
+    def fn(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        if cfg.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated CUDA memory, or the process's peak resident set size on the CPU (MB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class GRPOTrainer:
+    """Composes rollout, rewards, advantages and loss into optimizer steps over ``problems``."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cfg: TrainConfig,
+        problems: list[dict],
+        *,
+        backend: RolloutBackend | None = None,
+        callbacks: list[StepCallback] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.problems = problems
+        self.backend = backend or TransformersBackend(model, tokenizer)
+        self.callbacks = callbacks or []
+        self.device = next(model.parameters()).device
+        self.body, self.lm_head = lm_parts(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.out = Path(cfg.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.log_path = self.out / "steps.jsonl"
+        self.step = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ data
+    def batch_rows(self, step: int) -> list[dict]:
+        """Problems of 0-based ``step``: the next ``prompts_per_step`` in order, wrapping around."""
+        n, k = len(self.problems), self.cfg.prompts_per_step
+        return [self.problems[(step * k + i) % n] for i in range(k)]
+
+    # ------------------------------------------------------------------ log-prob passes
+    @torch.no_grad()
+    def _logprobs_no_grad(self, input_ids, attention_mask, targets, prompt_len, *, adapter: bool) -> torch.Tensor:
+        """(N, C) log-probs of ``targets`` without grad, micro-batched; adapter off = reference policy."""
+        out = []
+        for sl in self._micro_slices(input_ids.shape[0]):
+            if adapter:
+                hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len)
+            else:
+                with self.model.disable_adapter():
+                    hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len)
+            out.append(
+                chunked_entropy_logprobs(hidden, self.lm_head, targets[sl], self.cfg.logprob_chunk, self._backend())[1]
+            )
+        return torch.cat(out)
+
+    def _backend(self) -> str:
+        return "triton" if self.cfg.kernel == "triton" else ("torch" if self.cfg.kernel == "torch" else "auto")
+
+    def _micro_slices(self, n: int) -> list[slice]:
+        size = math.ceil(n / self.cfg.micro_batches)
+        return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        """Run one optimizer step (``self.step`` -> ``self.step + 1``) and return its log row."""
+        cfg, g = self.cfg, self.cfg.group_size
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        rows = self.batch_rows(self.step)
+        prompts = [build_prompt(self.tokenizer, r["question"], cfg.system_prompt) for r in rows]
+        answers = [str(r["answer"]) for r in rows for _ in range(g)]
+        rollout = self.backend.generate(
+            prompts, g, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p
+        )
+        t_gen = time.perf_counter()
+
+        total, per_fn = combined_rewards(rollout.texts, answers, cfg.rewards)
+        if "correctness" not in per_fn:
+            per_fn["correctness"] = REWARDS["correctness"](rollout.texts, answers)
+        rewards = torch.tensor(total, dtype=torch.float32)  # (N,)
+        advantages = group_advantages(rewards, g, cfg.advantage_scale).to(self.device)  # (N,)
+
+        input_ids = rollout.input_ids.to(self.device)  # (N, P + C)
+        attn = rollout.attention_mask.to(self.device)  # (N, P + C)
+        targets = rollout.completion_ids.to(self.device)  # (N, C)
+        mask = rollout.completion_mask.to(self.device)  # (N, C)
+        prompt_len = rollout.prompt_ids.shape[1]
+        normalizer = loss_normalizer(mask, cfg.loss_type, cfg.max_new_tokens)
+
+        ref_logp = self._logprobs_no_grad(input_ids, attn, targets, prompt_len, adapter=False) if cfg.beta else None
+        old_logp = self._logprobs_no_grad(input_ids, attn, targets, prompt_len, adapter=True) if cfg.mu > 1 else None
+        t_ref = time.perf_counter()
+
+        self.model.train()
+        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "entropy": 0.0, "kept": 0.0}
+        grad_norm = 0.0
+        for _ in range(cfg.mu):
+            for sl in self._micro_slices(input_ids.shape[0]):
+                m = mask[sl]
+                hidden = completion_hidden(self.body, input_ids[sl], attn[sl], prompt_len)  # (n, C, H)
+                entropy, logp_all = chunked_entropy_logprobs(
+                    hidden.detach(), self.lm_head, targets[sl], cfg.logprob_chunk, self._backend()
+                )  # (n, C) each, no grad
+                keep = high_entropy_mask(entropy, m, cfg.entropy_top_quantile)  # (n, C) bool
+                kept_logp = selected_logprobs(hidden[keep], self.lm_head, targets[sl][keep])  # (K,)
+                logp = logp_all.masked_scatter(keep, kept_logp)  # (n, C), grad only where kept
+                old = old_logp[sl] if old_logp is not None else logp.detach()
+                loss, stats = grpo_loss(
+                    logp,
+                    old,
+                    ref_logp[sl] if ref_logp is not None else None,
+                    advantages[sl],
+                    m,
+                    epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    beta=cfg.beta,
+                    loss_type=cfg.loss_type,
+                    normalizer=normalizer,
+                    max_length=cfg.max_new_tokens,
+                )
+                if loss.requires_grad:
+                    loss.backward()
+                n_tok = float(m.sum())
+                sums["loss"] += float(loss) / cfg.mu
+                for key in ("kl", "clip_frac", "ratio"):
+                    sums[key] += stats[key] * n_tok / cfg.mu
+                sums["entropy"] += float((entropy * m).sum()) / cfg.mu
+                sums["kept"] += float(keep.sum()) / cfg.mu
+                del hidden, logp, loss
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        t_end = time.perf_counter()
+
+        self.step += 1
+        n_valid = max(1.0, float(mask.sum()))
+        grouped = rewards.view(-1, g)
+        row = {
+            "step": self.step,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "accuracy": float(np.mean(per_fn["correctness"])),
+            **{f"reward_{k}_mean": float(np.mean(v)) for k, v in per_fn.items()},
+            **{f"reward_{k}_std": float(np.std(v)) for k, v in per_fn.items()},
+            "loss": sums["loss"],
+            "kl": sums["kl"] / n_valid,
+            "clip_frac": sums["clip_frac"] / n_valid,
+            "ratio": sums["ratio"] / n_valid,
+            "entropy_mean": sums["entropy"] / n_valid,
+            "kept_frac": sums["kept"] / n_valid,
+            "completion_len": float(mask.sum(1).float().mean()),
+            "zero_std_frac": float((grouped.std(dim=1) == 0).float().mean()),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "time_generate_s": t_gen - t0,
+            "time_logprob_s": t_ref - t_gen,
+            "time_update_s": t_end - t_ref,
+            "step_time_s": t_end - t0,
+            "peak_mem_mb": peak_memory_mb(self.device),
+        }
+        return row
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_XXXXXX`` atomically; keep the two newest."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        final = self.ckpt_dir / f"step_{self.step:06d}"
+        tmp = self.ckpt_dir / f".tmp_step_{self.step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        adapter = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+        save_file(adapter, tmp / "adapter.safetensors")
+        torch.save(
+            {
+                "step": self.step,
+                "data_position": self.step * self.cfg.prompts_per_step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(),
+            },
+            tmp / "state.pt",
+        )
+        tmp.rename(final)
+        for old in sorted(self.ckpt_dir.glob("step_*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(p for p in self.ckpt_dir.glob("step_*") if (p / "state.pt").exists())
+        return found[-1] if found else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(self.model, load_file(path / "adapter.safetensors", device=str(self.device)))
+        state = torch.load(path / "state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.step = state["step"]
+        if state["data_position"] != self.step * self.cfg.prompts_per_step:
+            raise RuntimeError(f"{path}: data position does not match prompts_per_step; delete {self.ckpt_dir}")
+
+    def _restore_history(self) -> None:
+        """Per-step log rows up to ``self.step``; later rows (after the checkpoint) are dropped."""
+        self.history = []
+        if self.log_path.exists():
+            for line in self.log_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if row["step"] <= self.step:
+                        self.history.append(row)
+        self.log_path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+
+    # ------------------------------------------------------------------ loop
+    def train(self, progress: bool = True) -> list[dict]:
+        """Train to ``cfg.steps`` steps, resuming from the newest checkpoint; return all step rows."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        ckpt = self.latest_checkpoint()
+        if ckpt is not None:
+            self.load_checkpoint(ckpt)
+            log.info("resumed from %s (step %d)", ckpt, self.step)
+        else:
+            self.step = 0
+        self._restore_history()
+        for cb in self.callbacks:
+            for row in self.history:
+                cb(row)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step")
+        with open(self.log_path, "a") as fh:
+            while self.step < self.cfg.steps:
+                row = self.train_step()
+                self.history.append(row)
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                for cb in self.callbacks:
+                    cb(row)
+                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+        if bar is not None:
+            bar.close()
+        return self.history

@@ -1,0 +1,1 @@
+"""One module per DVC stage: ``python -m tasks.<stage> [--params params.yaml]``."""

@@ -1,0 +1,120 @@
+"""Stage ``train``: GRPO on the (curriculum-ordered) training set; writes the adapter and metrics.
+
+Outputs: ``models/adapter/`` (PEFT format), ``metrics/train.json`` (summary),
+``metrics/train/`` (dvclive per-step metrics for ``dvc plots``), ``outputs/train/`` (checkpoints
+and the per-step log; persistent, so a restarted stage resumes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from grpo.config import Params
+from grpo.data import read_jsonl
+from grpo.models import load_policy, load_tokenizer
+from grpo.trainer import GRPOTrainer
+
+from tasks._common import run_stage
+
+log = logging.getLogger(__name__)
+
+SUMMARY_KEYS = ("reward_mean", "accuracy", "loss", "kl", "entropy_mean", "kept_frac", "step_time_s", "peak_mem_mb")
+
+
+def _dvclive_callback(metrics_dir: Path):
+    from dvclive import Live
+
+    live = Live(dir=str(metrics_dir / "train"), dvcyaml=None, save_dvc_exp=False, report=None)
+
+    def cb(row: dict) -> None:
+        live.step = row["step"]
+        for key, value in row.items():
+            if key != "step":
+                live.log_metric(key, value, plot=True)
+        live.next_step()
+
+    return cb, live
+
+
+def _wandb_callback(params: Params):
+    cfg = params.train
+    mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
+    if mode == "disabled":
+        return None, None
+    import wandb
+
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    id_file = Path(cfg.output_dir) / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    id_file.write_text(run_id)
+    run = wandb.init(
+        project=cfg.wandb_project,
+        mode=mode,
+        id=run_id,
+        resume="allow",
+        dir=cfg.output_dir,
+        config=dataclasses.asdict(params),
+    )
+
+    def cb(row: dict) -> None:
+        run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    return cb, run
+
+
+def train(params: Params) -> None:
+    cfg = params.train
+    problems = read_jsonl(cfg.data_path)
+    if not Path(params.model.path, "config.json").exists():
+        raise FileNotFoundError(f"model.path: {params.model.path} has no config.json; run prepare_model first")
+    adapter_dir, summary_path = Path(cfg.adapter_dir), Path(cfg.metrics_dir) / "train.json"
+    shutil.rmtree(adapter_dir, ignore_errors=True)  # never leave a stale adapter that looks complete
+    summary_path.unlink(missing_ok=True)
+
+    torch.manual_seed(cfg.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = load_tokenizer(params.model.path)
+    model = load_policy(params.model, params.lora, device)
+    callbacks, closers = [], []
+    for make in (lambda: _dvclive_callback(Path(cfg.metrics_dir)), lambda: _wandb_callback(params)):
+        cb, handle = make()
+        if cb is not None:
+            callbacks.append(cb)
+            closers.append(handle)
+    trainer = GRPOTrainer(model, tokenizer, cfg, problems, callbacks=callbacks)
+    history = trainer.train(progress=True)
+
+    tmp = adapter_dir.with_name(adapter_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(adapter_dir)
+
+    first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
+    summary = {
+        "steps": len(history),
+        **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
+        "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
+        "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
+        "total_time_s": sum(r["step_time_s"] for r in history),
+    }
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    for handle in closers:
+        handle.end() if hasattr(handle, "end") else handle.finish()
+    log.info("adapter written to %s; summary %s", adapter_dir, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_stage("train", train, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,8 @@ def prepare_data(params: Params) -> None:
         operators=tuple(cfg.operators),
     )
     train = generate_arithmetic(cfg.train_size, cfg.seed, prefix="train", **kw)
-    test = generate_arithmetic(cfg.test_size, cfg.seed + 1, prefix="test", **kw)
+    # reasoning-gym seeds item i with seed + i: offset the test seed past the train range
+    test = generate_arithmetic(cfg.test_size, cfg.seed + 1_000_000, prefix="test", **kw)
     seen = {r["question"] for r in train}
     kept = [r for r in test if r["question"] not in seen]
     log.info("train %d, test %d (%d dropped: question also in train)", len(train), len(kept), len(test) - len(kept))

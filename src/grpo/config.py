@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 
@@ -26,7 +27,7 @@ class DataConfig:
     out_dir: str = "data/raw"
     """Where ``train.jsonl`` and ``test.jsonl`` are written."""
     seed: int = 0
-    """Generator seed (the test split uses ``seed + 1``)."""
+    """Generator seed (the test split uses ``seed + 1_000_000``: reasoning-gym seeds item i with seed + i)."""
     train_size: int = 256
     """Training problems."""
     test_size: int = 200
@@ -59,12 +60,22 @@ class ModelConfig:
     path: str = "models/base"
     """Where prepare_model writes the Hugging Face directory that later stages load."""
     quantization: str = "nf4"
-    """``nf4``: bitsandbytes 4-bit NF4, double quantisation, bf16 compute. ``bf16``: no quantisation."""
+    """``nf4``: bitsandbytes 4-bit NF4 with double quantisation; ``none``: weights in ``dtype``."""
+    dtype: str = "auto"
+    """Compute dtype: ``bfloat16``, ``float32``, or ``auto`` (bf16 on CUDA, fp32 on CPUs, where
+    bf16 matmuls without AVX512-BF16 run ~5x slower than fp32)."""
     gradient_checkpointing: bool = True
     """Recompute decoder-layer activations in backward instead of storing them."""
 
     def validate(self) -> None:
-        _choice("model.quantization", self.quantization, ("nf4", "bf16"))
+        _choice("model.quantization", self.quantization, ("nf4", "none"))
+        _choice("model.dtype", self.dtype, ("auto", "bfloat16", "float32"))
+
+    def torch_dtype(self, device: str | torch.device) -> torch.dtype:
+        """The compute dtype on ``device``."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
 
 
 @dataclass

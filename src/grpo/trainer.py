@@ -210,7 +210,7 @@ class GRPOTrainer:
                 if loss.requires_grad:
                     loss.backward()
                 n_tok = float(m.sum())
-                sums["loss"] += float(loss) / cfg.mu
+                sums["loss"] += loss.item() / cfg.mu
                 for key in ("kl", "clip_frac", "ratio"):
                     sums[key] += stats[key] * n_tok / cfg.mu
                 sums["entropy"] += float((entropy * m).sum()) / cfg.mu

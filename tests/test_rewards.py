@@ -1,0 +1,127 @@
+"""Rewards and answer extraction on real-looking completions, right, wrong and malformed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from grpo.rewards import REWARDS, combined_rewards, correctness, extract_answer, format_soft, format_strict
+
+# (completion, expected extract_answer)
+EXTRACTION_CASES = [
+    ("Janet has 16 eggs, eats 3 and bakes 4, so 16 - 3 - 4 = 9 eggs left.\n#### 9", "9"),
+    ("The total is 1,000 dollars.\n#### 1,000", "1000"),
+    ("#### 1,234,567", "1234567"),
+    ("So the final answer is \\boxed{18}.", "18"),
+    ("The answer is $18.00.", "18"),
+    ("The answer is: 42", "42"),
+    ("answer = 7", "7"),
+    ("He loses 5 points, ending at -3.\n#### -3", "-3"),
+    ("The temperature drops to −4 degrees. #### −4", "-4"),
+    ("Each gets 1/2 of the pie.\n#### 1/2", "0.5"),
+    ("Each gets \\frac{1}{3} of the cake, so \\boxed{\\frac{1}{3}}", "1/3"),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75"),
+    ("She pays $12.50 in total.\n#### $12.50", "12.5"),
+    ("The answer is 0.25", "0.25"),
+    ("First I guessed 10 but that is wrong. The answer is 12.", "12"),
+    ("#### 5\nWait, let me recheck.\n#### 6", "6"),
+    ("\\boxed{3} ... actually \\boxed{4}", "4"),
+    ("The answer is 8. #### 9", "9"),  # the marked #### answer wins over 'answer is'
+    ("I think 3 + 4 = 7", "7"),  # no marker: the last number
+    ("3 apples plus 4 apples make 7 apples in total.", "7"),
+    ("There are 2,500 people and 300 leave, so 2,200 remain.", "2200"),
+    ("The result is 12.", "12"),
+    ("2 + 3 = 5.", "5"),
+    ("Total: 100%", "100"),
+    ("#### 007", "7"),
+    ("#### 3.000", "3"),
+    ("#### 2.50", "2.5"),
+    ("x = 10/4", "2.5"),
+    ("The ratio is 2/3", "2/3"),
+    ("#### 1/0", None),  # division by zero is no answer; there is no other number
+    ("I don't know.", None),
+    ("", None),
+    ("####", None),
+    ("#### banana", None),
+    ("The answer is \\boxed{}", None),
+    ("9**9**9**9", "9"),  # never evaluated
+    ("__import__('os').system('rm -rf /')", None),
+    ("The answer is " + "9" * 100, None),  # absurdly long numbers are not answers
+    ("step2: we add, so answer3 is not a number but 4 is", "4"),
+    ("Version 1.2.3 says 5", "5"),
+    ("#### -0", "0"),
+    ("Answer is -$5", "-5"),
+]
+
+
+@pytest.mark.parametrize(("completion", "expected"), EXTRACTION_CASES)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+def test_at_least_forty_cases():
+    assert len(EXTRACTION_CASES) >= 40
+
+
+CORRECTNESS_CASES = [
+    ("Janet sells 9 eggs at $2 each: 9 * 2 = 18.\n#### 18", "18", 1.0),
+    ("Janet sells 9 eggs at $2 each: 9 * 2 = 18.\n#### 16", "18", 0.0),
+    ("So she makes \\boxed{18} dollars.", "18", 1.0),
+    ("The answer is $18.00.", "18", 1.0),
+    ("#### 1000", "1,000", 1.0),
+    ("#### 0.5", "1/2", 1.0),
+    ("#### 18 apples, wait no, 17", "17", 0.0),  # the first number after the marker counts
+    ("The answer is 17.", "-17", 0.0),
+    ("I cannot solve this.", "5", 0.0),
+    ("", "5", 0.0),
+    ("5" * 10_000, "5", 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "answer", "expected"), CORRECTNESS_CASES)
+def test_correctness(completion, answer, expected):
+    assert correctness([completion], [answer]) == [expected]
+
+
+def test_format_rewards():
+    completions = [
+        "3 + 4 = 7\n#### 7",  # strict and soft
+        "3 + 4 = 7\n#### 7\n",  # trailing newline is fine
+        "#### 7 and more text after",  # soft only: not the last line
+        "#### 6\n#### 7",  # soft only: two markers
+        "The answer is 7",  # soft only
+        "\\boxed{7}",  # soft only
+        "7",  # neither
+        "#### seven",  # neither: no number
+    ]
+    answers = ["7"] * len(completions)
+    assert format_strict(completions, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert format_soft(completions, answers) == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_registry_and_weights():
+    assert set(REWARDS) == {"correctness", "format_strict", "format_soft"}
+    completions = ["#### 7", "7", "#### 8"]
+    total, per_fn = combined_rewards(completions, ["7"] * 3, {"correctness": 1.0, "format_soft": 0.5})
+    assert per_fn["correctness"] == [1.0, 1.0, 0.0]
+    assert per_fn["format_soft"] == [1.0, 0.0, 1.0]
+    assert total == [1.5, 1.0, 0.5]
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "1 " * 500_000,  # 1 MB of numbers
+        "a" * 1_000_000,  # 1 MB without numbers
+        "\\boxed{" * 150_000,  # unbalanced braces
+        "#### " * 200_000,  # a marker storm
+        "9" * 1_000_000,  # one enormous number
+        "9**9**9**9" * 100_000,
+    ],
+)
+def test_hostile_completions_are_scored_in_bounded_time(hostile):
+    start = time.perf_counter()
+    for fn in REWARDS.values():
+        assert fn([hostile], ["9"])[0] in (0.0, 1.0)
+    assert time.perf_counter() - start < 10.0  # bounded (linear); typically well under a second

@@ -1,0 +1,178 @@
+"""The train stage end to end on a tiny random model: 4-bit + LoRA, adapter output, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.data import write_jsonl
+from grpo.models import ModelConfigError, load_policy, load_tokenizer
+from grpo.rollout import TransformersBackend, completion_mask_from_eos
+from grpo.trainer import GRPOTrainer
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_completion_mask_from_eos():
+    ids = torch.tensor([[5, 6, 9, 7, 9], [9, 1, 1, 1, 1], [1, 2, 3, 4, 5]])
+    assert completion_mask_from_eos(ids, {9}).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_policy_is_4bit_lora_and_reference_is_adapter_off(tiny_model_dir):
+    import bitsandbytes as bnb
+
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    base = model.get_base_model()
+    assert isinstance(base.model.layers[0].mlp.up_proj, bnb.nn.Linear4bit)
+    assert base.model.layers[0].mlp.up_proj.weight.quant_state.quant_type == "nf4"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # a non-zero adapter changes the output; disable_adapter gives the base model back
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)
+    ids = torch.randint(3, 90, (1, 12))
+    with torch.no_grad():
+        with_adapter = model(input_ids=ids).logits
+        with model.disable_adapter():
+            reference = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert not torch.allclose(with_adapter, reference)
+    torch.testing.assert_close(with_adapter, again)
+
+
+def test_unknown_lora_target_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ModelConfigError, match="lora.target_modules: .*c_attn"):
+        load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(target_modules=["q_proj", "c_attn"]))
+
+
+def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, tiny_problems, tmp_path):
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    cfg = TrainConfig(
+        output_dir=str(tmp_path), steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8,
+        checkpoint_every=0, rewards={"format_soft": 1.0}, mu=2, beta=0.05, micro_batches=2,
+    )
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = trainer.train(progress=False)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["kept_frac"] <= 0.3
+        assert r["completion_len"] > 0 and r["step_time_s"] > 0
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed  # AdamW moved the LoRA weights (lr warm-up starts above zero)
+
+
+def test_generation_backend_shapes(tiny_model_dir):
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    roll = TransformersBackend(model, tok).generate(["Hi", "What is 1 + 2?"], 3, max_new_tokens=6)
+    assert roll.prompt_ids.shape[0] == roll.completion_ids.shape[0] == 6
+    assert roll.prompt_mask[0].tolist()[0] == 0  # left padding on the shorter prompt
+    assert roll.completion_ids.shape[1] <= 6 and len(roll.texts) == 6
+    assert torch.equal(roll.prompt_ids[0], roll.prompt_ids[2])  # completions of a prompt are contiguous
+
+
+def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> Path:
+    data = tmp / "train.jsonl"
+    write_jsonl(data, problems)
+    params = {
+        "model": {"path": str(model_dir), "quantization": "nf4"},
+        "lora": LORA,
+        "train": {
+            "data_path": str(data),
+            "output_dir": str(tmp / "out"),
+            "adapter_dir": str(tmp / "adapter"),
+            "metrics_dir": str(tmp / "metrics"),
+            "steps": 8,
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "max_new_tokens": 12,
+            "checkpoint_every": 2,
+            "rewards": {"correctness": 1.0, "format_soft": 0.5},
+            "wandb_mode": "disabled",
+            **train,
+        },
+    }
+    path = tmp / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _train(params: Path, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tasks.train", "--params", str(params)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
+    )
+
+
+def _steps(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "out" / "steps.jsonl").read_text().splitlines()]
+
+
+DETERMINISTIC = ("step", "reward_mean", "accuracy", "reward_format_soft_mean", "loss", "entropy_mean", "kept_frac",
+                 "completion_len", "grad_norm", "lr")
+
+
+def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tmp_path):
+    """kill -9 after the second checkpoint; the restart continues from it and matches an
+    uninterrupted run step for step."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
+    full_dir.mkdir()
+    crash_dir.mkdir()
+    proc = _train(_write_params(full_dir, tiny_model_dir, tiny_problems))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    uninterrupted = _steps(full_dir)
+    assert [r["step"] for r in uninterrupted] == list(range(1, 9))
+
+    # outputs of a complete run: a PEFT adapter that PeftModel loads, and the summary metrics
+    adapter = full_dir / "adapter"
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    PeftModel.from_pretrained(base, adapter)
+    summary = json.loads((full_dir / "metrics" / "train.json").read_text())
+    assert summary["steps"] == 8
+    assert (full_dir / "metrics" / "train" / "metrics.json").exists()  # dvclive
+
+    crash_params = _write_params(crash_dir, tiny_model_dir, tiny_problems)
+    proc = _train(crash_params)
+    second = crash_dir / "out" / "checkpoints" / "step_000004"
+    deadline = time.time() + 300
+    while not second.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert second.exists(), "second checkpoint never appeared"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (crash_dir / "adapter").exists() and not (crash_dir / "metrics" / "train.json").exists()
+    resumed_from = max(int(p.name.split("_")[1]) for p in (crash_dir / "out" / "checkpoints").glob("step_*"))
+
+    proc = _train(crash_params)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert f"resumed from" in out and f"step {resumed_from})" in out
+    resumed = _steps(crash_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))  # none repeated, none skipped
+    for a, b in zip(uninterrupted, resumed):
+        assert {k: a[k] for k in DETERMINISTIC} == pytest.approx({k: b[k] for k in DETERMINISTIC}, rel=1e-5, abs=1e-6)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from grpo.config import Params
 from grpo.data import generate_arithmetic, write_jsonl
-
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

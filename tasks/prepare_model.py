@@ -8,7 +8,6 @@ from pathlib import Path
 
 from grpo.config import Params
 from grpo.models import resolve_base_model
-
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

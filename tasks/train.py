@@ -20,7 +20,6 @@ from grpo.config import Params
 from grpo.data import read_jsonl
 from grpo.models import load_policy, load_tokenizer
 from grpo.trainer import GRPOTrainer
-
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

@@ -171,7 +171,7 @@ def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tm
     proc = _train(crash_params)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
-    assert f"resumed from" in out and f"step {resumed_from})" in out
+    assert "resumed from" in out and f"step {resumed_from})" in out
     resumed = _steps(crash_dir)
     assert [r["step"] for r in resumed] == list(range(1, 9))  # none repeated, none skipped
     for a, b in zip(uninterrupted, resumed):

@@ -148,6 +148,41 @@ class GRPOTrainer:
         size = math.ceil(n / self.cfg.micro_batches)
         return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
+    # ------------------------------------------------------------------ one micro-batch
+    def policy_loss_backward(
+        self, input_ids, attn, targets, mask, prompt_len, advantages, old_logp, ref_logp, normalizer
+    ) -> tuple[float, dict, torch.Tensor, torch.Tensor]:
+        """Forward with grad, entropy mask, GRPO loss and backward for one micro-batch.
+
+        input_ids, attn: (n, P + C); targets, mask: (n, C); advantages: (n,); old_logp / ref_logp:
+        (n, C) or None (``None`` old_logp means on-policy: the detached current log-probs).
+        Returns the loss value, its stats, the token entropies (n, C) and the kept mask (n, C).
+        """
+        cfg = self.cfg
+        hidden = completion_hidden(self.body, input_ids, attn, prompt_len)  # (n, C, H)
+        entropy, logp_all = chunked_entropy_logprobs(
+            hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, self._backend()
+        )  # (n, C) each, no grad
+        keep = high_entropy_mask(entropy, mask, cfg.entropy_top_quantile)  # (n, C) bool
+        kept_logp = selected_logprobs(hidden[keep], self.lm_head, targets[keep])  # (K,)
+        logp = logp_all.masked_scatter(keep, kept_logp)  # (n, C), grad only where kept
+        loss, stats = grpo_loss(
+            logp,
+            old_logp if old_logp is not None else logp.detach(),
+            ref_logp,
+            advantages,
+            mask,
+            epsilon=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            normalizer=normalizer,
+            max_length=cfg.max_new_tokens,
+        )
+        if loss.requires_grad:
+            loss.backward()
+        return loss.item(), stats, entropy, keep
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         """Run one optimizer step (``self.step`` -> ``self.step + 1``) and return its log row."""
@@ -185,37 +220,24 @@ class GRPOTrainer:
         grad_norm = 0.0
         for _ in range(cfg.mu):
             for sl in self._micro_slices(input_ids.shape[0]):
-                m = mask[sl]
-                hidden = completion_hidden(self.body, input_ids[sl], attn[sl], prompt_len)  # (n, C, H)
-                entropy, logp_all = chunked_entropy_logprobs(
-                    hidden.detach(), self.lm_head, targets[sl], cfg.logprob_chunk, self._backend()
-                )  # (n, C) each, no grad
-                keep = high_entropy_mask(entropy, m, cfg.entropy_top_quantile)  # (n, C) bool
-                kept_logp = selected_logprobs(hidden[keep], self.lm_head, targets[sl][keep])  # (K,)
-                logp = logp_all.masked_scatter(keep, kept_logp)  # (n, C), grad only where kept
-                old = old_logp[sl] if old_logp is not None else logp.detach()
-                loss, stats = grpo_loss(
-                    logp,
-                    old,
-                    ref_logp[sl] if ref_logp is not None else None,
+                loss, stats, entropy, keep = self.policy_loss_backward(
+                    input_ids[sl],
+                    attn[sl],
+                    targets[sl],
+                    mask[sl],
+                    prompt_len,
                     advantages[sl],
-                    m,
-                    epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high,
-                    beta=cfg.beta,
-                    loss_type=cfg.loss_type,
-                    normalizer=normalizer,
-                    max_length=cfg.max_new_tokens,
+                    old_logp[sl] if old_logp is not None else None,
+                    ref_logp[sl] if ref_logp is not None else None,
+                    normalizer,
                 )
-                if loss.requires_grad:
-                    loss.backward()
+                m = mask[sl]
                 n_tok = float(m.sum())
-                sums["loss"] += loss.item() / cfg.mu
+                sums["loss"] += loss / cfg.mu
                 for key in ("kl", "clip_frac", "ratio"):
                     sums[key] += stats[key] * n_tok / cfg.mu
                 sums["entropy"] += float((entropy * m).sum()) / cfg.mu
                 sums["kept"] += float(keep.sum()) / cfg.mu
-                del hidden, logp, loss
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

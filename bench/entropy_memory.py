@@ -1,0 +1,129 @@
+"""Peak memory of one GRPO training forward+backward, with and without the entropy mask.
+
+Runs the trainer's own micro-batch path (``GRPOTrainer.policy_loss_backward``) on the base model
+at ``models/base`` (4-bit NF4 + LoRA) with N completions of T tokens, once per mask setting,
+each in a fresh process so that one measurement cannot inherit the other's high-water mark.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the forward+backward; on the CPU the
+peak resident-set growth over the same span (a sampler thread reads /proc/self/statm every
+2 ms; glibc returns large freed blocks to the OS, so RSS follows live tensor memory).
+
+    python bench/entropy_memory.py                      # SmolLM2, 16 x 256, mask 0.2 vs none
+    python bench/entropy_memory.py --completions 4 --tokens 32 --model <dir>   # toy size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * PAGE
+
+
+class RssPeak:
+    """Context manager: peak RSS growth (bytes) while the block runs."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.growth = self.peak - self.base
+
+
+def measure(model_dir: str, quantile: float, completions: int, tokens: int, prompt_tokens: int) -> dict:
+    import torch
+
+    from grpo.config import LoraConfig, ModelConfig, TrainConfig
+    from grpo.loss import group_advantages, loss_normalizer
+    from grpo.models import load_policy, load_tokenizer
+    from grpo.trainer import GRPOTrainer
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = load_tokenizer(model_dir)
+    model = load_policy(ModelConfig(path=model_dir), LoraConfig(), device)
+    cfg = TrainConfig(group_size=completions, entropy_top_quantile=quantile, max_new_tokens=tokens)
+    trainer = GRPOTrainer(model, tok, cfg, problems=[{"question": "", "answer": "0"}])
+    vocab = model.get_base_model().config.vocab_size
+    ids = torch.randint(100, min(vocab, 30000), (completions, prompt_tokens + tokens), device=device)
+    attn = torch.ones_like(ids)
+    targets, mask = ids[:, prompt_tokens:], torch.ones(completions, tokens, dtype=torch.long, device=device)
+    adv = group_advantages(torch.arange(completions, dtype=torch.float32), completions).to(device)
+    norm = loss_normalizer(mask, cfg.loss_type)
+    model.train()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with RssPeak() as rss:
+        _, _, _, keep = trainer.policy_loss_backward(ids, attn, targets, mask, prompt_tokens, adv, None, None, norm)
+    seconds = time.perf_counter() - t0
+    out = {
+        "quantile": quantile,
+        "kept_frac": float(keep.float().mean()),
+        "seconds": seconds,
+        "rss_growth_mb": rss.growth / 2**20,
+        "device": device,
+    }
+    if device == "cuda":
+        out["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["cuda_peak_growth_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    out["peak_mb"] = out.get("cuda_peak_growth_mb", out["rss_growth_mb"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/base", help="base model directory (prepare_model's output)")
+    ap.add_argument("--completions", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=256, help="completion tokens per sequence")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--quantiles", default="0.2,1.0", help="entropy_top_quantile values; 1.0 = no mask")
+    ap.add_argument("--worker", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        print(json.dumps(measure(args.model, args.worker, args.completions, args.tokens, args.prompt_tokens)))
+        return
+    results = []
+    for q in (float(x) for x in args.quantiles.split(",")):
+        cmd = [sys.executable, __file__, "--worker", str(q), "--model", args.model, "--completions",
+               str(args.completions), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            sys.exit(f"worker for quantile {q} failed:\n{proc.stderr[-3000:]}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"model {args.model}: {args.completions} completions x {args.tokens} tokens (+{args.prompt_tokens} prompt)")
+    print(f"{'mask':>10} {'kept':>6} {'peak MB':>9} {'seconds':>8}")
+    for r in results:
+        label = "none" if r["quantile"] >= 1 else f"top {r['quantile']:.0%}"
+        print(f"{label:>10} {r['kept_frac']:6.2f} {r['peak_mb']:9.1f} {r['seconds']:8.2f}")
+    if len(results) == 2:
+        print(f"masked / unmasked peak: {results[0]['peak_mb'] / results[1]['peak_mb']:.2f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

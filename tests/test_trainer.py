@@ -176,3 +176,24 @@ def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tm
     assert [r["step"] for r in resumed] == list(range(1, 9))  # none repeated, none skipped
     for a, b in zip(uninterrupted, resumed):
         assert {k: a[k] for k in DETERMINISTIC} == pytest.approx({k: b[k] for k in DETERMINISTIC}, rel=1e-5, abs=1e-6)
+
+
+def test_dequantized_weights_are_exact_and_temporary(tiny_model_dir):
+    import bitsandbytes as bnb
+
+    from grpo.models import dequantized_weights
+
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)  # the adapter must still apply inside the block
+    ids = torch.randint(3, 90, (2, 10))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with dequantized_weights(model) as patched:
+            inside = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert patched == sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) > 0
+    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -6,16 +6,20 @@ A backend turns prompt texts into a ``Rollout``:
 
 Each prompt is sampled ``num_samples`` times; the completions of a prompt are contiguous in the
 result. ``TransformersBackend`` uses ``model.generate`` (left padding, sampling, stop at EOS) on
-the policy being trained, so its rollouts are always on-policy. A vLLM backend implements the
-same method.
+the policy being trained, so its rollouts are always on-policy; with ``dequantize=True`` the
+4-bit layers are dequantised once per call instead of once per token (the trainer turns this on
+for CPU runs, where it is ~15% faster and costs a temporary dense copy). A vLLM backend
+implements the same method.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
 
+from grpo.models import dequantized_weights
 from grpo.types import Rollout
 
 
@@ -38,8 +42,9 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: set[int]) ->
 class TransformersBackend:
     """Sampling with ``transformers`` ``generate`` on the (peft) policy itself."""
 
-    def __init__(self, model, tokenizer, max_prompt_tokens: int | None = None):
+    def __init__(self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool = False):
         self.model = model
+        self.dequantize = dequantize
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         eos = tokenizer.eos_token_id
@@ -70,19 +75,21 @@ class TransformersBackend:
         prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, dim=0).to(device)  # (N, P)
         was_training = self.model.training
         self.model.eval()
+        dense = dequantized_weights(self.model) if self.dequantize else contextlib.nullcontext()
         try:
-            out = self.model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=0,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=sorted(self.eos_ids),
-                pad_token_id=tok.pad_token_id,
-                use_cache=True,
-            )
+            with dense:
+                out = self.model.generate(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    do_sample=True,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=0,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=sorted(self.eos_ids),
+                    pad_token_id=tok.pad_token_id,
+                    use_cache=True,
+                )
         finally:
             self.model.train(was_training)
         completion_ids = out[:, prompt_ids.shape[1]:]  # (N, C)

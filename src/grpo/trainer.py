@@ -106,9 +106,9 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.problems = problems
-        self.backend = backend or TransformersBackend(model, tokenizer)
-        self.callbacks = callbacks or []
         self.device = next(model.parameters()).device
+        self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
+        self.callbacks = callbacks or []
         self.body, self.lm_head = lm_parts(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)

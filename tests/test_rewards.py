@@ -52,6 +52,9 @@ EXTRACTION_CASES = [
     ("Version 1.2.3 says 5", "5"),
     ("#### -0", "0"),
     ("Answer is -$5", "-5"),
+    ("#### 3 + 2 = 5", "5"),  # a marked equation: its result
+    ("The answer is 2 + 7 = 9.", "9"),
+    ("\\boxed{4 \\times 3 = 12}", "12"),
 ]
 
 

@@ -9,7 +9,8 @@ bounded length, so a 1 MB completion or ``9**9**9**9`` is scored in bounded time
 
 Answer extraction (``extract_answer``) picks, in order of precedence, the last
 ``#### N`` marker, the last ``\\boxed{N}``, the last "answer is N", and otherwise the last number
-in the text. The number is normalised: thousands separators, currency and unit signs dropped,
+in the text. After a marker it takes the first number, or the number after the last ``=`` when
+the marked text is an equation (``#### 3 + 2 = 5`` -> ``5``). The number is normalised: thousands separators, currency and unit signs dropped,
 ``18.00 -> 18``, ``-3``, ``1/2 -> 0.5``, ``\\frac{1}{3} -> 1/3`` (terminating decimals are written
 as decimals, other fractions as ``p/q`` in lowest terms).
 """
@@ -89,6 +90,13 @@ def _first_number(text: str) -> str | None:
     return None if value is None else format_number(value)
 
 
+def _marked_number(segment: str) -> str | None:
+    """The number a marker points at: after the last '=' when the marked text is an equation
+    (``#### 3 + 2 = 5`` -> 5), else the first number (``#### 18 apples`` -> 18)."""
+    _, eq, rhs = segment.rpartition("=")
+    return _first_number(rhs) if eq else _first_number(segment)
+
+
 def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
     last = None
     for m in pattern.finditer(text):
@@ -106,7 +114,7 @@ def extract_answer(text: str) -> str | None:
     for pattern in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE):
         m = _last_match(pattern, text)
         if m is not None:
-            found = _first_number(m.group(1))
+            found = _marked_number(m.group(1))
             if found is not None:
                 return found
     return _last_number(text)
@@ -139,7 +147,7 @@ def format_soft(completions: list[str], answers: list[str]) -> list[float]:
     out = []
     for c in completions:
         marked = any(
-            (m := _last_match(p, c)) is not None and _first_number(m.group(1)) is not None
+            (m := _last_match(p, c)) is not None and _marked_number(m.group(1)) is not None
             for p in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE)
         )
         out.append(1.0 if marked else 0.0)

@@ -19,7 +19,8 @@ With ``mu = 1`` the old policy is the current one, so old_logp is the detached c
 Checkpoints (every ``checkpoint_every`` steps) hold the adapter, optimizer, scheduler, RNG
 states, step and data position; they are written to a temporary directory and renamed, so a
 ``kill -9`` leaves either a complete checkpoint or none. ``GRPOTrainer.train`` resumes from the
-newest one and truncates the per-step log to it, so the resumed run repeats and skips nothing.
+newest one and truncates the per-step log (``steps.jsonl``) and the sampled completions
+(``samples.jsonl``) to it, so the resumed run repeats and skips nothing.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ class GRPOTrainer:
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
         self.log_path = self.out / "steps.jsonl"
+        self.samples_path = self.out / "samples.jsonl"
+        self.last_samples: list[dict] = []
         self.step = 0
         self.history: list[dict] = []
 
@@ -246,6 +249,11 @@ class GRPOTrainer:
         t_end = time.perf_counter()
 
         self.step += 1
+        self.last_samples = [
+            {"step": self.step, "question": rows[i // g]["question"], "answer": answers[i], "completion": text,
+             "reward": total[i]}
+            for i, text in enumerate(rollout.texts)
+        ]
         n_valid = max(1.0, float(mask.sum()))
         grouped = rewards.view(-1, g)
         row = {
@@ -327,6 +335,9 @@ class GRPOTrainer:
                     if row["step"] <= self.step:
                         self.history.append(row)
         self.log_path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        if self.samples_path.exists():
+            kept = [x for x in self.samples_path.read_text().splitlines() if x and json.loads(x)["step"] <= self.step]
+            self.samples_path.write_text("".join(x + "\n" for x in kept))
 
     # ------------------------------------------------------------------ loop
     def train(self, progress: bool = True) -> list[dict]:
@@ -353,6 +364,8 @@ class GRPOTrainer:
                 self.history.append(row)
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
+                with open(self.samples_path, "a") as sf:
+                    sf.writelines(json.dumps(x) + "\n" for x in self.last_samples)
                 for cb in self.callbacks:
                     cb(row)
                 if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:

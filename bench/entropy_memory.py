@@ -6,7 +6,8 @@ each in a fresh process so that one measurement cannot inherit the other's high-
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the forward+backward; on the CPU the
 peak resident-set growth over the same span (a sampler thread reads /proc/self/statm every
-2 ms; glibc returns large freed blocks to the OS, so RSS follows live tensor memory).
+2 ms; workers run with ``MALLOC_MMAP_THRESHOLD_=1MiB`` so that freed tensors go back to the OS
+and RSS follows live tensor memory).
 
     python bench/entropy_memory.py                      # SmolLM2, 16 x 256, mask 0.2 vs none
     python bench/entropy_memory.py --completions 4 --tokens 32 --model <dir>   # toy size
@@ -111,7 +112,10 @@ def main() -> None:
     for q in (float(x) for x in args.quantiles.split(",")):
         cmd = [sys.executable, __file__, "--worker", str(q), "--model", args.model, "--completions",
                str(args.completions), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        # blocks of 1 MB or more are mmap'd, so freeing them returns them to the OS at once and RSS
+        # follows live tensor memory instead of glibc's arena high-water mark
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if proc.returncode:
             sys.exit(f"worker for quantile {q} failed:\n{proc.stderr[-3000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -38,7 +38,8 @@ def entropy_logprob_torch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tens
     """Reference: logits (R, V) any float dtype, targets (R,) int -> entropy (R,), logp (R,) fp32."""
     x = logits.float()  # (R, V)
     lse = torch.logsumexp(x, dim=-1)  # (R,)
-    entropy = lse - (torch.softmax(x, dim=-1) * x).sum(-1)  # (R,)
+    probs = torch.exp(x - lse.unsqueeze(-1))  # (R, V), the only full-size temporary
+    entropy = lse - probs.mul_(x).sum(-1)  # (R,): lse - sum p x, product in place
     logp = x.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - lse  # (R,)
     return entropy, logp
 

@@ -140,12 +140,9 @@ class GRPOTrainer:
                 with self.model.disable_adapter():
                     hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len)
             out.append(
-                chunked_entropy_logprobs(hidden, self.lm_head, targets[sl], self.cfg.logprob_chunk, self._backend())[1]
+                chunked_entropy_logprobs(hidden, self.lm_head, targets[sl], self.cfg.logprob_chunk, self.cfg.kernel)[1]
             )
         return torch.cat(out)
-
-    def _backend(self) -> str:
-        return "triton" if self.cfg.kernel == "triton" else ("torch" if self.cfg.kernel == "torch" else "auto")
 
     def _micro_slices(self, n: int) -> list[slice]:
         size = math.ceil(n / self.cfg.micro_batches)
@@ -164,7 +161,7 @@ class GRPOTrainer:
         cfg = self.cfg
         hidden = completion_hidden(self.body, input_ids, attn, prompt_len)  # (n, C, H)
         entropy, logp_all = chunked_entropy_logprobs(
-            hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, self._backend()
+            hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, self.cfg.kernel
         )  # (n, C) each, no grad
         keep = high_entropy_mask(entropy, mask, cfg.entropy_top_quantile)  # (n, C) bool
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, targets[keep])  # (K,)

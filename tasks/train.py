@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def _wandb_callback(params: Params):
 
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     id_file = Path(cfg.output_dir) / "wandb_run_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id)
     run = wandb.init(
         project=cfg.wandb_project,

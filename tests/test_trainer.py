@@ -236,3 +236,14 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
     end = seq_logp()
     assert end[1] < start[1]  # the unrewarded completion is pushed down
     assert (end[0] - end[1]) - (start[0] - start[1]) > 0.2
+
+
+def test_stage_logs_to_wandb_offline(tiny_model_dir, tiny_problems, tmp_path):
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=1, checkpoint_every=0, wandb_mode="offline")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.train", "--params", str(params)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

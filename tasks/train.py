@@ -40,7 +40,7 @@ def _dvclive_callback(metrics_dir: Path):
                 live.log_metric(key, value, plot=True)
         live.next_step()
 
-    return cb, live
+    return cb, live.end
 
 
 def _wandb_callback(params: Params):
@@ -66,7 +66,7 @@ def _wandb_callback(params: Params):
     def cb(row: dict) -> None:
         run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    return cb, run
+    return cb, run.finish
 
 
 def train(params: Params) -> None:
@@ -82,12 +82,11 @@ def train(params: Params) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(params.model.path)
     model = load_policy(params.model, params.lora, device)
-    callbacks, closers = [], []
-    for make in (lambda: _dvclive_callback(Path(cfg.metrics_dir)), lambda: _wandb_callback(params)):
-        cb, handle = make()
+    callbacks, closers = [], []  # per-step loggers and their close functions
+    for cb, close in (_dvclive_callback(Path(cfg.metrics_dir)), _wandb_callback(params)):
         if cb is not None:
             callbacks.append(cb)
-            closers.append(handle)
+            closers.append(close)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, callbacks=callbacks)
     history = trainer.train(progress=True)
 
@@ -107,8 +106,8 @@ def train(params: Params) -> None:
     }
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    for handle in closers:
-        handle.end() if hasattr(handle, "end") else handle.finish()
+    for close in closers:
+        close()
     log.info("adapter written to %s; summary %s", adapter_dir, summary)
 
 

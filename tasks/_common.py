@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
+from pathlib import Path
 from collections.abc import Callable
 
 from grpo.config import Params, ParamsError, load_params
@@ -21,10 +24,23 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
+    t0 = time.perf_counter()
     try:
         params = load_params(args.params)
         body(params)
     except USER_ERRORS as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
+    record_time(name, time.perf_counter() - t0)
     return 0
+
+
+def record_time(stage: str, seconds: float, path: Path = Path("outputs/timings.json")) -> None:
+    """Remember the last wall time of each stage for the report (outside DVC's outputs on purpose:
+    a cached stage keeps the time of the run that produced its outputs)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    times = json.loads(path.read_text()) if path.exists() else {}
+    times[stage] = round(seconds, 1)
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(times, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,34 +1,29 @@
-"""Stage ``prepare_data``: write ``data/raw/{train,test}.jsonl`` from the configured source."""
+"""Stage ``prepare_data``: write ``data/raw/{train,test}.jsonl`` (and ``stats.json``) from ``data.source``."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from grpo.config import Params
-from grpo.data import generate_arithmetic, write_jsonl
+from grpo.data import prepare_splits, write_jsonl
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)
 
 
 def prepare_data(params: Params) -> None:
-    cfg = params.data
-    kw = dict(
-        min_terms=cfg.min_terms,
-        max_terms=cfg.max_terms,
-        min_digits=cfg.min_digits,
-        max_digits=cfg.max_digits,
-        operators=tuple(cfg.operators),
+    train, test, stats = prepare_splits(params.data)
+    log.info(
+        "%s: train %d, test %d (%d test rows dropped: question also in train; %d duplicate train rows; %d rejected)",
+        stats["source"], stats["train"], stats["test"], stats["test_dropped_shared_with_train"],
+        stats["train_duplicates_dropped"], stats["rejected_rows"],
     )
-    train = generate_arithmetic(cfg.train_size, cfg.seed, prefix="train", **kw)
-    # reasoning-gym seeds item i with seed + i: offset the test seed past the train range
-    test = generate_arithmetic(cfg.test_size, cfg.seed + 1_000_000, prefix="test", **kw)
-    seen = {r["question"] for r in train}
-    kept = [r for r in test if r["question"] not in seen]
-    log.info("train %d, test %d (%d dropped: question also in train)", len(train), len(kept), len(test) - len(kept))
-    write_jsonl(Path(cfg.out_dir) / "train.jsonl", train)
-    write_jsonl(Path(cfg.out_dir) / "test.jsonl", kept)
+    out = Path(params.data.out_dir)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "test.jsonl", test)
+    (out / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

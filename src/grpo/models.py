@@ -161,6 +161,65 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torc
     return attach_lora(model, lora_cfg, model_cfg.gradient_checkpointing)
 
 
+def load_base_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"):
+    """The base model unquantised in eval mode (generation fallback and evaluation). ``dtype``:
+    ``auto`` (bf16 on CUDA, fp32 on CPUs), ``bfloat16`` or ``float32``."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = ModelConfig(dtype=dtype).torch_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    return model.eval()
+
+
+def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: str | Path) -> dict:
+    """Write the policy as trained, as plain dense weights that any engine (vLLM) can load.
+
+    The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
+    ``nf4``); every 4-bit layer is replaced by a dense ``nn.Linear`` holding its dequantised weight,
+    and the LoRA adapter (if any) is merged into those weights with peft's ``merge_and_unload``.
+    The result computes the same function as the trained 4-bit + LoRA policy, so baseline and
+    final evaluation differ by the adapter only.
+    """
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = torch.float32
+    kwargs: dict = {"dtype": dtype}
+    if model_cfg.quantization == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": "cuda" if torch.cuda.is_available() else "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, bnb.nn.Linear4bit):
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                dense.weight.data = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state).float().cpu()
+                if child.bias is not None:
+                    dense.bias.data = child.bias.data.float().cpu()
+                setattr(parent, name, dense)
+    model = model.cpu()
+    model.hf_quantizer = None
+    model.is_loaded_in_4bit = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    how = "dense weights (NF4 dequantised)" if model_cfg.quantization == "nf4" else "dense weights"
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        if not (Path(adapter_dir) / "adapter_config.json").exists():
+            raise ModelConfigError(f"{adapter_dir}: no adapter_config.json (run the train stage first)")
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        how += " + LoRA merged"
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(model_cfg.path).save_pretrained(out_dir)
+    return {"weights": how, "path": str(out_dir)}
+
+
 def attach_lora(model, lora_cfg: LoraConfig, gradient_checkpointing: bool = True):
     """Freeze ``model``, wrap it with a peft LoRA adapter, optionally checkpoint activations."""
     from peft import LoraConfig as PeftLoraConfig

@@ -46,6 +46,7 @@ from grpo.loss import group_advantages, grpo_loss, loss_normalizer
 from grpo.models import lm_parts
 from grpo.rewards import REWARDS, combined_rewards
 from grpo.rollout import RolloutBackend, TransformersBackend
+from grpo.sent import batch_indices, curriculum_order, stage_of_step
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.problems = problems
+        self.stages = self._stages()
         self.device = next(model.parameters()).device
         self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
         self.callbacks = callbacks or []
@@ -133,10 +135,21 @@ class GRPOTrainer:
         self.history: list[dict] = []
 
     # ------------------------------------------------------------------ data
+    def _stages(self) -> list[list[int]]:
+        """Row indices per stage. ``curriculum``: the file (sorted easy -> hard) cut into
+        ``num_stages`` slices, each shuffled by the seed; ``shuffled``: one seeded permutation of
+        all rows; ``file``: file order."""
+        n, cfg = len(self.problems), self.cfg
+        if cfg.order == "curriculum":
+            return curriculum_order(n, min(cfg.num_stages, n), cfg.seed)
+        if cfg.order == "shuffled":
+            return curriculum_order(n, 1, cfg.seed)
+        return [list(range(n))]
+
     def batch_rows(self, step: int) -> list[dict]:
-        """Problems of 0-based ``step``: the next ``prompts_per_step`` in order, wrapping around."""
-        n, k = len(self.problems), self.cfg.prompts_per_step
-        return [self.problems[(step * k + i) % n] for i in range(k)]
+        """Problems of 0-based ``step`` (see ``grpo.sent.batch_indices``)."""
+        idx = batch_indices(self.stages, step, self.cfg.steps, self.cfg.prompts_per_step)
+        return [self.problems[i] for i in idx]
 
     # ------------------------------------------------------------------ log-prob passes
     @torch.no_grad()
@@ -265,6 +278,7 @@ class GRPOTrainer:
         grouped = rewards.view(-1, g)
         row = {
             "step": self.step,
+            "stage": stage_of_step(self.step, self.cfg.steps, len(self.stages)),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "accuracy": float(np.mean(per_fn["correctness"])),

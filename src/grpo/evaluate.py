@@ -1,0 +1,71 @@
+"""Greedy accuracy and format rate of a model (+ adapter) on a split.
+
+Baseline and final evaluation run the same code. The policy is first exported as dense
+weights (``grpo.models.export_dense``): the base loaded as training loads it (NF4 when
+``model.quantization`` is ``nf4``), dequantised, with the LoRA adapter merged for the final
+evaluation. That directory is then decoded greedily by vLLM when installed (transformers
+otherwise, logged), so the two evaluations differ by the adapter only.
+
+Metrics: ``accuracy`` (final answer equals the reference, ``grpo.rewards.correctness``),
+``format_rate`` (the completion ends with a strict ``#### N`` line), ``n``, and the 95% Wilson
+interval of the accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from grpo.data import build_prompt, read_jsonl
+from grpo.models import export_dense, load_tokenizer
+from grpo.rewards import correctness, extract_answer, format_strict
+from grpo.rollout import generate_in_batches, make_sampler
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% (z = 1.96) Wilson score interval of a binomial proportion k / n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def score(rows: list[dict], completions: list[str]) -> tuple[dict, list[dict]]:
+    """Metrics and per-problem records of greedy ``completions`` (one per row)."""
+    answers = [r["answer"] for r in rows]
+    correct = correctness(completions, answers)
+    formatted = format_strict(completions, answers)
+    k, n = int(sum(correct)), len(rows)
+    lo, hi = wilson_interval(k, n)
+    metrics = {"accuracy": k / n, "format_rate": sum(f > 0 for f in formatted) / n, "n": n,
+               "accuracy_ci95_low": lo, "accuracy_ci95_high": hi}
+    per_problem = [
+        {"id": r["id"], "question": r["question"], "answer": r["answer"], "completion": c,
+         "extracted": extract_answer(c), "correct": bool(ok), "formatted": f > 0}
+        for r, c, ok, f in zip(rows, completions, correct, formatted)
+    ]
+    return metrics, per_problem
+
+
+def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tuple[dict, list[dict]]:
+    """Export the policy (base, or base + ``adapter_dir``) to ``work_dir`` and score it greedily
+    on ``params.evaluate.test_path``."""
+    cfg = params.evaluate
+    t0 = time.perf_counter()
+    rows = read_jsonl(cfg.test_path)
+    export = export_dense(params.model, adapter_dir, Path(work_dir) / "weights")
+    tokenizer = load_tokenizer(export["path"])
+    prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
+    sampler, backend = make_sampler(cfg.backend, export["path"], tokenizer, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                    max_model_len=cfg.max_model_len)
+    completions = []
+    for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
+                                       max_new_tokens=cfg.max_new_tokens, temperature=0.0):
+        completions += roll.texts
+    metrics, per_problem = score(rows, completions)
+    metrics.update(backend=backend, weights=export["weights"], decoding="greedy", max_new_tokens=cfg.max_new_tokens,
+                   wall_s=round(time.perf_counter() - t0, 1))
+    return metrics, per_problem

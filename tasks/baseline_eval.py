@@ -1,0 +1,19 @@
+"""Stage ``baseline_eval``: greedy accuracy of the base model (as training loads it) on the test split."""
+
+from __future__ import annotations
+
+from grpo.config import Params
+from tasks._common import run_stage
+from tasks._eval_stage import run_eval
+
+
+def baseline_eval(params: Params) -> None:
+    run_eval(params, "baseline", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_stage("baseline_eval", baseline_eval, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

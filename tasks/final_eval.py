@@ -1,0 +1,19 @@
+"""Stage ``final_eval``: greedy accuracy of base + trained LoRA adapter (merged into dense weights) on the test split."""
+
+from __future__ import annotations
+
+from grpo.config import Params
+from tasks._common import run_stage
+from tasks._eval_stage import run_eval
+
+
+def final_eval(params: Params) -> None:
+    run_eval(params, "final", params.train.adapter_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_stage("final_eval", final_eval, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

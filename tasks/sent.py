@@ -1,0 +1,67 @@
+"""Stage ``sent``: sample M answers per training prompt (vLLM, or the transformers fallback),
+score each prompt by semantic entropy and write the training set sorted easy -> hard.
+
+Outputs: ``data/cache/train_sorted.jsonl`` and ``metrics/sent.json`` (backend, wall time, tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from grpo.config import Params
+from grpo.data import build_prompt, read_jsonl, write_jsonl
+from grpo.models import load_tokenizer
+from grpo.rollout import make_sampler
+from grpo.sent import score_rows
+from tasks._common import run_stage
+
+log = logging.getLogger(__name__)
+
+
+def sent(params: Params) -> dict:
+    cfg = params.sent
+    t0 = time.perf_counter()
+    rows = read_jsonl(cfg.data_path)
+    tokenizer = load_tokenizer(params.model.path)
+    prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
+    sampler, backend = make_sampler(
+        cfg.backend, params.model.path, tokenizer, seed=cfg.seed, dtype=cfg.dtype,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+    )
+    t_ready = time.perf_counter()
+    log.info("backend %s ready in %.1f s; sampling %d x %d answers", backend, t_ready - t0, len(rows), cfg.num_samples)
+    ranked, totals = score_rows(rows, prompts, sampler, cfg)
+    t_done = time.perf_counter()
+    write_jsonl(cfg.out_path, ranked)
+    entropies = [r["semantic_entropy"] for r in ranked]
+    summary = {
+        "backend": backend,
+        "rows": len(ranked),
+        "num_samples": cfg.num_samples,
+        "estimator": cfg.estimator,
+        **totals,
+        "setup_s": round(t_ready - t0, 2),
+        "generate_s": round(t_done - t_ready, 2),
+        "wall_s": round(t_done - t0, 2),
+        "tokens_per_s": round(totals["completion_tokens"] / max(t_done - t_ready, 1e-9), 1),
+        "entropy_mean": sum(entropies) / len(entropies),
+        "zero_entropy_frac": sum(e == 0 for e in entropies) / len(entropies),
+        "pass_rate_mean": sum(r["pass_rate"] for r in ranked) / len(ranked),
+    }
+    metrics = Path(params.train.metrics_dir) / "sent.json"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps(summary, indent=2) + "\n")
+    log.info("wrote %s: %s", cfg.out_path, json.dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_stage("sent", sent, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""Data sources: generators, the user's JSONL, the hub source offline, disjoint splits, determinism."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grpo.config import DataConfig, ParamsError
+from grpo.data import DataError, load_gsm8k, load_user_jsonl, prepare_splits, split_disjoint
+
+
+def test_gsm_symbolic_rows_have_solution_and_numeric_answer():
+    train, test, stats = prepare_splits(DataConfig(source="gsm_symbolic", train_size=6, test_size=4))
+    assert stats["train"] == 6 and len(test) == stats["test"]
+    for row in train + test:
+        assert set(row) == {"id", "question", "answer", "solution"}
+        assert row["solution"]
+        float(row["answer"].split("/")[0])
+
+
+def test_splits_share_no_question():
+    train = [{"question": q} for q in ["a", "b", "a", "c"]]
+    test = [{"question": q} for q in ["c", "d", "e"]]
+    tr, te, dropped = split_disjoint(train, test)
+    assert [r["question"] for r in tr] == ["a", "b", "c"]
+    assert [r["question"] for r in te] == ["d", "e"] and dropped == 1
+
+
+def test_user_jsonl_rejects_and_counts_bad_rows(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        json.dumps({"question": "What is 2+2?", "answer": "4"}),
+        json.dumps({"question": "Big?", "answer": "#### 1,000", "solution": "count"}),
+        json.dumps({"question": "No answer"}),
+        json.dumps({"question": "", "answer": "3"}),
+        json.dumps({"question": "Word answer", "answer": "seven"}),
+        "not json",
+        "",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    rows, rejected = load_user_jsonl(path)
+    assert [r["answer"] for r in rows] == ["4", "1000"] and rows[1]["solution"] == "count"
+    assert rejected == 4
+
+
+def test_user_jsonl_missing_or_empty_fails_naming_the_file(tmp_path):
+    with pytest.raises(DataError, match="nope.jsonl: file not found"):
+        load_user_jsonl(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"q": 1}) + "\n")
+    with pytest.raises(DataError, match="bad.jsonl: no valid rows"):
+        load_user_jsonl(bad)
+
+
+def test_jsonl_source_splits_by_seed(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    cfg = DataConfig(source="jsonl", path=str(path), train_size=100, test_size=5)
+    train, test, stats = prepare_splits(cfg)
+    assert len(test) == 5 and len(train) == 15 and stats["rejected_rows"] == 0
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    with pytest.raises(DataError, match="test_size"):
+        prepare_splits(DataConfig(source="jsonl", path=str(path), test_size=20))
+
+
+def test_jsonl_source_needs_a_path():
+    with pytest.raises(ParamsError, match="data.path"):
+        DataConfig(source="jsonl").validate()
+
+
+def test_gsm8k_offline_fails_with_one_clear_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError) as err:
+        load_gsm8k("train", 4)
+    msg = str(err.value)
+    assert "\n" not in msg and "openai/gsm8k" in msg and "gsm_symbolic, arithmetic or jsonl" in msg
+
+
+def test_prepare_data_stage_is_byte_identical_across_runs(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(f"data: {{source: arithmetic, train_size: 30, test_size: 20, max_digits: 2, out_dir: {tmp_path}/raw}}\n")
+    outputs = []
+    for _ in range(2):
+        subprocess.run([sys.executable, "-m", "tasks.prepare_data", "--params", str(params)], check=True)
+        outputs.append({n: (tmp_path / "raw" / n).read_bytes() for n in ("train.jsonl", "test.jsonl", "stats.json")})
+    assert outputs[0] == outputs[1]
+    stats = json.loads(outputs[0]["stats.json"])
+    assert stats["train"] == 30 and stats["test"] + stats["test_dropped_shared_with_train"] == 20
+
+
+def test_prepare_data_stage_reports_offline_gsm8k_as_one_line(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(f"data: {{source: gsm8k, out_dir: {tmp_path}/raw}}\n")
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tasks.prepare_data", "--params", str(params)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("prepare_data: error: data.source=gsm8k")
+    assert not (tmp_path / "raw" / "train.jsonl").exists()

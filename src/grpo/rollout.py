@@ -103,22 +103,33 @@ class TransformersBackend:
                     pad_token_id=tok.pad_token_id,
                     use_cache=True,
                     return_dict_in_generate=True,
-                    output_logits=self.return_logprobs,
                 )
         finally:
             self.model.train(was_training)
         completion_ids = out.sequences[:, prompt_ids.shape[1]:]  # (N, C)
         completion_mask = completion_mask_from_eos(completion_ids, self.eos_ids)  # (N, C)
-        logprobs = None
-        if self.return_logprobs:
-            # raw logits of each generated position: C tensors of (N, V); keep one (N,) column each
-            logprobs = torch.stack(
-                [torch.log_softmax(step.float(), dim=-1).gather(1, completion_ids[:, t:t + 1]).squeeze(1)
-                 for t, step in enumerate(out.logits)], dim=1,
-            ) * completion_mask  # (N, C)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
+        logprobs = self._teacher_forced_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask) \
+            if self.return_logprobs else None
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs)
+
+
+    @torch.no_grad()
+    def _teacher_forced_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, rows: int = 64):
+        """(N, C) log-probs of the sampled tokens under the raw model, from one forward pass over
+        prompt + completion, ``rows`` sequences at a time (no (N, C, V) logits are ever held)."""
+        from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
+        from grpo.models import lm_parts
+
+        body, head = lm_parts(self.model)
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + C)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P + C)
+        out = []
+        for lo in range(0, ids.shape[0], rows):
+            hidden = completion_hidden(body, ids[lo:lo + rows], mask[lo:lo + rows], prompt_ids.shape[1])  # (n, C, H)
+            out.append(chunked_entropy_logprobs(hidden, head, completion_ids[lo:lo + rows], backend="torch")[1])
+        return torch.cat(out) * completion_mask  # (N, C)
 
 
 def _cpu_engine_env() -> None:
@@ -143,7 +154,6 @@ class VLLMBackend:
     The engine spawns worker processes: build it under ``if __name__ == "__main__":``.
     """
 
-    schedules_itself = True  # continuous batching: give it every prompt at once
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.2, max_model_len: int = 1024, enforce_eager: bool = True,
@@ -229,11 +239,11 @@ def make_sampler(backend: str, model_path: str | Path, tokenizer, *, seed: int =
 
 def generate_in_batches(sampler, prompts: list[str], num_samples: int, *, batch_prompts: int, progress: bool = True,
                         desc: str = "generate", **sampling):
-    """Yield ``(first_prompt_index, Rollout)`` over ``prompts``. vLLM (``schedules_itself``) gets
-    every prompt in one call (continuous batching, its own progress bar); the transformers
-    backend gets ``batch_prompts`` at a time, under a progress bar."""
+    """Yield ``(first_prompt_index, Rollout)`` over ``prompts``, ``batch_prompts`` at a time, under a
+    progress bar. (vLLM with all 2048 sequences of 256 prompts x 8 at once ran at ~120 tok/s here,
+    with 512 at a time at ~210 tok/s.)"""
     from tqdm import tqdm
 
-    step = len(prompts) if getattr(sampler, "schedules_itself", False) else batch_prompts
+    step = batch_prompts
     for lo in tqdm(range(0, len(prompts), step), desc=desc, unit="batch", disable=not progress):
         yield lo, sampler.generate(prompts[lo:lo + step], num_samples, **sampling)

@@ -1,0 +1,1 @@
+"""Prefect flows and deployments: wiring only; DVC runs and caches the stages."""

@@ -1,0 +1,131 @@
+"""The whole DAG through real DVC and the Prefect flow, on a tiny model in a temporary git repo.
+
+One module-scoped workspace: `dvc repro` runs every stage; a second `dvc repro` runs nothing;
+`dvc exp run -S train.lr=...` re-runs only train, final_eval and report and `dvc exp show` lists
+the experiment; the Prefect flow then skips every cached stage; a held DVC lock gives one clear line.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TINY_PARAMS = {
+    "data": {"source": "arithmetic", "train_size": 8, "test_size": 6, "max_digits": 1},
+    "model": {"name": None, "path": "models/base", "quantization": "nf4", "dtype": "auto", "gradient_checkpointing": False},
+    "lora": {"rank": 4, "alpha": 8},
+    "sent": {"backend": "transformers", "num_samples": 2, "max_new_tokens": 6, "batch_prompts": 8},
+    "evaluate": {"backend": "transformers", "max_new_tokens": 6},
+    "train": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "num_stages": 2,
+              "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'."},
+}
+
+
+def _env():
+    env = {**os.environ, "WANDB_MODE": "disabled", "DVC_NO_ANALYTICS": "1", "PYTHONPATH": ""}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `python` in dvc.yaml is this venv's
+    return env
+
+
+def _sh(cwd, *cmd, check=True):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=_env(), timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _ran(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model_dir):
+    ws = tmp_path_factory.mktemp("ws")
+    for name in ("tasks", "src", "flows"):
+        shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
+    params = json.loads(json.dumps(TINY_PARAMS))
+    params["model"]["name"] = str(tiny_model_dir)
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    _sh(ws, "git", "init", "-q")
+    _sh(ws, "git", "config", "user.email", "ci@example.com")
+    _sh(ws, "git", "config", "user.name", "ci")
+    _sh(ws, sys.executable, "-m", "dvc", "init", "-q")
+    _sh(ws, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
+    _sh(ws, "git", "add", "-A")
+    _sh(ws, "git", "commit", "-qm", "tiny pipeline")
+    return ws
+
+
+def test_dvc_repro_runs_the_whole_dag(workspace):
+    out = _sh(workspace, sys.executable, "-m", "dvc", "repro").stdout
+    assert _ran(out) == {"prepare_data", "prepare_model", "sent", "baseline_eval", "train", "final_eval", "report"}
+    sorted_rows = [json.loads(x) for x in (workspace / "data/cache/train_sorted.jsonl").read_text().splitlines()]
+    assert [r["semantic_entropy"] for r in sorted_rows] == sorted(r["semantic_entropy"] for r in sorted_rows)
+    for name in ("baseline", "final"):
+        m = json.loads((workspace / "metrics" / f"{name}.json").read_text())
+        assert m["n"] == len((workspace / "data/raw/test.jsonl").read_text().splitlines())
+        assert 0 <= m["accuracy_ci95_low"] <= m["accuracy"] <= m["accuracy_ci95_high"] <= 1
+    assert "LoRA merged" in json.loads((workspace / "metrics/final.json").read_text())["weights"]
+    assert (workspace / "models/adapter/adapter_config.json").exists()
+    report = (workspace / "reports/report.md").read_text()
+    assert "## Result" in report and "curves.png" in report and (workspace / "reports/report.html").exists()
+    for png in ("accuracy.png", "curves.png", "signals.png", "sent_entropy.png"):
+        assert (workspace / "reports" / png).stat().st_size > 1000
+
+
+def test_second_repro_runs_nothing(workspace):
+    out = _sh(workspace, sys.executable, "-m", "dvc", "repro").stdout
+    assert _ran(out) == set()
+    _sh(workspace, "git", "add", "-A")
+    _sh(workspace, "git", "commit", "-qm", "baseline run")
+
+
+def test_experiment_reruns_only_train_and_after(workspace):
+    out = _sh(workspace, sys.executable, "-m", "dvc", "exp", "run", "-n", "lr-half", "-S", "train.lr=0.0005").stdout
+    assert _ran(out) == {"train", "final_eval", "report"}
+    shown = json.loads(_sh(workspace, sys.executable, "-m", "dvc", "exp", "show", "--json").stdout)
+    assert "lr-half" in json.dumps(shown)
+    table = _sh(workspace, sys.executable, "-m", "dvc", "exp", "show", "--no-pager", "--md").stdout
+    assert "lr-half" in table and "accuracy" in table
+
+
+def test_prefect_flow_skips_cached_stages(workspace):
+    _sh(workspace, "git", "checkout", "-q", "--", ".")  # back to the committed run: params, dvc.lock, metrics
+    _sh(workspace, sys.executable, "-m", "dvc", "checkout", "-q", check=False)
+    proc = _sh(workspace, sys.executable, "-m", "flows.pipeline", "--workdir", str(workspace))
+    statuses = dict(line.split()[:2] for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in
+                    {"prepare_data", "prepare_model", "sent", "baseline_eval", "train", "final_eval", "report"})
+    assert len(statuses) == 7 and set(statuses.values()) == {"skipped"}, proc.stdout[-2000:]
+
+
+def test_flow_refuses_a_workspace_held_by_another_dvc_run(workspace):
+    import zc.lockfile
+
+    lock = zc.lockfile.LockFile(str(workspace / ".dvc/tmp/lock"))  # what a running `dvc repro` holds
+    try:
+        before = (workspace / "metrics/final.json").read_bytes()
+        proc = _sh(workspace, sys.executable, "-m", "flows.pipeline", "--workdir", str(workspace), check=False)
+    finally:
+        lock.close()
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("flow: error:")]
+    assert len(errors) == 1 and "another DVC run" in errors[0] and ".dvc/tmp/lock" in errors[0]
+    assert (workspace / "metrics/final.json").read_bytes() == before
+
+
+def test_unknown_params_key_is_one_clear_line(workspace, tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train:\n  learning_rate: 0.1\n")
+    proc = _sh(workspace, sys.executable, "-m", "tasks.train", "--params", str(bad), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("train: error: train.learning_rate: unknown key")

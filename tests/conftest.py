@@ -92,3 +92,22 @@ def tiny_problems() -> list[dict]:
         {"id": f"p{i}", "question": f"What is {a} + {b}?", "answer": str(a + b), "solution": ""}
         for i, (a, b) in enumerate([(1, 2), (3, 4), (2, 2), (5, 1), (6, 3), (0, 7), (4, 4), (8, 1)])
     ]
+
+
+def make_dvc_workspace(ws: Path, params: dict) -> Path:
+    """A temporary git + DVC repo holding this project's stages, code and ``params``."""
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    for name in ("tasks", "src", "flows"):
+        shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
+                [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+                ["git", "add", "-A"], ["git", "commit", "-qm", "tiny pipeline"]):
+        subprocess.run(cmd, cwd=ws, check=True, capture_output=True)
+    return ws

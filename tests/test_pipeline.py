@@ -7,15 +7,13 @@ the experiment; the Prefect flow then skips every cached stage; a held DVC lock 
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import REPO
+from tests.conftest import make_dvc_workspace
 
 pytestmark = pytest.mark.slow
 
@@ -49,21 +47,9 @@ def _ran(output: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model_dir):
-    ws = tmp_path_factory.mktemp("ws")
-    for name in ("tasks", "src", "flows"):
-        shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
     params = json.loads(json.dumps(TINY_PARAMS))
     params["model"]["name"] = str(tiny_model_dir)
-    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    _sh(ws, "git", "init", "-q")
-    _sh(ws, "git", "config", "user.email", "ci@example.com")
-    _sh(ws, "git", "config", "user.name", "ci")
-    _sh(ws, sys.executable, "-m", "dvc", "init", "-q")
-    _sh(ws, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
-    _sh(ws, "git", "add", "-A")
-    _sh(ws, "git", "commit", "-qm", "tiny pipeline")
-    return ws
+    return make_dvc_workspace(tmp_path_factory.mktemp("ws"), params)
 
 
 def test_dvc_repro_runs_the_whole_dag(workspace):

@@ -156,15 +156,19 @@ def load_user_jsonl(path: str | Path) -> tuple[list[dict], int]:
 
 
 def split_disjoint(train: list[dict], test: list[dict]) -> tuple[list[dict], list[dict], int]:
-    """Drop duplicate questions inside train, then test rows whose question is in train.
-    Returns (train, test, number of test rows dropped)."""
+    """Drop duplicate questions inside train, then test rows whose question is in train or
+    earlier in test. Returns (train, test, number of test rows dropped)."""
     seen: set[str] = set()
     uniq = []
     for r in train:
         if r["question"] not in seen:
             seen.add(r["question"])
             uniq.append(r)
-    kept = [r for r in test if r["question"] not in seen]
+    kept = []
+    for r in test:  # also drops repeats inside test: each question counts once
+        if r["question"] not in seen:
+            seen.add(r["question"])
+            kept.append(r)
     return uniq, kept, len(test) - len(kept)
 
 

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m ruff check src tasks tests bench
+.venv/bin/python -m ruff check src tasks tests bench flows
 .venv/bin/python -m pytest "$@"

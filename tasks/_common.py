@@ -7,8 +7,8 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 from grpo.config import Params, ParamsError, load_params
 from grpo.data import DataError

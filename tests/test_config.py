@@ -64,3 +64,16 @@ def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["train: error: train.lr: must be > 0, got -0.1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+@pytest.mark.parametrize("preset", ["params.yaml", "presets/seed003.yaml", "presets/seed001.yaml"])
+def test_shipped_params_and_presets_validate(preset):
+    from grpo.config import load_params
+
+    params = load_params(REPO / preset)
+    if "seed003" in preset:
+        assert (params.train.group_size, params.train.max_new_tokens, params.train.lr) == (8, 512, 1e-4)
+        assert (params.lora.rank, params.lora.alpha, params.train.beta, params.train.epsilon) == (16, 32, 0.0, 0.2)
+    if "seed001" in preset:
+        assert (params.train.group_size, params.train.max_new_tokens, params.train.beta) == (12, 400, 0.04)
+        assert (params.train.epsilon, params.train.max_grad_norm) == (0.1, 0.1)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO
 from grpo.data import write_jsonl
 from grpo.models import load_tokenizer
 from grpo.rollout import TransformersBackend
+from tests.conftest import REPO
 
 
 def _run_sent(tmp_path, model_dir, problems, backend):

@@ -10,7 +10,6 @@ missing in the text instead of failing the stage (a report of a partial run is s
 
 from __future__ import annotations
 
-
 import importlib.metadata
 import json
 import os

@@ -38,11 +38,11 @@ def load_schedule(path: str | Path) -> dict:
 
 
 def build_deployment(cfg: dict):
-    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.schedules import Cron
 
     return pipeline.to_deployment(
         name=cfg.get("name", "grpo-scheduled"),
-        schedule=CronSchedule(cron=cfg["cron"], timezone=cfg.get("timezone", "UTC")),
+        schedule=Cron(cfg["cron"], timezone=cfg.get("timezone", "UTC")),
         parameters=cfg.get("parameters") or {},
         description="The GRPO DVC pipeline on a cron",
     )

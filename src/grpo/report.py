@@ -34,6 +34,22 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_step_metrics(plots_dir: Path) -> list[dict]:
+    """Per-step rows from dvclive's ``<key>.tsv`` files (columns ``step``, ``<key>``): the train
+    stage's declared plots, so they are versioned with every experiment."""
+    rows: dict[int, dict] = {}
+    for tsv in sorted(plots_dir.glob("*.tsv")):
+        lines = tsv.read_text().splitlines()
+        if not lines:
+            continue
+        header = lines[0].split("\t")
+        for line in lines[1:]:
+            values = dict(zip(header, line.split("\t")))
+            step = int(float(values["step"]))
+            rows.setdefault(step, {"step": step})[tsv.stem] = float(values[tsv.stem])
+    return [rows[k] for k in sorted(rows)]
+
+
 def versions() -> dict[str, str]:
     out = {}
     for name in PACKAGES:
@@ -70,9 +86,11 @@ def plot_curves(steps: list[dict], out: Path) -> None:
 
 
 def plot_signals(steps: list[dict], out: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3))
     x = [r["step"] for r in steps]
-    for ax, key, title in zip(axes, ("entropy_mean", "kl", "kept_frac"), ("token entropy", "KL to reference", "kept-token fraction")):
+    panels = (("entropy_mean", "token entropy"), ("kl", "KL to reference"), ("kept_frac", "kept-token fraction"),
+              ("completion_len", "completion length (tokens)"))
+    for ax, (key, title) in zip(axes, panels):
         ax.plot(x, [r.get(key, float("nan")) for r in steps])
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -126,7 +144,7 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     out.mkdir(parents=True, exist_ok=True)
     metrics = root / "metrics"
     baseline, final, train, sent = (_json(metrics / f"{n}.json") for n in ("baseline", "final", "train", "sent"))
-    steps = _jsonl(root / "outputs/train/steps.jsonl")
+    steps = read_step_metrics(metrics / "train" / "plots" / "metrics")
     sorted_rows = _jsonl(root / "data/cache/train_sorted.jsonl")
     timings = _json(root / "outputs/timings.json") or {}
     md = ["# GRPO run report", ""]

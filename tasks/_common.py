@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpo.config import Params, ParamsError, load_params
-from grpo.data import DataError
+from grpo.data import DataError, write_json
 from grpo.models import ModelConfigError
 
 USER_ERRORS = (ParamsError, DataError, ModelConfigError, FileNotFoundError)
@@ -38,9 +38,6 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
 def record_time(stage: str, seconds: float, path: Path = Path("outputs/timings.json")) -> None:
     """Remember the last wall time of each stage for the report (outside DVC's outputs on purpose:
     a cached stage keeps the time of the run that produced its outputs)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     times = json.loads(path.read_text()) if path.exists() else {}
     times[stage] = round(seconds, 1)
-    tmp = path.with_suffix(".part")
-    tmp.write_text(json.dumps(times, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(path, times)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
 from grpo.config import Params
-from grpo.data import write_jsonl
+from grpo.data import write_json, write_jsonl
 from grpo.evaluate import evaluate
 
 log = logging.getLogger(__name__)
@@ -20,11 +19,7 @@ def run_eval(params: Params, name: str, adapter_dir: str | None) -> dict:
     metrics, per_problem = evaluate(params, adapter_dir, work)
     shutil.rmtree(work, ignore_errors=True)  # the exported weights are a temporary copy
     write_jsonl(Path("outputs/eval") / f"{name}.jsonl", per_problem)
-    out = Path(params.train.metrics_dir) / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".part")
-    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
-    tmp.replace(out)
+    write_json(Path(params.train.metrics_dir) / f"{name}.json", metrics)
     log.info("%s: accuracy %.3f [%.3f, %.3f], format %.3f, n=%d (%s, %s)", name, metrics["accuracy"],
              metrics["accuracy_ci95_low"], metrics["accuracy_ci95_high"], metrics["format_rate"], metrics["n"],
              metrics["backend"], metrics["weights"])

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from grpo.config import Params
-from grpo.data import prepare_splits, write_jsonl
+from grpo.data import prepare_splits, write_json, write_jsonl
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)
@@ -23,7 +22,7 @@ def prepare_data(params: Params) -> None:
     out = Path(params.data.out_dir)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "test.jsonl", test)
-    (out / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    write_json(out / "stats.json", stats, sort_keys=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from grpo.config import Params
-from grpo.data import build_prompt, read_jsonl, write_jsonl
+from grpo.data import build_prompt, read_jsonl, write_json, write_jsonl
 from grpo.models import load_tokenizer
 from grpo.rollout import make_sampler
 from grpo.sent import score_rows
@@ -52,9 +52,7 @@ def sent(params: Params) -> dict:
         "zero_entropy_frac": sum(e == 0 for e in entropies) / len(entropies),
         "pass_rate_mean": sum(r["pass_rate"] for r in ranked) / len(ranked),
     }
-    metrics = Path(params.train.metrics_dir) / "sent.json"
-    metrics.parent.mkdir(parents=True, exist_ok=True)
-    metrics.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(Path(params.train.metrics_dir) / "sent.json", summary)
     log.info("wrote %s: %s", cfg.out_path, json.dumps(summary))
     return summary
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import Params
-from grpo.data import read_jsonl
+from grpo.data import read_jsonl, write_json
 from grpo.models import load_policy, load_tokenizer
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage
@@ -129,8 +129,7 @@ def train(params: Params) -> None:
         "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
         "total_time_s": sum(r["step_time_s"] for r in history),
     }
-    summary_path.parent.mkdir(parents=True, exist_ok=True)
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(summary_path, summary)
     for close in closers:
         close()
     log.info("adapter written to %s; summary %s", adapter_dir, summary)

@@ -52,6 +52,15 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
+def write_json(path: str | Path, obj, *, sort_keys: bool = False) -> None:
+    """Write ``obj`` as indented JSON atomically (the metrics and summaries of every stage)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
+    tmp.replace(path)
+
+
 def generate_arithmetic(
     n: int,
     seed: int,

@@ -138,22 +138,25 @@ def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:
         raise ModelConfigError(f"lora.target_modules: the model has no module named {', '.join(missing)}")
 
 
+def nf4_config(compute_dtype: torch.dtype):
+    """bitsandbytes 4-bit NF4 with double quantisation: how training (and so evaluation) loads the base."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torch.device = "cpu"):
     """Load the base model (4-bit NF4 or unquantised), attach LoRA, optionally checkpoint activations.
 
     Returns a ``peft.PeftModel``. Only LoRA parameters have ``requires_grad``.
     """
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     dtype = model_cfg.torch_dtype(device)
     kwargs: dict = {"dtype": dtype}
     if model_cfg.quantization == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
+        kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": str(device)}
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
     if model_cfg.quantization != "nf4":
@@ -181,13 +184,12 @@ def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir
     final evaluation differ by the adapter only.
     """
     import bitsandbytes as bnb
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     dtype = torch.float32
     kwargs: dict = {"dtype": dtype}
     if model_cfg.quantization == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": "cuda" if torch.cuda.is_available() else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
     for parent in list(model.modules()):

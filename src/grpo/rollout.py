@@ -162,8 +162,9 @@ class VLLMBackend:
             _cpu_engine_env()
         from vllm import LLM
 
-        if dtype == "auto":
-            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        from grpo.config import ModelConfig
+
+        dtype = ModelConfig(dtype=dtype).torch_dtype("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = tokenizer
         self.progress = progress
         # a per-request seed breaks the CPU engine ("CPU Generator does not use offset"): seed the engine

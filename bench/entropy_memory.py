@@ -20,37 +20,9 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * PAGE
-
-
-class RssPeak:
-    """Context manager: peak RSS growth (bytes) while the block runs."""
-
-    def __enter__(self):
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        self.growth = self.peak - self.base
+from _memory import CPU_MALLOC_ENV, RssPeak
 
 
 def measure(model_dir: str, quantile: float, completions: int, tokens: int, prompt_tokens: int) -> dict:
@@ -114,7 +86,7 @@ def main() -> None:
                str(args.completions), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens)]
         # blocks of 1 MB or more are mmap'd, so freeing them returns them to the OS at once and RSS
         # follows live tensor memory instead of glibc's arena high-water mark
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        env = {**os.environ, **CPU_MALLOC_ENV}
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if proc.returncode:
             sys.exit(f"worker for quantile {q} failed:\n{proc.stderr[-3000:]}")

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama with a character-level tokenizer and a chat template.
+"""Shared fixtures: a tiny random Llama with a character-level tokenizer and a chat template
+(``grpo.synthetic``).
 
 Everything here is built offline in about a second; no test downloads anything.
 """
@@ -6,7 +7,6 @@ Everything here is built offline in about a second; no test downloads anything.
 from __future__ import annotations
 
 import os
-import string
 from pathlib import Path
 
 import pytest
@@ -20,42 +20,15 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_tiny_tokenizer():
-    """Character-level tokenizer: every printable ASCII character is one token."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = [c for c in string.printable if c not in "\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
 
 def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Path:
-    """A 2-layer random Llama (hidden 64 by default) saved with the tiny tokenizer at ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer random Llama (hidden 64 by default) saved with the character tokenizer at ``path``."""
+    from transformers import LlamaConfig
 
-    tok = build_tiny_tokenizer()
-    torch.manual_seed(seed)
+    from grpo.synthetic import char_tokenizer, random_model_dir
+
     cfg = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=len(char_tokenizer()),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=2,
@@ -63,16 +36,8 @@ def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int
         num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
     )
-    model = LlamaForCausalLM(cfg)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return random_model_dir(path, cfg, seed=seed)
 
 
 @pytest.fixture(scope="session")

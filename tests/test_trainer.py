@@ -19,6 +19,7 @@ from grpo.data import write_jsonl
 from grpo.models import ModelConfigError, load_policy, load_tokenizer
 from grpo.rollout import TransformersBackend, completion_mask_from_eos
 from grpo.trainer import GRPOTrainer
+from grpo.types import Rollout
 
 from .conftest import REPO
 
@@ -88,6 +89,76 @@ def test_generation_backend_shapes(tiny_model_dir):
     assert roll.prompt_mask[0].tolist()[0] == 0  # left padding on the shorter prompt
     assert roll.completion_ids.shape[1] <= 6 and len(roll.texts) == 6
     assert torch.equal(roll.prompt_ids[0], roll.prompt_ids[2])  # completions of a prompt are contiguous
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_model_dir, checkpointing):
+    """Two groups of G = 3 rows, prompts of different lengths (left padding), completions with
+    padding: the shared-prompt forward gives the full forward's hidden states and LoRA gradients
+    (with gradient checkpointing it falls back to the full forward, so they match trivially)."""
+    from grpo.logprobs import completion_hidden
+    from grpo.models import lm_parts
+
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=checkpointing),
+                        LoraConfig(**LORA))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3)
+    model.train()
+    body, head = lm_parts(model)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5)
+    p_mask = (prompts != 0).long()
+    completions = torch.randint(3, 90, (6, 4))
+    c_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]] * 2)
+    ids, mask = torch.cat([prompts, completions], 1), torch.cat([p_mask, c_mask], 1)
+    weights = torch.randn(6, 4, 64)
+    results = []
+    for g in (1, 3):
+        model.zero_grad()
+        hidden = completion_hidden(body, ids, mask, 5, group_size=g)  # (6, 4, 64)
+        (hidden * weights * c_mask.unsqueeze(-1)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((hidden.detach(), grads))
+    (h_full, g_full), (h_shared, g_shared) = results
+    torch.testing.assert_close(h_shared * c_mask.unsqueeze(-1), h_full * c_mask.unsqueeze(-1), rtol=1e-4, atol=1e-5)
+    for n in g_full:
+        torch.testing.assert_close(g_shared[n], g_full[n], rtol=1e-3, atol=1e-4)  # float reassociation
+
+
+def test_rollout_concat_repads_prompts_left_and_completions_right():
+    a = Rollout(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]), torch.tensor([[7]]), torch.tensor([[1]]), ["a"],
+                torch.tensor([[-0.5]]))
+    b = Rollout(torch.tensor([[8]]), torch.tensor([[1]]), torch.tensor([[9, 3]]), torch.tensor([[1, 1]]), ["b"],
+                torch.tensor([[-1.0, -2.0]]))
+    r = Rollout.concat([a, b], pad_id=0)
+    assert r.prompt_ids.tolist() == [[5, 6], [0, 8]] and r.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert r.completion_ids.tolist() == [[7, 0], [9, 3]] and r.completion_mask.tolist() == [[1, 0], [1, 1]]
+    assert r.logprobs.tolist() == [[-0.5, 0.0], [-1.0, -2.0]] and r.texts == ["a", "b"]
+    assert r.input_ids.tolist() == [[5, 6, 7, 0], [0, 8, 9, 3]]
+
+
+def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_model_dir, tiny_problems, tmp_path):
+    """generation_batch_size 3 with 2 prompts x G=4: calls of 3, 3, 2 completions, one group split
+    across two calls; min_new_tokens = max_new_tokens makes every completion full length."""
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    cfg = TrainConfig(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=5,
+                      generation_batch_size=3, checkpoint_every=0)
+    backend = TransformersBackend(model, tok, min_new_tokens=5)
+    calls = []
+    generate = backend.generate
+    backend.generate = lambda prompts, n, **kw: calls.append(len(prompts) * n) or generate(prompts, n, **kw)
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, backend=backend)
+    prompts = ["What is 1 + 2?", "Hi"]
+    roll = trainer.rollout(prompts)
+    assert calls == [3, 3, 2]
+    assert roll.completion_ids.shape == (8, 5) and roll.completion_mask.sum().item() == 40
+    real = [tok.decode(ids[m.bool()]) for ids, m in zip(roll.prompt_ids, roll.prompt_mask)]
+    assert real == [prompts[0]] * 4 + [prompts[1]] * 4
+    row = trainer.train_step()
+    assert row["completion_len"] == 5 and row["time_optimizer_s"] > 0
 
 
 def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> Path:
@@ -190,9 +261,15 @@ def test_dequantized_weights_are_exact_and_temporary(tiny_model_dir):
     ids = torch.randint(3, 90, (2, 10))
     with torch.no_grad():
         before = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
         with dequantized_weights(model) as patched:
-            inside = model(input_ids=ids).logits
+            inside = model(input_ids=ids).logits  # adapter folded into the dense copy
+            with model.disable_adapter():
+                inside_base = model(input_ids=ids).logits
         after = model(input_ids=ids).logits
+    assert not torch.allclose(base, before, atol=1e-3)  # the adapter matters
+    torch.testing.assert_close(inside_base, base, rtol=1e-5, atol=1e-5)
     assert patched == sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) > 0
     torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after, before, rtol=0, atol=0)

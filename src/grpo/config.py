@@ -210,6 +210,16 @@ class TrainConfig:
     """Policy updates per batch of rollouts (against fixed old log-probs)."""
     micro_batches: int = 1
     """Gradient accumulation: the step's completions are split into this many forward/backward chunks."""
+    generation_batch_size: int = 0
+    """Completions per ``generate`` call (a group may span two calls); 0 generates the whole step at
+    once. Smaller calls hold a smaller KV cache; on a GPU they are slower."""
+    shared_prompt_forward: bool = True
+    """The training and log-prob passes run each group's prompt once and its G completions on the
+    shared KV cache (``grpo.logprobs.completion_hidden``); off: every row runs its own prompt.
+    Nothing is shared under gradient checkpointing. (Generation always prefills a prompt once.)"""
+    release_generation_memory: bool = True
+    """After the rollouts, collect garbage and return the CUDA cache's free blocks before the
+    training forward (lowers peak *reserved* memory; no effect on the CPU)."""
     lr: float = 5e-4
     """AdamW peak learning rate (LoRA parameters only)."""
     weight_decay: float = 0.0
@@ -268,6 +278,8 @@ class TrainConfig:
         if self.beta < 0:
             raise ParamsError(f"train.beta: must be >= 0, got {self.beta}")
         _positive("train.max_grad_norm", self.max_grad_norm)
+        if self.generation_batch_size < 0:
+            raise ParamsError(f"train.generation_batch_size: must be >= 0, got {self.generation_batch_size}")
         if self.warmup_steps < 0 or self.checkpoint_every < 0 or self.weight_decay < 0:
             raise ParamsError("train.warmup_steps/checkpoint_every/weight_decay: must be >= 0")
         _choice("train.order", self.order, ("curriculum", "shuffled", "file"))

@@ -23,18 +23,43 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_hidden(body, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+def completion_hidden(body, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, group_size: int = 1) -> Tensor:
     """Final hidden states at the positions that predict each completion token.
 
     input_ids, attention_mask: (N, P + C). Returns (N, C, H): row t predicts completion token t.
+
+    ``group_size`` G > 1 says that rows come in groups of G with the same prompt (a GRPO batch).
+    Then each prompt runs once, and its KV cache and last hidden state are repeated for its G
+    completions, which run on top of them: the prompt part of the forward costs 1/G of the full
+    one, and in backward the gradients of the G copies sum into the one shared pass, exactly as
+    they would over G separate ones. The same function up to float reassociation (tested). Falls
+    back to one full forward when the rows are not such groups, or when the body checkpoints
+    activations (a KV cache is not built under gradient checkpointing).
     """
-    out = body(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
+    n, g = input_ids.shape[0], group_size
+    positions = position_ids_from_mask(attention_mask)  # (N, P + C)
+    shareable = (
+        g > 1 and n % g == 0 and prompt_len > 0 and input_ids.shape[1] > prompt_len
+        and not (getattr(body, "gradient_checkpointing", False) and body.training)
     )
-    return out.last_hidden_state[:, prompt_len - 1 : -1]  # (N, C, H)
+    if shareable:
+        p_ids, p_mask = input_ids[::g, :prompt_len], attention_mask[::g, :prompt_len]  # (N / G, P)
+        shareable = torch.equal(p_ids.repeat_interleave(g, 0), input_ids[:, :prompt_len]) and torch.equal(
+            p_mask.repeat_interleave(g, 0), attention_mask[:, :prompt_len])
+    if not shareable:
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+        return out.last_hidden_state[:, prompt_len - 1 : -1]  # (N, C, H)
+    prompt = body(input_ids=p_ids, attention_mask=p_mask, position_ids=positions[::g, :prompt_len], use_cache=True)
+    cache = prompt.past_key_values
+    cache.batch_repeat_interleave(g)  # per layer (N, kv_heads, P, d), differentiable
+    last = prompt.last_hidden_state[:, -1:].repeat_interleave(g, 0)  # (N, 1, H): predicts completion token 0
+    if input_ids.shape[1] - prompt_len == 1:
+        return last
+    rest = body(
+        input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, prompt_len:-1], past_key_values=cache, use_cache=True,
+    )
+    return torch.cat([last, rest.last_hidden_state], dim=1)  # (N, C, H)
 
 
 @torch.no_grad()

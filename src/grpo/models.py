@@ -146,11 +146,9 @@ def nf4_config(compute_dtype: torch.dtype):
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
-def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torch.device = "cpu"):
-    """Load the base model (4-bit NF4 or unquantised), attach LoRA, optionally checkpoint activations.
-
-    Returns a ``peft.PeftModel``. Only LoRA parameters have ``requires_grad``.
-    """
+def load_training_base(model_cfg: ModelConfig, device: str | torch.device = "cpu"):
+    """The frozen base as training uses it: 4-bit NF4 (bitsandbytes) when ``model.quantization`` is
+    ``nf4``, else dense, in ``model.dtype`` on ``device``; no adapter yet."""
     from transformers import AutoModelForCausalLM
 
     dtype = model_cfg.torch_dtype(device)
@@ -161,7 +159,15 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torc
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
     if model_cfg.quantization != "nf4":
         model.to(device)
-    return attach_lora(model, lora_cfg, model_cfg.gradient_checkpointing)
+    return model
+
+
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torch.device = "cpu"):
+    """Load the base model (4-bit NF4 or unquantised), attach LoRA, optionally checkpoint activations.
+
+    Returns a ``peft.PeftModel``. Only LoRA parameters have ``requires_grad``.
+    """
+    return attach_lora(load_training_base(model_cfg, device), lora_cfg, model_cfg.gradient_checkpointing)
 
 
 def load_base_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"):
@@ -254,30 +260,53 @@ def lm_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
 @contextlib.contextmanager
 def dequantized_weights(model):
     """Inside the block, every bitsandbytes ``Linear4bit`` uses a dense copy of its weight,
-    dequantised once on entry, instead of dequantising at every call.
+    dequantised once on entry, instead of dequantising at every call; where a LoRA adapter wraps
+    the layer, the adapter is folded into a second copy (``W + scaling * B @ A``), so the layer is
+    one matmul instead of three (the unmerged copy serves ``disable_adapter()`` blocks).
 
     For generation on the CPU, where bitsandbytes dequantises the whole weight for each new token,
-    this trades one dense copy of the quantised layers (temporary; freed on exit) for a several-fold
-    faster decode. LoRA adapters wrap these layers and still apply. Weights are frozen, so the
-    copy stays exact for the duration of the block.
+    this trades a temporary dense copy of the quantised layers (freed on exit) for a several-fold
+    faster decode. Base weights are frozen and the adapter does not change inside the block (no
+    optimizer step runs there), so the copies stay exact for its duration. Returns the number of
+    4-bit layers patched.
     """
     import bitsandbytes as bnb
     import torch.nn.functional as F
+    from peft.tuners.lora.layer import LoraLayer
 
-    patched = []
+    def linear(dense, bias):
+        def forward(x, *_, **__):
+            return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype))
+
+        return forward
+
+    patched, dense_of = [], {}
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             weight = module.weight
-            dense = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(module.compute_dtype or torch.float32)
-            bias = module.bias
+            dense_of[module] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
+                module.compute_dtype or torch.float32)
+            module.forward = linear(dense_of[module], module.bias)
+            patched.append(module)
+    n_4bit = len(patched)
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(module, LoraLayer) and base in dense_of and not module.merged:
+            dense = dense_of[base]
+            merged = dense.clone()
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    delta = module.lora_B[name].weight @ module.lora_A[name].weight  # (out, in)
+                    merged += module.scaling[name] * delta.to(merged.dtype)
+            with_adapter, without = linear(merged.detach(), base.bias), linear(dense, base.bias)
 
-            def forward(x, _w=dense, _b=bias):
-                return F.linear(x.to(_w.dtype), _w, None if _b is None else _b.to(_w.dtype))
+            def forward(x, *args, _m=module, _on=with_adapter, _off=without, **kwargs):
+                return (_off if _m.disable_adapters else _on)(x)
 
             module.forward = forward
             patched.append(module)
     try:
-        yield len(patched)
+        yield n_4bit
     finally:
         for module in patched:
             del module.forward  # back to the class's forward

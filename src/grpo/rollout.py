@@ -5,8 +5,11 @@ A backend turns prompt texts into a ``Rollout``:
     backend.generate(prompts: list[str], num_samples: int, *, max_new_tokens, temperature, top_p)
 
 Each prompt is sampled ``num_samples`` times; the completions of a prompt are contiguous in the
-result. ``TransformersBackend`` uses ``model.generate`` (left padding, sampling, stop at EOS) on
-the policy being trained, so its rollouts are always on-policy; with ``dequantize=True`` the
+result. ``TransformersBackend`` samples with ``grpo.sampling.decode`` (left padding, each
+distinct prompt prefilled once, finished rows leave the batch) on the policy being trained, so
+its rollouts are always on-policy; ``min_new_tokens`` forbids EOS before that many tokens
+(``min_new_tokens == max_new_tokens`` gives fixed-length completions, the memory benchmark's
+worst case); with ``dequantize=True`` the
 4-bit layers are dequantised once per call instead of once per token (the trainer turns this on
 for CPU runs, where it is ~15% faster and costs a temporary dense copy); with
 ``return_logprobs=True`` it also returns the raw-model log-prob of every sampled token.
@@ -27,6 +30,7 @@ from typing import Protocol
 import torch
 
 from grpo.models import dequantized_weights
+from grpo.sampling import decode
 from grpo.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -49,13 +53,14 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: set[int]) ->
 
 
 class TransformersBackend:
-    """Sampling with ``transformers`` ``generate`` on the (peft) policy itself."""
+    """Sampling on the (peft) policy itself with ``grpo.sampling.decode`` (transformers forward passes)."""
 
     def __init__(
         self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool = False,
-        return_logprobs: bool = False,
+        return_logprobs: bool = False, min_new_tokens: int = 0,
     ):
         self.model = model
+        self.min_new_tokens = min_new_tokens
         self.dequantize = dequantize
         self.return_logprobs = return_logprobs
         self.tokenizer = tokenizer
@@ -84,29 +89,21 @@ class TransformersBackend:
             max_length=self.max_prompt_tokens,
         )
         device = next(self.model.parameters()).device
-        prompt_ids = enc["input_ids"].repeat_interleave(num_samples, dim=0).to(device)  # (N, P)
-        prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, dim=0).to(device)  # (N, P)
-        # temperature 0 means greedy decoding (as in vLLM)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(
-            do_sample=False, temperature=None, top_p=None, top_k=None)
+        ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # (B, P)
+        prompt_ids = ids.repeat_interleave(num_samples, dim=0)  # (N, P)
+        prompt_mask = mask.repeat_interleave(num_samples, dim=0)  # (N, P)
         was_training = self.model.training
         self.model.eval()
         dense = dequantized_weights(self.model) if self.dequantize else contextlib.nullcontext()
         try:
             with dense:
-                out = self.model.generate(
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    **sampling,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=sorted(self.eos_ids),
-                    pad_token_id=tok.pad_token_id,
-                    use_cache=True,
-                    return_dict_in_generate=True,
-                )
+                completion_ids = decode(
+                    self.model, ids, mask, num_samples, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
+                    pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
+                    min_new_tokens=min(self.min_new_tokens, max_new_tokens),
+                )  # (N, C); the KV cache is gone when decode returns
         finally:
             self.model.train(was_training)
-        completion_ids = out.sequences[:, prompt_ids.shape[1]:]  # (N, C)
         completion_mask = completion_mask_from_eos(completion_ids, self.eos_ids)  # (N, C)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
         logprobs = self._teacher_forced_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask) \

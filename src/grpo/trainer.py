@@ -4,11 +4,14 @@ One optimizer step:
 
 1. take the next ``prompts_per_step`` problems in the order given (the curriculum's order;
    the data position wraps around at the end),
-2. sample G completions per prompt from the current policy (the rollout backend),
+2. sample G completions per prompt from the current policy (the rollout backend), at most
+   ``generation_batch_size`` completions per call, then drop generation state (KV caches,
+   allocator cache) before training,
 3. score them with the weighted rewards and turn the scores into group-relative advantages,
 4. if ``beta > 0``, reference log-probs with the LoRA adapter disabled (same weights, no copy);
    if ``mu > 1``, the sampling policy's log-probs (old_logp) once, before any update,
-5. ``mu`` times: for each micro-batch, one body forward with grad, entropy and log-probs of all
+5. ``mu`` times: for each micro-batch, one body forward with grad (each group's prompt once,
+   its completions on the shared KV cache), entropy and log-probs of all
    completion tokens without grad (chunked, fused kernel), the LM head with grad only at the
    high-entropy tokens, ``grpo_loss`` normalised over the whole batch, backward; then clip the
    gradient norm and take an AdamW step on the LoRA parameters.
@@ -25,6 +28,7 @@ newest one and truncates the per-step log (``steps.jsonl``) and the sampled comp
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -47,6 +51,7 @@ from grpo.models import lm_parts
 from grpo.rewards import REWARDS, combined_rewards
 from grpo.rollout import RolloutBackend, TransformersBackend
 from grpo.sent import batch_indices, curriculum_order, stage_of_step
+from grpo.types import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,7 @@ class GRPOTrainer:
         self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
         self.callbacks = callbacks or []
         self.body, self.lm_head = lm_parts(model)
+        self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -151,6 +157,26 @@ class GRPOTrainer:
         idx = batch_indices(self.stages, step, self.cfg.steps, self.cfg.prompts_per_step)
         return [self.problems[i] for i in idx]
 
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, prompts: list[str]) -> Rollout:
+        """G completions of each prompt (contiguous per prompt), at most ``generation_batch_size``
+        completions per ``generate`` call (a group may span two calls); 0: one call for the step."""
+        cfg, g = self.cfg, self.cfg.group_size
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+        if not cfg.generation_batch_size or cfg.generation_batch_size >= g * len(prompts):
+            rollout = self.backend.generate(prompts, g, **sampling)
+        else:
+            each = [p for p in prompts for _ in range(g)]  # (N,) one entry per completion
+            size = cfg.generation_batch_size
+            parts = [self.backend.generate(each[lo : lo + size], 1, **sampling) for lo in range(0, len(each), size)]
+            rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
+            del parts
+        if cfg.release_generation_memory:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return rollout
+
     # ------------------------------------------------------------------ log-prob passes
     @torch.no_grad()
     def _logprobs_no_grad(self, input_ids, attention_mask, targets, prompt_len, *, adapter: bool) -> torch.Tensor:
@@ -158,17 +184,22 @@ class GRPOTrainer:
         out = []
         for sl in self._micro_slices(input_ids.shape[0]):
             if adapter:
-                hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len)
+                hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len, self.shared_group)
             else:
                 with self.model.disable_adapter():
-                    hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len)
+                    hidden = completion_hidden(
+                        self.body, input_ids[sl], attention_mask[sl], prompt_len, self.shared_group
+                    )
             out.append(
                 chunked_entropy_logprobs(hidden, self.lm_head, targets[sl], self.cfg.logprob_chunk, self.cfg.kernel)[1]
             )
         return torch.cat(out)
 
     def _micro_slices(self, n: int) -> list[slice]:
+        """``micro_batches`` slices of the N rows, whole groups each where possible (shared prompts)."""
         size = math.ceil(n / self.cfg.micro_batches)
+        if size % self.cfg.group_size and size > self.cfg.group_size:
+            size = math.ceil(size / self.cfg.group_size) * self.cfg.group_size
         return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
     # ------------------------------------------------------------------ one micro-batch
@@ -182,7 +213,7 @@ class GRPOTrainer:
         Returns the loss value, its stats, the token entropies (n, C) and the kept mask (n, C).
         """
         cfg = self.cfg
-        hidden = completion_hidden(self.body, input_ids, attn, prompt_len)  # (n, C, H)
+        hidden = completion_hidden(self.body, input_ids, attn, prompt_len, self.shared_group)  # (n, C, H)
         entropy, logp_all = chunked_entropy_logprobs(
             hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, cfg.kernel
         )  # (n, C) each, no grad
@@ -216,9 +247,7 @@ class GRPOTrainer:
         rows = self.batch_rows(self.step)
         prompts = [build_prompt(self.tokenizer, r["question"], cfg.system_prompt) for r in rows]
         answers = [str(r["answer"]) for r in rows for _ in range(g)]
-        rollout = self.backend.generate(
-            prompts, g, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p
-        )
+        rollout = self.rollout(prompts)
         t_gen = time.perf_counter()
 
         total, per_fn = combined_rewards(rollout.texts, answers, cfg.rewards)
@@ -240,7 +269,7 @@ class GRPOTrainer:
 
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "entropy": 0.0, "kept": 0.0}
-        grad_norm = 0.0
+        grad_norm, t_optimizer = 0.0, 0.0
         for _ in range(cfg.mu):
             for sl in self._micro_slices(input_ids.shape[0]):
                 loss, stats, entropy, keep = self.policy_loss_backward(
@@ -261,9 +290,11 @@ class GRPOTrainer:
                     sums[key] += stats[key] * n_tok / cfg.mu
                 sums["entropy"] += float((entropy * m).sum()) / cfg.mu
                 sums["kept"] += float(keep.sum()) / cfg.mu
+            t_opt = time.perf_counter()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            t_optimizer += time.perf_counter() - t_opt
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         t_end = time.perf_counter()
@@ -297,9 +328,12 @@ class GRPOTrainer:
             "time_generate_s": t_gen - t0,
             "time_logprob_s": t_ref - t_gen,
             "time_update_s": t_end - t_ref,
+            "time_optimizer_s": t_optimizer,
             "step_time_s": t_end - t0,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
+        if self.device.type == "cuda":
+            row["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / 2**20
         return row
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,92 @@
+"""Randomly initialised models and a character tokenizer, built offline in seconds.
+
+Tests use them as tiny stand-ins for a real checkpoint; ``bench/grpo_step.py`` uses them to
+measure a step at the exact architecture of a model whose weights cannot be downloaded
+(memory and time depend on the shapes, not on the values of the weights).
+
+The tokenizer maps every printable ASCII character to one token and has a chat template, so
+prompts go through the same ``build_prompt`` path as a real model's. ``vocab_size`` pads the
+vocabulary with filler tokens (``<t123>``) that encoding never produces but decoding accepts,
+so a random model with a large vocabulary (151,936 for Qwen2) can sample any id.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The exact shapes of deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B (its config.json): Qwen2, untied
+# LM head, 151,936 tokens. ``toy`` keeps the vocabulary and the GQA layout at a CPU-friendly width.
+ARCHITECTURES: dict[str, dict] = {
+    "qwen2-1.5b": dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False, rope_theta=10000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-6,
+    ),
+    "toy": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=10000.0,
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+    ),
+}
+
+
+def char_tokenizer(vocab_size: int | None = None):
+    """Character-level fast tokenizer with a chat template; ``vocab_size`` pads with filler tokens."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + [c for c in string.printable if c not in "\x0b\x0c"]
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size: at least {len(tokens)} (the characters), got {vocab_size}")
+        tokens += [f"<t{i}>" for i in range(len(tokens), vocab_size)]
+    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token=None,
+                                ignore_merges=True))
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def random_model_dir(path: str | Path, config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     device: str = "cpu") -> Path:
+    """Save a randomly initialised causal LM of ``config`` (a transformers config) with a matching
+    character tokenizer at ``path``; loadable by ``grpo.models.load_policy`` like any checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tok = char_tokenizer(config.vocab_size)
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = tok.eos_token_id, tok.pad_token_id, None
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
+    return path
+
+
+def architecture_config(name: str):
+    """``transformers.Qwen2Config`` of a named entry of ``ARCHITECTURES``."""
+    from transformers import Qwen2Config
+
+    if name not in ARCHITECTURES:
+        raise ValueError(f"arch: unknown {name!r}; known: {', '.join(ARCHITECTURES)}")
+    return Qwen2Config(**ARCHITECTURES[name])

@@ -1,0 +1,82 @@
+"""``grpo.sampling``: the sampler's distribution, and the decode loop against ``model.generate``."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.config import LoraConfig, ModelConfig
+from grpo.models import load_policy, load_tokenizer
+from grpo.sampling import decode, sample_tokens
+
+
+def test_sample_tokens_follows_the_softmax():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(20000, 4)  # p = .5 .3 .2 0
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(sample_tokens(logits, 1.0, generator=gen), minlength=4).float() / 20000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.015, rtol=0)
+
+
+def test_temperature_and_top_p_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).expand(20000, 3)
+    gen = torch.Generator().manual_seed(1)
+    # temperature 0.5 squares the probabilities: .25 .09 .04 -> / .38
+    hot = torch.bincount(sample_tokens(logits, 0.5, generator=gen), minlength=3).float() / 20000
+    torch.testing.assert_close(hot, torch.tensor([0.25, 0.09, 0.04]) / 0.38, atol=0.015, rtol=0)
+    # top_p 0.7: the nucleus is {0.5, 0.3} (0.5 alone < 0.7), renormalised to 5/8, 3/8
+    nucleus = torch.bincount(sample_tokens(logits, 1.0, top_p=0.7, generator=gen), minlength=3).float() / 20000
+    torch.testing.assert_close(nucleus, torch.tensor([0.625, 0.375, 0.0]), atol=0.015, rtol=0)
+    # top_p below the largest probability keeps exactly one token; temperature 0 is argmax
+    assert sample_tokens(logits[:50], 1.0, top_p=0.1, generator=gen).eq(0).all()
+    assert sample_tokens(torch.tensor([[0.1, 2.0, -1.0]]), 0.0).item() == 1
+
+
+def _policy(tiny_model_dir):
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=False),
+                        LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3)
+    return model.eval(), load_tokenizer(tiny_model_dir)
+
+
+def test_greedy_decode_equals_generate_with_padding_and_eos(tiny_model_dir):
+    """Left-padded prompts of different lengths, 2 samples each, and an "EOS" chosen among the
+    tokens greedy decoding emits, so rows finish at different steps and leave the batch: the
+    tokens must still be exactly those of ``model.generate``."""
+    model, tok = _policy(tiny_model_dir)
+    tok.padding_side = "left"
+    enc = tok(["What is 1 + 2?", "Hi", "7 * 8 = ?"], return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
+    free = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                          pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    eos = int(free[0, 3])  # row 0 ends at step 4 at the latest; the others when (if) they emit it
+    ours = decode(model, enc["input_ids"], enc["attention_mask"], 2, max_new_tokens=12, eos_ids={eos},
+                  pad_id=tok.pad_token_id, temperature=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=eos,
+                         pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    assert ours.shape == ref.shape and torch.equal(ours, ref)
+    assert (ours == tok.pad_token_id).any()  # some row did finish early
+
+
+def test_finished_rows_leave_the_batch_and_min_new_tokens_holds(tiny_model_dir):
+    model, tok = _policy(tiny_model_dir)
+    enc = tok(["What is 1 + 2?"], return_tensors="pt", add_special_tokens=False)
+    stop = set(range(3, 60))  # most ids end a row, so rows finish early and at different steps
+    calls = []
+    forward = model.forward
+    model.forward = lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw)
+    try:
+        torch.manual_seed(0)
+        out = decode(model, enc["input_ids"], enc["attention_mask"], 8, max_new_tokens=30, eos_ids=stop,
+                     pad_id=tok.pad_token_id, temperature=5.0)
+        torch.manual_seed(0)
+        fixed = decode(model, enc["input_ids"], enc["attention_mask"], 4, max_new_tokens=6, eos_ids=stop,
+                       pad_id=tok.pad_token_id, temperature=5.0, min_new_tokens=6)
+    finally:
+        del model.forward
+    assert out.shape[0] == 8 and all(torch.isin(row, torch.tensor(sorted(stop))).any() for row in out)
+    first = calls[: 1 + out.shape[1] - 1]
+    assert first[0] == 1  # the prompt is prefilled once for its 8 samples
+    assert first[1:] == sorted(first[1:], reverse=True) and first[-1] < 8  # the batch shrinks
+    assert fixed.shape == (4, 6) and not torch.isin(fixed, torch.tensor(sorted(stop))).any()

@@ -106,25 +106,30 @@ class TransformersBackend:
             self.model.train(was_training)
         completion_mask = completion_mask_from_eos(completion_ids, self.eos_ids)  # (N, C)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
-        logprobs = self._teacher_forced_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask) \
-            if self.return_logprobs else None
+        logprobs = self._teacher_forced_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                 num_samples) if self.return_logprobs else None
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs)
 
 
     @torch.no_grad()
-    def _teacher_forced_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, rows: int = 64):
+    def _teacher_forced_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, group: int,
+                                 rows: int = 64):
         """(N, C) log-probs of the sampled tokens under the raw model, from one forward pass over
-        prompt + completion, ``rows`` sequences at a time (no (N, C, V) logits are ever held)."""
+        prompt + completion, about ``rows`` sequences (whole groups of ``group`` completions of one
+        prompt) at a time; each group's prompt runs once (``completion_hidden``) and no (N, C, V)
+        logits are ever held."""
         from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
         from grpo.models import lm_parts
 
         body, head = lm_parts(self.model)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + C)
         mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P + C)
+        rows = max(group, rows // group * group)
         out = []
         for lo in range(0, ids.shape[0], rows):
-            hidden = completion_hidden(body, ids[lo:lo + rows], mask[lo:lo + rows], prompt_ids.shape[1])  # (n, C, H)
+            hidden = completion_hidden(body, ids[lo:lo + rows], mask[lo:lo + rows], prompt_ids.shape[1],
+                                       group)  # (n, C, H)
             out.append(chunked_entropy_logprobs(hidden, head, completion_ids[lo:lo + rows], backend="torch")[1])
         return torch.cat(out) * completion_mask  # (N, C)
 

@@ -100,10 +100,15 @@ def _train_config(args, overrides: dict, workdir: Path):
         warmup_steps=0, micro_batches=args.micro_batches, generation_batch_size=args.generation_batch,
         rewards={"correctness": 1.0, "format_strict": 0.1},
     )
-    fields.update({k: v for k, v in overrides.items() if k != "gradient_checkpointing"})
+    fields.update(train_fields(overrides))
     cfg = TrainConfig(**fields)
     cfg.validate()
     return cfg
+
+
+def train_fields(overrides: dict) -> dict:
+    """The ``TrainConfig`` part of a saving switch (gradient checkpointing is a model setting)."""
+    return {k: v for k, v in overrides.items() if k != "gradient_checkpointing"}
 
 
 def _memory_fields(device: str) -> dict:

@@ -18,7 +18,7 @@ from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import write_jsonl
 from grpo.models import ModelConfigError, load_policy, load_tokenizer
 from grpo.rollout import TransformersBackend, completion_mask_from_eos
-from grpo.trainer import GRPOTrainer
+from grpo.trainer import GRPOTrainer, generation_calls
 from grpo.types import Rollout
 
 from .conftest import REPO
@@ -138,9 +138,25 @@ def test_rollout_concat_repads_prompts_left_and_completions_right():
     assert r.input_ids.tolist() == [[5, 6, 7, 0], [0, 8, 9, 3]]
 
 
+@pytest.mark.parametrize(("n", "g", "size", "expected"), [
+    (3, 4, 0, [(0, 3, 4)]),                                      # one call for the step
+    (3, 4, 12, [(0, 3, 4)]),                                     # the step fits
+    (5, 2, 4, [(0, 2, 2), (2, 4, 2), (4, 5, 2)]),                # two whole groups per call, one left
+    (3, 4, 6, [(0, 1, 4), (1, 2, 4), (2, 3, 4)]),                # one group per call (6 // 4)
+    (2, 4, 3, [(0, 1, 3), (0, 1, 1), (1, 2, 3), (1, 2, 1)]),     # a group split 3 + 1
+    (1, 5, 2, [(0, 1, 2), (0, 1, 2), (0, 1, 1)]),
+])
+def test_generation_calls_cover_every_completion_once(n, g, size, expected):
+    calls = generation_calls(n, g, size)
+    assert calls == expected
+    per_prompt = [sum(k for lo, hi, k in calls if lo <= i < hi) for i in range(n)]
+    assert per_prompt == [g] * n and all((hi - lo) * k <= (size or n * g) for lo, hi, k in calls)
+
+
 def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_model_dir, tiny_problems, tmp_path):
-    """generation_batch_size 3 with 2 prompts x G=4: calls of 3, 3, 2 completions, one group split
-    across two calls; min_new_tokens = max_new_tokens makes every completion full length."""
+    """generation_batch_size 3 with 2 prompts x G=4: each group split over calls of 3 and 1 (a call
+    never mixes prompts, so each prompt is prefilled once); min_new_tokens = max_new_tokens makes
+    every completion full length."""
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
@@ -153,7 +169,7 @@ def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_m
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems, backend=backend)
     prompts = ["What is 1 + 2?", "Hi"]
     roll = trainer.rollout(prompts)
-    assert calls == [3, 3, 2]
+    assert calls == [3, 1, 3, 1]
     assert roll.completion_ids.shape == (8, 5) and roll.completion_mask.sum().item() == 40
     real = [tok.decode(ids[m.bool()]) for ids, m in zip(roll.prompt_ids, roll.prompt_mask)]
     assert real == [prompts[0]] * 4 + [prompts[1]] * 4

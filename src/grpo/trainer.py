@@ -5,7 +5,7 @@ One optimizer step:
 1. take the next ``prompts_per_step`` problems in the order given (the curriculum's order;
    the data position wraps around at the end),
 2. sample G completions per prompt from the current policy (the rollout backend), at most
-   ``generation_batch_size`` completions per call, then drop generation state (KV caches,
+   ``generation_batch_size`` completions per call (prompts whole), then drop generation state (KV caches,
    allocator cache) before training,
 3. score them with the weighted rewards and turn the scores into group-relative advantages,
 4. if ``beta > 0``, reference log-probs with the LoRA adapter disabled (same weights, no copy);
@@ -106,6 +106,20 @@ def _truncate_jsonl(path: Path, step: int) -> list[dict]:
     return rows
 
 
+def generation_calls(n_prompts: int, group_size: int, max_completions: int) -> list[tuple[int, int, int]]:
+    """Split a step's generation into ``(first_prompt, end_prompt, samples_each)`` calls of at most
+    ``max_completions`` completions (0: one call), keeping each call's prompts whole so that the
+    backend prefills every prompt once: whole groups per call when a group fits, else one prompt
+    per call with its G samples spread over several calls (G = 4, at most 3: 3 + 1 per prompt)."""
+    g, size = group_size, max_completions
+    if not size or size >= g * n_prompts:
+        return [(0, n_prompts, g)]
+    if size >= g:
+        k = size // g  # whole groups per call
+        return [(lo, min(lo + k, n_prompts), g) for lo in range(0, n_prompts, k)]
+    return [(i, i + 1, min(size, g - s)) for i in range(n_prompts) for s in range(0, g, size)]
+
+
 class GRPOTrainer:
     """Composes rollout, rewards, advantages and loss into optimizer steps over ``problems``."""
 
@@ -160,17 +174,13 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ rollouts
     def rollout(self, prompts: list[str]) -> Rollout:
         """G completions of each prompt (contiguous per prompt), at most ``generation_batch_size``
-        completions per ``generate`` call (a group may span two calls); 0: one call for the step."""
+        completions per ``generate`` call (see ``generation_calls``); 0: one call for the step."""
         cfg, g = self.cfg, self.cfg.group_size
         sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-        if not cfg.generation_batch_size or cfg.generation_batch_size >= g * len(prompts):
-            rollout = self.backend.generate(prompts, g, **sampling)
-        else:
-            each = [p for p in prompts for _ in range(g)]  # (N,) one entry per completion
-            size = cfg.generation_batch_size
-            parts = [self.backend.generate(each[lo : lo + size], 1, **sampling) for lo in range(0, len(each), size)]
-            rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
-            del parts
+        calls = generation_calls(len(prompts), g, cfg.generation_batch_size)
+        parts = [self.backend.generate(prompts[lo:hi], n, **sampling) for lo, hi, n in calls]
+        rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
+        del parts
         if cfg.release_generation_memory:
             gc.collect()
             if self.device.type == "cuda":

@@ -68,11 +68,30 @@ def device() -> str:
     return f"CPU: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()}"
 
 
-def plot_curves(steps: list[dict], out: Path) -> None:
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
+    """Per-step mean reward and rollout accuracy (thin) with their ``window``-step trailing means
+    (thick); one pair of lines when the reward is the accuracy (correctness-only rewards)."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = [r["step"] for r in steps]
-    ax.plot(x, [r["reward_mean"] for r in steps], label="mean reward", alpha=0.8)
-    ax.plot(x, [r["accuracy"] for r in steps], label="rollout accuracy", alpha=0.8)
+    series = {"rollout accuracy": [r["accuracy"] for r in steps]}
+    reward = [r["reward_mean"] for r in steps]
+    if reward != series["rollout accuracy"]:
+        series = {"mean reward": reward, **series}
+    else:
+        series = {"rollout accuracy (= mean reward)": reward}
+    for i, (label, y) in enumerate(series.items()):
+        color = f"C{i}"
+        ax.plot(x, y, color=color, alpha=0.35, lw=1)
+        ax.plot(x, moving_average(y, window), color=color, lw=2, label=f"{label}, {window}-step mean")
     for a, b in zip(steps, steps[1:]):
         if b.get("stage", 0) != a.get("stage", 0):
             ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)

@@ -4,7 +4,7 @@ Runs ``python -m tasks.sent`` twice on the same 256 training prompts (default mo
 64 new tokens), once per backend, each in a fresh process, and prints wall time, tokens/s and
 the speed-up. Needs ``models/base`` (``python -m tasks.prepare_model``).
 
-    python bench/sent_speed.py [--prompts 256] [--samples 8] [--tokens 64] [--out outputs/bench_sent]
+    python bench/sent_speed.py [--prompts 256] [--samples 8] [--tokens 64] [--dtype auto] [--out outputs/bench_sent]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/base")
     ap.add_argument("--out", default="outputs/bench_sent")
     ap.add_argument("--backends", default="vllm,transformers")
+    ap.add_argument("--dtype", default="auto", help="sent.dtype for both backends (auto, bfloat16, float32)")
     args = ap.parse_args()
     out = Path(args.out)
     rows, _, _ = split_disjoint(generate_arithmetic(2 * args.prompts, seed=7, max_digits=2, prefix="bench"), [])
@@ -42,7 +43,7 @@ def main() -> None:
             "model": {"path": args.model},
             "sent": {"backend": backend, "data_path": str(out / "train.jsonl"),
                      "out_path": str(out / f"sorted_{backend}.jsonl"), "num_samples": args.samples,
-                     "max_new_tokens": args.tokens},
+                     "max_new_tokens": args.tokens, "dtype": args.dtype},
             "train": {"metrics_dir": str(out / backend)},
         }
         pfile = out / f"params_{backend}.yaml"

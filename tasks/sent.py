@@ -11,7 +11,9 @@ import logging
 import time
 from pathlib import Path
 
-from grpo.config import Params
+import torch
+
+from grpo.config import Params, sampling_dtype
 from grpo.data import build_prompt, read_jsonl, write_json, write_jsonl
 from grpo.models import load_tokenizer
 from grpo.rollout import make_sampler
@@ -27,19 +29,23 @@ def sent(params: Params) -> dict:
     rows = read_jsonl(cfg.data_path)
     tokenizer = load_tokenizer(params.model.path)
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = sampling_dtype(cfg.dtype, device)
     sampler, backend = make_sampler(
-        cfg.backend, params.model.path, tokenizer, seed=cfg.seed, dtype=cfg.dtype,
+        cfg.backend, params.model.path, tokenizer, seed=cfg.seed, dtype=dtype,
         gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
         enforce_eager=cfg.enforce_eager,
     )
     t_ready = time.perf_counter()
-    log.info("backend %s ready in %.1f s; sampling %d x %d answers", backend, t_ready - t0, len(rows), cfg.num_samples)
+    log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", backend, dtype, t_ready - t0, len(rows),
+             cfg.num_samples)
     ranked, totals = score_rows(rows, prompts, sampler, cfg)
     t_done = time.perf_counter()
     write_jsonl(cfg.out_path, ranked)
     entropies = [r["semantic_entropy"] for r in ranked]
     summary = {
         "backend": backend,
+        "dtype": dtype,
         "rows": len(ranked),
         "num_samples": cfg.num_samples,
         "estimator": cfg.estimator,

@@ -77,3 +77,19 @@ def test_shipped_params_and_presets_validate(preset):
     if "seed001" in preset:
         assert (params.train.group_size, params.train.max_new_tokens, params.train.beta) == (12, 400, 0.04)
         assert (params.train.epsilon, params.train.max_grad_norm) == (0.1, 0.1)
+
+
+def test_sampling_dtype_auto_follows_native_bf16(tmp_path, monkeypatch):
+    import grpo.config as config
+
+    with_bf16, without = tmp_path / "a", tmp_path / "b"
+    with_bf16.write_text("flags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n")
+    without.write_text("flags\t\t: fpu sse2 avx2 avx512f\n")
+    assert config.cpu_has_native_bf16(with_bf16) and not config.cpu_has_native_bf16(without)
+    assert not config.cpu_has_native_bf16(tmp_path / "missing")
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    assert config.sampling_dtype("auto", "cpu") == "float32"
+    assert config.sampling_dtype("auto", "cuda") == "bfloat16"
+    assert config.sampling_dtype("float32", "cuda") == "float32"
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert config.sampling_dtype("auto", "cpu") == "bfloat16"

@@ -17,6 +17,7 @@ import yaml
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import write_jsonl
 from grpo.models import ModelConfigError, load_policy, load_tokenizer
+from grpo.rewards import REWARDS
 from grpo.rollout import TransformersBackend, completion_mask_from_eos
 from grpo.trainer import GRPOTrainer, generation_calls
 from grpo.types import Rollout
@@ -61,13 +62,16 @@ def test_unknown_lora_target_is_a_clear_error(tiny_model_dir):
         load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(target_modules=["q_proj", "c_attn"]))
 
 
-def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, tiny_problems, tmp_path):
+def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
+    # a reward that differs within every group (completion length in characters), so the
+    # advantages are non-zero whatever the random tiny model samples
+    monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     cfg = TrainConfig(
         output_dir=str(tmp_path), steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8,
-        checkpoint_every=0, rewards={"format_soft": 1.0}, mu=2, beta=0.05, micro_batches=2,
+        checkpoint_every=0, rewards={"chars": 0.1}, mu=2, beta=0.05, micro_batches=2,
     )
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

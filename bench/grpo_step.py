@@ -2,7 +2,7 @@
 
 A step is generation -> rewards -> log-prob passes (old/ref, when configured) -> training forward
 and backward -> optimizer step, through the project's ``GRPOTrainer.train_step`` on a 4-bit NF4
-base with LoRA on q/k/v/o (``grpo.models.load_policy``). Each configuration runs in a fresh
+base with LoRA on q/k/v/o (``grpo.policy.load_policy``). Each configuration runs in a fresh
 process, so no run inherits another's memory high-water mark, threads or caches.
 
 CPU speed against TRL (needs ``pip install trl==1.16.0``; the default model is ``models/base``,
@@ -101,9 +101,7 @@ def _train_config(args, overrides: dict, workdir: Path):
         rewards={"correctness": 1.0, "format_strict": 0.1},
     )
     fields.update(train_fields(overrides))
-    cfg = TrainConfig(**fields)
-    cfg.validate()
-    return cfg
+    return TrainConfig(**fields)
 
 
 def train_fields(overrides: dict) -> dict:
@@ -128,8 +126,9 @@ def _memory_fields(device: str) -> dict:
 def run_ours(args, overrides: dict) -> dict:
     import torch
 
+    from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig
-    from grpo.models import load_policy, load_tokenizer
+    from grpo.policy import load_policy
     from grpo.rollout import TransformersBackend
     from grpo.trainer import GRPOTrainer
 
@@ -184,9 +183,10 @@ def run_trl(args, tuned: bool = False) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpo.base_model import load_tokenizer
     from grpo.config import ModelConfig
     from grpo.data import build_prompt
-    from grpo.models import load_tokenizer, load_training_base
+    from grpo.policy import load_training_base
     from grpo.rewards import REWARDS
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from grpo.data import generate_arithmetic, write_jsonl
+from grpo.data import generate_arithmetic
+from grpo.jsonio import write_jsonl
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo.data import generate_arithmetic, split_disjoint, write_jsonl  # noqa: E402
+from grpo.data import generate_arithmetic, split_disjoint  # noqa: E402
+from grpo.jsonio import write_jsonl  # noqa: E402
 
 
 def main() -> None:

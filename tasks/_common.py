@@ -1,18 +1,25 @@
-"""Shared entry-point plumbing for the stage modules: argument parsing and clean failures."""
+"""Shared entry-point plumbing for the stage modules: argument parsing, clean failures, wall time.
+
+``run_stage`` loads ``--params``, runs the stage body and writes ``<train.metrics_dir>/time/<stage>.json``
+(``{"seconds": ...}``), a metric of that stage in ``dvc.yaml``, so each run's times live with its
+outputs (an experiment keeps its own). With ``GRPO_PARAMS_READ_LOG=FILE`` in the environment it
+also appends ``{"stage", "params"}`` to FILE: the params fields the stage read (tests check them
+against the stage's ``params:`` in ``dvc.yaml``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo.config import Params, ParamsError, load_params
-from grpo.data import DataError, write_json
-from grpo.models import ModelConfigError
+from grpo.config import ModelConfigError, Params, ParamsError, load_params, reading_params
+from grpo.jsonio import DataError, write_json
 
 USER_ERRORS = (ParamsError, DataError, ModelConfigError, FileNotFoundError)
 
@@ -27,17 +34,14 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     t0 = time.perf_counter()
     try:
         params = load_params(args.params)
-        body(params)
+        with reading_params() as reads:
+            body(params)
+            metrics_dir = Path(params.train.metrics_dir)
     except USER_ERRORS as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
-    record_time(name, time.perf_counter() - t0)
+    write_json(metrics_dir / "time" / f"{name}.json", {"seconds": round(time.perf_counter() - t0, 1)})
+    if os.environ.get("GRPO_PARAMS_READ_LOG"):
+        with open(os.environ["GRPO_PARAMS_READ_LOG"], "a") as fh:
+            fh.write(json.dumps({"stage": name, "params": sorted(reads)}) + "\n")
     return 0
-
-
-def record_time(stage: str, seconds: float, path: Path = Path("outputs/timings.json")) -> None:
-    """Remember the last wall time of each stage for the report (outside DVC's outputs on purpose:
-    a cached stage keeps the time of the run that produced its outputs)."""
-    times = json.loads(path.read_text()) if path.exists() else {}
-    times[stage] = round(seconds, 1)
-    write_json(path, times)

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 from grpo.config import Params
-from grpo.data import write_json, write_jsonl
 from grpo.evaluate import evaluate
+from grpo.jsonio import write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 

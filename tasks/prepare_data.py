@@ -6,7 +6,8 @@ import logging
 from pathlib import Path
 
 from grpo.config import Params
-from grpo.data import prepare_splits, write_json, write_jsonl
+from grpo.data import prepare_splits
+from grpo.jsonio import write_json, write_jsonl
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

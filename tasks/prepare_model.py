@@ -6,8 +6,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from grpo.base_model import resolve_base_model
 from grpo.config import Params
-from grpo.models import resolve_base_model
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
-from grpo.config import Params, sampling_dtype
-from grpo.data import build_prompt, read_jsonl, write_json, write_jsonl
-from grpo.models import load_tokenizer
+from grpo.base_model import load_tokenizer
+from grpo.config import Params
+from grpo.data import build_prompt
+from grpo.device import default_device, sampling_dtype
+from grpo.jsonio import read_jsonl, write_json, write_jsonl
 from grpo.rollout import make_sampler
 from grpo.sent import score_rows
 from tasks._common import run_stage
@@ -29,8 +29,7 @@ def sent(params: Params) -> dict:
     rows = read_jsonl(cfg.data_path)
     tokenizer = load_tokenizer(params.model.path)
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = sampling_dtype(cfg.dtype, device)
+    dtype = sampling_dtype(cfg.dtype, default_device())
     sampler, backend = make_sampler(
         cfg.backend, params.model.path, tokenizer, seed=cfg.seed, dtype=dtype,
         gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,

@@ -7,7 +7,6 @@ and the per-step log; persistent, so a restarted stage resumes).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -18,9 +17,11 @@ from pathlib import Path
 
 import torch
 
+from grpo.base_model import load_tokenizer
 from grpo.config import Params
-from grpo.data import read_jsonl, write_json
-from grpo.models import load_policy, load_tokenizer
+from grpo.device import default_device
+from grpo.jsonio import read_jsonl, write_json
+from grpo.policy import load_policy
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage
 
@@ -61,7 +62,7 @@ def _wandb_callback(params: Params):
         id=run_id,
         resume="allow",
         dir=cfg.output_dir,
-        config=dataclasses.asdict(params),
+        config=params.model_dump(),
     )
 
     def cb(row: dict) -> None:
@@ -72,7 +73,7 @@ def _wandb_callback(params: Params):
 
 def _fingerprint(params: Params) -> str:
     """Hash of everything a checkpoint depends on: the params that shape training and the data."""
-    keep = {k: dataclasses.asdict(getattr(params, k)) for k in ("model", "lora", "train")}
+    keep = {k: getattr(params, k).model_dump() for k in ("model", "lora", "train")}
     for key in ("checkpoint_every", "wandb_mode", "wandb_project", "metrics_dir", "adapter_dir"):
         keep["train"].pop(key, None)  # logging and output placement do not change the run
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True).encode())
@@ -104,7 +105,7 @@ def train(params: Params) -> None:
 
     _reset_if_changed(params)
     torch.manual_seed(cfg.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     tokenizer = load_tokenizer(params.model.path)
     model = load_policy(params.model, params.lora, device)
     callbacks, closers = [], []  # per-step loggers and their close functions

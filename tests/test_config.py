@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from grpo.config import ParamsError, load_params, params_from_dict
+from grpo.config import Params, ParamsError, load_params, params_from_dict, reading_params
 
 from .conftest import REPO
 
@@ -35,6 +35,11 @@ def test_repo_params_yaml_is_valid():
         ({"lora": {"target_modules": "q_proj"}}, "lora.target_modules"),
         ({"model": {"quantization": "int3"}}, "model.quantization"),
         ({"trainer": {}}, "trainer"),
+        ({"train": {"lr": "5e-4"}}, "train.lr"),
+        ({"train": {"steps": True}}, "train.steps"),
+        ({"data": {"source": "jsonl"}}, "data.path"),
+        ({"data": {"operators": ["+", "^"]}}, "data.operators"),
+        ({"sent": {"gpu_memory_utilization": 1.5}}, "sent.gpu_memory_utilization"),
     ],
 )
 def test_bad_values_name_the_field(raw, field):
@@ -47,7 +52,8 @@ def test_bad_values_name_the_field(raw, field):
 
 def test_defaults_fill_missing_sections():
     params = params_from_dict({"train": {"steps": 3}})
-    assert params.train.steps == 3 and params.lora.rank == 16
+    assert params.train.steps == 3 and params.lora == Params().lora
+    assert params.train.model_dump() == {**Params().train.model_dump(), "steps": 3}
 
 
 def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
@@ -68,28 +74,37 @@ def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("preset", ["params.yaml", "presets/seed003.yaml", "presets/seed001.yaml"])
 def test_shipped_params_and_presets_validate(preset):
-    from grpo.config import load_params
-
-    params = load_params(REPO / preset)
-    if "seed003" in preset:
-        assert (params.train.group_size, params.train.max_new_tokens, params.train.lr) == (8, 512, 1e-4)
-        assert (params.lora.rank, params.lora.alpha, params.train.beta, params.train.epsilon) == (16, 32, 0.0, 0.2)
-    if "seed001" in preset:
-        assert (params.train.group_size, params.train.max_new_tokens, params.train.beta) == (12, 400, 0.04)
-        assert (params.train.epsilon, params.train.max_grad_norm) == (0.1, 0.1)
+    load_params(REPO / preset)
 
 
-def test_sampling_dtype_auto_follows_native_bf16(tmp_path, monkeypatch):
-    import grpo.config as config
+def _keys(tree: dict, prefix: str = "") -> set[str]:
+    return {f"{prefix}{k}" for k in tree} | {
+        key for k, v in tree.items() if isinstance(v, dict) and k != "rewards" for key in _keys(v, f"{prefix}{k}.")}
 
-    with_bf16, without = tmp_path / "a", tmp_path / "b"
-    with_bf16.write_text("flags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n")
-    without.write_text("flags\t\t: fpu sse2 avx2 avx512f\n")
-    assert config.cpu_has_native_bf16(with_bf16) and not config.cpu_has_native_bf16(without)
-    assert not config.cpu_has_native_bf16(tmp_path / "missing")
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
-    assert config.sampling_dtype("auto", "cpu") == "float32"
-    assert config.sampling_dtype("auto", "cuda") == "bfloat16"
-    assert config.sampling_dtype("float32", "cuda") == "float32"
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
-    assert config.sampling_dtype("auto", "cpu") == "bfloat16"
+
+def test_params_yaml_is_complete_and_equals_the_code_defaults():
+    """One home for defaults: params.yaml names every field, and the code's defaults are the same
+    values, so a key left out of a params file never changes the run."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    defaults = Params().model_dump()
+    assert _keys(raw) == _keys(defaults), "params.yaml and the config fields differ"
+    assert load_params(REPO / "params.yaml").model_dump() == defaults
+    for section, fields in raw.items():  # the same value, key by key (a clearer failure)
+        for key, value in fields.items():
+            assert defaults[section][key] == value, f"{section}.{key}: params.yaml {value!r} != default"
+
+
+def test_a_key_left_out_takes_the_params_yaml_value():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, fields in raw.items():
+        for key in fields:
+            partial = {s: {k: v for k, v in f.items() if (s, k) != (section, key)} for s, f in raw.items()}
+            assert params_from_dict(partial) == load_params(REPO / "params.yaml"), f"{section}.{key}"
+
+
+def test_reading_params_records_fields_read():
+    params = Params()
+    with reading_params() as reads:
+        _ = params.train.lr, params.model.path, params.train.lr
+    _ = params.lora.rank  # outside the block: not recorded
+    assert reads == {"train.lr", "model.path"}

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from grpo.config import DataConfig, ParamsError
-from grpo.data import DataError, load_gsm8k, load_user_jsonl, prepare_splits, split_disjoint
+from grpo.data import load_gsm8k, load_user_jsonl, prepare_splits, split_disjoint
+from grpo.jsonio import DataError
 
 
 def test_gsm_symbolic_rows_have_solution_and_numeric_answer():
@@ -66,7 +67,7 @@ def test_jsonl_source_splits_by_seed(tmp_path):
 
 def test_jsonl_source_needs_a_path():
     with pytest.raises(ParamsError, match="data.path"):
-        DataConfig(source="jsonl").validate()
+        DataConfig(source="jsonl")
 
 
 def test_gsm8k_offline_fails_with_one_clear_line(monkeypatch):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig
-from grpo.models import load_policy, load_tokenizer
+from grpo.policy import load_policy
 from grpo.sampling import decode, sample_tokens
 
 

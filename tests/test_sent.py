@@ -1,18 +1,10 @@
-"""Semantic entropy on hand-worked cases, and the curriculum schedule."""
+"""Semantic entropy on hand-worked cases."""
 
 import math
 
 import pytest
 
-from grpo.sent import (
-    batch_indices,
-    cluster_ids,
-    curriculum_order,
-    score_prompt,
-    semantic_entropy,
-    sort_by_entropy,
-    stage_of_step,
-)
+from grpo.sent import cluster_ids, score_prompt, semantic_entropy, sort_by_entropy
 
 
 @pytest.mark.parametrize("logprobs", [None, [-0.1, -2.0, -5.0, -0.7]])
@@ -59,39 +51,30 @@ def test_length_mismatch_and_empty_raise():
 
 def test_score_prompt_clusters_equivalent_final_answers():
     completions = ["So 1000 apples.\n#### 1,000", "The answer is 1000.", "#### 1000.00", "I am not sure"]
-    out = score_prompt(completions, [-0.2, -0.3, -0.1, -2.0], "count")
+    out = score_prompt(completions, [-0.2, -0.3, -0.1, -2.0], "count", "1000")
     # "I am not sure" has no number: its own cluster
     assert out["num_clusters"] == 2
     assert out["answer_counts"] == {"1000": 3, "none": 1}
     assert out["semantic_entropy"] == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
     assert out["semantic_entropy"] == out["semantic_entropy_count"]
-    weighted = score_prompt(completions, [-0.2, -0.3, -0.1, -2.0], "likelihood")
+    weighted = score_prompt(completions, [-0.2, -0.3, -0.1, -2.0], "likelihood", "1000")
     assert weighted["semantic_entropy"] < out["semantic_entropy"]  # the odd one out is the least likely
+
+
+@pytest.mark.parametrize(("answer", "completions", "expected"), [
+    ("1,000", ["#### 1000", "#### 1,000", "#### 999"], 2 / 3),  # a reference written with a separator
+    ("1/2", ["#### 0.5", "The answer is 1/2.", "#### 2"], 2 / 3),  # a fraction and its decimal
+    ("18", ["#### 18.00", "#### $18", "no idea"], 2 / 3),
+])
+def test_pass_rate_scores_like_the_correctness_reward(answer, completions, expected):
+    from grpo.rewards import correctness
+
+    out = score_prompt(completions, None, "count", answer)
+    assert out["pass_rate"] == pytest.approx(expected)
+    assert out["pass_rate"] == pytest.approx(sum(correctness(completions, [answer] * 3)) / 3)
 
 
 def test_sort_is_ascending_and_stable():
     rows = [{"id": "a", "semantic_entropy": 0.5}, {"id": "b", "semantic_entropy": 0.0},
             {"id": "c", "semantic_entropy": 0.5}, {"id": "d", "semantic_entropy": 0.0}]
     assert [r["id"] for r in sort_by_entropy(rows)] == ["b", "d", "a", "c"]
-
-
-def test_curriculum_stages_are_contiguous_shuffled_slices():
-    stages = curriculum_order(10, 3, seed=0)
-    assert [sorted(s) for s in stages] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
-    assert curriculum_order(10, 3, seed=0) == stages
-    assert curriculum_order(10, 1, seed=0) != curriculum_order(10, 1, seed=1)
-    with pytest.raises(ValueError):
-        curriculum_order(3, 4, seed=0)
-
-
-def test_steps_are_split_evenly_over_stages_in_order():
-    steps, k = 10, 2
-    stages = [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
-    assert [stage_of_step(s, steps, 3) for s in range(steps)] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
-    # stage 0 begins at step 0, stage 1 at step 4 (ceil(10/3)), stage 2 at step 7 (ceil(20/3))
-    assert batch_indices(stages, 0, steps, k) == [0, 1]
-    assert batch_indices(stages, 1, steps, k) == [2, 0]  # wraps within the stage
-    assert batch_indices(stages, 4, steps, k) == [3, 4]
-    assert batch_indices(stages, 6, steps, k) == [3, 4]  # (6 - 4) * 2 = 4 -> wraps to 0
-    assert batch_indices(stages, 7, steps, k) == [7, 8]
-    assert batch_indices(stages, 9, steps, k) == [8, 9]

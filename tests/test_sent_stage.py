@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from grpo.data import write_jsonl
-from grpo.models import load_tokenizer
+from grpo.base_model import load_tokenizer
+from grpo.jsonio import write_jsonl
 from grpo.rollout import TransformersBackend
 from tests.conftest import REPO
 

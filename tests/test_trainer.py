@@ -14,13 +14,15 @@ import pytest
 import torch
 import yaml
 
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
-from grpo.data import write_jsonl
-from grpo.models import ModelConfigError, load_policy, load_tokenizer
+from grpo.base_model import load_tokenizer
+from grpo.config import LoraConfig, ModelConfig, ModelConfigError, TrainConfig
+from grpo.data import build_prompt
+from grpo.jsonio import write_jsonl
+from grpo.policy import load_policy
 from grpo.rewards import REWARDS
 from grpo.rollout import TransformersBackend, completion_mask_from_eos
 from grpo.trainer import GRPOTrainer, generation_calls
-from grpo.types import Rollout
+from grpo.types import Rollout, TrainBatch
 
 from .conftest import REPO
 
@@ -101,7 +103,7 @@ def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_mo
     padding: the shared-prompt forward gives the full forward's hidden states and LoRA gradients
     (with gradient checkpointing it falls back to the full forward, so they match trivially)."""
     from grpo.logprobs import completion_hidden
-    from grpo.models import lm_parts
+    from grpo.policy import lm_parts
 
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=checkpointing),
@@ -271,12 +273,13 @@ def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tm
 
 def test_4bit_layers_keep_the_standard_layout_and_repacked_ones_are_refused(tiny_model_dir):
     """bitsandbytes repacks a Linear4bit into its CPU-kernel layout on an eval no-grad forward on
-    CPUs with AVX512-BF16, after which dequantize_4bit is wrong: grpo.models switches that off, and
+    CPUs with AVX512-BF16, after which dequantize_4bit is wrong: grpo.nf4 switches that off, and
     ``dense_weight`` refuses a repacked layer instead of returning wrong weights."""
     import bitsandbytes as bnb
     from bitsandbytes.functional import has_avx512bf16
 
-    from grpo.models import dense_weight, load_training_base
+    from grpo.nf4 import dense_weight
+    from grpo.policy import load_training_base
 
     model = load_training_base(ModelConfig(path=str(tiny_model_dir)), "cpu")
     layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
@@ -298,7 +301,7 @@ def test_4bit_layers_keep_the_standard_layout_and_repacked_ones_are_refused(tiny
 def test_dequantized_weights_are_exact_and_temporary(tiny_model_dir):
     import bitsandbytes as bnb
 
-    from grpo.models import dequantized_weights
+    from grpo.nf4 import dequantized_weights
 
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     for n, p in model.named_parameters():
@@ -353,7 +356,7 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
 
     start = seq_logp()
     for _ in range(8):
-        trainer.policy_loss_backward(ids, attn, targets, mask, len(prompt), adv, None, None, loss_normalizer(mask, "dapo"))
+        trainer.policy_loss_backward(TrainBatch(ids, attn, targets, mask, adv, len(prompt)), loss_normalizer(mask, "dapo"))
         trainer.optimizer.step()
         trainer.optimizer.zero_grad()
     end = seq_logp()
@@ -370,3 +373,57 @@ def test_stage_logs_to_wandb_offline(tiny_model_dir, tiny_problems, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problems, tmp_path, mu):
+    """The same rollouts through micro_batches 1 and 4: the same kept tokens (the entropy threshold
+    is the step's, not each micro-batch's) and the same accumulated LoRA gradients."""
+    from grpo.loss import loss_normalizer
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3)  # non-zero adapter: gradients reach A and B
+    fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
+                  entropy_top_quantile=0.2, mu=mu)
+    one = GRPOTrainer(model, tok, TrainConfig(**fields, micro_batches=1), tiny_problems)
+    four = GRPOTrainer(model, tok, TrainConfig(**fields, micro_batches=4), tiny_problems)
+    prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
+    rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2])  # (N,)
+    batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
+    assert len(four._micro_slices(len(batch))) == 4
+    normalizer = loss_normalizer(batch.mask, "dapo")
+    results = []
+    for trainer in (one, four):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        sums, keep = trainer.accumulate_gradients(batch, normalizer)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((sums, keep, grads))
+    (s1, keep1, g1), (s4, keep4, g4) = results
+    assert torch.equal(keep1, keep4)
+    assert 0 < keep1.sum() < batch.mask.sum()  # the mask really selects
+    assert s1["kept"] == s4["kept"] and s1["loss"] == pytest.approx(s4["loss"], abs=1e-6)
+    for n in g1:
+        torch.testing.assert_close(g4[n], g1[n], rtol=0, atol=1e-5)
+    assert any(g.abs().max() > 1e-4 for g in g1.values())
+
+
+def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_problems, tmp_path):
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, num_stages=3, prompts_per_step=1, group_size=2,
+                      max_new_tokens=3, checkpoint_every=0, warmup_steps=0)
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    stage_of_question = {tiny_problems[i]["question"]: s for s, idx in enumerate(trainer.stages) for i in idx}
+    rows = trainer.train(progress=False)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    for r in rows:
+        drawn = {stage_of_question[s["question"]] for s in samples if s["step"] == r["step"]}
+        assert drawn == {r["stage"]}, r["step"]

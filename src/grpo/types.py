@@ -2,6 +2,10 @@
 
 N = number of completions in the batch (prompts * G), P = padded prompt length,
 C = padded completion length.
+
+``Rollout`` is what a generation backend returns; ``TrainBatch`` is a step's rollouts as the
+update consumes them (on the training device, with advantages and the fixed log-probs), and
+slices into micro-batches by rows.
 """
 
 from __future__ import annotations
@@ -61,3 +65,49 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         """(N, P + C) 1 on real tokens."""
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's completions as the loss consumes them; slicing takes rows."""
+
+    input_ids: Tensor
+    """(N, P + C) int64, prompt and completion tokens."""
+    attention_mask: Tensor
+    """(N, P + C) int64, 1 on real tokens."""
+    targets: Tensor
+    """(N, C) int64, the completion tokens (the labels of the completion positions)."""
+    mask: Tensor
+    """(N, C) int64, 1 on valid completion tokens (up to and including the first EOS)."""
+    advantages: Tensor
+    """(N,) float32, group-relative advantage of each completion."""
+    prompt_len: int
+    """P: the completion starts at this column of ``input_ids``."""
+    old_logp: Tensor | None = None
+    """(N, C) float32 log-probs under the sampling policy when ``mu > 1``; ``None``: on-policy (the
+    detached current log-probs)."""
+    ref_logp: Tensor | None = None
+    """(N, C) float32 log-probs under the reference policy (adapter off) when ``beta > 0``."""
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, advantages: Tensor, device: torch.device) -> TrainBatch:
+        return cls(
+            input_ids=rollout.input_ids.to(device),
+            attention_mask=rollout.attention_mask.to(device),
+            targets=rollout.completion_ids.to(device),
+            mask=rollout.completion_mask.to(device),
+            advantages=advantages.to(device),
+            prompt_len=rollout.prompt_ids.shape[1],
+        )
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, rows: slice) -> TrainBatch:
+        """The rows ``rows`` of every tensor field (a micro-batch)."""
+        return TrainBatch(
+            self.input_ids[rows], self.attention_mask[rows], self.targets[rows], self.mask[rows],
+            self.advantages[rows], self.prompt_len,
+            None if self.old_logp is None else self.old_logp[rows],
+            None if self.ref_logp is None else self.ref_logp[rows],
+        )

@@ -1,0 +1,53 @@
+"""The curriculum: the order of the training rows and the rows of each step.
+
+The SENT stage writes the training rows sorted easy -> hard. ``stages_for`` turns them into
+stages of row indices: ``curriculum`` cuts the file into ``num_stages`` contiguous, near-equal
+slices, each shuffled by the seed; ``shuffled`` is one seeded permutation of all rows (the
+comparison without a curriculum); ``file`` is the file order. A run's steps are split evenly
+over the stages (``stage_of_step``); within its stage a step takes the next ``k`` rows, wrapping
+around (``batch_indices``).
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def curriculum_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
+    """Row indices of each stage: ``num_stages`` contiguous, near-equal slices of ``range(n_rows)``
+    (rows already sorted easy -> hard), each shuffled by ``seed``."""
+    if not 1 <= num_stages <= n_rows:
+        raise ValueError(f"num_stages must be in [1, {n_rows}], got {num_stages}")
+    rng = random.Random(seed)
+    bounds = [round(i * n_rows / num_stages) for i in range(num_stages + 1)]
+    stages = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        idx = list(range(lo, hi))
+        rng.shuffle(idx)
+        stages.append(idx)
+    return stages
+
+
+def stages_for(order: str, n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
+    """Row indices per stage for ``train.order`` (``curriculum``, ``shuffled`` or ``file``); a
+    curriculum never has more stages than rows."""
+    if order == "curriculum":
+        return curriculum_order(n_rows, min(num_stages, n_rows), seed)
+    if order == "shuffled":
+        return curriculum_order(n_rows, 1, seed)
+    if order == "file":
+        return [list(range(n_rows))]
+    raise ValueError(f"train.order: unknown order {order!r}")
+
+
+def stage_of_step(step: int, steps: int, num_stages: int) -> int:
+    """0-based stage of 0-based ``step`` when ``steps`` are split evenly over ``num_stages``."""
+    return min(step * num_stages // steps, num_stages - 1)
+
+
+def batch_indices(stages: list[list[int]], step: int, steps: int, k: int) -> list[int]:
+    """Row indices of 0-based ``step``: its stage's next ``k`` rows, wrapping around within the stage."""
+    s = stage_of_step(step, steps, len(stages))
+    first = -(-s * steps // len(stages))  # first step of stage s: ceil(s * steps / num_stages)
+    idx = stages[s]
+    return [idx[((step - first) * k + i) % len(idx)] for i in range(k)]

@@ -1,8 +1,12 @@
-"""Advantages and every loss variant against hand-worked values.
+"""Advantages and every loss variant against hand-worked values, an independent reference, and
+properties of the loss.
 
 The tensors below were worked through by hand (numbers in the comments); they are the same
 formulas as TRL's GRPOTrainer (per-token clipped surrogate, k3 KL, ``grpo`` / ``dr_grpo`` /
-``dapo`` aggregation), evaluated independently here.
+``dapo`` aggregation), evaluated independently here. ``reference_loss`` restates the loss and its
+gradient token by token in plain Python and is compared with ``grpo_loss`` on random batches; the
+property tests check what any correct implementation must satisfy (no gradient off the mask, clip
+boundaries, linearity in the advantage scale, invariance to padding).
 """
 
 from __future__ import annotations
@@ -42,11 +46,6 @@ def test_loss_variants(loss_type, expected):
     ratio_mean = (2 * math.exp(0.3) + math.exp(-0.2) + 1 + math.exp(-0.3)) / 5  # 1.051853
     assert stats["ratio"] == pytest.approx(ratio_mean, rel=1e-6)
     assert stats["kl"] == 0.0
-
-
-def test_hand_numbers():
-    assert (ROW0 + ROW1) / 5 == pytest.approx(-0.388760, abs=1e-6)
-    assert (ROW0 / 3 + ROW1 / 2) / 2 == pytest.approx(-0.234390, abs=1e-6)
 
 
 def test_dr_grpo_uses_max_length():
@@ -133,3 +132,151 @@ def test_group_advantages_all_equal_batch_is_zero():
 def test_group_advantages_bad_shape():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(7), 4)
+
+
+# --- an independent reference: the per-token clipped surrogate written out case by case ----------
+
+
+def reference_loss(logp, old, ref, adv, mask, *, eps, eps_high=None, beta=0.0, loss_type, max_length=None):
+    """(loss, d loss / d logp) from plain Python loops over the tokens.
+
+    The clipped surrogate by cases (PPO / GRPO): with A > 0 the term is capped once the ratio exceeds
+    1 + eps_high, with A < 0 once it falls below 1 - eps; otherwise it is -rho * A. The gradient is
+    written out by hand: -rho * A on unclipped tokens, 0 on clipped ones, plus beta * (1 - e^(ref - logp))
+    from the k3 KL term, times the weight the aggregation gives the token.
+    """
+    eps_high = eps if eps_high is None else eps_high
+    n, t = len(logp), len(logp[0])
+    lengths = [sum(int(m) for m in row) for row in mask]
+    n_tok = sum(lengths)
+    total, grad = 0.0, [[0.0] * t for _ in range(n)]
+    for i in range(n):
+        a = adv[i]
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            rho = math.exp(logp[i][j] - old[i][j])
+            if a > 0 and rho > 1 + eps_high:
+                term, dterm = -(1 + eps_high) * a, 0.0
+            elif a < 0 and rho < 1 - eps:
+                term, dterm = -(1 - eps) * a, 0.0
+            else:
+                term, dterm = -rho * a, -rho * a
+            if beta:
+                d = ref[i][j] - logp[i][j]
+                term += beta * (math.exp(d) - d - 1)
+                dterm += beta * (1 - math.exp(d))
+            if loss_type == "dapo":  # token mean over the batch
+                weight = 1 / n_tok
+            elif loss_type == "grpo":  # mean over the sequence's tokens, then over sequences
+                weight = 1 / (lengths[i] * n)
+            else:  # dr_grpo: sum / (N * T_max)
+                weight = 1 / (n * (max_length or t))
+            total += weight * term
+            grad[i][j] = weight * dterm
+    return total, grad
+
+
+def random_batch(seed, n=5, t=7):
+    """Log-probs whose ratios spread over both clip boundaries, mixed-sign advantages, ragged mask."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    logp = old + 0.35 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    adv[0], adv[1] = abs(adv[0]) + 0.1, -abs(adv[1]) - 0.1  # both signs present
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    lengths[0] = t
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize(("beta", "eps_high", "max_length"), [(0.0, None, None), (0.04, 0.28, None), (0.1, None, 12)])
+def test_value_and_gradient_match_reference(seed, loss_type, beta, eps_high, max_length):
+    logp, old, ref, adv, mask = random_batch(seed)
+    rho = torch.exp(logp - old)
+    valid = mask.bool()
+    # the batch exercises every branch of the surrogate
+    assert (valid & (rho > 1 + (eps_high or 0.2)) & (adv[:, None] > 0)).any()
+    assert (valid & (rho < 0.8) & (adv[:, None] < 0)).any()
+    assert (~valid).any()
+
+    x = logp.clone().requires_grad_(True)
+    loss, _ = grpo_loss(x, old, ref, adv, mask, epsilon=0.2, epsilon_high=eps_high, beta=beta,
+                        loss_type=loss_type, max_length=max_length)
+    loss.backward()
+    want, want_grad = reference_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                                     eps=0.2, eps_high=eps_high, beta=beta, loss_type=loss_type,
+                                     max_length=max_length)
+    assert loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert x.grad.flatten().tolist() == pytest.approx(sum(want_grad, []), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_no_gradient_outside_the_mask(loss_type):
+    logp, old, ref, adv, mask = random_batch(3)
+    x = logp.clone().requires_grad_(True)
+    grpo_loss(x, old, ref, adv, mask, beta=0.1, loss_type=loss_type)[0].backward()
+    assert (x.grad[mask == 0] == 0).all()
+    assert (x.grad[mask == 1] != 0).any()
+
+
+def _token_grad(log_ratio, adv, eps=0.2, eps_high=None):
+    """Gradient of the one-token loss with respect to logp, at the given log-ratio."""
+    x = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    grpo_loss(x, old, None, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1),
+              epsilon=eps, epsilon_high=eps_high, loss_type="dapo")[0].backward()
+    return x.grad.item()
+
+
+@pytest.mark.parametrize(("eps_high", "upper"), [(None, 1.2), (0.28, 1.28)])
+def test_clip_boundaries(eps_high, upper):
+    # A > 0: clipped (no gradient) above 1 + eps_high, but not below it, and never from below
+    assert _token_grad(math.log(upper + 0.01), 1.5, eps_high=eps_high) == 0.0
+    assert _token_grad(math.log(upper - 0.01), 1.5, eps_high=eps_high) == pytest.approx(-1.5 * (upper - 0.01))
+    assert _token_grad(math.log(0.5), 1.5, eps_high=eps_high) == pytest.approx(-1.5 * 0.5)
+    # A < 0: clipped below 1 - eps, not above it, and never from above (pessimistic bound)
+    assert _token_grad(math.log(0.79), -2.0, eps_high=eps_high) == 0.0
+    assert _token_grad(math.log(0.81), -2.0, eps_high=eps_high) == pytest.approx(2.0 * 0.81)
+    assert _token_grad(math.log(1.6), -2.0, eps_high=eps_high) == pytest.approx(2.0 * 1.6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("c", [0.5, 3.0])
+def test_loss_and_gradient_are_linear_in_positive_advantage_scale(loss_type, c):
+    logp, old, _, adv, mask = random_batch(4)
+    results = []
+    for a in (adv, c * adv):
+        x = logp.clone().requires_grad_(True)
+        loss, _ = grpo_loss(x, old, None, a, mask, loss_type=loss_type)
+        loss.backward()
+        results.append((loss.item(), x.grad))
+    (l1, g1), (l2, g2) = results
+    assert l1 != 0.0
+    assert l2 == pytest.approx(c * l1, rel=1e-12)
+    assert torch.allclose(g2, c * g1, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_padding_columns_change_nothing(loss_type):
+    logp, old, ref, adv, mask = random_batch(5)
+    n, t = mask.shape
+    g = torch.Generator().manual_seed(99)
+    pad = lambda x: torch.cat([x, 3 * torch.randn(n, 4, generator=g, dtype=x.dtype)], dim=1)  # noqa: E731
+    padded = (pad(logp), pad(old), pad(ref), torch.cat([mask, torch.zeros(n, 4, dtype=mask.dtype)], dim=1))
+
+    out = []
+    for lp, o, r, m in ((logp, old, ref, mask), padded):
+        x = lp.clone().requires_grad_(True)
+        # dr_grpo divides by T_max, which must stay the batch's max length, not the padded width
+        loss, stats = grpo_loss(x, o, r, adv, m, beta=0.05, loss_type=loss_type, max_length=t)
+        loss.backward()
+        out.append((loss.item(), x.grad, stats))
+    (l1, g1, s1), (l2, g2, s2) = out
+    assert l2 == pytest.approx(l1, rel=1e-12)
+    assert torch.equal(g2[:, :t], g1)
+    assert (g2[:, t:] == 0).all()
+    assert s2 == pytest.approx(s1, rel=1e-12)

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 
 import pytest
 
-from grpo.rewards import REWARDS, combined_rewards, correctness, extract_answer, format_soft, format_strict
+from grpo.rewards import (
+    REWARDS,
+    combined_rewards,
+    correctness,
+    extract_answer,
+    format_number,
+    format_soft,
+    format_strict,
+    normalize_answer,
+)
 
 # (completion, expected extract_answer)
 EXTRACTION_CASES = [
@@ -63,8 +73,53 @@ def test_extract_answer(completion, expected):
     assert extract_answer(completion) == expected
 
 
-def test_at_least_forty_cases():
-    assert len(EXTRACTION_CASES) >= 40
+@pytest.mark.parametrize(("completion", "expected"), EXTRACTION_CASES)
+def test_extraction_ignores_surrounding_whitespace(completion, expected):
+    assert extract_answer(f" \n\t{completion}\n  \n") == expected
+
+
+@pytest.mark.parametrize("expected", sorted({e for _, e in EXTRACTION_CASES if e is not None}))
+def test_extracted_answers_are_canonical(expected):
+    # the normalised text reads back as itself, so references and completions meet in one form
+    assert extract_answer(expected) == expected
+    assert normalize_answer(expected) == expected
+
+
+@pytest.mark.parametrize("n", [0, 7, 999, 1000, 12345, 1234567, -4500, 10**12 + 3])
+@pytest.mark.parametrize("template", ["#### {}", "The answer is {}.", "so \\boxed{{{}}}", "We get {} in total."])
+def test_thousands_separators_are_dropped(n, template):
+    assert extract_answer(template.format(f"{n:,}")) == extract_answer(template.format(n)) == str(n)
+
+
+@pytest.mark.parametrize("value", [Fraction(18), Fraction(-3), Fraction(1, 2), Fraction(1, 3), Fraction(-5, 4),
+                                   Fraction(7, 8), Fraction(22, 7), Fraction(10**15 + 1, 4)])
+def test_format_number_round_trips(value):
+    text = format_number(value)
+    assert Fraction(text) == value
+    assert extract_answer(f"#### {text}") == text
+
+
+# Spellings of one value; every pair must agree, whichever side is the completion.
+EQUIVALENT = {
+    "1000": ["1000", "1,000", "1000.00", "$1,000", "1,000.0"],
+    "0.5": ["0.5", "1/2", "\\frac{1}{2}", "0.50", "2/4"],
+    "-3": ["-3", "-3.0", "−3", "-$3"],
+}
+
+
+@pytest.mark.parametrize(("a", "b"), [(a, b) for forms in EQUIVALENT.values() for a in forms for b in forms])
+def test_correctness_is_symmetric_in_answer_formatting(a, b):
+    assert correctness([f"#### {a}"], [b]) == correctness([f"#### {b}"], [a]) == [1.0]
+
+
+@pytest.mark.parametrize(("a", "b"), [("1000", "100"), ("1,000", "10,000"), ("0.5", "5"), ("1/2", "2"), ("-3", "3")])
+def test_correctness_separates_different_values(a, b):
+    assert correctness([f"#### {a}"], [b]) == correctness([f"#### {b}"], [a]) == [0.0]
+
+
+def test_no_answer_never_matches_an_unreadable_reference():
+    # both sides extract to None; that is not a match
+    assert correctness(["I don't know.", ""], ["banana", "n/a"]) == [0.0, 0.0]
 
 
 CORRECTNESS_CASES = [

@@ -24,8 +24,7 @@ def keep_standard_nf4_layout(model) -> int:
 
     On a CPU with AVX512-BF16, the first eval-mode forward without grad of a ``Linear4bit``
     rewrites its weight in place into a kernel-specific layout. After that,
-    ``dequantize_4bit(weight, quant_state)`` returns wrong weights (max error 0.25 on a 64 x 96
-    layer here), which broke ``dequantized_weights``, and later training steps stopped moving the
+    ``dequantize_4bit(weight, quant_state)`` returns wrong weights, which broke ``dequantized_weights``, and later training steps stopped moving the
     LoRA weights. The standard layout keeps every path exact. Returns the number of layers set.
     """
     import bitsandbytes as bnb

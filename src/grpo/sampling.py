@@ -6,8 +6,7 @@
    completions (a GRPO group shares one prompt; prefilling G copies would cost G times as much);
 2. step: the last logits of every live row -> temperature / top-p -> one token per row
    (``sample_tokens``: inverse-CDF sampling, one uniform number per row, instead of
-   ``torch.multinomial``, which draws one exponential variate per vocabulary entry: 45 ms a
-   step for 32 x 49,152 on this CPU);
+   ``torch.multinomial``, which draws one exponential variate per vocabulary entry);
 3. a row that emits EOS leaves the batch (its cache rows are dropped), so later steps compute
    only the rows still generating; the loop ends when none is left or after ``max_new_tokens``.
 

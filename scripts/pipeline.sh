@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Set up .venv and run the whole pipeline with DVC (`dvc repro`) on the embedded default.
 #   bash scripts/pipeline.sh                        # params.yaml (offline, CPU)
-#   bash scripts/pipeline.sh presets/seed003.yaml   # copy a preset over params.yaml first (GPU + internet)
+#   bash scripts/pipeline.sh presets/seed003.yaml   # put a preset's keys over params.yaml first (GPU + internet)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-if [ $# -ge 1 ]; then
-  cp "$1" params.yaml
-  echo "pipeline: params.yaml <- $1"
-fi
 export PATH="$PWD/.venv/bin:$PATH"   # dvc.yaml runs `python -m tasks.<stage>` with this venv
+if [ $# -ge 1 ]; then
+  python scripts/apply_preset.py "$1" params.yaml
+fi
 if ! git rev-parse --git-dir >/dev/null 2>&1; then
   git init -q && git add -A && git -c user.email=grpo@localhost -c user.name=grpo commit -qm "pipeline workspace"
 fi

@@ -60,7 +60,8 @@ def tiny_problems() -> list[dict]:
 
 
 def make_dvc_workspace(ws: Path, params: dict) -> Path:
-    """A temporary git + DVC repo holding this project's stages, code and ``params``."""
+    """A temporary git + DVC repo holding this project's stages, code and a complete params.yaml:
+    the repo's, with ``params`` put over it (as a preset is)."""
     import shutil
     import subprocess
     import sys
@@ -70,7 +71,10 @@ def make_dvc_workspace(ws: Path, params: dict) -> Path:
     for name in ("tasks", "src", "flows"):
         shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
-    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    from grpo.config import overlay_params
+
+    full = overlay_params(yaml.safe_load((REPO / "params.yaml").read_text()), params)
+    (ws / "params.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
                 [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
                 ["git", "add", "-A"], ["git", "commit", "-qm", "tiny pipeline"]):

@@ -362,6 +362,18 @@ def params_from_dict(raw: dict | None) -> Params:
     return Params(**sections)
 
 
+def overlay_params(base: dict, overrides: dict) -> dict:
+    """``base`` (a complete params mapping) with the keys of ``overrides`` (a preset: any subset of
+    sections and keys) put over it; a key's value is replaced whole (a preset's ``rewards`` is the
+    run's rewards, not a merge). Unknown sections or keys are left for validation to name."""
+    out = {section: dict(fields or {}) for section, fields in base.items()}
+    for section, fields in (overrides or {}).items():
+        if not isinstance(fields, dict):
+            raise ParamsError(f"{section}: must be a mapping, got {fields!r}")
+        out.setdefault(section, {}).update(fields)
+    return out
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate ``params.yaml``."""
     path = Path(path)

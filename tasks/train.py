@@ -7,8 +7,6 @@ and the per-step log; persistent, so a restarted stage resumes).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -18,6 +16,7 @@ from pathlib import Path
 import torch
 
 from grpo.base_model import load_tokenizer
+from grpo.checkpoint import reset_if_changed
 from grpo.config import Params
 from grpo.device import default_device
 from grpo.jsonio import read_jsonl, write_json
@@ -71,29 +70,6 @@ def _wandb_callback(params: Params):
     return cb, run.finish
 
 
-def _fingerprint(params: Params) -> str:
-    """Hash of everything a checkpoint depends on: the params that shape training and the data."""
-    keep = {k: getattr(params, k).model_dump() for k in ("model", "lora", "train")}
-    for key in ("checkpoint_every", "wandb_mode", "wandb_project", "metrics_dir", "adapter_dir"):
-        keep["train"].pop(key, None)  # logging and output placement do not change the run
-    digest = hashlib.sha256(json.dumps(keep, sort_keys=True).encode())
-    digest.update(Path(params.train.data_path).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _reset_if_changed(params: Params) -> None:
-    """Resume only a run with the same fingerprint; otherwise clear ``output_dir`` (a
-    checkpoint of other params or data must never be continued)."""
-    out = Path(params.train.output_dir)
-    stamp = out / "fingerprint"
-    current = _fingerprint(params)
-    if out.exists() and (not stamp.exists() or stamp.read_text().strip() != current):
-        log.info("params or data changed since the checkpoints in %s were written: starting afresh", out)
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(current + "\n")
-
-
 def train(params: Params) -> None:
     cfg = params.train
     problems = read_jsonl(cfg.data_path)
@@ -103,7 +79,7 @@ def train(params: Params) -> None:
     shutil.rmtree(adapter_dir, ignore_errors=True)  # never leave a stale adapter that looks complete
     summary_path.unlink(missing_ok=True)
 
-    _reset_if_changed(params)
+    reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
     torch.manual_seed(cfg.seed)
     device = default_device()
     tokenizer = load_tokenizer(params.model.path)

@@ -22,11 +22,12 @@ One optimizer step:
 With ``mu = 1`` the old policy is the current one, so old_logp is the detached current log-prob
 (ratio 1 in value, the usual on-policy gradient) and no extra pass is run.
 
-Checkpoints (every ``checkpoint_every`` steps) hold the adapter, optimizer, scheduler, RNG
-states, step and data position; they are written to a temporary directory and renamed, so a
-``kill -9`` leaves either a complete checkpoint or none. ``GRPOTrainer.train`` resumes from the
-newest one and truncates the per-step log (``steps.jsonl``) and the sampled completions
-(``samples.jsonl``) to it, so the resumed run repeats and skips nothing.
+Checkpoints (every ``checkpoint_every`` steps, ``grpo.checkpoint``) hold the adapter, optimizer,
+scheduler, RNG states, step and data position with a manifest of their checksums; they are written
+to a temporary directory and renamed, so a ``kill -9`` leaves either a complete checkpoint or none.
+``GRPOTrainer.train`` resumes from the newest one that verifies and loads (a damaged one is
+reported, moved aside and skipped) and truncates the per-step log (``steps.jsonl``) and the
+sampled completions (``samples.jsonl``) to it, so the resumed run repeats and skips nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ import gc
 import json
 import logging
 import math
-import random
 import resource
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,31 +82,6 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _truncate_jsonl(path: Path, step: int) -> list[dict]:
-    """Keep the rows of the JSONL log ``path`` whose ``step`` is at most ``step``; return them."""
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
 
 
 def generation_calls(n_prompts: int, group_size: int, max_completions: int) -> list[tuple[int, int, int]]:
@@ -365,61 +339,56 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_XXXXXX`` atomically; keep the two newest."""
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
+        """Write ``checkpoints/step_XXXXXX`` atomically with its manifest; keep the two newest
+        (``grpo.checkpoint.save``)."""
+        from grpo import checkpoint
 
-        final = self.ckpt_dir / f"step_{self.step:06d}"
-        tmp = self.ckpt_dir / f".tmp_step_{self.step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        adapter = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
-        save_file(adapter, tmp / "adapter.safetensors")
-        torch.save(
-            {
-                "step": self.step,
-                "data_position": self.step * self.cfg.prompts_per_step,
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": _rng_state(),
-            },
-            tmp / "state.pt",
-        )
-        tmp.rename(final)
-        for old in sorted(self.ckpt_dir.glob("step_*"))[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        return checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.scheduler,
+                               data_position=self.step * self.cfg.prompts_per_step)
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(p for p in self.ckpt_dir.glob("step_*") if (p / "state.pt").exists())
-        return found[-1] if found else None
+        """The newest checkpoint whose files match its manifest (nothing is moved or loaded)."""
+        from grpo import checkpoint
+
+        return checkpoint.latest(self.ckpt_dir)
 
     def load_checkpoint(self, path: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+        """Verify and load the checkpoint at ``path`` into the model, optimizer, scheduler, RNGs
+        and ``self.step``. Raises ``CheckpointError`` if it is damaged (nothing changed) and
+        ``CheckpointMismatch`` if it was written with other LoRA or ``prompts_per_step`` settings."""
+        from grpo import checkpoint
 
-        set_peft_model_state_dict(self.model, load_file(path / "adapter.safetensors", device=str(self.device)))
-        state = torch.load(path / "state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        self.step = state["step"]
-        if state["data_position"] != self.step * self.cfg.prompts_per_step:
-            raise RuntimeError(f"{path}: data position does not match prompts_per_step; delete {self.ckpt_dir}")
+        self._restore(checkpoint.read(path, self.device))
+
+    def _restore(self, ckpt) -> None:
+        """Apply a ``grpo.checkpoint.Checkpoint`` that was read and verified."""
+        from grpo import checkpoint
+
+        if ckpt.data_position != ckpt.step * self.cfg.prompts_per_step:
+            raise checkpoint.CheckpointMismatch(
+                f"{ckpt.path}: data position does not match prompts_per_step; delete {self.ckpt_dir}"
+            )
+        checkpoint.restore(ckpt, self.model, self.optimizer, self.scheduler)
+        self.step = ckpt.step
 
     def _restore_history(self) -> None:
         """Per-step rows and samples up to ``self.step``; later ones (after the checkpoint) are dropped."""
-        self.history = _truncate_jsonl(self.log_path, self.step)
-        _truncate_jsonl(self.samples_path, self.step)
+        from grpo.checkpoint import truncate_jsonl
+
+        self.history = truncate_jsonl(self.log_path, self.step)
+        truncate_jsonl(self.samples_path, self.step)
 
     # ------------------------------------------------------------------ loop
     def train(self, progress: bool = True) -> list[dict]:
-        """Train to ``cfg.steps`` steps, resuming from the newest checkpoint; return all step rows."""
+        """Train to ``cfg.steps`` steps, resuming from the newest intact checkpoint (damaged ones
+        are logged, moved aside and skipped; none left: step 0); return all step rows."""
+        from grpo import checkpoint
+
         self.out.mkdir(parents=True, exist_ok=True)
-        ckpt = self.latest_checkpoint()
+        ckpt = checkpoint.load_latest(self.ckpt_dir, self.device)
         if ckpt is not None:
-            self.load_checkpoint(ckpt)
-            log.info("resumed from %s (step %d)", ckpt, self.step)
+            self._restore(ckpt)
+            log.info("resumed from %s (step %d)", ckpt.path, self.step)
         else:
             self.step = 0
         self._restore_history()

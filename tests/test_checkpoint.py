@@ -81,7 +81,7 @@ def _trainer(policy, problems, out: Path, callbacks=None) -> GRPOTrainer:
     set_peft_model_state_dict(model, initial)
     torch.manual_seed(0)
     cfg = TrainConfig(output_dir=str(out), steps=STEPS, prompts_per_step=1, group_size=2, max_new_tokens=6,
-                      checkpoint_every=1)
+                      checkpoint_every=1, rewards={"correctness": 1.0, "format_soft": 0.5})
     return GRPOTrainer(model, tok, cfg, problems, callbacks=callbacks)
 
 

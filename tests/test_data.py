@@ -81,7 +81,8 @@ def test_gsm8k_offline_fails_with_one_clear_line(monkeypatch):
 
 def test_prepare_data_stage_is_byte_identical_across_runs(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text(f"data: {{source: arithmetic, train_size: 30, test_size: 20, max_digits: 2, out_dir: {tmp_path}/raw}}\n")
+    params.write_text(f"data: {{source: arithmetic, train_size: 30, test_size: 20, max_digits: 2, out_dir: {tmp_path}/raw}}\n"
+                      f"train: {{metrics_dir: {tmp_path}/metrics}}\n")
     outputs = []
     for _ in range(2):
         subprocess.run([sys.executable, "-m", "tasks.prepare_data", "--params", str(params)], check=True)

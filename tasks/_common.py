@@ -40,7 +40,7 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     except USER_ERRORS as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
-    write_json(metrics_dir / "time" / f"{name}.json", {"seconds": round(time.perf_counter() - t0, 1)})
+    write_json(metrics_dir / "time" / f"{name}.json", {"seconds": round(time.perf_counter() - t0, 2)})
     if os.environ.get("GRPO_PARAMS_READ_LOG"):
         with open(os.environ["GRPO_PARAMS_READ_LOG"], "a") as fh:
             fh.write(json.dumps({"stage": name, "params": sorted(reads)}) + "\n")

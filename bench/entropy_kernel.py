@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from grpo.device import default_device  # noqa: E402
 from grpo.kernels.entropy_logprob import entropy_logprob_torch, entropy_logprob_triton, triton_available  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     if not triton_available(device):
         sys.exit("the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on the CPU")
     torch.manual_seed(0)

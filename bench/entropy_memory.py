@@ -35,7 +35,9 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
     from grpo.trainer import GRPOTrainer
 
     torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from grpo.device import default_device
+
+    device = default_device()
     tok = load_tokenizer(model_dir)
     model = load_policy(ModelConfig(path=model_dir), LoraConfig(), device)
     cfg = TrainConfig(group_size=completions, entropy_top_quantile=quantile, max_new_tokens=tokens)

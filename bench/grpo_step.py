@@ -83,9 +83,10 @@ def _model_dir(args, workdir: Path) -> str:
         return args.model
     import torch
 
+    from grpo.device import default_device
     from grpo.synthetic import architecture_config, random_model_dir
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return str(random_model_dir(workdir / args.arch, architecture_config(args.arch), dtype=dtype, device=device))
 
@@ -128,11 +129,12 @@ def run_ours(args, overrides: dict) -> dict:
 
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig
+    from grpo.device import default_device
     from grpo.policy import load_policy
     from grpo.rollout import TransformersBackend
     from grpo.trainer import GRPOTrainer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model_dir = _model_dir(args, workdir)
@@ -186,10 +188,11 @@ def run_trl(args, tuned: bool = False) -> dict:
     from grpo.base_model import load_tokenizer
     from grpo.config import ModelConfig
     from grpo.data import build_prompt
+    from grpo.device import default_device
     from grpo.policy import load_training_base
     from grpo.rewards import REWARDS
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     reward_weights = {"correctness": 1.0, "format_strict": 0.1}
 
     def reward_fn(name):

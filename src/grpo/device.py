@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -18,6 +20,14 @@ import torch
 def default_device() -> str:
     """``cuda`` when available, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def describe_device() -> str:
+    """One line naming the device this process computes on (for reports)."""
+    if default_device() == "cuda":
+        return f"CUDA: {torch.cuda.get_device_name(0)}"
+    cores = len(os.sched_getaffinity(0))
+    return f"CPU: {platform.processor() or platform.machine()}, {cores} cores, torch threads {torch.get_num_threads()}"
 
 
 def compute_dtype(setting: str, device: str | torch.device) -> torch.dtype:

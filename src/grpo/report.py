@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import platform
 from pathlib import Path
 
 import matplotlib
+
+from grpo.device import describe_device
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -70,14 +70,6 @@ def versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
-
-
-def device() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"CUDA: {torch.cuda.get_device_name(0)}"
-    return f"CPU: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()}"
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -218,7 +210,7 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
                    f"Baseline ({'correct' if b['correct'] else 'wrong'}):", _fence(b["completion"]), "",
                    f"Final ({'correct' if a['correct'] else 'wrong'}):", _fence(a["completion"]), ""]
 
-    md += ["## Run", "", f"Device: {device()}", "", "| package | version |", "|---|---|",
+    md += ["## Run", "", f"Device: {describe_device()}", "", "| package | version |", "|---|---|",
            *(f"| {k} | {v} |" for k, v in versions().items()), ""]
     if timings:
         md += ["| stage | wall time (s) |", "|---|---|", *(f"| {k} | {v:.1f} |" for k, v in timings.items()), ""]

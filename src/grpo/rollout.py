@@ -249,8 +249,7 @@ def make_sampler(backend: str, model_path: str | Path, tokenizer, *, seed: int =
     from grpo.policy import load_base_model
 
     torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_base_model(model_path, dtype, device)
+    model = load_base_model(model_path, dtype, default_device())
     return TransformersBackend(model, tokenizer, return_logprobs=True), "transformers"
 
 

@@ -1,20 +1,35 @@
-"""The pipeline as a Prefect flow: each DVC stage is a Prefect task, DVC's cache decides what runs.
+"""The pipeline as a Prefect flow: each DVC stage is a Prefect task, DVC's state decides what runs.
 
     python -m flows.pipeline                                  # like `dvc repro`, with Prefect logs
     python -m flows.pipeline --set train.lr=5e-4 --name lr5e-4  # an experiment `dvc exp show` lists
+    python -m flows.pipeline --stages prepare_data sent         # only these stages (dvc.yaml's order)
 
-Each stage runs as ``dvc repro --single-item <stage>`` in the workspace, its output streamed into
-the Prefect log; a stage whose deps and params are unchanged is skipped by DVC (the task reports
-``skipped``). Stages that touch the network (``prepare_data`` may download GSM8K, ``prepare_model``
-a hub model or the SmolLM2 wheel) are retried. With overrides, the params are set in
-``params.yaml`` (comments kept), the stages run, and ``dvc exp save`` records the result as a
-named experiment. The report is published as a markdown artifact and the metrics as a table
-artifact.
+The stages and their order are those of ``dvc.yaml`` (its ``stages:`` mapping, read at run time;
+``--stages`` is checked against it). For each stage the flow asks DVC (``Repo.status``, what
+``dvc status <stage>`` runs) whether its deps, params, outs or command differ from ``dvc.lock``: an unchanged stage is reported ``skipped``
+and not started; a changed one runs as ``dvc repro --single-item <stage>`` in the workspace, its
+output streamed into the Prefect log, and is reported ``ran`` (this includes outputs restored from
+DVC's run cache). ``ran``/``skipped`` never depend on the wording of DVC's messages. Stages that
+touch the network (``prepare_data`` may download GSM8K, ``prepare_model`` a hub model or the SmolLM2
+wheel) are retried. With overrides, the params are set in ``params.yaml`` (comments kept), the
+stages run, and ``dvc exp save`` records the result as a named experiment. The report is published
+as a markdown artifact, the metrics and the stage table as table artifacts, and ``main()`` prints
+one ``stage status seconds`` line per stage.
 
-One DVC run at a time per workspace: the flow takes DVC's own workspace lock file
-(``.dvc/tmp/lock``) before it starts and fails with one clear line if another ``dvc repro`` or flow
-holds it; DVC itself writes outputs only after a stage succeeds, so a failed run never leaves a
-half-written output recorded as complete.
+One DVC run at a time per workspace (``flows/workspace.py``). Before Prefect is even imported,
+``main()`` looks for another DVC run in the workspace (a ``dvc repro``/``dvc exp run`` process, a live
+PID in ``.dvc/tmp/rwlock``, a held ``.dvc/tmp/lock``) and takes the flow's own lock
+``.dvc/tmp/grpo-flow.lock`` for the whole run; the flow function takes the same lock again
+(re-entrant within the process), so a deployment calling the flow is protected too. A refused run
+exits with status 2 and one stderr line ``flow: error: workspace ... is busy: PID ... (command) ...``,
+having written nothing: no params override, no lock file, no DVC call. Before each stage the flow
+checks again, so a ``dvc repro`` started meanwhile stops the flow with the same kind of line instead
+of a DVC lock error. DVC itself writes outputs only after a stage succeeds, so a failed run never
+leaves a half-written output recorded as complete.
+
+Prefect is imported on first use of ``pipeline``/``run_stage`` (the module ``__getattr__`` below
+builds the flow and the task), so ``from flows.pipeline import pipeline`` and the deployment
+entrypoint ``flows/pipeline.py:pipeline`` get the Prefect flow as before.
 """
 
 from __future__ import annotations
@@ -27,43 +42,53 @@ import sys
 import time
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from flows.workspace import WorkspaceBusy, check_no_dvc_run, dvc_stages, find_dvc_run, workspace_lock
 
-STAGES = ("prepare_data", "prepare_model", "sent", "baseline_eval", "train", "final_eval", "report")
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
-
-
-class WorkspaceBusy(RuntimeError):
-    """Another DVC run holds this workspace."""
 
 
 def _dvc() -> list[str]:
     return [sys.executable, "-m", "dvc"]
 
 
-def check_workspace_free(workdir: Path) -> None:
-    """Fail clearly when another DVC process holds the workspace lock (DVC would fail later, mid-run)."""
-    import zc.lockfile
-
-    lock_path = workdir / ".dvc" / "tmp" / "lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = zc.lockfile.LockFile(str(lock_path))
-    except zc.lockfile.LockError as err:
-        raise WorkspaceBusy(
-            f"{workdir}: another DVC run (dvc repro / dvc exp run / this flow) holds {lock_path}; "
-            "wait for it to finish, then start again"
-        ) from err
-    lock.close()
+def stages_of(workdir: str | Path) -> list[str]:
+    """The workspace's stages in ``dvc.yaml``'s order."""
+    return dvc_stages(Path(workdir).resolve())
 
 
-@task(name="dvc-stage", task_run_name="{stage}")
-def run_stage(stage: str, workdir: str) -> dict:
-    """``dvc repro --single-item <stage>``, streaming DVC's output into the Prefect log."""
+def _select(known: list[str], wanted: list[str] | None) -> list[str]:
+    unknown = [s for s in (wanted or []) if s not in known]
+    if unknown:
+        raise ValueError(f"stages: unknown {', '.join(unknown)}; dvc.yaml has: {', '.join(known)}")
+    return [s for s in known if not wanted or s in wanted]
+
+
+def stage_changed(root: Path, stage: str) -> bool:
+    """Whether DVC would reproduce ``stage``: its deps, params, outs or cmd differ from dvc.lock."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return bool(repo.status(targets=[f"{root / 'dvc.yaml'}:{stage}"]))
+
+
+def _run_stage(stage: str, workdir: str) -> dict:
+    """Skip ``stage`` if DVC finds it unchanged, else ``dvc repro --single-item <stage>`` with its output logged."""
+    from prefect import get_run_logger
+
     logger = get_run_logger()
+    root = Path(workdir)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*_dvc(), "repro", "--single-item", stage], cwd=workdir, stdout=subprocess.PIPE,
+    try:
+        changed = stage_changed(root, stage)  # takes DVC's locks for a moment, like `dvc status`
+    except Exception as err:
+        other = find_dvc_run(root)  # DVC's LockError when a DVC run started beside the flow: name it
+        if other is not None:
+            raise WorkspaceBusy(f"stage {stage}: {other.message(root)}") from err
+        raise
+    if not changed:
+        logger.info("stage %s: unchanged since dvc.lock (dvc status), skipped", stage)
+        return {"stage": stage, "status": "skipped", "seconds": round(time.perf_counter() - t0, 1)}
+    proc = subprocess.Popen([*_dvc(), "repro", "--single-item", stage], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines = []
     for line in proc.stdout:
@@ -72,13 +97,17 @@ def run_stage(stage: str, workdir: str) -> dict:
         if line and "\r" not in line:
             logger.info(line)
     code = proc.wait()
-    text = "\n".join(lines)
     if code != 0:
-        if "Unable to acquire lock" in text:
-            raise WorkspaceBusy(f"stage {stage}: another DVC run holds the workspace lock; nothing was written")
+        other = find_dvc_run(root)  # a DVC run started beside the flow is the likely cause: name it
+        if other is not None:
+            raise WorkspaceBusy(f"stage {stage}: {other.message(root)}")
         raise RuntimeError(f"stage {stage} failed (dvc exit {code}); last lines:\n" + "\n".join(lines[-15:]))
-    skipped = "didn't change, skipping" in text
-    return {"stage": stage, "status": "skipped" if skipped else "ran", "seconds": round(time.perf_counter() - t0, 1)}
+    return {"stage": stage, "status": "ran", "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _retry_unless_busy(task, task_run, state) -> bool:
+    """Retry a failed network stage, but not one that failed because another DVC run holds the workspace."""
+    return not isinstance(getattr(state, "data", None), WorkspaceBusy)
 
 
 def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
@@ -100,6 +129,8 @@ def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
 
 
 def _publish(workdir: Path, results: list[dict]) -> None:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
     report = workdir / "reports" / "report.md"
     if report.exists():
         create_markdown_artifact(report.read_text(), key="grpo-report", description="GRPO run report")
@@ -115,30 +146,56 @@ def _publish(workdir: Path, results: list[dict]) -> None:
     create_table_artifact(results, key="grpo-stages", description="Stages run or skipped by DVC")
 
 
-@flow(name="grpo-pipeline", log_prints=True)
-def pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experiment_name: str | None = None,
-             stages: list[str] | None = None) -> list[dict]:
-    """Run the DVC stages in order as Prefect tasks; with ``overrides``, record a DVC experiment."""
+def _pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experiment_name: str | None = None,
+              stages: list[str] | None = None) -> list[dict]:
+    """Run the DVC stages in dvc.yaml's order as Prefect tasks; with ``overrides``, record a DVC experiment."""
+    from prefect import get_run_logger
+
     logger = get_run_logger()
     root = Path(workdir).resolve()
-    wanted = list(stages or STAGES)
-    unknown = [s for s in wanted if s not in STAGES]
-    if unknown:
-        raise ValueError(f"stages: unknown {unknown}; known: {', '.join(STAGES)}")
-    check_workspace_free(root)
-    if overrides:
-        apply_overrides(root / "params.yaml", overrides)
-        logger.info("params overridden: %s", overrides)
-    results = []
-    for stage in (s for s in STAGES if s in wanted):
-        runner = run_stage.with_options(retries=2, retry_delay_seconds=10) if stage in NETWORK_STAGES else run_stage
-        results.append(runner(stage, str(root)))
-    if overrides or experiment_name:
-        cmd = [*_dvc(), "exp", "save", "--force"] + (["--name", experiment_name] if experiment_name else [])
-        subprocess.run(cmd, cwd=root, check=True)
-        logger.info("recorded as DVC experiment %s", experiment_name or "(auto-named)")
-    _publish(root, results)
+    selected = _select(stages_of(root), stages)
+    with workspace_lock(root):  # re-entrant: main() already holds it; a deployment takes it here
+        if overrides:
+            apply_overrides(root / "params.yaml", overrides)
+            logger.info("params overridden: %s", overrides)
+        run_stage = _prefect_objects()["run_stage"]
+        results = []
+        for stage in selected:
+            check_no_dvc_run(root)  # a `dvc repro` started beside the flow since the last stage
+            runner = run_stage
+            if stage in NETWORK_STAGES:
+                runner = run_stage.with_options(retries=2, retry_delay_seconds=10,
+                                                retry_condition_fn=_retry_unless_busy)
+            results.append(runner(stage, str(root)))
+        if overrides or experiment_name:
+            cmd = [*_dvc(), "exp", "save", "--force"] + (["--name", experiment_name] if experiment_name else [])
+            subprocess.run(cmd, cwd=root, check=True)
+            logger.info("recorded as DVC experiment %s", experiment_name or "(auto-named)")
+        _publish(root, results)
     return results
+
+
+# `_run_stage` and `_pipeline` become the Prefect task `run_stage` and flow `pipeline` on first use,
+# through the module __getattr__ below: importing Prefect takes seconds, and a refused run must not
+# wait for it. Their names are the public ones, so a deployment's entrypoint is `flows/pipeline.py:pipeline`.
+_run_stage.__name__ = _run_stage.__qualname__ = "run_stage"
+_pipeline.__name__ = _pipeline.__qualname__ = "pipeline"
+_BUILT: dict = {}
+
+
+def _prefect_objects() -> dict:
+    if not _BUILT:
+        from prefect import flow, task
+
+        _BUILT["run_stage"] = task(name="dvc-stage", task_run_name="{stage}")(_run_stage)
+        _BUILT["pipeline"] = flow(name="grpo-pipeline", log_prints=True)(_pipeline)
+    return _BUILT
+
+
+def __getattr__(name: str):
+    if name in ("run_stage", "pipeline"):
+        return _prefect_objects()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,12 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a param (repeatable), e.g. --set train.lr=5e-4; the run becomes a DVC experiment")
     ap.add_argument("--name", help="experiment name (with --set)")
-    ap.add_argument("--stages", nargs="*", help="run only these stages (default: all)")
+    ap.add_argument("--stages", nargs="*", help="run only these stages of dvc.yaml (default: all)")
     args = ap.parse_args(argv)
+    bad = [s for s in args.sets if "=" not in s]
+    if bad:
+        ap.error(f"--set {bad[0]}: expected KEY=VALUE")
     overrides = dict(s.split("=", 1) for s in args.sets)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    root = Path(args.workdir).resolve()
     try:
-        results = pipeline(args.workdir, overrides or None, args.name, args.stages)
+        _select(stages_of(root), args.stages)
+    except ValueError as err:
+        print(f"flow: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
+            os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+            results = _prefect_objects()["pipeline"](str(root), overrides or None, args.name, args.stages)
     except WorkspaceBusy as err:
         print(f"flow: error: {err}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -18,6 +19,9 @@ def run_eval(params: Params, name: str, adapter_dir: str | None) -> dict:
     work = Path("outputs/eval") / f"{name}_work"
     metrics, per_problem = evaluate(params, adapter_dir, work)
     shutil.rmtree(work, ignore_errors=True)  # the exported weights are a temporary copy
+    selection = Path(adapter_dir or "", "selection.json")
+    if adapter_dir and selection.exists():  # which of the run's adapters the train stage wrote
+        metrics["adapter"] = json.loads(selection.read_text())
     write_jsonl(Path("outputs/eval") / f"{name}.jsonl", per_problem)
     write_json(Path(params.train.metrics_dir) / f"{name}.json", metrics)
     log.info("%s: accuracy %.3f [%.3f, %.3f], format %.3f, n=%d (%s, %s)", name, metrics["accuracy"],

@@ -1,4 +1,4 @@
-"""Stage ``prepare_data``: write ``data/raw/{train,test}.jsonl`` (and ``stats.json``) from ``data.source``."""
+"""Stage ``prepare_data``: write ``data/raw/{train,test,val}.jsonl`` (and ``stats.json``) from ``data.source``."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ log = logging.getLogger(__name__)
 
 
 def prepare_data(params: Params) -> None:
-    train, test, stats = prepare_splits(params.data)
+    train, test, val, stats = prepare_splits(params.data)
     log.info(
-        "%s: train %d, test %d (%d test rows dropped: question also in train; %d duplicate train rows; %d rejected)",
-        stats["source"], stats["train"], stats["test"], stats["test_dropped_shared_with_train"],
-        stats["train_duplicates_dropped"], stats["rejected_rows"],
+        "%s: train %d, test %d, validation %d (%d test rows dropped: question also in train; %d duplicate train "
+        "rows; %d validation rows seen or repeated; %d rejected)",
+        stats["source"], stats["train"], stats["test"], stats["val"], stats["test_dropped_shared_with_train"],
+        stats["train_duplicates_dropped"], stats["val_dropped_seen_or_repeated"], stats["rejected_rows"],
     )
     out = Path(params.data.out_dir)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "test.jsonl", test)
+    write_jsonl(out / "val.jsonl", val)
     write_json(out / "stats.json", stats, sort_keys=True)
 
 

@@ -7,6 +7,7 @@ and the per-step log; persistent, so a restarted stage resumes).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ from grpo.base_model import load_tokenizer
 from grpo.checkpoint import reset_if_changed
 from grpo.config import Params
 from grpo.device import default_device
+from grpo.engine_policy import make_policy_backend
 from grpo.jsonio import read_jsonl, write_json
 from grpo.policy import load_policy
 from grpo.trainer import GRPOTrainer
@@ -89,23 +91,43 @@ def train(params: Params) -> None:
         if cb is not None:
             callbacks.append(cb)
             closers.append(close)
-    trainer = GRPOTrainer(model, tokenizer, cfg, problems, callbacks=callbacks)
+    val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
+    backend, backend_name = make_policy_backend(params, model, tokenizer)
+    log.info("rollouts: %s", backend_name)
+    trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
+                          val_problems=val_problems)
     history = trainer.train(progress=True)
 
     tmp = adapter_dir.with_name(adapter_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    evals = [r for r in history if "val_accuracy" in r]
+    if cfg.keep_best and trainer.best_dir.exists():
+        shutil.copytree(trainer.best_dir, tmp)
+    else:
+        model.save_pretrained(tmp)
+        write_json(tmp / "selection.json", {"adapter": "last step", "step": len(history),
+                                            "val_accuracy": evals[-1]["val_accuracy"] if evals else None})
     tokenizer.save_pretrained(tmp)
     tmp.rename(adapter_dir)
+    shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
 
     first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
     summary = {
         "steps": len(history),
+        "rollout_backend": backend_name,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
         "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
-        "total_time_s": sum(r["step_time_s"] for r in history),
+        "total_time_s": sum(r["step_time_s"] + r.get("time_validate_s", 0.0) for r in history),
+        "adapter": json.loads((adapter_dir / "selection.json").read_text()),
     }
+    if evals:
+        best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
+        summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
+                       best_val_step=best["step"])
+    if "logp_mismatch_mean" in history[-1]:
+        summary["logp_mismatch_mean"] = sum(r["logp_mismatch_mean"] for r in history) / len(history)
+        summary["logp_mismatch_max"] = max(r["logp_mismatch_max"] for r in history)
     write_json(summary_path, summary)
     for close in closers:
         close()

@@ -12,9 +12,9 @@ from grpo.jsonio import DataError
 
 
 def test_gsm_symbolic_rows_have_solution_and_numeric_answer():
-    train, test, stats = prepare_splits(DataConfig(source="gsm_symbolic", train_size=6, test_size=4))
-    assert stats["train"] == 6 and len(test) == stats["test"]
-    for row in train + test:
+    train, test, val, stats = prepare_splits(DataConfig(source="gsm_symbolic", train_size=6, test_size=4, val_size=3))
+    assert stats["train"] == 6 and len(test) == stats["test"] and len(val) == stats["val"] > 0
+    for row in train + test + val:
         assert set(row) == {"id", "question", "answer", "solution"}
         assert row["solution"]
         float(row["answer"].split("/")[0])
@@ -57,12 +57,23 @@ def test_user_jsonl_missing_or_empty_fails_naming_the_file(tmp_path):
 def test_jsonl_source_splits_by_seed(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
-    cfg = DataConfig(source="jsonl", path=str(path), train_size=100, test_size=5)
-    train, test, stats = prepare_splits(cfg)
-    assert len(test) == 5 and len(train) == 15 and stats["rejected_rows"] == 0
+    cfg = DataConfig(source="jsonl", path=str(path), train_size=10, test_size=5, val_size=3)
+    train, test, val, stats = prepare_splits(cfg)
+    assert len(test) == 5 and len(train) == 10 and len(val) == 3 and stats["rejected_rows"] == 0
     assert not {r["question"] for r in train} & {r["question"] for r in test}
+    assert not {r["question"] for r in val} & {r["question"] for r in train + test}
     with pytest.raises(DataError, match="test_size"):
         prepare_splits(DataConfig(source="jsonl", path=str(path), test_size=20))
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "gsm_symbolic"])
+def test_validation_split_is_disjoint_and_leaves_train_and_test_unchanged(source):
+    kw = dict(source=source, train_size=40, test_size=30, max_digits=2)
+    without = prepare_splits(DataConfig(**kw, val_size=0))
+    train, test, val, stats = prepare_splits(DataConfig(**kw, val_size=30))
+    assert (train, test) == without[:2] and without[2] == []
+    assert val and stats["val"] == len(val) and len({r["question"] for r in val}) == len(val)
+    assert not {r["question"] for r in val} & {r["question"] for r in train + test}
 
 
 def test_jsonl_source_needs_a_path():

@@ -94,6 +94,9 @@ class DataConfig(Section):
     """Training problems generated (duplicates are dropped)."""
     test_size: Positive = 500
     """Test problems generated (repeats and questions shared with train are dropped)."""
+    val_size: NonNegative = 400
+    """Validation problems generated (for evaluation during training; questions in train or test
+    and repeats are dropped); 0 writes an empty validation split."""
     min_terms: Positive = 2
     """Fewest operands per arithmetic problem."""
     max_terms: Positive = 2
@@ -199,7 +202,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-class TrainConfig(Section):
+class TrainConfig(VLLMEngineConfig):
     SECTION: ClassVar[str] = "train"
     data_path: str = "data/cache/train_sorted.jsonl"
     """JSONL of training problems (id, question, answer); the SENT stage writes it sorted easy -> hard."""
@@ -225,6 +228,16 @@ class TrainConfig(Section):
     """G: completions per prompt (>= 2, a group of one has no baseline)."""
     max_new_tokens: Positive = 32
     """Completion length cap."""
+    rollout_backend: Backend = "auto"
+    """Who samples the rollouts: ``vllm`` (an engine in the stage's process holding the policy,
+    synced after every optimizer step: ``grpo.engine_policy``), ``transformers`` (the project's
+    decode loop on the policy itself, the fallback), or ``auto`` (vLLM when installed)."""
+    importance_sampling_correction: bool = True
+    """With engine rollouts, weight each token's policy-gradient term by the truncated ratio
+    ``min(pi_trainer / pi_engine, importance_sampling_cap)`` of the sampled token's probabilities
+    (truncated importance sampling, as TRL's ``vllm_importance_sampling_correction``)."""
+    importance_sampling_cap: PositiveFloat = 2.0
+    """Upper bound of that ratio."""
     temperature: PositiveFloat = 0.7
     """Sampling temperature of rollouts."""
     top_p: Fraction = 1.0
@@ -273,6 +286,16 @@ class TrainConfig(Section):
     """Rows (token positions) per chunk of the no-grad entropy/log-prob pass."""
     checkpoint_every: NonNegative = 10
     """Write a resumable checkpoint every N steps (0: never)."""
+    val_path: str = "data/raw/val.jsonl"
+    """Validation problems for the evaluation during training (``prepare_data`` writes them)."""
+    eval_every: NonNegative = 10
+    """Greedy accuracy on ``val_path`` every N steps and after the last one, with the rollout
+    backend (0: never)."""
+    eval_max_new_tokens: Positive = 64
+    """Length cap of the validation completions."""
+    keep_best: bool = False
+    """Write the adapter of the best validation accuracy (earliest on ties) as the stage's adapter
+    instead of the last one; ``models/adapter/selection.json`` says which was written."""
     rewards: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
     """Reward function name -> weight; the total reward is the weighted sum."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT

@@ -119,6 +119,16 @@ def load_user_jsonl(path: str | Path) -> tuple[list[dict], int]:
     return rows, rejected
 
 
+def unseen(rows: list[dict], seen: set[str]) -> list[dict]:
+    """The rows whose question is not in ``seen`` and not repeated among them (first one kept)."""
+    out, seen = [], set(seen)
+    for r in rows:
+        if r["question"] not in seen:
+            seen.add(r["question"])
+            out.append(r)
+    return out
+
+
 def split_disjoint(train: list[dict], test: list[dict]) -> tuple[list[dict], list[dict], int]:
     """Drop duplicate questions inside train, then test rows whose question is in train or
     earlier in test. Returns (train, test, number of test rows dropped)."""
@@ -136,11 +146,15 @@ def split_disjoint(train: list[dict], test: list[dict]) -> tuple[list[dict], lis
     return uniq, kept, len(test) - len(kept)
 
 
-def prepare_splits(cfg) -> tuple[list[dict], list[dict], dict]:
-    """Train and test rows for a ``DataConfig`` plus counts; train and test never share a question.
+def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """Train, test and validation rows for a ``DataConfig`` plus counts; no question is in two splits.
 
     Generators are seeded, so the same params give the same rows (and ``write_jsonl`` the same bytes).
-    reasoning-gym seeds item i with ``seed + i``: the test split uses ``seed + 1_000_000``.
+    reasoning-gym seeds item i with ``seed + i``: the test split uses ``seed + 1_000_000``, the
+    validation split ``seed + 2_000_000``. The validation split (``val_size`` drawn, rows seen in
+    train or test dropped) is drawn after the other two, so adding it changes neither; ``gsm8k``
+    takes it from the hub's train split after the training rows, ``jsonl`` from the rows after
+    the test and train rows.
     """
     rejected = 0
     if cfg.source == "arithmetic":
@@ -148,11 +162,15 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], dict]:
                   max_digits=cfg.max_digits, operators=tuple(cfg.operators))
         train = generate_arithmetic(cfg.train_size, cfg.seed, prefix="train", **kw)
         test = generate_arithmetic(cfg.test_size, cfg.seed + 1_000_000, prefix="test", **kw)
+        val = generate_arithmetic(cfg.val_size, cfg.seed + 2_000_000, prefix="val", **kw) if cfg.val_size else []
     elif cfg.source == "gsm_symbolic":
         train = generate_gsm_symbolic(cfg.train_size, cfg.seed, difficulty=cfg.difficulty, prefix="train")
         test = generate_gsm_symbolic(cfg.test_size, cfg.seed + 1_000_000, difficulty=cfg.difficulty, prefix="test")
+        val = (generate_gsm_symbolic(cfg.val_size, cfg.seed + 2_000_000, difficulty=cfg.difficulty, prefix="val")
+               if cfg.val_size else [])
     elif cfg.source == "gsm8k":
-        train, test = load_gsm8k("train", cfg.train_size), load_gsm8k("test", cfg.test_size)
+        pool = load_gsm8k("train", cfg.train_size + cfg.val_size)
+        train, val, test = pool[: cfg.train_size], pool[cfg.train_size:], load_gsm8k("test", cfg.test_size)
     elif cfg.source == "jsonl":
         rows, rejected = load_user_jsonl(cfg.path)
         if len(rows) <= cfg.test_size:
@@ -161,15 +179,19 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], dict]:
         random.Random(cfg.seed).shuffle(order)
         test = [rows[i] for i in order[: cfg.test_size]]
         train = [rows[i] for i in order[cfg.test_size:]][: cfg.train_size]
+        val = [rows[i] for i in order[cfg.test_size + cfg.train_size:]][: cfg.val_size]
     else:
         raise DataError(f"data.source: unknown source {cfg.source!r}")
     n_train = len(train)
     train, test, dropped = split_disjoint(train, test)
     if not train or not test:
         raise DataError(f"data: empty split after removing shared questions (train {len(train)}, test {len(test)})")
-    stats = {"source": cfg.source, "train": len(train), "test": len(test), "train_duplicates_dropped": n_train - len(train),
-             "test_dropped_shared_with_train": dropped, "rejected_rows": rejected}
-    return train, test, stats
+    n_val = len(val)
+    val = unseen(val, {r["question"] for r in train + test})
+    stats = {"source": cfg.source, "train": len(train), "test": len(test), "val": len(val),
+             "train_duplicates_dropped": n_train - len(train), "test_dropped_shared_with_train": dropped,
+             "val_dropped_seen_or_repeated": n_val - len(val), "rejected_rows": rejected}
+    return train, test, val, stats
 
 
 def build_prompt(tokenizer, question: str, system_prompt: str) -> str:

@@ -20,6 +20,9 @@ and the token terms are aggregated in one of three ways:
 * ``dapo``    sum over all tokens / number of valid tokens in the batch (DAPO, arXiv 2503.14476).
 
 Departure from the paper: the KL term is optional (beta = 0 skips it and the reference pass).
+When an inference engine samples the rollouts, ``token_weights`` (truncated importance weights
+``min(pi_old / pi_engine, C)``) multiply the policy-gradient term of each token before the KL term
+is added, correcting for the engine's slightly different numerics.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def grpo_loss(
     loss_type: str = "dapo",
     normalizer: float | None = None,
     max_length: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss and its statistics.
 
@@ -84,7 +88,8 @@ def grpo_loss(
     completion tokens. Positions where ``logp`` carries no gradient (e.g. tokens dropped by the
     entropy mask, filled with detached values) still count in the value and the normaliser, but
     contribute no gradient. ``normalizer`` overrides the aggregation denominator (micro-batching);
-    ``max_length`` is T_max of ``dr_grpo`` (default: T).
+    ``max_length`` is T_max of ``dr_grpo`` (default: T). ``token_weights``: (N, T) importance
+    weights of the policy-gradient term (no gradient flows into them).
 
     Returns the scalar loss and ``{"clip_frac", "clip_low_frac", "clip_high_frac", "kl", "ratio"}``,
     token means over the mask.
@@ -98,6 +103,8 @@ def grpo_loss(
     ratio = torch.exp(logp - old_logp)  # (N, T)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)  # (N, T)
     per_token = -torch.min(ratio * adv, clipped * adv)  # (N, T)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     kl = None
     if beta != 0.0:
         if ref_logp is None:

@@ -173,7 +173,8 @@ class VLLMBackend:
     """
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int, dtype: str, gpu_memory_utilization: float,
-                 max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True):
+                 max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True,
+                 **engine_args):
         device = default_device()
         engine = _cpu_engine_settings() if device == "cpu" else {}
         from vllm import LLM
@@ -185,7 +186,7 @@ class VLLMBackend:
         self.llm = LLM(
             model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, **engine,
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, **engine, **engine_args,
         )
 
     def generate(

@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import resource
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +111,7 @@ class GRPOTrainer:
         *,
         backend: RolloutBackend | None = None,
         callbacks: list[StepCallback] | None = None,
+        val_problems: list[dict] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -119,6 +121,8 @@ class GRPOTrainer:
         self.device = next(model.parameters()).device
         self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
         self.callbacks = callbacks or []
+        self.val_problems = val_problems or []
+        self._synced_step: int | None = None  # the step whose weights the backend's engine holds
         self.body, self.lm_head = lm_parts(model)
         self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -145,14 +149,42 @@ class GRPOTrainer:
         cfg, g = self.cfg, self.cfg.group_size
         sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         calls = generation_calls(len(prompts), g, cfg.generation_batch_size)
+        self.sync_backend()
         parts = [self.backend.generate(prompts[lo:hi], n, **sampling) for lo, hi, n in calls]
         rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
         del parts
+        if hasattr(self.backend, "sleep"):
+            self.backend.sleep()  # an engine frees its accelerator memory for the update
         if cfg.release_generation_memory:
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return rollout
+
+    def sync_backend(self) -> None:
+        """Bring an engine backend's weights to the policy's current ones (once per step; the
+        project's own decode loop samples from the policy itself and needs nothing)."""
+        if hasattr(self.backend, "sync") and self._synced_step != self.step:
+            self.backend.sync(self.model)
+            self._synced_step = self.step
+
+    def validate(self) -> dict:
+        """Greedy accuracy of the current policy on the validation problems, through the rollout
+        backend (``eval_max_new_tokens`` per completion, the correctness reward)."""
+        rows = self.val_problems
+        prompts = [build_prompt(self.tokenizer, r["question"], self.cfg.system_prompt) for r in rows]
+        t0 = time.perf_counter()
+        self.sync_backend()
+        texts = self.backend.generate(prompts, 1, max_new_tokens=self.cfg.eval_max_new_tokens, temperature=0.0).texts
+        if hasattr(self.backend, "sleep"):
+            self.backend.sleep()
+        correct = REWARDS["correctness"](texts, [str(r["answer"]) for r in rows])
+        return {"val_accuracy": float(np.mean(correct)), "val_n": len(rows), "time_validate_s": time.perf_counter() - t0}
+
+    def eval_due(self) -> bool:
+        """Validation after this step: every ``eval_every`` steps and after the last one."""
+        every = self.cfg.eval_every
+        return bool(every and self.val_problems) and (self.step % every == 0 or self.step == self.cfg.steps)
 
     # ------------------------------------------------------------------ no-grad passes
     @torch.no_grad()
@@ -205,9 +237,18 @@ class GRPOTrainer:
         keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold)  # (n, C) bool
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep])  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (n, C), grad only where kept
+        old_logp = batch.old_logp if batch.old_logp is not None else logp_all  # (n, C), no grad
+        weights, mismatch = None, {}
+        if batch.sampling_logp is not None:  # an engine sampled: how far its numbers are from ours
+            valid = batch.mask.bool()
+            gap = (old_logp - batch.sampling_logp).abs()[valid]  # (n_valid,)
+            mismatch = {"mismatch_sum": float(gap.sum()), "mismatch_max": float(gap.max()) if gap.numel() else 0.0}
+            if cfg.importance_sampling_correction:
+                weights = torch.exp(old_logp - batch.sampling_logp).clamp(max=cfg.importance_sampling_cap)  # (n, C)
+                mismatch["is_weight_sum"] = float(weights[valid].sum())
         loss, stats = grpo_loss(
             logp,
-            batch.old_logp if batch.old_logp is not None else logp.detach(),
+            old_logp,
             batch.ref_logp,
             batch.advantages,
             batch.mask,
@@ -217,10 +258,11 @@ class GRPOTrainer:
             loss_type=cfg.loss_type,
             normalizer=normalizer,
             max_length=cfg.max_new_tokens,
+            token_weights=weights,
         )
         if loss.requires_grad:
             loss.backward()
-        return loss.item(), stats, entropy, keep
+        return loss.item(), {**stats, **mismatch}, entropy, keep
 
     # ------------------------------------------------------------------ one update
     def accumulate_gradients(
@@ -232,7 +274,9 @@ class GRPOTrainer:
         pass at the current weights), computed here when not given.
 
         Returns sums over the step (loss; token-weighted kl, clip_frac, ratio; entropy and kept
-        token totals) and the (N, C) kept mask.
+        token totals; with engine rollouts the summed and largest absolute difference between the
+        trainer's and the engine's log-probs of the sampled tokens, and the summed importance
+        weights) and the (N, C) kept mask.
         """
         mask, slices = batch.mask, self._micro_slices(len(batch))
         threshold = None
@@ -246,6 +290,11 @@ class GRPOTrainer:
             loss, stats, entropy, keep = self.policy_loss_backward(batch[sl], normalizer, threshold)
             m = mask[sl]
             n_tok = float(m.sum())
+            for key in ("mismatch_sum", "is_weight_sum"):
+                if key in stats:
+                    sums[key] = sums.get(key, 0.0) + stats[key]
+            if "mismatch_max" in stats:
+                sums["mismatch_max"] = max(sums.get("mismatch_max", 0.0), stats["mismatch_max"])
             sums["loss"] += loss
             for key in ("kl", "clip_frac", "ratio"):
                 sums[key] += stats[key] * n_tok
@@ -286,11 +335,14 @@ class GRPOTrainer:
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "entropy": 0.0, "kept": 0.0}
         grad_norm, t_optimizer = 0.0, 0.0
-        for _ in range(cfg.mu):
+        for i in range(cfg.mu):
             update, _ = self.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update
             for key, value in update.items():
-                sums[key] += value / cfg.mu
+                if key in sums:
+                    sums[key] += value / cfg.mu
+                elif i == 0:  # the sampler/trainer gap, before any update moves the policy
+                    sums[key] = value
             t_opt = time.perf_counter()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             self.optimizer.step()
@@ -322,6 +374,9 @@ class GRPOTrainer:
             "ratio": sums["ratio"] / n_valid,
             "entropy_mean": sums["entropy"] / n_valid,
             "kept_frac": sums["kept"] / n_valid,
+            **({"logp_mismatch_mean": sums["mismatch_sum"] / n_valid, "logp_mismatch_max": sums["mismatch_max"]}
+               if "mismatch_sum" in sums else {}),
+            **({"is_weight_mean": sums["is_weight_sum"] / n_valid} if "is_weight_sum" in sums else {}),
             "completion_len": float(mask.sum(1).float().mean()),
             "zero_std_frac": float((grouped.std(dim=1) == 0).float().mean()),
             "grad_norm": grad_norm,
@@ -379,6 +434,25 @@ class GRPOTrainer:
         truncate_jsonl(self.samples_path, self.step)
 
     # ------------------------------------------------------------------ loop
+    @property
+    def best_dir(self) -> Path:
+        return self.out / "best_adapter"
+
+    def _keep_if_best(self, row: dict) -> None:
+        """With ``keep_best``, save the adapter when validation accuracy beats every earlier one."""
+        if not self.cfg.keep_best:
+            return
+        earlier = [r["val_accuracy"] for r in self.history if "val_accuracy" in r]
+        if earlier and row["val_accuracy"] <= max(earlier) and self.best_dir.exists():
+            return
+        tmp = self.best_dir.with_name(self.best_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        (tmp / "selection.json").write_text(json.dumps(
+            {"adapter": "best validation accuracy", "step": self.step, "val_accuracy": row["val_accuracy"]}) + "\n")
+        shutil.rmtree(self.best_dir, ignore_errors=True)
+        tmp.rename(self.best_dir)
+
     def train(self, progress: bool = True) -> list[dict]:
         """Train to ``cfg.steps`` steps, resuming from the newest intact checkpoint (damaged ones
         are logged, moved aside and skipped; none left: step 0); return all step rows."""
@@ -392,6 +466,9 @@ class GRPOTrainer:
         else:
             self.step = 0
         self._restore_history()
+        selection = self.best_dir / "selection.json"
+        if selection.exists() and json.loads(selection.read_text())["step"] > self.step:
+            shutil.rmtree(self.best_dir)  # saved after the checkpoint we resumed from: not this run's
         for cb in self.callbacks:
             for row in self.history:
                 cb(row)
@@ -403,6 +480,9 @@ class GRPOTrainer:
         with open(self.log_path, "a") as fh:
             while self.step < self.cfg.steps:
                 row = self.train_step()
+                if self.eval_due():
+                    row.update(self.validate())
+                    self._keep_if_best(row)
                 self.history.append(row)
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()

@@ -88,6 +88,9 @@ class TrainBatch:
     detached current log-probs)."""
     ref_logp: Tensor | None = None
     """(N, C) float32 log-probs under the reference policy (adapter off) when ``beta > 0``."""
+    sampling_logp: Tensor | None = None
+    """(N, C) float32 log-probs the sampler reported for the sampled tokens (an inference engine's;
+    ``None`` when the policy sampled itself)."""
 
     @classmethod
     def from_rollout(cls, rollout: Rollout, advantages: Tensor, device: torch.device) -> TrainBatch:
@@ -98,6 +101,7 @@ class TrainBatch:
             mask=rollout.completion_mask.to(device),
             advantages=advantages.to(device),
             prompt_len=rollout.prompt_ids.shape[1],
+            sampling_logp=None if rollout.logprobs is None else rollout.logprobs.to(device),
         )
 
     def __len__(self) -> int:
@@ -110,4 +114,5 @@ class TrainBatch:
             self.advantages[rows], self.prompt_len,
             None if self.old_logp is None else self.old_logp[rows],
             None if self.ref_logp is None else self.ref_logp[rows],
+            None if self.sampling_logp is None else self.sampling_logp[rows],
         )

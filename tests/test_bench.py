@@ -27,7 +27,7 @@ def test_every_saving_switch_is_a_valid_train_config():
 @pytest.mark.slow
 def test_grpo_step_bench_smoke_at_toy_size(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(BENCH), "--arch", "toy", "--steps", "1", "--prompts", "1", "--group", "2",
+    cmd = [sys.executable, str(BENCH), "--arch", "toy", "--rollout", "transformers", "--steps", "1", "--prompts", "1", "--group", "2",
            "--new-tokens", "4", "--prompt-tokens", "24", "--fixed-length", "--micro-batches", "2",
            "--generation-batch", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)

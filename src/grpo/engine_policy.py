@@ -123,14 +123,14 @@ class VLLMPolicyBackend(VLLMBackend):
     """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``."""
 
     def __init__(self, model, tokenizer, engine_dir: str | Path, *, seed: int, dtype: str,
-                 gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True):
+                 gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True, **options):
         from grpo.device import compute_dtype, default_device
 
         self.device = default_device()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         extra = {"enable_sleep_mode": True, "distributed_executor_backend": "uni"} if self.device == "cuda" else {}
         super().__init__(engine_dir, tokenizer, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                         max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False, **extra)
+                         max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False, **extra, **options)
         self.weights = PolicyWeights(model, compute_dtype(dtype, self.device))
         self.asleep = False
 

@@ -174,7 +174,7 @@ class VLLMBackend:
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int, dtype: str, gpu_memory_utilization: float,
                  max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True,
-                 **engine_args):
+                 max_prompt_tokens: int | None = None, min_new_tokens: int = 0, **engine_args):
         device = default_device()
         engine = _cpu_engine_settings() if device == "cpu" else {}
         from vllm import LLM
@@ -182,6 +182,8 @@ class VLLMBackend:
         dtype = compute_dtype(dtype, device)
         self.tokenizer = tokenizer
         self.progress = progress
+        self.max_prompt_tokens = max_prompt_tokens  # keep the last this many prompt tokens
+        self.min_new_tokens = min_new_tokens  # no EOS before this many tokens
         # a per-request seed breaks the CPU engine ("CPU Generator does not use offset"): seed the engine
         self.llm = LLM(
             model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype,
@@ -195,9 +197,9 @@ class VLLMBackend:
         from vllm import SamplingParams, TokensPrompt
 
         tok = self.tokenizer
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        ids = [tok(p, add_special_tokens=False)["input_ids"][-(self.max_prompt_tokens or 0):] for p in prompts]
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                logprobs=0, detokenize=False)
+                                min_tokens=min(self.min_new_tokens, max_new_tokens), logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=self.progress)
         pad = tok.pad_token_id
         p_len = max(map(len, ids))

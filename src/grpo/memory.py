@@ -49,7 +49,11 @@ to whole groups as the trainer slices them), with ``T = P + C``:
 * the chunked no-grad entropy/log-prob pass: ``min(logprob_chunk, n C) * V`` times ``b`` (Triton:
   the logits only) or ``b + 4 + 4 [b = 2]`` (PyTorch: logits, an fp32 copy, the probabilities);
 * the LM head with grad at the kept tokens, ``K = entropy_top_quantile * n * C`` rows:
-  ``K * V * (12 + 2 [b = 2])`` (fp32 logits saved for backward, two fp32 gradients, a bf16 one).
+  ``K * V * (12 + 2 [b = 2])`` (fp32 logits saved for backward, two fp32 gradients, a bf16 one);
+  this and the chunked pass run one after the other: the larger of the two is counted.
+
+Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
+lengths, completions that end early); the estimate is for the first, largest micro-batch.
 
 Peak = the larger phase total (generation memory is released before training). The no-grad
 passes (``beta > 0``, ``mu > 1``, the step-wide threshold with several micro-batches) hold less

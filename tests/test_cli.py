@@ -95,6 +95,10 @@ def test_a_preset_is_put_over_the_workspace_params(tmp_path):
     assert (res.params.train.steps, res.params.train.lr) == (7, 2.0e-4)
     assert res.changed == ["train.lr"]
     assert cli.resolve_params(tmp_path / "params.yaml").changed == []
+    from grpo.dvcstatus import describe
+
+    assert describe(tmp_path) == [f"dvc: {tmp_path} is not a DVC workspace (it needs a .dvc folder and a dvc.yaml): "
+                                  "no stage status"]
 
 
 def test_estimate_without_a_config_says_so(tmp_path, capsys):

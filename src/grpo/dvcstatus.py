@@ -124,7 +124,7 @@ def _why(changes: list) -> str:
 def describe(root: Path, changed_params: list[str] | None = None) -> list[str]:
     """Lines saying which stages ``dvc repro`` would run in ``root`` (one line when it cannot tell)."""
     if not (root / ".dvc").is_dir() or not (root / "dvc.yaml").is_file():
-        return [f"dvc: {root} is not a DVC workspace (no .dvc folder and dvc.yaml): no stage status"]
+        return [f"dvc: {root} is not a DVC workspace (it needs a .dvc folder and a dvc.yaml): no stage status"]
     graph = stage_graph(root)
     status = dvc_status(root)
     if isinstance(status, str):

@@ -111,11 +111,11 @@ def settings_lines(p: Params) -> list[str]:
 
 
 def cmd_check(args) -> int:
+    res = resolve_params(args.params)  # before torch is imported: a bad file fails in a second
+    p = res.params
     from grpo import dvcstatus, memory
     from grpo.device import default_device, describe_device
 
-    res = resolve_params(args.params)
-    p = res.params
     print(f"params: {res.label}: valid")
     print("\n".join(settings_lines(p)))
     print(f"device: {describe_device()}")

@@ -1,0 +1,215 @@
+"""The ``grpo`` command: ``grpo check`` and ``grpo ask`` (also ``python -m grpo.cli``).
+
+``grpo check [--params FILE]`` validates the params, prints the main settings, the device, the
+stages ``dvc repro`` would run and an estimate of one training step's peak memory
+(``grpo.memory``). ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
+LoRA adapter, greedily, streaming the text, then prints ``answer: N`` (``grpo.ask``).
+
+Params files. The workspace of ``--params FILE`` is the nearest directory at or above FILE that
+holds a ``dvc.yaml`` (else the current directory); relative paths in the params (``model.path``)
+are read from there, as the stages read them. FILE may name only some keys (a preset): it is put
+over the workspace's ``params.yaml`` key by key, as ``scripts/pipeline.sh FILE`` does before
+``dvc repro``, so ``grpo check --params presets/seed003.yaml`` shows the run that command starts.
+A complete file (every key) is itself. A bad file stops with one line naming the field, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from grpo.config import ModelConfigError, Params, ParamsError, overlay_params, params_from_dict
+
+DEFAULT_PROMPT_TOKENS = 128
+
+
+@dataclass
+class Resolved:
+    params: Params
+    root: Path  # the workspace: relative paths in the params are read from here
+    label: str  # how the params were put together, for the first line of `check`
+    changed: list[str] = field(default_factory=list)  # keys that differ from the workspace's params.yaml
+
+
+def workspace_root(path: Path) -> Path:
+    """The nearest directory at or above ``path`` holding a ``dvc.yaml``, else the current directory."""
+    for d in path.resolve().parents:
+        if (d / "dvc.yaml").is_file():
+            return d
+    return Path.cwd()
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ParamsError(f"{path}: must be a mapping of sections, got {raw!r}")
+    return raw or {}
+
+
+def resolve_params(path: str | Path) -> Resolved:
+    """Validated params of ``path`` (a preset put over its workspace's ``params.yaml``, see above)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: params file not found")
+    root = workspace_root(path)
+    base_path = root / "params.yaml"
+    raw = _read_yaml(path)
+    try:
+        alone = params_from_dict(raw)  # the file's own keys and values, over the defaults
+    except ParamsError as err:
+        raise ParamsError(f"{path}: {err}") from None
+    if not base_path.is_file() or base_path.resolve() == path.resolve():
+        return Resolved(alone, root, str(path))
+    base = _read_yaml(base_path)
+    try:
+        params = params_from_dict(overlay_params(base, raw))
+        before = params_from_dict(base)
+    except ParamsError as err:
+        raise ParamsError(f"{path} over {base_path}: {err}") from None
+    from grpo.dvcstatus import flat_keys
+
+    new, old = flat_keys(params.model_dump()), flat_keys(before.model_dump())
+    changed = [k for k in new if new[k] != old.get(k)]
+    return Resolved(params, root, f"{path} put over {base_path}", changed)
+
+
+# ------------------------------------------------------------------------------------- check
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def settings_lines(p: Params) -> list[str]:
+    """The main knobs, one line per section."""
+    d, m, lo, s, e, t = p.data, p.model, p.lora, p.sent, p.evaluate, p.train
+    source = f"jsonl {d.path}" if d.source == "jsonl" else d.source
+    gen = f"{t.generation_batch_size} completions" if t.generation_batch_size else "whole step"
+    rewards = ", ".join(f"{k} {_g(v)}" for k, v in t.rewards.items())
+    clip = _g(t.epsilon) + (f"/{_g(t.epsilon_high)}" if t.epsilon_high is not None else "")
+    return [
+        f"  data      {source}, {d.train_size} train / {d.test_size} test -> {d.out_dir}",
+        f"  model     {m.name} -> {m.path}, {m.quantization}, dtype {m.dtype}, gradient checkpointing "
+        f"{'on' if m.gradient_checkpointing else 'off'}",
+        f"  lora      r{lo.rank} alpha {_g(lo.alpha)} dropout {_g(lo.dropout)} on {', '.join(lo.target_modules)}",
+        f"  sent      {s.backend}, M={s.num_samples}, <= {s.max_new_tokens} tokens, T={_g(s.temperature)}, "
+        f"{s.estimator}",
+        f"  train     {t.order} ({t.num_stages} stages), {t.steps} steps x {t.prompts_per_step} prompts x "
+        f"G={t.group_size}, <= {t.max_new_tokens} new tokens, T={_g(t.temperature)}, lr {_g(t.lr)} {t.lr_schedule} "
+        f"(warm-up {t.warmup_steps}), {t.loss_type}, beta {_g(t.beta)}, clip {clip}, mu {t.mu}",
+        f"            entropy top {_g(t.entropy_top_quantile)}, micro-batches {t.micro_batches}, generation "
+        f"batch {gen}, kernel {t.kernel}, rewards {rewards}",
+        f"  evaluate  {e.backend}, greedy, <= {e.max_new_tokens} tokens on {e.test_path}",
+    ]
+
+
+def cmd_check(args) -> int:
+    res = resolve_params(args.params)  # before torch is imported: a bad file fails in a second
+    p = res.params
+    from grpo import dvcstatus, memory
+    from grpo.device import default_device, describe_device
+
+    print(f"params: {res.label}: valid")
+    print("\n".join(settings_lines(p)))
+    print(f"device: {describe_device()}")
+    print("\n".join(dvcstatus.describe(res.root, res.changed)))
+
+    device = args.device or default_device()
+    shapes = memory.resolve_shapes(p.model, res.root)
+    if isinstance(shapes, str):
+        print(f"memory: no estimate: {shapes}")
+        return 0
+    if args.prompt_tokens:
+        prompt, how = args.prompt_tokens, "--prompt-tokens"
+    else:
+        found = memory.longest_prompt_tokens(p, res.root)
+        prompt, how = found if found else (DEFAULT_PROMPT_TOKENS, "assumed; --prompt-tokens N to set")
+    est = memory.estimate(p, shapes, device, prompt)
+    s = shapes
+    print(f"memory: one training step on {device} ({est.dtype} compute), estimated")
+    print(f"  model: {s.source}: {s.total_params / 1e9:.3g} B params, {s.layers} layers, hidden {s.hidden}, "
+          f"intermediate {s.intermediate}, {s.heads} heads / {s.kv_heads} kv heads x {s.head_dim}, vocab {s.vocab}")
+    print(f"  shape: {p.train.prompts_per_step} prompts x G={p.train.group_size}, prompt {prompt} tokens ({how}) "
+          f"+ {p.train.max_new_tokens} new tokens (all full length)")
+    print("\n".join(memory.format_table(est)))
+    for line in memory.measured_for(p, shapes, device, prompt):
+        print(f"  {line}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- ask
+def cmd_ask(args) -> int:
+    from grpo import ask
+    from grpo.rewards import extract_answer
+
+    res = resolve_params(args.params)
+    p = res.params
+    model_path = res.root / p.model.path
+    adapter = Path(args.adapter) if args.adapter else None
+    ask.check_dirs(model_path, adapter)
+    max_new = args.max_new_tokens or p.evaluate.max_new_tokens
+    model_cfg = p.model.model_copy(update={"path": str(model_path)})
+    model, tok, how = ask.load_for_answering(model_cfg, adapter)
+    print(f"[{model_path}{f' + {adapter}' if adapter else ''}: {how}; greedy, <= {max_new} new tokens]",
+          file=sys.stderr, flush=True)
+    text = ask.answer(model, tok, args.question, p.train.system_prompt, max_new, out=sys.stdout)
+    found = extract_answer(text)
+    print()
+    print(f"answer: {found if found is not None else '(none)'}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- wiring
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO pipeline tools: check params, ask the model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="validate params; settings, device, DVC status, memory estimate")
+    check.add_argument("--params", default="params.yaml", help="params file or preset (default: params.yaml)")
+    check.add_argument("--device", choices=["cpu", "cuda"], help="estimate for this device (default: this machine's)")
+    check.add_argument("--prompt-tokens", type=int, help="prompt length for the estimate (default: the longest "
+                       f"training prompt when data and tokenizer exist, else {DEFAULT_PROMPT_TOKENS})")
+    check.set_defaults(func=cmd_check)
+    ask = sub.add_parser("ask", help="answer a question greedily with the base model (+ a LoRA adapter)")
+    ask.add_argument("question")
+    ask.add_argument("--adapter", help="trained LoRA adapter directory (PEFT format, e.g. models/adapter)")
+    ask.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    ask.add_argument("--max-new-tokens", type=int, help="length cap (default: evaluate.max_new_tokens)")
+    ask.set_defaults(func=cmd_ask)
+    return parser
+
+
+def _quiet() -> None:
+    """Library chatter (progress bars, load reports, warnings) off: stdout is the command's."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for flag in ("prompt_tokens", "max_new_tokens"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            print(f"grpo {args.command}: error: --{flag.replace('_', '-')}: must be >= 1", file=sys.stderr)
+            return 2
+    _quiet()
+    try:
+        return args.func(args)
+    except (ParamsError, ModelConfigError, FileNotFoundError) as err:
+        print(f"grpo {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Which stages ``dvc repro`` would run in a workspace, for ``grpo check``.
+
+``dvc status --json`` runs in a subprocess (the library never imports DVC) and names the stages
+whose code, data, params or outputs changed; ``dvc.yaml`` gives the params each stage reads and
+the stages downstream of a changed one (they run when an input they take from it changes).
+A params file that is not the workspace's ``params.yaml`` (a preset) is compared key by key with
+it: the stages reading a key it changes would run once it is put over ``params.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def stage_graph(root: Path) -> dict[str, dict]:
+    """``{stage: {"deps", "outs", "params"}}`` from ``root/dvc.yaml``, in the file's order."""
+    spec = yaml.safe_load((root / "dvc.yaml").read_text()) or {}
+    graph = {}
+    for name, stage in (spec.get("stages") or {}).items():
+        def paths(key, stage=stage):
+            out = []
+            for item in stage.get(key) or []:
+                out.extend(item if isinstance(item, dict) else [item])
+            return [str(p) for p in out]
+
+        params = []
+        for item in stage.get("params") or []:
+            if isinstance(item, dict):  # {other_file.yaml: [keys]}: only params.yaml is ours
+                params.extend(k for f, keys in item.items() if f == "params.yaml" for k in keys or [])
+            else:
+                params.append(str(item))
+        graph[name] = {"deps": paths("deps"), "outs": paths("outs") + paths("metrics") + paths("plots"),
+                       "params": params}
+    return graph
+
+
+def _under(path: str, out: str) -> bool:
+    return path == out or path.startswith(out.rstrip("/") + "/") or out.startswith(path.rstrip("/") + "/")
+
+
+def downstream(graph: dict[str, dict], names: set[str]) -> list[str]:
+    """Stages that take an input from ``names`` or from a stage downstream of them (file order)."""
+    hit = set(names)
+    changed = True
+    while changed:
+        changed = False
+        for name, stage in graph.items():
+            if name in hit:
+                continue
+            if any(_under(dep, out) for up in hit for out in graph[up]["outs"] for dep in stage["deps"]):
+                hit.add(name)
+                changed = True
+    return [n for n in graph if n in hit and n not in names]
+
+
+def flat_keys(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{"train.lr": 5e-4, ...}``: one entry per key of a params mapping (values kept whole)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not prefix:
+            out.update(flat_keys(value, f"{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def stages_reading(graph: dict[str, dict], keys: list[str]) -> list[str]:
+    """Stages whose ``params:`` name one of ``keys`` (``section.key``) or its whole section."""
+    return [name for name, stage in graph.items()
+            if any(k == p or k.startswith(p + ".") for k in keys for p in stage["params"])]
+
+
+def dvc_status(root: Path, timeout: float = 120) -> dict | str:
+    """``dvc status --json`` of ``root`` as a mapping, or a one-line reason why there is none."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"dvc status did not answer within {timeout:.0f} s"
+    if proc.returncode != 0:
+        lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
+        if any("No module named dvc" in x for x in lines):
+            return "DVC is not installed"
+        return "dvc status failed: " + (lines[-1].strip() if lines else f"exit code {proc.returncode}")
+    try:
+        return json.loads(proc.stdout or "{}")
+    except json.JSONDecodeError:
+        return "dvc status printed no JSON"
+
+
+def _why(changes: list) -> str:
+    """A few words on what changed in one stage of ``dvc status --json``."""
+    words: list[str] = []
+    for change in changes:
+        if isinstance(change, str):  # "always changed", "changed command"
+            words.append(change)
+            continue
+        for kind, entries in change.items():
+            if kind == "changed deps":
+                params = sorted(k for v in entries.values() if isinstance(v, dict) for k in v)
+                code = [p for p, v in entries.items() if isinstance(v, str) and (p.endswith(".py") or p.startswith(
+                    ("src/", "tasks/", "flows/")))]
+                data = [p for p, v in entries.items() if isinstance(v, str) and p not in code]
+                if code:
+                    words.append("code")
+                if params:
+                    words.append("params " + ", ".join(params))
+                if data:
+                    more = f" (+{len(data) - 3} more)" if len(data) > 3 else ""
+                    words.append("inputs " + ", ".join(data[:3]) + more)
+            elif kind == "changed outs":
+                missing = any(v in ("deleted", "not in cache") for v in entries.values())
+                words.append("outputs missing" if missing else "outputs modified")
+            else:
+                words.append(kind)
+    return "; ".join(dict.fromkeys(words)) or "changed"
+
+
+def describe(root: Path, changed_params: list[str] | None = None) -> list[str]:
+    """Lines saying which stages ``dvc repro`` would run in ``root`` (one line when it cannot tell)."""
+    if not (root / ".dvc").is_dir() or not (root / "dvc.yaml").is_file():
+        return [f"dvc: {root} is not a DVC workspace (it needs a .dvc folder and a dvc.yaml): no stage status"]
+    graph = stage_graph(root)
+    status = dvc_status(root)
+    if isinstance(status, str):
+        lines = [f"dvc: {status}: no stage status"]
+        changed: dict[str, str] = {}
+    else:
+        changed = {name: _why(changes) for name, changes in status.items() if name in graph}
+        lines = []
+    if changed_params:
+        for name in stages_reading(graph, changed_params):
+            keys = [k for k in changed_params if any(k == p or k.startswith(p + ".") for p in graph[name]["params"])]
+            why = "this file changes " + ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+            changed[name] = f"{changed[name]}; {why}" if name in changed else why
+    if isinstance(status, dict) or changed:
+        if not changed:
+            return ["dvc: up to date: `dvc repro` would run nothing"]
+        lines.append(f"dvc: `dvc repro` would run {len(changed)} of {len(graph)} stages:")
+        width = max(map(len, changed))
+        lines += [f"  {name:<{width}}  {changed[name]}" for name in graph if name in changed]
+        later = downstream(graph, set(changed))
+        if later:
+            lines.append(f"  and, when an input they take from those changes: {', '.join(later)}")
+    return lines

@@ -47,7 +47,7 @@ def run(args, way: str) -> dict:
     model = load_policy(model_cfg, LoraConfig(rank=16, alpha=32))
     tok = load_tokenizer(args.model)
     prompts = [build_prompt(tok, r["question"], DEFAULT_SYSTEM_PROMPT) for r in read_jsonl(args.data)[: args.prompts]]
-    own = TransformersBackend(model, tok)
+    own = TransformersBackend(model, tok, dequantize=True)  # NF4 + LoRA, dequantised once per call (exact, tested)
     sampling = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     greedy = dict(max_new_tokens=args.new_tokens, temperature=0.0)
     out: dict = {"way": way, "sync_s": [], "tok_s": [], "exact": [], "prompts": len(prompts)}

@@ -9,6 +9,7 @@ reference holds an fp32 copy of the logits and one more (R, V) fp32 temporary; t
 streams each row through registers and writes two floats.
 
     python bench/entropy_kernel.py                     # CUDA, 4096 x 151936
+    python bench/entropy_kernel.py --json out.json     # also write the figures to a file
     TRITON_INTERPRET=1 python bench/entropy_kernel.py --rows 8 --vocab 4096   # CPU check (slow)
 """
 
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json", help="also write the figures (the last printed line) to this file")
     args = ap.parse_args()
     device = default_device()
     if not triton_available(device):
@@ -74,9 +76,14 @@ def main() -> None:
     print(f"{'path':<8} {'median s':>10} {'peak extra MB':>14}")
     for name, r in (("torch", ref), ("triton", tri)):
         print(f"{name:<8} {r['seconds']:10.5f} {r['peak_extra_mb']:14.1f}")
-    print(json.dumps({"device": device, "rows": args.rows, "vocab": args.vocab, "max_entropy_diff": err_h,
-                      "max_logp_diff": err_l, "torch_s": ref["seconds"], "triton_s": tri["seconds"],
-                      "torch_peak_extra_mb": ref["peak_extra_mb"], "triton_peak_extra_mb": tri["peak_extra_mb"]}))
+    figures = {"device": device, "rows": args.rows, "vocab": args.vocab, "max_entropy_diff": err_h,
+               "max_logp_diff": err_l, "torch_s": ref["seconds"], "triton_s": tri["seconds"],
+               "torch_peak_extra_mb": ref["peak_extra_mb"], "triton_peak_extra_mb": tri["peak_extra_mb"],
+               "logits_mb": logits.numel() * 2 / 2**20}
+    print(json.dumps(figures))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     if max(err_h, err_l) > 2e-2:
         sys.exit("kernel and reference disagree beyond bf16 tolerance")
 

@@ -1,6 +1,7 @@
 """The fused Triton entropy + log-prob kernel against its PyTorch reference.
 
-On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set in conftest.py); on CUDA, natively.
+On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set in conftest.py); on CUDA, natively
+(marked ``cuda``: ``bench/gpu_check.sh`` runs them on a GPU).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from grpo.kernels.entropy_logprob import entropy_logprob_triton
 from grpo.logprobs import chunked_entropy_logprobs, selected_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not triton_available(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")]
 
 
 @pytest.mark.parametrize(("rows", "vocab", "block"), [(4, 1000, 256), (3, 517, 128), (2, 64, 64), (5, 3000, 4096)])
@@ -69,3 +71,16 @@ def test_chunked_pass_equals_full_log_softmax(backend):
     torch.testing.assert_close(sel, full[keep], rtol=1e-5, atol=1e-5)
     sel.sum().backward()
     assert (h.grad[~keep] == 0).all() and (h.grad[keep].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (too slow in the interpreter)")
+def test_kernel_at_qwen2_vocab_on_cuda():
+    """bf16 logits at Qwen2's vocabulary (151,936), the size the kernel is for."""
+    torch.manual_seed(3)
+    vocab = 151936
+    logits = (torch.randn(64, vocab, device=DEVICE) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (64,), device=DEVICE)
+    ent_ref, logp_ref = entropy_logprob_torch(logits, targets)
+    ent, logp = entropy_logprob(logits, targets, backend="auto")  # auto picks Triton on CUDA
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-4, atol=1e-3)

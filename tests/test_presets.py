@@ -1,0 +1,251 @@
+"""Every GPU preset's training switches, run together for two optimizer steps on the CPU.
+
+A preset (``presets/*.yaml``) is put over ``params.yaml`` as ``scripts/apply_preset.py`` does
+(``grpo.config.overlay_params``); then only size knobs are shrunk (steps, prompts per step, new
+tokens, output directories, and the model: the tiny random Llama of ``conftest.py`` stands in for
+the preset's hub id, keeping its quantization, dtype and gradient checkpointing). Every other key the
+preset sets in ``train``, ``lora`` and ``model`` is asserted to be in the run's config, and the
+switches are checked to be in effect: the 4-bit base, LoRA rank/alpha/dropout/targets, gradient
+checkpointing (the layers' recompute function runs), the micro-batch slices, the reference pass
+with the adapter disabled when beta > 0, the old-policy pass and mu updates when mu > 1, the loss
+type and clip range handed to the loss, the gradient clip, the entropy mask's kept fraction, the
+learning-rate warm-up and schedule, the group size, the reward functions and the system prompt.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import grpo.trainer as trainer_mod
+from grpo.base_model import load_tokenizer
+from grpo.config import overlay_params, params_from_dict
+from grpo.policy import load_policy
+from grpo.rewards import REWARDS
+from grpo.trainer import GRPOTrainer, lr_lambda
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+PRESETS = sorted((REPO / "presets").glob("*.yaml"))
+# train keys that are sizes or paths: shrunk or redirected for a CPU test; every other key a preset
+# sets is kept and must reach the run's config
+TRAIN_SIZES = {"steps", "prompts_per_step", "max_new_tokens", "data_path", "output_dir", "adapter_dir",
+               "metrics_dir", "rewards"}
+MAX_GROUP = 12
+
+
+def preset_params(preset: Path, model_dir: Path, tmp: Path) -> tuple[dict, dict]:
+    """(the preset as written, the run's params mapping: params.yaml + preset + shrunk sizes)."""
+    raw = yaml.safe_load(preset.read_text())
+    full = overlay_params(yaml.safe_load((REPO / "params.yaml").read_text()), raw)
+    full["model"].update(name=str(model_dir), path=str(model_dir))
+    train = full["train"]
+    train.update(steps=2, prompts_per_step=2, max_new_tokens=min(8, train["max_new_tokens"]),
+                 output_dir=str(tmp / "out"), adapter_dir=str(tmp / "adapter"), metrics_dir=str(tmp / "metrics"),
+                 data_path=str(tmp / "train.jsonl"), group_size=min(MAX_GROUP, train["group_size"]))
+    # the preset's rewards, plus a small reward that differs within every group (completion length),
+    # so that a random model's advantages are non-zero and the update moves the LoRA weights
+    train["rewards"] = {**train["rewards"], "chars": 1e-3}
+    return raw, full
+
+
+@pytest.fixture
+def chars_reward(monkeypatch):
+    monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model's matmuls are too small for two threads; on a shared 2-core machine OpenMP's
+    waiting threads made the same two steps ~10x slower (15 s vs 1.5 s a step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_problems, tmp_path, monkeypatch,
+                                                  chars_reward, one_thread):
+    import bitsandbytes as bnb
+
+    raw, full = preset_params(preset, tiny_model_dir, tmp_path)
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(full, sort_keys=False))
+    params = params_from_dict(yaml.safe_load(params_file.read_text()))
+    cfg, mcfg, lcfg = params.train, params.model, params.lora
+
+    # every key the preset sets in model / lora / train reaches the run, sizes excepted
+    for key, value in raw.get("model", {}).items():
+        if key not in ("name", "path"):
+            assert getattr(mcfg, key) == value, f"model.{key}"
+    for key, value in raw.get("lora", {}).items():
+        assert getattr(lcfg, key) == value, f"lora.{key}"
+    for key, value in raw.get("train", {}).items():
+        if key not in TRAIN_SIZES and not (key == "group_size" and value > MAX_GROUP):
+            assert getattr(cfg, key) == value, f"train.{key}"
+    assert {k: cfg.rewards[k] for k in raw["train"].get("rewards", {})} == raw["train"].get("rewards", {})
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(mcfg.path)
+    model = load_policy(mcfg, lcfg, "cpu")
+    base = model.get_base_model()
+
+    # model + lora switches
+    if mcfg.quantization == "nf4":
+        assert any(isinstance(m, bnb.nn.Linear4bit) for m in base.modules())
+    peft_cfg = model.peft_config["default"]
+    assert (peft_cfg.r, peft_cfg.lora_alpha, peft_cfg.lora_dropout) == (lcfg.rank, lcfg.alpha, lcfg.dropout)
+    assert set(peft_cfg.target_modules) == set(lcfg.target_modules)
+    lora_layers = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert lora_layers == set(lcfg.target_modules)
+    dropouts = [m.lora_dropout["default"] for m in model.modules() if hasattr(m, "lora_dropout")]
+    assert dropouts and all(
+        (isinstance(d, torch.nn.Dropout) and d.p == lcfg.dropout) if lcfg.dropout else isinstance(d, torch.nn.Identity)
+        for d in dropouts)
+    assert base.is_gradient_checkpointing == mcfg.gradient_checkpointing
+    recomputes = Counter()
+    if mcfg.gradient_checkpointing:
+        for layer in base.model.layers:
+            fn = layer._gradient_checkpointing_func
+
+            def counted(*a, _fn=fn, **kw):
+                recomputes["layer"] += 1
+                return _fn(*a, **kw)
+
+            layer._gradient_checkpointing_func = counted
+
+    # spies on the trainer's parts: what each step really did
+    calls = Counter()
+    loss_kwargs, clip_norms, system_prompts, gen_kwargs = [], [], set(), []
+    real_loss, real_no_grad, real_backward = trainer_mod.grpo_loss, GRPOTrainer._no_grad_pass, \
+        GRPOTrainer.policy_loss_backward
+    real_clip, real_prompt = torch.nn.utils.clip_grad_norm_, trainer_mod.build_prompt
+
+    def spy_loss(*args, **kw):
+        loss_kwargs.append({**kw, "ref_logp": args[2] is not None})
+        return real_loss(*args, **kw)
+
+    def spy_no_grad(self, batch, *, adapter):
+        calls["policy_pass" if adapter else "reference_pass"] += 1
+        return real_no_grad(self, batch, adapter=adapter)
+
+    def spy_backward(self, batch, normalizer, threshold=None):
+        calls["micro_batch"] += 1
+        return real_backward(self, batch, normalizer, threshold)
+
+    def spy_clip(parameters, max_norm, *a, **kw):
+        clip_norms.append(max_norm)
+        return real_clip(parameters, max_norm, *a, **kw)
+
+    def spy_prompt(tokenizer, question, system_prompt):
+        system_prompts.add(system_prompt)
+        return real_prompt(tokenizer, question, system_prompt)
+
+    monkeypatch.setattr(trainer_mod, "grpo_loss", spy_loss)
+    monkeypatch.setattr(trainer_mod, "build_prompt", spy_prompt)
+    monkeypatch.setattr(GRPOTrainer, "_no_grad_pass", spy_no_grad)
+    monkeypatch.setattr(GRPOTrainer, "policy_loss_backward", spy_backward)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
+    disabled = Counter()
+    real_disable = model.disable_adapter
+
+    def spy_disable():
+        disabled["n"] += 1
+        return real_disable()
+
+    model.disable_adapter = spy_disable
+
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    real_generate = trainer.backend.generate
+
+    def spy_generate(prompts, n, **kw):
+        gen_kwargs.append({"completions": len(prompts) * n, **kw})
+        return real_generate(prompts, n, **kw)
+
+    trainer.backend.generate = spy_generate
+    steps = []
+    trainer.callbacks.append(lambda row: steps.append((row, list(trainer.last_samples))))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = trainer.train(progress=False)
+
+    # both steps ran and moved the LoRA weights
+    assert [r["step"] for r in rows] == [1, 2]
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed and all("lora_" in n for n in changed)
+    n_rows = cfg.prompts_per_step * cfg.group_size
+    for row, samples in steps:
+        assert len(samples) == n_rows  # G completions per prompt
+        assert row["completion_len"] > 0 and row["step_time_s"] > 0
+        for name in cfg.rewards:  # every reward function ran, the preset's format rewards included
+            assert f"reward_{name}_mean" in row
+    assert sum(g["completions"] for g in gen_kwargs) == 2 * n_rows
+    assert {(g["temperature"], g["top_p"], g["max_new_tokens"]) for g in gen_kwargs} == {
+        (cfg.temperature, cfg.top_p, cfg.max_new_tokens)}
+    if cfg.generation_batch_size:
+        assert all(g["completions"] <= max(cfg.generation_batch_size, cfg.group_size) for g in gen_kwargs)
+    else:
+        assert len(gen_kwargs) == 2
+    assert system_prompts == {cfg.system_prompt}
+
+    # micro-batches: each update ran as several slices, and the step's threshold came from a no-grad pass
+    slices = len(trainer._micro_slices(n_rows))
+    assert calls["micro_batch"] == 2 * cfg.mu * slices
+    if cfg.micro_batches > 1:
+        assert slices > 1
+    # beta > 0: a reference pass with the adapter disabled each step, and the KL term in the loss
+    if cfg.beta > 0:
+        assert calls["reference_pass"] == 2 and disabled["n"] >= 2 * slices
+        assert all(kw["ref_logp"] and kw["beta"] == cfg.beta for kw in loss_kwargs)
+        assert all(r["kl"] >= 0 for r in rows)
+    else:
+        assert calls["reference_pass"] == 0 and disabled["n"] == 0
+        assert all(not kw["ref_logp"] and kw["beta"] == 0 for kw in loss_kwargs)
+    # mu > 1: the old policy's log-probs once per step, mu optimizer updates per step
+    expected_policy_passes = (2 if cfg.mu > 1 else 0) + (2 * (cfg.mu - (cfg.mu > 1)) if slices > 1 else 0)
+    assert calls["policy_pass"] == expected_policy_passes
+    assert clip_norms == [cfg.max_grad_norm] * (2 * cfg.mu)
+    # the loss got the preset's loss type and clip range
+    assert {(kw["loss_type"], kw["epsilon"], kw["epsilon_high"], kw["max_length"]) for kw in loss_kwargs} == {
+        (cfg.loss_type, cfg.epsilon, cfg.epsilon_high, cfg.max_new_tokens)}
+    # entropy mask: about the top quantile of tokens kept (all of them at 1.0)
+    for r in rows:
+        if cfg.entropy_top_quantile >= 1.0:
+            assert r["kept_frac"] == pytest.approx(1.0)
+        else:
+            assert 0 < r["kept_frac"] <= cfg.entropy_top_quantile + 0.15
+    # learning rate: warm-up and schedule as configured (the steps were shrunk, the shape kept)
+    schedule = lr_lambda(cfg)
+    assert [r["lr"] for r in rows] == pytest.approx([cfg.lr * schedule(s) for s in range(2)])
+    if cfg.warmup_steps:
+        assert rows[0]["lr"] < rows[1]["lr"] <= cfg.lr
+    # gradient checkpointing: the decoder layers recomputed through the checkpoint function
+    if mcfg.gradient_checkpointing:
+        assert recomputes["layer"] >= 2 * cfg.mu * slices * len(base.model.layers)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_preset_with_an_unknown_key_fails_with_one_line(preset, tmp_path):
+    """A copy of the preset naming a key the code does not know: apply_preset stops with one line
+    naming it, exit code 2, and leaves params.yaml as it was."""
+    raw = yaml.safe_load(preset.read_text())
+    raw["train"]["learning_rate"] = 1.0e-4  # the key is `lr`
+    bad = tmp_path / preset.name
+    bad.write_text(yaml.safe_dump(raw, sort_keys=False))
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "apply_preset.py"), str(bad), str(params)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith(f"apply_preset: error: {bad}: train.learning_rate: unknown key; known keys: ")
+    assert params.read_text() == (REPO / "params.yaml").read_text()

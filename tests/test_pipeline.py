@@ -21,13 +21,14 @@ from tests.conftest import make_dvc_workspace
 pytestmark = pytest.mark.slow
 
 TINY_PARAMS = {
-    "data": {"source": "arithmetic", "train_size": 8, "test_size": 6, "max_digits": 1},
+    "data": {"source": "arithmetic", "train_size": 8, "test_size": 6, "val_size": 6, "max_digits": 1},
     "model": {"name": None, "path": "models/base", "quantization": "nf4", "dtype": "auto", "gradient_checkpointing": False},
     "lora": {"rank": 4, "alpha": 8},
     "sent": {"backend": "transformers", "num_samples": 2, "max_new_tokens": 6, "batch_prompts": 8},
     "evaluate": {"backend": "transformers", "max_new_tokens": 6},
     "train": {"seed": 0, "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "num_stages": 2,
-              "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'."},
+              "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'.",
+              "rollout_backend": "transformers", "eval_every": 1, "eval_max_new_tokens": 6},
 }
 
 

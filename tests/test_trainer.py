@@ -201,6 +201,8 @@ def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> 
             "checkpoint_every": 2,
             "rewards": {"correctness": 1.0, "format_soft": 0.5},
             "wandb_mode": "disabled",
+            "rollout_backend": "transformers",  # the decode loop (engine rollouts: tests/test_engine_rollouts.py)
+            "eval_every": 0,
             **train,
         },
     }

@@ -241,7 +241,8 @@ with open(sys.argv[1], "w") as fh:
         a, b = rng.randint(1, 99), rng.randint(1, 99)
         fh.write(json.dumps({"id": f"g{i}", "question": f"What is {a} + {b}?", "answer": str(a + b), "solution": ""}) + "\n")' \
     "$WORK/problems.jsonl"
-  step_args=("${step_shape[@]}" --fixed-length --gradient-checkpointing --steps "$STEPS"
+  # the training step's own memory: rollouts from the decode loop (an engine would hold memory of its own)
+  step_args=("${step_shape[@]}" --fixed-length --gradient-checkpointing --steps "$STEPS" --rollout transformers
              --data "$WORK/problems.jsonl" --json "$OUT/grpo_step.json")
   [ "$ABLATE" -eq 1 ] && step_args+=(--ablate)
   [ -n "$(missing_modules trl)" ] || step_args+=(--trl)

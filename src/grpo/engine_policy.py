@@ -142,6 +142,11 @@ class VLLMPolicyBackend(VLLMBackend):
         self.llm.reset_prefix_cache()
         return written
 
+    def generate(self, prompts: list[str], num_samples: int, **sampling):
+        """As ``VLLMBackend.generate``, on an engine woken first if it sleeps."""
+        self.wake_up()
+        return super().generate(prompts, num_samples, **sampling)
+
     def sleep(self) -> None:
         """Free the engine's GPU memory (weights and KV cache) for the backward pass (CUDA only)."""
         if self.device == "cuda" and not self.asleep:

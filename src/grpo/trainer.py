@@ -153,8 +153,7 @@ class GRPOTrainer:
         parts = [self.backend.generate(prompts[lo:hi], n, **sampling) for lo, hi, n in calls]
         rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
         del parts
-        if hasattr(self.backend, "sleep"):
-            self.backend.sleep()  # an engine frees its accelerator memory for the update
+        self._backend_sleep()
         if cfg.release_generation_memory:
             gc.collect()
             if self.device.type == "cuda":
@@ -168,6 +167,11 @@ class GRPOTrainer:
             self.backend.sync(self.model)
             self._synced_step = self.step
 
+    def _backend_sleep(self) -> None:
+        """An engine backend frees its accelerator memory for the update (it wakes on its next call)."""
+        if hasattr(self.backend, "sleep"):
+            self.backend.sleep()
+
     def validate(self) -> dict:
         """Greedy accuracy of the current policy on the validation problems, through the rollout
         backend (``eval_max_new_tokens`` per completion, the correctness reward)."""
@@ -176,8 +180,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         self.sync_backend()
         texts = self.backend.generate(prompts, 1, max_new_tokens=self.cfg.eval_max_new_tokens, temperature=0.0).texts
-        if hasattr(self.backend, "sleep"):
-            self.backend.sleep()
+        self._backend_sleep()
         correct = REWARDS["correctness"](texts, [str(r["answer"]) for r in rows])
         return {"val_accuracy": float(np.mean(correct)), "val_n": len(rows), "time_validate_s": time.perf_counter() - t0}
 

@@ -263,3 +263,31 @@ def test_build_report_of_an_empty_workspace_says_what_is_missing(tmp_path, figur
     assert re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md) == []
     assert figures == {} and list(out.glob("*.png")) == []
     assert (out / "report.html").exists()
+
+
+def test_report_plots_validation_and_marks_the_evaluated_adapter(workspace, tmp_path, figures):
+    root, steps = workspace
+    plots = root / "metrics" / "train" / "plots" / "metrics"
+    val = {4: 0.41, 8: 0.55, 12: 0.48}  # dvclive writes val_accuracy only at the validated steps
+    (plots / "val_accuracy.tsv").write_text("step\tval_accuracy\n" + "".join(f"{s}\t{v}\n" for s, v in val.items()))
+    final = dict(FINAL, adapter={"adapter": "best validation accuracy", "step": 8, "val_accuracy": 0.55})
+    (root / "metrics" / "final.json").write_text(json.dumps(final))
+
+    md = build_report(root, tmp_path / "reports").read_text()
+    assert "validation.png" in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+    assert [float(table_row(md, str(s))[1]) for s in (4, 12)] == pytest.approx([0.41, 0.48], abs=5e-4)
+    assert float(table_row(md, "8 (evaluated)")[1]) == pytest.approx(0.55, abs=5e-4)
+
+    (ax,) = figures["validation.png"].axes
+    curve = next(ln for ln in ax.get_lines() if ln.get_label() == "validation accuracy")
+    assert list(curve.get_xdata()) == list(val) and list(curve.get_ydata()) == pytest.approx(list(val.values()))
+    (star,) = [ln for ln in ax.get_lines() if ln.get_marker() == "*"]
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([8], pytest.approx([0.55]))
+    vertical = sorted(float(ln.get_xdata()[0]) for ln in ax.get_lines() if ln not in (curve, star))
+    assert vertical == BOUNDARIES
+
+
+def test_report_without_validation_draws_no_validation_plot(workspace, tmp_path, figures):
+    root, _ = workspace
+    md = build_report(root, tmp_path / "reports").read_text()
+    assert "validation" not in md.lower() and "validation.png" not in figures

@@ -105,6 +105,29 @@ def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
     plt.close(fig)
 
 
+def plot_validation(steps: list[dict], out: Path, selected_step: int | None = None) -> None:
+    """Greedy validation accuracy at the steps that measured it (``train.eval_every``), with the
+    curriculum-stage boundaries and, when known, the adapter the final evaluation scored (a star)."""
+    points = [(r["step"], r["val_accuracy"]) for r in steps if "val_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="C2", label="validation accuracy")
+    for a, b in zip(steps, steps[1:]):
+        if b.get("stage", 0) != a.get("stage", 0):
+            ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)
+    chosen = [v for s, v in points if s == selected_step]
+    if chosen:
+        ax.plot([selected_step], chosen, marker="*", ms=16, ls="", color="C3",
+                label=f"adapter evaluated (step {selected_step})")
+    ax.set_xlabel("step (dotted: next curriculum stage)")
+    ax.set_ylabel("greedy accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title("Validation during training")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def plot_signals(steps: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(13, 3))
     x = [r["step"] for r in steps]
@@ -190,6 +213,14 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
         plot_curves(steps, out / "curves.png")
         plot_signals(steps, out / "signals.png")
         md += ["![reward and accuracy](curves.png)", "", "![entropy, KL, kept tokens](signals.png)", ""]
+        validated = [r for r in steps if "val_accuracy" in r]
+        if validated:
+            selected = (final or {}).get("adapter", {}).get("step")
+            plot_validation(steps, out / "validation.png", selected)
+            md += ["![validation accuracy during training](validation.png)", "",
+                   "| step | validation accuracy |", "|---|---|",
+                   *(f"| {r['step']}{' (evaluated)' if r['step'] == selected else ''} | {r['val_accuracy']:.3f} |"
+                     for r in validated), ""]
     if train:
         md += ["| metric | value |", "|---|---|", *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                                                    for k, v in train.items()), ""]

@@ -20,8 +20,6 @@ import yaml
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
-
 # stage `raw` writes raw.txt from src.txt; stage `total` sums it into total.json; both log the run
 _LOG = "import os; open('../runs.log', 'a').write('{stage} ' + os.path.basename(os.getcwd()) + chr(10))"
 STAGES = {
@@ -103,6 +101,21 @@ def test_the_shipped_default_remote_is_a_directory_outside_the_repo():
     assert "/config.local" in gitignore  # where `dvc remote modify --local` puts a user's own url
 
 
+def test_every_uncached_output_of_the_pipeline_is_left_to_git():
+    """``dvc pull`` restores the cached outputs; the ``cache: false`` ones (metrics, plots, reports,
+    data/raw/stats.json) reach a fresh clone only through git, so none may be git-ignored."""
+    uncached = []
+    for stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].values():
+        for kind in ("outs", "metrics", "plots"):
+            for item in stage.get(kind) or []:
+                if isinstance(item, dict):
+                    uncached += [path for path, spec in item.items() if (spec or {}).get("cache") is False]
+    assert "data/raw/stats.json" in uncached and "reports" in uncached
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *uncached], cwd=REPO, capture_output=True, text=True)
+    assert ignored.stdout.split() == [], f"git-ignored, so a fresh clone cannot get them: {ignored.stdout.split()}"
+
+
+@pytest.mark.slow
 def test_push_fills_the_default_remote_under_home(pushed):
     root, _env_, push = pushed
     _name, url = _shipped_remote()
@@ -112,6 +125,7 @@ def test_push_fills_the_default_remote_under_home(pushed):
     assert "2 files pushed" in push, push
 
 
+@pytest.mark.slow
 def test_fresh_clone_pull_restores_every_output_and_repro_runs_nothing(pushed):
     root, env, _push = pushed
     _run(root, env, "git", "clone", "-q", "a", "b")
@@ -127,6 +141,7 @@ def test_fresh_clone_pull_restores_every_output_and_repro_runs_nothing(pushed):
     assert _runs(root, "b") == []  # no stage command ran in b
 
 
+@pytest.mark.slow
 def test_fresh_clone_without_pull_would_run_every_stage(pushed):
     root, env, _push = pushed
     _run(root, env, "git", "clone", "-q", "a", "c")
@@ -136,6 +151,7 @@ def test_fresh_clone_without_pull_would_run_every_stage(pushed):
     assert _runs(root, "c") == ["raw", "total"]
 
 
+@pytest.mark.slow
 def test_a_local_url_overrides_the_shipped_one_and_stays_out_of_git(pushed, tmp_path):
     root, env, _push = pushed
     _run(root, env, "git", "clone", "-q", "a", "d")

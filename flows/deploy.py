@@ -1,11 +1,23 @@
-"""Serve the pipeline flow on the cron of ``flows/schedule.yaml`` (a real Prefect server is needed:
+"""Deploy the pipeline flow on the cron of ``flows/schedule.yaml`` (a real Prefect server is needed:
 the ephemeral one refuses schedules).
 
     prefect server start &                                   # UI and API on http://127.0.0.1:4200
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     python -m flows.deploy [--config flows/schedule.yaml]    # registers the deployment, runs it on schedule
 
-The process keeps serving: it polls the server and executes each scheduled run in this workspace.
+Without ``--pool`` the process keeps serving: it polls the server and executes each scheduled run in
+this workspace. With ``--pool`` it registers the deployment on a work pool and ends; a worker of that
+pool, here or on another machine, runs the scheduled runs:
+
+    prefect work-pool create grpo-pool --type process        # once per server
+    python -m flows.deploy --pool grpo-pool                  # code and workspace: this checkout
+    prefect worker start --pool grpo-pool                    # on the machine holding this checkout
+
+The deployment's source is the checkout holding this file: each run starts in that directory
+(a ``set_working_directory`` pull step) and runs ``flows/pipeline.py:pipeline`` with
+``workdir: "."``, so it is the DVC workspace too. Runs of one workspace queue on its Prefect
+concurrency slot (``flows/pipeline.py``): a run due while another runs waits, then runs.
+
 Watch runs with ``prefect flow-run ls`` or the UI; trigger one now with
 ``prefect deployment run 'grpo-pipeline/grpo-nightly'``.
 """
@@ -21,6 +33,8 @@ import yaml
 from flows.pipeline import pipeline
 
 KEYS = {"name", "cron", "timezone", "parameters"}
+ROOT = Path(__file__).resolve().parents[1]  # the checkout holding this file: the flow's code and workspace
+ENTRYPOINT = "flows/pipeline.py:pipeline"
 
 
 def load_schedule(path: str | Path) -> dict:
@@ -37,27 +51,60 @@ def load_schedule(path: str | Path) -> dict:
     return cfg
 
 
-def build_deployment(cfg: dict):
+def _schedule(cfg: dict):
     from prefect.schedules import Cron
 
+    return Cron(cfg["cron"], timezone=cfg.get("timezone", "UTC"))
+
+
+def build_deployment(cfg: dict):
+    """The deployment this process serves (no work pool)."""
     return pipeline.to_deployment(
         name=cfg.get("name", "grpo-scheduled"),
-        schedule=Cron(cfg["cron"], timezone=cfg.get("timezone", "UTC")),
+        schedule=_schedule(cfg),
         parameters=cfg.get("parameters") or {},
         description="The GRPO DVC pipeline on a cron",
     )
 
 
+def deploy_to_pool(cfg: dict, pool: str, source: str | Path = ROOT):
+    """Register the deployment on the work pool ``pool``, its code and working directory ``source``; its id."""
+    flow = pipeline.from_source(source=str(source), entrypoint=ENTRYPOINT)
+    try:
+        return flow.deploy(
+            name=cfg.get("name", "grpo-scheduled"),
+            work_pool_name=pool,
+            schedule=_schedule(cfg),
+            parameters=cfg.get("parameters") or {},
+            description=f"The GRPO DVC pipeline on a cron, run by a worker of {pool} in {source}",
+            print_next_steps=False,
+            ignore_warnings=True,
+        )
+    except ValueError as err:
+        if "Could not find work pool" in str(err):
+            raise SystemExit(f"deploy: error: no work pool {pool!r} on the server; create it with "
+                             f"`prefect work-pool create {pool} --type process`") from err
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="flows/schedule.yaml")
+    ap.add_argument("--pool", metavar="WORK_POOL",
+                    help="register the deployment on this work pool and exit (a worker runs it) instead of serving it")
     args = ap.parse_args(argv)
     if not os.environ.get("PREFECT_API_URL"):
         raise SystemExit("deploy: error: PREFECT_API_URL is not set; start `prefect server start` and export "
                          "PREFECT_API_URL=http://127.0.0.1:4200/api (schedules need a real server)")
+    cfg = load_schedule(args.config)
+    if args.pool:
+        deployment_id = deploy_to_pool(cfg, args.pool)
+        print(f"deployment grpo-pipeline/{cfg.get('name', 'grpo-scheduled')} ({deployment_id}) on work pool "
+              f"{args.pool}, source {ROOT}; run it with `prefect worker start --pool {args.pool}`")
+        return 0
     from prefect import serve
 
-    serve(build_deployment(load_schedule(args.config)))
+    serve(build_deployment(cfg))
     return 0
 
 

@@ -27,6 +27,15 @@ checks again, so a ``dvc repro`` started meanwhile stops the flow with the same 
 of a DVC lock error. DVC itself writes outputs only after a stage succeeds, so a failed run never
 leaves a half-written output recorded as complete.
 
+Runs of a deployment (a worker's or ``python -m flows.deploy``'s) also queue per workspace on a Prefect
+global concurrency limit named after the workspace's real path (``slot_name``: ``grpo-workspace-<hash>``,
+1 slot, created on first use): the flow takes that slot first, waiting while another deployment run of
+the same workspace holds it, and only then the workspace lock above. So a second scheduled run waits
+for the first instead of failing as busy. A ``dvc repro`` or ``python -m flows.pipeline`` started by
+hand takes no slot and still fails at once on a busy workspace, and a deployment run that finds such
+a hand-started run there fails as before. ``GRPO_WORKSPACE_SLOT=off`` in the run's
+environment skips the slot.
+
 Prefect is imported on first use of ``pipeline``/``run_stage`` (the module ``__getattr__`` below
 builds the flow and the task), so ``from flows.pipeline import pipeline`` and the deployment
 entrypoint ``flows/pipeline.py:pipeline`` get the Prefect flow as before.
@@ -35,6 +44,8 @@ entrypoint ``flows/pipeline.py:pipeline`` get the Prefect flow as before.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -45,6 +56,7 @@ from pathlib import Path
 from flows.workspace import WorkspaceBusy, check_no_dvc_run, dvc_stages, find_dvc_run, workspace_lock
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
+SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take no workspace slot
 
 
 def _dvc() -> list[str]:
@@ -110,6 +122,64 @@ def _retry_unless_busy(task, task_run, state) -> bool:
     return not isinstance(getattr(state, "data", None), WorkspaceBusy)
 
 
+def slot_name(workdir: str | Path) -> str:
+    """The Prefect global concurrency limit of a workspace: ``grpo-workspace-`` and a hash of its real path."""
+    return "grpo-workspace-" + hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:12]
+
+
+def _slot_wanted() -> bool:
+    from prefect.runtime import flow_run
+
+    off = os.environ.get(SLOT_ENV, "").strip().lower() in ("0", "off", "false", "no")
+    return bool(flow_run.deployment_id) and not off
+
+
+@contextlib.contextmanager
+def workspace_slot(root: Path):
+    """In a deployment run: hold the workspace's 1-slot Prefect concurrency limit (created if missing), waiting
+    while another run holds it. Outside a deployment (a run by hand), or with ``GRPO_WORKSPACE_SLOT=off``: nothing.
+    """
+    if not _slot_wanted():
+        yield None
+        return
+    import httpx
+    from prefect import get_run_logger
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.runtime import flow_run
+
+    logger = get_run_logger()
+    name = slot_name(root)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):  # another run created it just now
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+                logger.info("created the global concurrency limit %s (1 slot) for workspace %s", name, root)
+    # the slot is leased: renewed while the flow runs, freed by the server if this process dies
+    take = dict(occupy=1, strict=True, raise_on_lease_renewal_failure=False,
+                holder=ConcurrencyLeaseHolder(type="flow_run", id=flow_run.id))
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(concurrency(name, max_retries=0, **take))
+        except ConcurrencySlotAcquisitionError as err:
+            cause = err.__cause__
+            if not (isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423):
+                raise
+            logger.info("workspace %s is busy with another run (slot %s taken): waiting for the slot", root, name)
+            t0 = time.monotonic()
+            stack.enter_context(concurrency(name, **take))
+            logger.info("took the workspace slot %s after waiting %.1f s", name, time.monotonic() - t0)
+        else:
+            logger.info("took the workspace slot %s", name)
+        yield name
+
+
 def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
     """Set dotted keys (``train.lr=5e-4``) in params.yaml, keeping its comments; values are YAML."""
     from ruamel.yaml import YAML
@@ -154,7 +224,9 @@ def _pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, exper
     logger = get_run_logger()
     root = Path(workdir).resolve()
     selected = _select(stages_of(root), stages)
-    with workspace_lock(root):  # re-entrant: main() already holds it; a deployment takes it here
+    # the workspace's Prefect slot first (deployment runs only), so a second deployment run waits there for the
+    # first instead of failing on the lock; the lock is re-entrant: main() already holds it, a deployment takes it here
+    with workspace_slot(root), workspace_lock(root):
         if overrides:
             apply_overrides(root / "params.yaml", overrides)
             logger.info("params overridden: %s", overrides)

@@ -1,7 +1,8 @@
 """Shared fixtures: a tiny random Llama with a character-level tokenizer and a chat template
-(``grpo.synthetic``).
+(``grpo.synthetic``), and a real local Prefect server for the deployment tests.
 
-Everything here is built offline in about a second; no test downloads anything.
+Everything here is built offline in about a second (the server starts in some seconds, once per
+session, for the tests that ask for it); no test downloads anything.
 """
 
 from __future__ import annotations
@@ -80,3 +81,57 @@ def make_dvc_workspace(ws: Path, params: dict) -> Path:
                 ["git", "add", "-A"], ["git", "commit", "-qm", "tiny pipeline"]):
         subprocess.run(cmd, cwd=ws, check=True, capture_output=True)
     return ws
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real ``prefect server start`` on a free port with its own PREFECT_HOME, stopped at the end of the
+    session: ``{"api": url, "env": environment with PREFECT_API_URL, "home": path}``."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false",
+           # a run waiting for a concurrency slot asks again after at most this long (default 30 s)
+           "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "2"}
+    env.pop("PREFECT_API_URL", None)
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError((home / "server.log").read_text()[-3000:])
+            time.sleep(1)
+        else:
+            raise RuntimeError("prefect server did not start in 120 s")
+        yield {"api": api, "env": {**env, "PREFECT_API_URL": api}, "home": home}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

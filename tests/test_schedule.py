@@ -1,9 +1,8 @@
 """A real local Prefect server: the scheduled deployment registers, and a scheduled run is
-created by the server's scheduler, executed by the serving process, and completes."""
+created by the server's scheduler, executed by the serving process, and completes (the server: the
+session fixture ``prefect_server`` of tests/conftest.py)."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,42 +15,6 @@ from tests.conftest import REPO, make_dvc_workspace
 from tests.test_pipeline import TINY_PARAMS
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "false"}
-    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    api = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError((home / "server.log").read_text()[-3000:])
-        time.sleep(1)
-    else:
-        proc.kill()
-        raise RuntimeError("prefect server did not start in 120 s")
-    yield {"api": api, "env": {**env, "PREFECT_API_URL": api}}
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
 
 
 def test_scheduled_deployment_runs_on_the_server(prefect_server, tmp_path, tiny_model_dir):

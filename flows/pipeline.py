@@ -127,11 +127,14 @@ def slot_name(workdir: str | Path) -> str:
     return "grpo-workspace-" + hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:12]
 
 
-def _slot_wanted() -> bool:
-    from prefect.runtime import flow_run
+def _deployment_run():
+    """The current flow run when it is a deployment's run and ``GRPO_WORKSPACE_SLOT`` is not off, else None."""
+    from prefect.context import FlowRunContext
 
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx is not None else None
     off = os.environ.get(SLOT_ENV, "").strip().lower() in ("0", "off", "false", "no")
-    return bool(flow_run.deployment_id) and not off
+    return run if run is not None and run.deployment_id is not None and not off else None
 
 
 @contextlib.contextmanager
@@ -139,44 +142,35 @@ def workspace_slot(root: Path):
     """In a deployment run: hold the workspace's 1-slot Prefect concurrency limit (created if missing), waiting
     while another run holds it. Outside a deployment (a run by hand), or with ``GRPO_WORKSPACE_SLOT=off``: nothing.
     """
-    if not _slot_wanted():
+    run = _deployment_run()
+    if run is None:
         yield None
         return
-    import httpx
     from prefect import get_run_logger
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-    from prefect.runtime import flow_run
 
     logger = get_run_logger()
     name = slot_name(root)
+    t0 = time.monotonic()
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(name)
+            limit = client.read_global_concurrency_limit_by_name(name)
+            busy = limit.active and limit.active_slots >= limit.limit
         except ObjectNotFound:
+            busy = False
             with contextlib.suppress(ObjectAlreadyExists):  # another run created it just now
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
                 logger.info("created the global concurrency limit %s (1 slot) for workspace %s", name, root)
+    if busy:
+        logger.info("workspace %s: another run holds its slot %s; waiting for the slot", root, name)
     # the slot is leased: renewed while the flow runs, freed by the server if this process dies
-    take = dict(occupy=1, strict=True, raise_on_lease_renewal_failure=False,
-                holder=ConcurrencyLeaseHolder(type="flow_run", id=flow_run.id))
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(concurrency(name, max_retries=0, **take))
-        except ConcurrencySlotAcquisitionError as err:
-            cause = err.__cause__
-            if not (isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423):
-                raise
-            logger.info("workspace %s is busy with another run (slot %s taken): waiting for the slot", root, name)
-            t0 = time.monotonic()
-            stack.enter_context(concurrency(name, **take))
-            logger.info("took the workspace slot %s after waiting %.1f s", name, time.monotonic() - t0)
-        else:
-            logger.info("took the workspace slot %s", name)
+    with concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False,
+                     holder=ConcurrencyLeaseHolder(type="flow_run", id=run.id)):
+        logger.info("took the workspace slot %s after %.1f s", name, time.monotonic() - t0)
         yield name
 
 

@@ -2,8 +2,10 @@
 queue on its Prefect concurrency slot; without the slot the second one fails as busy.
 
 The workspace is a git + DVC repo with one ``always_changed`` stage that appends ``<flow run id> start
-<time>``, sleeps, then appends ``<flow run id> end <time>`` to a log outside the workspace, so every run
-really runs it and the log shows when each run held the workspace. It holds a copy of this checkout's
+<time>`` to a log outside the workspace, waits until the test opens a gate (a file), then appends
+``<flow run id> end <time>``: every run really runs it, the log shows when each run held the workspace,
+and the test decides how long the first run holds it (until the second is known to be waiting, or to
+have failed), so the outcome does not hang on how fast a loaded machine starts processes. It holds a copy of this checkout's
 ``flows/`` and ``prefect.yaml``: the deployments' source is the workspace itself, as on a real worker
 machine. Two deployments of it (``prefect deploy`` with ``prefect.yaml``, and ``python -m flows.deploy
 --pool``) and ``prefect worker start --pool grpo-pool`` as subprocesses, as the README documents.
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -28,11 +31,11 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 POOL = "grpo-pool"
-STAGE_S = 3  # the stage's sleep: long enough that two runs started together overlap without the slot
+GRACE_S = 2  # after the second run is RUNNING, time for it to reach the slot (or the lock) before the gate opens
 
 
 def _env(base: dict) -> dict:
-    env = {**base, "DVC_NO_ANALYTICS": "1", "PYTHONPATH": "", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    env = {**base, "DVC_NO_ANALYTICS": "1", "PYTHONPATH": "", "PREFECT_WORKER_QUERY_SECONDS": "5"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     return env
 
@@ -43,8 +46,9 @@ def _sh(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> str:
     return proc.stdout
 
 
-def make_stamp_workspace(ws: Path, stamps: Path, env: dict) -> Path:
-    stage = {"cmd": f'echo "$PREFECT__FLOW_RUN_ID start $(date +%s.%N)" >> {stamps} && sleep {STAGE_S} && '
+def make_stamp_workspace(ws: Path, stamps: Path, gate: Path, env: dict) -> Path:
+    stage = {"cmd": f'echo "$PREFECT__FLOW_RUN_ID start $(date +%s.%N)" >> {stamps} && '
+                    f'while [ ! -e {gate} ]; do sleep 0.1; done && '
                     f'echo "$PREFECT__FLOW_RUN_ID end $(date +%s.%N)" >> {stamps} && date +%s.%N > out.txt',
              "outs": ["out.txt"], "always_changed": True}
     ws.mkdir(parents=True)
@@ -58,14 +62,25 @@ def make_stamp_workspace(ws: Path, stamps: Path, env: dict) -> Path:
     return ws
 
 
-def _post(api: str, path: str, body: dict) -> httpx.Response:
-    response = httpx.post(f"{api}{path}", json=body, timeout=10)
+def _post(api: str, path: str, body: dict | None, tries: int = 1, method: str = "POST") -> httpx.Response:
+    """POST to the API, again after a 503 (the server's SQLite was locked: nothing was written), and with
+    ``tries`` > 1 (reads only) after a timeout: a loaded 2-core machine can keep the server from answering."""
+    for attempt in range(max(tries, 5)):
+        try:
+            response = httpx.request(method, f"{api}{path}", json=body, timeout=60)
+        except httpx.TimeoutException:
+            if attempt + 1 >= tries:
+                raise
+            continue
+        if response.status_code != 503:
+            break
+        time.sleep(1)
     response.raise_for_status()
     return response
 
 
 def _deployment(api: str, name: str) -> dict:
-    found = [d for d in _post(api, "/deployments/filter", {}).json() if d["name"] == name]
+    found = [d for d in _post(api, "/deployments/filter", {}, tries=3).json() if d["name"] == name]
     assert len(found) == 1, f"deployment {name} registered {len(found)} times"
     return found[0]
 
@@ -73,7 +88,7 @@ def _deployment(api: str, name: str) -> dict:
 def _wait_final(api: str, ids: list[str], worker: subprocess.Popen, timeout: float = 180) -> dict[str, dict]:
     deadline = time.monotonic() + timeout
     while True:
-        runs = {r["id"]: r for r in _post(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}).json()}
+        runs = {r["id"]: r for r in _post(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3).json()}
         if all(runs[i]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for i in ids):
             return runs
         assert worker.poll() is None, f"the worker exited ({worker.returncode})"
@@ -81,9 +96,27 @@ def _wait_final(api: str, ids: list[str], worker: subprocess.Popen, timeout: flo
         time.sleep(0.5)
 
 
+def _states(api: str, ids: list[str]) -> dict[str, str]:
+    runs = _post(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3).json()
+    return {r["id"]: r["state"]["type"] for r in runs}
+
+
+def _wait_until(pred, what: str, worker: subprocess.Popen, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while not (found := pred()):
+        assert worker.poll() is None, f"the worker exited ({worker.returncode})"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+    return found
+
+
+def _log_entries(api: str, run_id: str) -> list[tuple[float, str]]:
+    logs = _post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_ASC"}, tries=3).json()
+    return [(datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp(), e["message"]) for e in logs]
+
+
 def _logs(api: str, run_id: str) -> str:
-    logs = _post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_ASC"}).json()
-    return "\n".join(entry["message"] for entry in logs)
+    return "\n".join(message for _, message in _log_entries(api, run_id))
 
 
 def _stamps(path: Path) -> dict[str, dict[str, float]]:
@@ -99,12 +132,13 @@ def pool_setup(prefect_server, tmp_path_factory):
     """The workspace, the pool, two deployments of it and a running worker; the worker is stopped at the end."""
     base = tmp_path_factory.mktemp("pool")
     env = _env(prefect_server["env"])
-    stamps = base / "stamps.log"
-    ws = make_stamp_workspace(base / "ws", stamps, env)
+    stamps, gate = base / "stamps.log", base / "gate"
+    ws = make_stamp_workspace(base / "ws", stamps, gate, env)
     api = prefect_server["api"]
     prefect = [sys.executable, "-m", "prefect"]
     t0 = time.monotonic()
     _sh([*prefect, "work-pool", "create", POOL, "--type", "process"], ws, env)
+    t_pool = time.monotonic() - t0
     config = base / "schedule.yaml"  # a cron that is never due while the test runs
     config.write_text(yaml.safe_dump({"name": "ci-pool", "cron": "0 3 1 1 *", "parameters": {"workdir": "."}}))
     deploys = [subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -117,10 +151,11 @@ def pool_setup(prefect_server, tmp_path_factory):
         for proc in deploys:
             out, _ = proc.communicate(timeout=120)
             assert proc.returncode == 0, f"{proc.args} failed:\n{out[-3000:]}"
-        print(f"\npool created, deployed twice, worker started in {time.monotonic() - t0:.1f} s")
-        yield {"api": api, "ws": ws, "stamps": stamps, "worker": worker,
+        print(f"\npool created in {t_pool:.1f} s, deployed twice by {time.monotonic() - t0:.1f} s")
+        yield {"api": api, "ws": ws, "stamps": stamps, "gate": gate, "worker": worker,
                "by_flows_deploy": _deployment(api, "ci-pool"), "by_prefect_yaml": _deployment(api, "grpo-nightly")}
     finally:
+        gate.touch()  # a stage still waiting ends
         worker.terminate()  # SIGTERM: the worker stops polling and exits
         try:
             worker.wait(timeout=30)
@@ -141,46 +176,64 @@ def test_deployments_run_the_workspace_code_on_the_pool(pool_setup):
 
 
 def test_two_runs_of_one_workspace_queue_on_its_slot(pool_setup):
-    api, worker = pool_setup["api"], pool_setup["worker"]
+    api, worker, stamps_log, gate = (pool_setup[k] for k in ("api", "worker", "stamps", "gate"))
+    gate.unlink(missing_ok=True)
+    stamps_log.unlink(missing_ok=True)
     t0 = time.monotonic()
     # one run of each deployment, back to back: two deployments, one workspace, one slot
     ids = [_post(api, f"/deployments/{pool_setup[dep]['id']}/create_flow_run", {}).json()["id"]
            for dep in ("by_prefect_yaml", "by_flows_deploy")]
+    # one run in the stage, holding the workspace; the other running too, so asking for the slot
+    first = _wait_until(lambda: next(iter(_stamps(stamps_log)), None), "a run to start the stage", worker)
+    second = next(i for i in ids if i != first)
+    _wait_until(lambda: _states(api, [second])[second] == "RUNNING", "the second run to start", worker)
+    time.sleep(GRACE_S)
+    states_while_held = _states(api, ids)
+    assert list(_stamps(stamps_log)) == [first], "the second run started the stage while the first held the workspace"
+    gate.touch()
     runs = _wait_final(api, ids, worker)
     wall = time.monotonic() - t0
     assert [runs[i]["state"]["type"] for i in ids] == ["COMPLETED", "COMPLETED"], \
         {i: (runs[i]["state"]["name"], _logs(api, i)[-2000:]) for i in ids}
-    stamps = _stamps(pool_setup["stamps"])
+    stamps = _stamps(stamps_log)
     assert set(stamps) == set(ids) and all(set(s) == {"start", "end"} for s in stamps.values()), stamps
-    first, second = sorted(ids, key=lambda i: stamps[i]["start"])
     gap = stamps[second]["start"] - stamps[first]["end"]
     assert gap >= 0, f"the runs overlapped in the workspace: {stamps}"
-    logs = {i: _logs(api, i) for i in ids}
-    assert "waiting for the slot" in logs[second] and "took the workspace slot" in logs[second], logs[second]
-    assert "waiting for the slot" not in logs[first], logs[first]
-    waited = next(line for line in logs[second].splitlines() if line.startswith("took the workspace slot"))
-    limit = httpx.get(f"{api}/v2/concurrency_limits/{slot_name(pool_setup['ws'])}", timeout=10).json()
+    # the second asked for the slot while the first held it, and got it only once the first let it go
+    took = {i: next((t, m) for t, m in _log_entries(api, i) if m.startswith("took the workspace slot")) for i in ids}
+    waited = float(took[second][1].split(" after ")[1].split()[0])
+    assert took[second][0] - waited < stamps[first]["end"] <= took[second][0], (took, stamps)
+    said = "waiting for the slot" in _logs(api, second)  # when it found the slot taken before asking for it
+    limit = _post(api, f"/v2/concurrency_limits/{slot_name(pool_setup['ws'])}", None, tries=3, method="GET").json()
     assert limit["limit"] == 1 and limit["active_slots"] == 0, limit  # released by both
-    print(f"\nfirst  {first}: stage {stamps[first]['start']:.2f} -> {stamps[first]['end']:.2f}"
+    print(f"\nwhile the first held the workspace: {states_while_held}"
+          f"\nfirst  {first}: stage {stamps[first]['start']:.2f} -> {stamps[first]['end']:.2f}"
           f"\nsecond {second}: stage {stamps[second]['start']:.2f} -> {stamps[second]['end']:.2f}"
-          f" ({gap:.2f} s after the first's end; {waited})\nboth completed {wall:.1f} s after creation")
+          f" ({gap:.2f} s after the first's end)\nsecond took the slot {took[second][0] - stamps[first]['end']:.2f} s"
+          f" after the first's stage ended, having waited {waited:.1f} s (logged that it was waiting: {said});"
+          f" both completed {wall:.1f} s after creation")
 
 
 def test_without_the_slot_the_second_run_fails_busy(pool_setup):
-    api, worker = pool_setup["api"], pool_setup["worker"]
-    pool_setup["stamps"].unlink(missing_ok=True)
+    api, worker, stamps_log, gate = (pool_setup[k] for k in ("api", "worker", "stamps", "gate"))
+    gate.unlink(missing_ok=True)
+    stamps_log.unlink(missing_ok=True)
     dep = pool_setup["by_flows_deploy"]["id"]
     off = {"job_variables": {"env": {SLOT_ENV: "off"}}}  # the runs' environment: no workspace slot
     ids = [_post(api, f"/deployments/{dep}/create_flow_run", off).json()["id"] for _ in range(2)]
+    # one run in the stage, holding the workspace (until the gate opens); the other one must fail meanwhile
+    first = _wait_until(lambda: next(iter(_stamps(stamps_log)), None), "a run to start the stage", worker)
+    second = next(i for i in ids if i != first)
+    final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+    _wait_until(lambda: _states(api, [second])[second] in final, "the second run to end", worker)
+    gate.touch()
     runs = _wait_final(api, ids, worker)
     states = {i: runs[i]["state"]["type"] for i in ids}
-    assert sorted(states.values()) == ["COMPLETED", "FAILED"], {i: (states[i], _logs(api, i)[-2000:]) for i in ids}
-    failed = next(i for i in ids if states[i] == "FAILED")
-    done = next(i for i in ids if states[i] == "COMPLETED")
-    busy = [line for line in _logs(api, failed).splitlines() if "is busy" in line]
-    assert busy and "is busy: PID " in busy[0], _logs(api, failed)[-3000:]
-    assert set(_stamps(pool_setup["stamps"])) == {done}  # the refused run never started the stage
-    print(f"\nwithout the slot: {done} COMPLETED, {failed} FAILED: {busy[0][:300]}")
+    assert states == {first: "COMPLETED", second: "FAILED"}, {i: (states[i], _logs(api, i)[-2000:]) for i in ids}
+    busy = [line for line in _logs(api, second).splitlines() if "is busy: PID " in line]
+    assert busy, _logs(api, second)[-3000:]
+    assert set(_stamps(stamps_log)) == {first}  # the refused run never started the stage
+    print(f"\nwithout the slot: {first} COMPLETED, {second} FAILED: {busy[0][:300]}")
 
 
 def test_slot_name_is_per_workspace_path(tmp_path):

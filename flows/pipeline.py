@@ -159,16 +159,19 @@ def workspace_slot(root: Path):
     with get_client(sync_client=True) as client:
         try:
             limit = client.read_global_concurrency_limit_by_name(name)
-            busy = limit.active and limit.active_slots >= limit.limit
         except ObjectNotFound:
-            busy = False
+            limit = None
             with contextlib.suppress(ObjectAlreadyExists):  # another run created it just now
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
                 logger.info("created the global concurrency limit %s (1 slot) for workspace %s", name, root)
-    if busy:
+    if limit is not None and not limit.active:
+        logger.warning("the global concurrency limit %s of workspace %s is disabled: not waiting for a slot", name, root)
+        yield None
+        return
+    if limit is not None and limit.active_slots >= limit.limit:
         logger.info("workspace %s: another run holds its slot %s; waiting for the slot", root, name)
     # the slot is leased: renewed while the flow runs, freed by the server if this process dies
-    with concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False,
+    with concurrency(name, occupy=1, raise_on_lease_renewal_failure=False,
                      holder=ConcurrencyLeaseHolder(type="flow_run", id=run.id)):
         logger.info("took the workspace slot %s after %.1f s", name, time.monotonic() - t0)
         yield name

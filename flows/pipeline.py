@@ -33,8 +33,8 @@ global concurrency limit named after the workspace's real path (``slot_name``: `
 the same workspace holds it, and only then the workspace lock above. So a second scheduled run waits
 for the first instead of failing as busy. A ``dvc repro`` or ``python -m flows.pipeline`` started by
 hand takes no slot and still fails at once on a busy workspace, and a deployment run that finds such
-a hand-started run there fails as before. ``GRPO_WORKSPACE_SLOT=off`` in the run's
-environment skips the slot.
+a hand-started run there fails as before. ``GRPO_WORKSPACE_SLOT=off`` in the run's environment, or
+the limit disabled on the server (``prefect gcl disable``), skips the slot.
 
 Prefect is imported on first use of ``pipeline``/``run_stage`` (the module ``__getattr__`` below
 builds the flow and the task), so ``from flows.pipeline import pipeline`` and the deployment

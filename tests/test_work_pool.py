@@ -1,14 +1,15 @@
 """A process work pool and a real worker on a real local Prefect server: two runs of the same workspace
-queue on its Prefect concurrency slot; without the slot the second one fails as busy.
+queue on its Prefect concurrency slot; a run without the slot, at the same moment, fails as busy.
 
 The workspace is a git + DVC repo with one ``always_changed`` stage that appends ``<flow run id> start
 <time>`` to a log outside the workspace, waits until the test opens a gate (a file), then appends
-``<flow run id> end <time>``: every run really runs it, the log shows when each run held the workspace,
-and the test decides how long the first run holds it (until the second is known to be waiting, or to
-have failed), so the outcome does not hang on how fast a loaded machine starts processes. It holds a copy of this checkout's
-``flows/`` and ``prefect.yaml``: the deployments' source is the workspace itself, as on a real worker
-machine. Two deployments of it (``prefect deploy`` with ``prefect.yaml``, and ``python -m flows.deploy
---pool``) and ``prefect worker start --pool grpo-pool`` as subprocesses, as the README documents.
+``<flow run id> end <time>``: every run really runs it, the log shows when each run held the
+workspace, and the test decides how long the first run holds it (until the second is running, so
+waiting for the slot, and a third run without the slot has failed), so the outcome does not hang on
+how fast a loaded machine starts processes. The workspace holds a copy of this checkout's ``flows/``
+and ``prefect.yaml``: the deployments' source is the workspace itself, as on a real worker machine.
+Two deployments of it (``prefect deploy`` with ``prefect.yaml``, and ``python -m flows.deploy --pool``)
+and ``prefect worker start --pool grpo-pool`` run as subprocesses, as the README documents.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 POOL = "grpo-pool"
-GRACE_S = 2  # after the second run is RUNNING, time for it to reach the slot (or the lock) before the gate opens
 
 
 def _env(base: dict) -> dict:
@@ -175,7 +175,7 @@ def test_deployments_run_the_workspace_code_on_the_pool(pool_setup):
     assert [s["schedule"]["cron"] for s in pool_setup["by_flows_deploy"]["schedules"]] == ["0 3 1 1 *"]
 
 
-def test_two_runs_of_one_workspace_queue_on_its_slot(pool_setup):
+def test_runs_of_one_workspace_queue_on_its_slot_and_fail_busy_without_it(pool_setup):
     api, worker, stamps_log, gate = (pool_setup[k] for k in ("api", "worker", "stamps", "gate"))
     gate.unlink(missing_ok=True)
     stamps_log.unlink(missing_ok=True)
@@ -183,16 +183,24 @@ def test_two_runs_of_one_workspace_queue_on_its_slot(pool_setup):
     # one run of each deployment, back to back: two deployments, one workspace, one slot
     ids = [_post(api, f"/deployments/{pool_setup[dep]['id']}/create_flow_run", {}).json()["id"]
            for dep in ("by_prefect_yaml", "by_flows_deploy")]
-    # one run in the stage, holding the workspace; the other running too, so asking for the slot
+    # one run in the stage, holding the workspace until the gate opens; the other one running, so asking for the slot
     first = _wait_until(lambda: next(iter(_stamps(stamps_log)), None), "a run to start the stage", worker)
     second = next(i for i in ids if i != first)
     _wait_until(lambda: _states(api, [second])[second] == "RUNNING", "the second run to start", worker)
-    time.sleep(GRACE_S)
-    states_while_held = _states(api, ids)
-    assert list(_stamps(stamps_log)) == [first], "the second run started the stage while the first held the workspace"
+    # meanwhile a third run without the slot (its environment turns it off): it meets the busy workspace
+    off = {"job_variables": {"env": {SLOT_ENV: "off"}}}
+    third = _post(api, f"/deployments/{pool_setup['by_flows_deploy']['id']}/create_flow_run", off).json()["id"]
+    final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+    _wait_until(lambda: _states(api, [third])[third] in final, "the run without the slot to end", worker)
+    while_held = _states(api, [*ids, third])
+    assert list(_stamps(stamps_log)) == [first], "another run started the stage while the first held the workspace"
     gate.touch()
     runs = _wait_final(api, ids, worker)
     wall = time.monotonic() - t0
+
+    assert while_held == {first: "RUNNING", second: "RUNNING", third: "FAILED"}, while_held
+    busy = [line for line in _logs(api, third).splitlines() if "is busy: PID " in line]
+    assert busy, _logs(api, third)[-3000:]
     assert [runs[i]["state"]["type"] for i in ids] == ["COMPLETED", "COMPLETED"], \
         {i: (runs[i]["state"]["name"], _logs(api, i)[-2000:]) for i in ids}
     stamps = _stamps(stamps_log)
@@ -206,34 +214,12 @@ def test_two_runs_of_one_workspace_queue_on_its_slot(pool_setup):
     said = "waiting for the slot" in _logs(api, second)  # when it found the slot taken before asking for it
     limit = _post(api, f"/v2/concurrency_limits/{slot_name(pool_setup['ws'])}", None, tries=3, method="GET").json()
     assert limit["limit"] == 1 and limit["active_slots"] == 0, limit  # released by both
-    print(f"\nwhile the first held the workspace: {states_while_held}"
+    print(f"\nwhile the first held the workspace: {while_held}"
           f"\nfirst  {first}: stage {stamps[first]['start']:.2f} -> {stamps[first]['end']:.2f}"
           f"\nsecond {second}: stage {stamps[second]['start']:.2f} -> {stamps[second]['end']:.2f}"
           f" ({gap:.2f} s after the first's end)\nsecond took the slot {took[second][0] - stamps[first]['end']:.2f} s"
           f" after the first's stage ended, having waited {waited:.1f} s (logged that it was waiting: {said});"
-          f" both completed {wall:.1f} s after creation")
-
-
-def test_without_the_slot_the_second_run_fails_busy(pool_setup):
-    api, worker, stamps_log, gate = (pool_setup[k] for k in ("api", "worker", "stamps", "gate"))
-    gate.unlink(missing_ok=True)
-    stamps_log.unlink(missing_ok=True)
-    dep = pool_setup["by_flows_deploy"]["id"]
-    off = {"job_variables": {"env": {SLOT_ENV: "off"}}}  # the runs' environment: no workspace slot
-    ids = [_post(api, f"/deployments/{dep}/create_flow_run", off).json()["id"] for _ in range(2)]
-    # one run in the stage, holding the workspace (until the gate opens); the other one must fail meanwhile
-    first = _wait_until(lambda: next(iter(_stamps(stamps_log)), None), "a run to start the stage", worker)
-    second = next(i for i in ids if i != first)
-    final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-    _wait_until(lambda: _states(api, [second])[second] in final, "the second run to end", worker)
-    gate.touch()
-    runs = _wait_final(api, ids, worker)
-    states = {i: runs[i]["state"]["type"] for i in ids}
-    assert states == {first: "COMPLETED", second: "FAILED"}, {i: (states[i], _logs(api, i)[-2000:]) for i in ids}
-    busy = [line for line in _logs(api, second).splitlines() if "is busy: PID " in line]
-    assert busy, _logs(api, second)[-3000:]
-    assert set(_stamps(stamps_log)) == {first}  # the refused run never started the stage
-    print(f"\nwithout the slot: {first} COMPLETED, {second} FAILED: {busy[0][:300]}")
+          f" both completed {wall:.1f} s after creation\nthird (no slot) FAILED: {busy[0][:300]}")
 
 
 def test_slot_name_is_per_workspace_path(tmp_path):

@@ -45,6 +45,10 @@ def test_scheduled_deployment_runs_on_the_server(prefect_server, tmp_path, tiny_
         assert state == "COMPLETED", f"no scheduled run completed; runs: {[r['state_type'] for r in runs]}"
         assert runs[0]["auto_scheduled"] or any(r["auto_scheduled"] for r in runs)
         assert (ws / "data/raw/train.jsonl").exists()  # the scheduled run really ran the stage
+        done = next(r for r in runs if r["state_type"] == "COMPLETED")
+        logs = httpx.post(f"{api}/logs/filter", timeout=10, json={"logs": {"flow_run_id": {"any_": [done["id"]]}}}).json()
+        # a served run is a deployment run: it held the workspace's Prefect slot (tests/test_work_pool.py)
+        assert any(entry["message"].startswith("took the workspace slot grpo-workspace-") for entry in logs), logs
     finally:
         serve.terminate()
         serve.wait(timeout=30)

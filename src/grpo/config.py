@@ -226,7 +226,7 @@ class TrainConfig(VLLMEngineConfig):
     """Distinct prompts per step; each gets ``group_size`` completions."""
     group_size: Annotated[int, Field(ge=2)] = 4
     """G: completions per prompt (>= 2, a group of one has no baseline)."""
-    max_new_tokens: Positive = 32
+    max_new_tokens: Positive = 24
     """Completion length cap."""
     rollout_backend: Backend = "auto"
     """Who samples the rollouts: ``vllm`` (an engine in the stage's process holding the policy,
@@ -288,12 +288,12 @@ class TrainConfig(VLLMEngineConfig):
     """Write a resumable checkpoint every N steps (0: never)."""
     val_path: str = "data/raw/val.jsonl"
     """Validation problems for the evaluation during training (``prepare_data`` writes them)."""
-    eval_every: NonNegative = 10
+    eval_every: NonNegative = 5
     """Greedy accuracy on ``val_path`` every N steps and after the last one, with the rollout
     backend (0: never)."""
     eval_max_new_tokens: Positive = 64
     """Length cap of the validation completions."""
-    keep_best: bool = False
+    keep_best: bool = True
     """Write the adapter of the best validation accuracy (earliest on ties) as the stage's adapter
     instead of the last one; ``models/adapter/selection.json`` says which was written."""
     rewards: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})

@@ -358,6 +358,13 @@ class GRPOTrainer:
         full = rows.permute(1, 0, 2).reshape(local.shape[0], -1).cpu()  # (1+F, N)
         return full[0], {k: full[i + 1].tolist() for i, k in enumerate(names)}
 
+    def step_normalizer(self, mask: torch.Tensor) -> float:
+        """The ``loss_type`` denominator of the whole step from this rank's (n, C) completion mask:
+        every type's is a sum over completions (valid tokens; rows; rows x ``max_new_tokens``), so
+        the per-rank values are summed."""
+        local = loss_normalizer(mask, self.cfg.loss_type, self.cfg.max_new_tokens)
+        return float(self.dist.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device)))
+
     def reduce_gradients(self) -> dict[str, float]:
         """Sum the LoRA gradients over ranks, in one flat all-reduce, before clipping (each rank's
         loss is divided by the step-wide normaliser, so the sum is one process's gradient).
@@ -410,8 +417,7 @@ class GRPOTrainer:
         local = slice(mine.start * g, mine.stop * g)  # this rank's completions
         batch = TrainBatch.from_rollout(rollout, advantages[local], self.device)
         mask = batch.mask  # (n, C)
-        normalizer = float(self.dist.all_reduce(torch.tensor(
-            loss_normalizer(mask, cfg.loss_type, cfg.max_new_tokens), dtype=torch.float64, device=self.device)))
+        normalizer = self.step_normalizer(mask)
 
         policy_entropy = None  # (n, C) at the current weights, when a no-grad pass has computed it
         if cfg.beta:

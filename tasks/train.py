@@ -188,6 +188,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     summary = {
         "steps": len(history),
         "rollout_backend": backend_name,
+        "num_processes": dist.world_size,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
         "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),

@@ -488,9 +488,9 @@ class GRPOTrainer:
             "grad_norm": grad_norm,
             "lr": lr,
             **maxes,  # times and peak memory: the slowest / largest rank's
+            "time_wait_s": t_wait,  # this rank's wait for the slowest one before the gradient all-reduce
+            "time_allreduce_s": t_allreduce,  # the all-reduce itself (both 0 with one process)
         }
-        if self.dist.active:
-            row.update(num_processes=self.dist.world_size, time_wait_s=t_wait, time_allreduce_s=t_allreduce)
         return row
 
     # ------------------------------------------------------------------ checkpoints

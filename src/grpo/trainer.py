@@ -555,15 +555,14 @@ class GRPOTrainer:
         tmp.rename(self.best_dir)
 
     def _resume(self) -> None:
-        """Load the newest intact checkpoint (none: step 0). Rank 0 chooses it (damaged ones are
-        logged and moved aside) and names it to the other ranks, which read the same directory;
-        then every rank holds rank 0's LoRA weights."""
+        """Load the newest intact checkpoint (none: step 0). Rank 0 reads it (damaged ones are
+        logged and moved aside) and sends it to the other ranks (adapter, optimizer, scheduler and
+        RNG states: LoRA-sized), so only rank 0 needs ``output_dir`` (no shared filesystem across
+        machines); then every rank holds rank 0's LoRA weights."""
         from grpo import checkpoint
 
-        ckpt = checkpoint.load_latest(self.ckpt_dir, self.device) if self.dist.is_main else None
-        name = self.dist.broadcast_object(None if ckpt is None else ckpt.path.name)
-        if name is not None and ckpt is None:
-            ckpt = checkpoint.read(self.ckpt_dir / name, self.device)
+        ckpt = checkpoint.load_latest(self.ckpt_dir, "cpu") if self.dist.is_main else None
+        ckpt = self.dist.broadcast_object(ckpt)
         if ckpt is not None:
             self._restore(ckpt)
             log.info("resumed from %s (step %d)", ckpt.path, self.step)

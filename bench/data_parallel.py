@@ -6,7 +6,10 @@ all-reduce's own cost (``time_allreduce_s``) beside the wait for the slower rank
 (``time_wait_s``).
 
     python bench/data_parallel.py [--model DIR] [--processes 1 2] [--steps 6] [--prompts 4]
-                                  [--group 4] [--new-tokens 16] [--json FILE]
+                                  [--group 4] [--new-tokens 16] [--threads N] [--json FILE]
+
+Threads: by default one process uses torch's default (every core) and N processes get cores / N
+each (the stage's launcher sets ``OMP_NUM_THREADS``); ``--threads`` sets it for every run.
 
 Default model: a 2-layer random Llama (hidden 64, character tokenizer, as the tests use), built
 in the output directory; ``--model models/base`` runs SmolLM2-135M. Rollouts come from the decode
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -62,13 +66,15 @@ def run(out: Path, model: Path, n: int, args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "params.yaml").write_text(yaml.safe_dump(params))
     (run_dir / "out" / "steps.jsonl").unlink(missing_ok=True)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(run_dir / "params.yaml")], check=True,
-                   capture_output=True, text=True)
+                   capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "out" / "steps.jsonl").read_text().splitlines()]
     timed = rows[1:] or rows
-    return {"processes": n, "wall_s": wall, "steps": len(rows),
+    threads = args.threads or (len(os.sched_getaffinity(0)) // n if n > 1 else "default")
+    return {"processes": n, "threads": threads, "wall_s": wall, "steps": len(rows),
             **{k: statistics.median(r[k] for r in timed) for k in FIELDS},
             "completion_len": statistics.mean(r["completion_len"] for r in rows)}
 
@@ -82,6 +88,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = Path(args.out).resolve()
@@ -91,9 +98,9 @@ def main() -> None:
     results = [run(out, model, n, args) for n in args.processes]
     print(f"model {model.name}, {args.prompts} prompts x G={args.group}, {args.new_tokens} new tokens, "
           f"{args.steps} steps (medians of steps 2..)")
-    print("processes  step_s  generate_s  update_s  optimizer_s  wait_s  allreduce_s  stage_wall_s")
+    print("processes  threads  step_s  generate_s  update_s  optimizer_s  wait_s  allreduce_s  stage_wall_s")
     for r in results:
-        print(f"{r['processes']:9d} {r['step_time_s']:7.2f} {r['time_generate_s']:11.2f} {r['time_update_s']:9.2f} "
+        print(f"{r['processes']:9d} {r['threads']!s:>8} {r['step_time_s']:7.2f} {r['time_generate_s']:11.2f} {r['time_update_s']:9.2f} "
               f"{r['time_optimizer_s']:12.4f} {r['time_wait_s']:7.4f} {r['time_allreduce_s']:12.5f} "
               f"{r['wall_s']:13.1f}")
     if args.json:

@@ -233,3 +233,16 @@ def test_a_rank_that_dies_takes_the_stage_down_with_its_rank_named(tiny_model_di
     assert time.time() - t0 < 60
     assert "train: error: training process rank 1 failed (signal SIGKILL)" in out, out[-3000:]
     assert _gone(params)
+
+
+def test_accelerate_configs_load():
+    """The shipped accelerate configs parse with accelerate's own loader (they are not run here:
+    no second machine, no GPU, no DeepSpeed)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    two = load_config_from_file(str(REPO / "configs" / "accelerate" / "2nodes.yaml"))
+    assert (two.distributed_type.value, two.num_machines, two.num_processes) == ("MULTI_GPU", 2, 8)
+    zero = load_config_from_file(str(REPO / "configs" / "accelerate" / "zero2_offload.yaml"))
+    ds = json.loads((REPO / zero.deepspeed_config["deepspeed_config_file"]).read_text())
+    assert zero.distributed_type.value == "DEEPSPEED"
+    assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}

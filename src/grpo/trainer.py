@@ -36,8 +36,8 @@ the quantile taken over them: exact), the LoRA gradients (summed before clipping
 is already divided by the step-wide normaliser) and the logged sums (token-weighted statistics
 summed, then divided by the global token count; times and memory: the largest rank's). Every
 rank then clips the same gradient and takes the same AdamW step. Rank 0 alone writes checkpoints,
-the step log and the samples; on resume rank 0 picks the checkpoint (verifying it and moving
-damaged ones aside) and every rank loads that one.
+the step log and the samples; on resume rank 0 reads the checkpoint (verifying it and moving
+damaged ones aside) and sends it to every rank.
 
 Checkpoints (every ``checkpoint_every`` steps, ``grpo.checkpoint``) hold the adapter, optimizer,
 scheduler, RNG states, step and data position with a manifest of their checksums; they are written

@@ -4,7 +4,8 @@
 (``{"seconds": ...}``), a metric of that stage in ``dvc.yaml``, so each run's times live with its
 outputs (an experiment keeps its own). With ``GRPO_PARAMS_READ_LOG=FILE`` in the environment it
 also appends ``{"stage", "params"}`` to FILE: the params fields the stage read (tests check them
-against the stage's ``params:`` in ``dvc.yaml``).
+against the stage's ``params:`` in ``dvc.yaml``). In a data-parallel stage only rank 0 (and the
+launching process) write them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     except USER_ERRORS as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":  # another process of a data-parallel stage: rank 0 writes
+        return 0
     write_json(metrics_dir / "time" / f"{name}.json", {"seconds": round(time.perf_counter() - t0, 2)})
     if os.environ.get("GRPO_PARAMS_READ_LOG"):
         with open(os.environ["GRPO_PARAMS_READ_LOG"], "a") as fh:

@@ -3,14 +3,25 @@
 Outputs: ``models/adapter/`` (PEFT format), ``metrics/train.json`` (summary),
 ``metrics/train/`` (dvclive per-step metrics for ``dvc plots``), ``outputs/train/`` (checkpoints
 and the per-step log; persistent, so a restarted stage resumes).
+
+With ``train.num_processes`` N > 1 the stage launches N copies of itself on this machine through
+torch.distributed's launcher (``elastic_launch``, what ``torchrun --standalone`` runs), waits for
+them and exits with their status: a process that fails stops the others, and the stage prints one
+line naming its rank and exit code. A process started by a launcher (``WORLD_SIZE`` set: this
+stage's own launch, or ``torchrun`` / ``accelerate launch`` of ``-m tasks.train``, also across
+machines) joins the process group instead (``grpo.distributed``); rank 0 alone writes the
+outputs. Rollouts then come from the decode loop on every rank (engine rollouts are not
+data-parallel yet: logged).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -18,8 +29,9 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.checkpoint import reset_if_changed
-from grpo.config import Params
+from grpo.config import Params, ParamsError
 from grpo.device import default_device
+from grpo.distributed import LAUNCHER_PID, Dist, die_with_parent, init_from_env, launched, shutdown
 from grpo.engine_policy import make_policy_backend
 from grpo.jsonio import read_jsonl, write_json
 from grpo.policy import load_policy
@@ -72,31 +84,92 @@ def _wandb_callback(params: Params):
     return cb, run.finish
 
 
-def train(params: Params) -> None:
+class LaunchFailed(Exception):
+    """A training process of a multi-process launch failed (the message names its rank); ``code``:
+    its exit code (1 when a signal ended it)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def launch_processes(n: int, argv: list[str]) -> None:
+    """Run ``python -m tasks.train *argv`` as ``n`` data-parallel processes on this machine through
+    torch.distributed's launcher (``torchrun --standalone --nproc-per-node n``: a c10d rendezvous
+    on a free local port, no restarts) and wait for them. A process that fails makes the launcher
+    stop the others; ``LaunchFailed`` then names its rank and exit code. Each process gets
+    ``cores / n`` threads unless ``OMP_NUM_THREADS`` is set."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // n)))
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (die_with_parent)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    log.info("launching %d training processes (torch.distributed, c10d rendezvous on localhost)", n)
+    try:
+        elastic_launch(config, sys.executable)("-m", "tasks.train", *argv)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        raise LaunchFailed(f"training process rank {rank} failed ({how}); the launcher stopped the other "
+                           f"{n - 1} process(es); see rank {rank}'s output above",
+                           failure.exitcode if failure.exitcode > 0 else 1) from None
+
+
+def train(params: Params, argv: list[str] = ()) -> None:
     cfg = params.train
+    if cfg.num_processes > 1 and not launched():
+        launch_processes(cfg.num_processes, list(argv))
+        return
+    if launched():
+        die_with_parent()
+    device = default_device()
+    dist = init_from_env(device, cfg.dist_timeout_s)
+    try:
+        _train(params, dist, device)
+    finally:
+        shutdown(dist)
+
+
+def _train(params: Params, dist: Dist, device: str) -> None:
+    """The stage's work in one process of ``dist`` (rank 0 writes every output)."""
+    cfg = params.train
+    if cfg.prompts_per_step % dist.world_size:
+        raise ParamsError(f"train.prompts_per_step: {cfg.prompts_per_step} prompts do not split evenly over "
+                          f"{dist.world_size} processes (the launcher's WORLD_SIZE)")
     problems = read_jsonl(cfg.data_path)
     if not Path(params.model.path, "config.json").exists():
         raise FileNotFoundError(f"model.path: {params.model.path} has no config.json; run prepare_model first")
     adapter_dir, summary_path = Path(cfg.adapter_dir), Path(cfg.metrics_dir) / "train.json"
-    shutil.rmtree(adapter_dir, ignore_errors=True)  # never leave a stale adapter that looks complete
-    summary_path.unlink(missing_ok=True)
-
-    reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
+    if dist.is_main:
+        shutil.rmtree(adapter_dir, ignore_errors=True)  # never leave a stale adapter that looks complete
+        summary_path.unlink(missing_ok=True)
+        reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
     torch.manual_seed(cfg.seed)
-    device = default_device()
+    if dist.active and device == "cuda":
+        device = f"cuda:{dist.local_rank}"
     tokenizer = load_tokenizer(params.model.path)
     model = load_policy(params.model, params.lora, device)
     callbacks, closers = [], []  # per-step loggers and their close functions
-    for cb, close in (_dvclive_callback(Path(cfg.metrics_dir)), _wandb_callback(params)):
+    loggers = (_dvclive_callback(Path(cfg.metrics_dir)), _wandb_callback(params)) if dist.is_main else ()
+    for cb, close in loggers:
         if cb is not None:
             callbacks.append(cb)
             closers.append(close)
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
-    backend, backend_name = make_policy_backend(params, model, tokenizer)
+    if dist.active and cfg.rollout_backend != "transformers":
+        log.warning("rollout_backend %s: with %d processes the rollouts come from the transformers decode loop "
+                    "on every rank (engine rollouts are not data-parallel yet)", cfg.rollout_backend, dist.world_size)
+        backend, backend_name = None, "transformers"
+    else:
+        backend, backend_name = make_policy_backend(params, model, tokenizer)
     log.info("rollouts: %s", backend_name)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
-                          val_problems=val_problems)
+                          val_problems=val_problems, dist=dist)
     history = trainer.train(progress=True)
+    if not dist.is_main:
+        return
 
     tmp = adapter_dir.with_name(adapter_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -115,6 +188,7 @@ def train(params: Params) -> None:
     summary = {
         "steps": len(history),
         "rollout_backend": backend_name,
+        "num_processes": dist.world_size,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
         "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
@@ -135,7 +209,12 @@ def train(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("train", train, argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run_stage("train", functools.partial(train, argv=argv), argv)
+    except LaunchFailed as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        return err.code
 
 
 if __name__ == "__main__":

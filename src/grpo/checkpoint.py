@@ -60,8 +60,10 @@ DAMAGED = "damaged"
 KEEP = 2
 FINGERPRINT = "fingerprint"
 _STEP_DIR = re.compile(r"step_(\d{6,})")
-# train params that only place outputs or log: changing them continues the same run
-_NOT_FINGERPRINTED = ("checkpoint_every", "wandb_mode", "wandb_project", "metrics_dir", "adapter_dir")
+# train params that only place outputs, log, or spread the same update over processes (per-prompt
+# sampling seeds: 1 or N processes take the same steps): changing them continues the same run
+_NOT_FINGERPRINTED = ("checkpoint_every", "wandb_mode", "wandb_project", "metrics_dir", "adapter_dir",
+                      "num_processes", "dist_timeout_s")
 
 
 class CheckpointError(Exception):

@@ -304,6 +304,14 @@ class TrainConfig(VLLMEngineConfig):
     """wandb: ``online``, ``offline`` or ``disabled``."""
     wandb_project: str = "grpo"
     """wandb project name."""
+    num_processes: Positive = 1
+    """Data-parallel training processes on this machine (``grpo.distributed``): the stage launches
+    them itself through torch.distributed's launcher, each with ``prompts_per_step /
+    num_processes`` whole groups; the update equals one process's. gloo on CPUs, NCCL on GPUs
+    (one GPU each)."""
+    dist_timeout_s: PositiveFloat = 600.0
+    """With several processes: a collective that waits longer than this for another rank fails
+    and takes the stage down (a rank that hangs, or a rank of another machine that is gone)."""
 
     @model_validator(mode="after")
     def _check(self):
@@ -314,6 +322,9 @@ class TrainConfig(VLLMEngineConfig):
         for name in self.rewards:
             if name not in REWARDS:
                 raise ValueError(f"train.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+        if self.prompts_per_step % self.num_processes:
+            raise ValueError(f"train.prompts_per_step: {self.prompts_per_step} prompts do not split evenly over "
+                             f"train.num_processes = {self.num_processes} (whole groups per process)")
         return self
 
 

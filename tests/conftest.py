@@ -8,6 +8,7 @@ session, for the tests that ask for it); no test downloads anything.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,16 @@ os.environ.setdefault("DVC_STUDIO_OFFLINE", "true")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Path:
@@ -64,7 +75,6 @@ def make_dvc_workspace(ws: Path, params: dict) -> Path:
     """A temporary git + DVC repo holding this project's stages, code and a complete params.yaml:
     the repo's, with ``params`` put over it (as a preset is)."""
     import shutil
-    import subprocess
     import sys
 
     import yaml
@@ -95,7 +105,6 @@ def _free_port() -> int:
 def prefect_server(tmp_path_factory):
     """A real ``prefect server start`` on a free port with its own PREFECT_HOME, stopped at the end of the
     session: ``{"api": url, "env": environment with PREFECT_API_URL, "home": path}``."""
-    import subprocess
     import sys
     import time
 
@@ -128,10 +137,5 @@ def prefect_server(tmp_path_factory):
             raise RuntimeError("prefect server did not start in 120 s")
         yield {"api": api, "env": {**env, "PREFECT_API_URL": api}, "home": home}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

@@ -29,6 +29,8 @@ import yaml
 from flows.pipeline import SLOT_ENV, slot_name
 from tests.conftest import REPO
 
+from .conftest import stop_process
+
 pytestmark = pytest.mark.slow
 
 POOL = "grpo-pool"
@@ -156,12 +158,7 @@ def pool_setup(prefect_server, tmp_path_factory):
                "by_flows_deploy": _deployment(api, "ci-pool"), "by_prefect_yaml": _deployment(api, "grpo-nightly")}
     finally:
         gate.touch()  # a stage still waiting ends
-        worker.terminate()  # SIGTERM: the worker stops polling and exits
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_process(worker)  # SIGTERM: the worker stops polling and exits
         worker_log.close()
 
 

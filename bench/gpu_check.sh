@@ -245,7 +245,8 @@ with open(sys.argv[1], "w") as fh:
   step_args=("${step_shape[@]}" --fixed-length --gradient-checkpointing --steps "$STEPS" --rollout transformers
              --data "$WORK/problems.jsonl" --json "$OUT/grpo_step.json")
   [ "$ABLATE" -eq 1 ] && step_args+=(--ablate)
-  [ -n "$(missing_modules trl)" ] || step_args+=(--trl)
+  # TRL where installed; not in the CPU dry run (its plumbing is the same; TRL only adds minutes)
+  [ -n "$(missing_modules trl)" ] || [ "${GPU_CHECK_CPU:-}" = 1 ] || step_args+=(--trl)
   run_phase step "$PY" bench/grpo_step.py "${step_args[@]}"
 fi
 

@@ -81,6 +81,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def mark_stage_boundaries(ax, steps: list[dict]) -> None:
+    """A dotted vertical line between two logged steps whose curriculum stage differs."""
+    for a, b in zip(steps, steps[1:]):
+        if b.get("stage", 0) != a.get("stage", 0):
+            ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)
+
+
 def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
     """Per-step mean reward and rollout accuracy (thin) with their ``window``-step trailing means
     (thick); one pair of lines when the reward is the accuracy (correctness-only rewards)."""
@@ -93,9 +100,7 @@ def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
         color = f"C{i}"
         ax.plot(x, y, color=color, alpha=0.35, lw=1)
         ax.plot(x, moving_average(y, window), color=color, lw=2, label=f"{label}, {window}-step mean")
-    for a, b in zip(steps, steps[1:]):
-        if b.get("stage", 0) != a.get("stage", 0):
-            ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)
+    mark_stage_boundaries(ax, steps)
     ax.set_xlabel("step (dotted: next curriculum stage)")
     ax.set_ylim(bottom=0)
     ax.legend()
@@ -111,9 +116,7 @@ def plot_validation(steps: list[dict], out: Path, selected_step: int | None = No
     points = [(r["step"], r["val_accuracy"]) for r in steps if "val_accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="C2", label="validation accuracy")
-    for a, b in zip(steps, steps[1:]):
-        if b.get("stage", 0) != a.get("stage", 0):
-            ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)
+    mark_stage_boundaries(ax, steps)
     chosen = [v for s, v in points if s == selected_step]
     if chosen:
         ax.plot([selected_step], chosen, marker="*", ms=16, ls="", color="C3",

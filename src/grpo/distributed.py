@@ -17,6 +17,7 @@ Contract:
 Collectives (every rank must call the same ones in the same order):
 
     all_reduce(t, op)        (...)   -> (...)      sum / max over ranks, a new tensor
+    all_reduce_many(ts, op)  [(...)] -> [(...)]    the same for a list, in one flat all-reduce
     all_gather_cat(t)        (n_r,)  -> (sum n_r,) 1-D tensors of any length, in rank order
     all_gather_object(obj)   obj     -> [obj_0, ..., obj_{W-1}]
     broadcast_object(obj)    obj     -> rank 0's obj
@@ -27,23 +28,39 @@ Collectives (every rank must call the same ones in the same order):
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
+from torch._utils import _unflatten_dense_tensors
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
 
 
 def launched() -> bool:
     """True inside a worker started by torch.distributed's launcher (or accelerate's)."""
     return "WORLD_SIZE" in os.environ
+
+
+@torch.no_grad()
+def _flat_apply(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None],
+                dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """``tensors`` (in ``dtype``, default their own) copied into one 1-D buffer (sum of numels,), the
+    in-place ``collective`` run once on it, and the result cut back into the inputs' shapes: views
+    of that buffer, in order (one collective instead of one per tensor)."""
+    flat = torch.cat([t.detach().to(dtype).reshape(-1) for t in tensors])  # (n,): always a copy (unlike
+    # _flatten_dense_tensors, which returns a single tensor itself)
+    collective(flat)
+    return list(_unflatten_dense_tensors(flat, tensors))
 
 
 @dataclass(frozen=True)
@@ -77,8 +94,16 @@ class Dist:
         if not self.active:
             return t
         out = t.clone()
-        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}[op])
+        tdist.all_reduce(out, op=_OPS[op])
         return out
+
+    def all_reduce_many(self, tensors: list[torch.Tensor], op: str = "sum",
+                        dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """``all_reduce`` of each of ``tensors`` (in ``dtype``), in one flat all-reduce: new tensors,
+        views of one buffer (the inputs unchanged; alone: the inputs in ``dtype``)."""
+        if not self.active:
+            return [t.to(dtype) for t in tensors]
+        return _flat_apply(tensors, functools.partial(tdist.all_reduce, op=_OPS[op]), dtype)
 
     def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:
         """The 1-D tensors ``t`` (n_r,) of all ranks, concatenated in rank order: (sum_r n_r,).
@@ -116,12 +141,8 @@ class Dist:
         """Copy rank 0's values into ``tensors`` on every rank (one flat collective)."""
         if not self.active or not tensors:
             return
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        tdist.broadcast(flat, src=0)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, value in zip(tensors, _flat_apply(tensors, functools.partial(tdist.broadcast, src=0))):
+            t.copy_(value)
 
     def barrier(self) -> None:
         if self.active:

@@ -375,11 +375,9 @@ class GRPOTrainer:
         self.dist.barrier()
         t1 = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self.dist.all_reduce(torch.cat([g.detach().float().reshape(-1) for g in grads]))  # (n_lora,)
-        offset = 0
-        for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).clone()
-            offset += p.numel()
+        summed = self.dist.all_reduce_many(grads, dtype=torch.float32)  # one flat fp32 all-reduce, (n_lora,)
+        for p, g in zip(self.params, summed):
+            p.grad = g.to(p.dtype).clone()
         return {"wait": t1 - t0, "allreduce": time.perf_counter() - t1}
 
     def reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> tuple[dict, dict]:

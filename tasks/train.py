@@ -31,7 +31,7 @@ from grpo.base_model import load_tokenizer
 from grpo.checkpoint import reset_if_changed
 from grpo.config import Params, ParamsError
 from grpo.device import default_device
-from grpo.distributed import LAUNCHER_PID, Dist, die_with_parent, init_from_env, launched, shutdown
+from grpo.distributed import LAUNCHER_PID, Dist, die_with_parent, init_from_env, launched, shutdown, writes_outputs
 from grpo.engine_policy import make_policy_backend
 from grpo.jsonio import read_jsonl, write_json
 from grpo.policy import load_policy
@@ -211,7 +211,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return run_stage("train", functools.partial(train, argv=argv), argv)
+        return run_stage("train", functools.partial(train, argv=argv), argv, writes=writes_outputs())
     except LaunchFailed as err:
         print(f"train: error: {err}", file=sys.stderr)
         return err.code

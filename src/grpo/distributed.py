@@ -10,7 +10,8 @@ Contract:
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins the
   process group: gloo on CPUs, NCCL on CUDA (one GPU per process: ``cuda:LOCAL_RANK``). Every
   collective fails after ``timeout_s`` instead of waiting forever for a rank that is gone.
-* ``launched()`` says whether this process is such a worker (``WORLD_SIZE`` is set).
+* ``launched()`` says whether this process is such a worker (``WORLD_SIZE`` is set);
+  ``writes_outputs()`` is the one rule for which process writes a stage's outputs (rank 0).
 * ``die_with_parent()``: a worker is killed when its launcher dies (the launcher starts workers
   in sessions of their own, so a ``kill -9`` of the stage's process group would orphan them).
 
@@ -51,6 +52,15 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
+def writes_outputs(rank: int | None = None) -> bool:
+    """Whether the process of global ``rank`` writes a stage's outputs (checkpoints, logs, metrics,
+    the adapter, the stage's time): rank 0 alone. ``rank`` defaults to this process's, from the
+    launcher's ``RANK`` (0 when not launched: a single process, or the one that launches others)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0")) if launched() else 0
+    return rank == 0
+
+
 @torch.no_grad()
 def _flat_apply(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None],
                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
@@ -78,8 +88,8 @@ class Dist:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one process that writes checkpoints, logs, metrics and the adapter."""
-        return self.rank == 0
+        """The one process that writes checkpoints, logs, metrics and the adapter (``writes_outputs``)."""
+        return writes_outputs(self.rank)
 
     def shard(self, n: int) -> slice:
         """The contiguous share of ``n`` items (prompts of a step) of this rank; ``n`` must divide

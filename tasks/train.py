@@ -7,9 +7,11 @@ and the per-step log; persistent, so a restarted stage resumes).
 With ``train.num_processes`` N > 1 the stage launches N copies of itself on this machine through
 torch.distributed's launcher (``elastic_launch``, what ``torchrun --standalone`` runs), waits for
 them and exits with their status: a process that fails stops the others, and the stage prints one
-line naming its rank and exit code. A process started by a launcher (``WORLD_SIZE`` set: this
-stage's own launch, or ``torchrun`` / ``accelerate launch`` of ``-m tasks.train``, also across
-machines) joins the process group instead (``grpo.distributed``); rank 0 alone writes the
+line naming its rank and exit code; a process that hangs (alive, but not at the collective the
+others wait in) makes them time out after ``train.dist_timeout_s``, and the line names it (exit
+code ``grpo.distributed.TIMEOUT_EXIT_CODE``). A process started by a launcher (``WORLD_SIZE``
+set: this stage's own launch, or ``torchrun`` / ``accelerate launch`` of ``-m tasks.train``, also
+across machines) joins the process group instead (``grpo.distributed``); rank 0 alone writes the
 outputs. Rollouts then come from the decode loop on every rank (engine rollouts are not
 data-parallel yet: logged).
 """
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -31,7 +34,17 @@ from grpo.base_model import load_tokenizer
 from grpo.checkpoint import reset_if_changed
 from grpo.config import Params, ParamsError
 from grpo.device import default_device
-from grpo.distributed import LAUNCHER_PID, Dist, die_with_parent, init_from_env, launched, shutdown, writes_outputs
+from grpo.distributed import (
+    LAUNCHER_PID,
+    TIMEOUT_EXIT_CODE,
+    CollectiveTimeout,
+    Dist,
+    die_with_parent,
+    init_from_env,
+    launched,
+    shutdown,
+    writes_outputs,
+)
 from grpo.engine_policy import make_policy_backend
 from grpo.jsonio import read_jsonl, write_json
 from grpo.policy import load_policy
@@ -93,12 +106,14 @@ class LaunchFailed(Exception):
         self.code = code
 
 
-def launch_processes(n: int, argv: list[str]) -> None:
+def launch_processes(n: int, argv: list[str], timeout_s: float) -> None:
     """Run ``python -m tasks.train *argv`` as ``n`` data-parallel processes on this machine through
     torch.distributed's launcher (``torchrun --standalone --nproc-per-node n``: a c10d rendezvous
     on a free local port, no restarts) and wait for them. A process that fails makes the launcher
-    stop the others; ``LaunchFailed`` then names its rank and exit code. Each process gets
-    ``cores / n`` threads unless ``OMP_NUM_THREADS`` is set."""
+    stop the others (SIGTERM; SIGKILL after torch's 30 s grace: a frozen process ignores SIGTERM);
+    ``LaunchFailed`` then names its rank and exit code, or, when it timed out in a collective
+    (``timeout_s``, the workers' ``train.dist_timeout_s``), the ranks that were still running: the
+    ones that hang. Each process gets ``cores / n`` threads unless ``OMP_NUM_THREADS`` is set."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -111,16 +126,27 @@ def launch_processes(n: int, argv: list[str]) -> None:
         elastic_launch(config, sys.executable)("-m", "tasks.train", *argv)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        if failure.exitcode == TIMEOUT_EXIT_CODE:
+            stopped = (-signal.SIGTERM, -signal.SIGKILL)  # the launcher's: these were still running
+            hung = sorted(r for r, f in err.failures.items() if r != rank and f.exitcode in stopped)
+            if hung:
+                names = ", ".join(map(str, hung))
+                raise LaunchFailed(f"training process rank {names} hung: rank {rank} timed out waiting for it in a "
+                                   f"collective (train.dist_timeout_s = {timeout_s:g} s); the launcher stopped "
+                                   f"every process", code) from None
+            raise LaunchFailed(f"training process rank {rank} timed out in a collective (train.dist_timeout_s = "
+                               f"{timeout_s:g} s) and no process was left running; see their output above",
+                               code) from None
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         raise LaunchFailed(f"training process rank {rank} failed ({how}); the launcher stopped the other "
-                           f"{n - 1} process(es); see rank {rank}'s output above",
-                           failure.exitcode if failure.exitcode > 0 else 1) from None
+                           f"{n - 1} process(es); see rank {rank}'s output above", code) from None
 
 
 def train(params: Params, argv: list[str] = ()) -> None:
     cfg = params.train
     if cfg.num_processes > 1 and not launched():
-        launch_processes(cfg.num_processes, list(argv))
+        launch_processes(cfg.num_processes, list(argv), cfg.dist_timeout_s)
         return
     if launched():
         die_with_parent()
@@ -215,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchFailed as err:
         print(f"train: error: {err}", file=sys.stderr)
         return err.code
+    except CollectiveTimeout as err:  # in a worker (the launcher names the rank that hangs)
+        print(f"train: error: {err}", file=sys.stderr)
+        return TIMEOUT_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Data-parallel training (``grpo.distributed``, ``train.num_processes``) with real torch.distributed
 processes on gloo: the update of 2 processes equals one process's; the 2-process stage writes what
-the 1-process stage writes and resumes after ``kill -9``; a rank that dies takes the stage down."""
+the 1-process stage writes and resumes after ``kill -9``; a rank that dies, or hangs, takes the stage
+down."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
-from grpo.distributed import Dist, init_from_env, shutdown
+from grpo.distributed import TIMEOUT_EXIT_CODE, Dist, init_from_env, shutdown
 from grpo.loss import group_advantages
 from grpo.policy import load_policy
 from grpo.trainer import GRPOTrainer
@@ -127,10 +128,10 @@ def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------- the stage
-def _stage(params: Path) -> subprocess.Popen:
-    """``python -m tasks.train --params`` as DVC runs it, in a session of its own (killpg kills
-    the stage's process group: the launcher; its workers die with it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _stage(params: Path, **env: str) -> subprocess.Popen:
+    """``python -m tasks.train --params`` as DVC runs it (plus ``env``), in a session of its own
+    (killpg kills the stage's process group: the launcher; its workers die with it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     return subprocess.Popen([sys.executable, "-m", "tasks.train", "--params", str(params)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -212,27 +213,69 @@ def test_two_process_stage_writes_the_one_process_outputs_and_resumes_after_kill
     assert summary["steps"] == 4 and summary["rollout_backend"] == "transformers" and summary["num_processes"] == 2
 
 
-def test_a_rank_that_dies_takes_the_stage_down_with_its_rank_named(tiny_model_dir, tiny_problems, tmp_path):
-    """kill -9 of rank 1 mid-run: the launcher stops rank 0, the stage exits non-zero within
-    seconds with one line naming rank 1, and no process is left."""
+def _stage_in_training(tmp: Path, model_dir: Path, problems: list[dict], env: dict | None = None, **train):
+    """The 2-process stage (200 steps, no checkpoints) once its first step is logged: the stage
+    process, its params file and its workers by rank."""
     import psutil
 
-    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, num_processes=2, steps=200, checkpoint_every=0)
-    proc = _stage(params)
-    log = tmp_path / "out" / "steps.jsonl"
+    params = _write_params(tmp, model_dir, problems, num_processes=2, steps=200, checkpoint_every=0, **train)
+    proc = _stage(params, **(env or {}))
+    log = tmp / "out" / "steps.jsonl"
     deadline = time.time() + 300
     while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
-    rank1 = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
-    assert len(rank1) == 1
-    rank1[0].kill()
+    ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()}
+    assert sorted(ranks) == [0, 1]
+    return proc, params, ranks
+
+
+def test_a_rank_that_dies_takes_the_stage_down_with_its_rank_named(tiny_model_dir, tiny_problems, tmp_path):
+    """kill -9 of rank 1 mid-run: the launcher stops rank 0, the stage exits non-zero within
+    seconds with one line naming rank 1, and no process is left."""
+    proc, params, ranks = _stage_in_training(tmp_path, tiny_model_dir, tiny_problems)
+    ranks[1].kill()
     t0 = time.time()
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert time.time() - t0 < 60
     assert "train: error: training process rank 1 failed (signal SIGKILL)" in out, out[-3000:]
     assert _gone(params)
+
+
+HANG_ON_SIGUSR1 = """import os, signal, time
+if os.environ.get("RANK") == "1":  # rank 1 of the stage: SIGUSR1 makes it sleep for an hour (alive, stuck)
+    signal.signal(signal.SIGUSR1, lambda *_: time.sleep(3600))
+"""
+
+
+def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny_model_dir, tiny_problems, tmp_path):
+    """Rank 1 stops mid-run without dying (a ``sitecustomize`` of the stage's processes makes it
+    sleep on SIGUSR1; the stage's code is unchanged): rank 0's next collective times out after
+    ``train.dist_timeout_s`` (2 s), and the stage exits with ``TIMEOUT_EXIT_CODE`` within seconds,
+    its last line naming the hung rank and the timeout, no traceback, and no process left.
+    (A rank frozen by SIGSTOP ignores the launcher's SIGTERM: it goes after torch's 30 s grace.)"""
+    import psutil
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_ON_SIGUSR1)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    proc, params, ranks = _stage_in_training(tmp_path, tiny_model_dir, tiny_problems, env={"PYTHONPATH": path},
+                                             dist_timeout_s=2.0)
+    everyone = psutil.Process(proc.pid).children(recursive=True)
+    ranks[1].send_signal(signal.SIGUSR1)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    took = time.time() - t0
+    assert proc.returncode == TIMEOUT_EXIT_CODE, out[-3000:]
+    assert out.strip().splitlines()[-1] == ("train: error: training process rank 1 hung: rank 0 timed out waiting for "
+                                            "it in a collective (train.dist_timeout_s = 2 s); the launcher stopped "
+                                            "every process"), out[-3000:]
+    assert "train: error: rank 0: " in out and " timed out after 2 s waiting for the other 1 process(es)" in out
+    assert "Traceback" not in out
+    assert took < 2 + 20, took  # the timeout, the rest of rank 0's step, the launcher's teardown
+    assert not psutil.wait_procs(everyone, timeout=5)[1] and _gone(params)
 
 
 def test_accelerate_configs_load():

@@ -9,7 +9,10 @@ Contract:
   (``torchrun`` / ``python -m torch.distributed.run``, ``accelerate launch``) sets in each worker
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins the
   process group: gloo on CPUs, NCCL on CUDA (one GPU per process: ``cuda:LOCAL_RANK``). Every
-  collective fails after ``timeout_s`` instead of waiting forever for a rank that is gone.
+  collective fails after ``timeout_s`` instead of waiting forever for a rank that is gone or hangs:
+  it raises ``CollectiveTimeout`` (one line naming this rank and the collective); a stage that
+  ends on it exits with ``TIMEOUT_EXIT_CODE`` so its launcher can tell a timeout from a crash.
+  (Measured with gloo, rank 1 asleep: every collective below gives up after the timeout, +0.1 s.)
 * ``launched()`` says whether this process is such a worker (``WORLD_SIZE`` is set);
   ``writes_outputs()`` is the one rule for which process writes a stage's outputs (rank 0).
 * ``die_with_parent()``: a worker is killed when its launcher dies (the launcher starts workers
@@ -33,6 +36,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +49,13 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
+
+TIMEOUT_EXIT_CODE = 124
+"""Exit code of a process that stopped on a ``CollectiveTimeout`` (as ``timeout(1)``'s)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than the process group's timeout for the other ranks."""
 
 
 def launched() -> bool:
@@ -59,6 +70,30 @@ def writes_outputs(rank: int | None = None) -> bool:
     if rank is None:
         rank = int(os.environ.get("RANK", "0")) if launched() else 0
     return rank == 0
+
+
+def _is_timeout(err: RuntimeError) -> bool:
+    """gloo: "... Timed out waiting 3000ms for recv operation to complete" (measured); NCCL's watchdog
+    ("... collective operation timeout ...") usually aborts the process first (SIGABRT)."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _collective(method):
+    """Turn a timeout of the wrapped collective into one ``CollectiveTimeout`` naming the rank, the
+    collective and how long it waited (a backend error of another kind propagates unchanged)."""
+    @functools.wraps(method)
+    def wrapper(self: Dist, *args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as err:
+            if not _is_timeout(err):
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.rank}: {method.__name__} timed out after {time.monotonic() - t0:.0f} s waiting for the "
+                f"other {self.world_size - 1} process(es): one of them hangs or is gone") from None
+    return wrapper
 
 
 @torch.no_grad()
@@ -99,6 +134,7 @@ class Dist:
         size = n // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
+    @_collective
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Elementwise ``sum`` or ``max`` of ``t`` over ranks (a new tensor; ``t`` is unchanged)."""
         if not self.active:
@@ -107,6 +143,7 @@ class Dist:
         tdist.all_reduce(out, op=_OPS[op])
         return out
 
+    @_collective
     def all_reduce_many(self, tensors: list[torch.Tensor], op: str = "sum",
                         dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """``all_reduce`` of each of ``tensors`` (in ``dtype``), in one flat all-reduce: new tensors,
@@ -115,6 +152,7 @@ class Dist:
             return [t.to(dtype) for t in tensors]
         return _flat_apply(tensors, functools.partial(tdist.all_reduce, op=_OPS[op]), dtype)
 
+    @_collective
     def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:
         """The 1-D tensors ``t`` (n_r,) of all ranks, concatenated in rank order: (sum_r n_r,).
         Lengths may differ: each rank pads to the longest, gathers, and the padding is cut off."""
@@ -130,6 +168,7 @@ class Dist:
         tdist.all_gather(parts, padded)
         return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
 
+    @_collective
     def all_gather_object(self, obj) -> list:
         """``obj`` of every rank (picklable), in rank order."""
         if not self.active:
@@ -138,6 +177,7 @@ class Dist:
         tdist.all_gather_object(out, obj)
         return out
 
+    @_collective
     def broadcast_object(self, obj):
         """Rank 0's ``obj`` on every rank."""
         if not self.active:
@@ -146,6 +186,7 @@ class Dist:
         tdist.broadcast_object_list(box, src=0)
         return box[0]
 
+    @_collective
     @torch.no_grad()
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Copy rank 0's values into ``tensors`` on every rank (one flat collective)."""
@@ -154,6 +195,7 @@ class Dist:
         for t, value in zip(tensors, _flat_apply(tensors, functools.partial(tdist.broadcast, src=0))):
             t.copy_(value)
 
+    @_collective
     def barrier(self) -> None:
         if self.active:
             tdist.barrier()

@@ -170,3 +170,13 @@ def test_two_gloo_processes_under_zero2_offload_make_the_one_process_steps(tiny_
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         _assert_same_steps(got["rows"], plain_steps[0], got["lora"], plain_steps[1])
+
+
+def test_bf16_json_on_a_float32_policy_is_refused_naming_model_dtype(tiny_model_dir, tmp_path, monkeypatch):
+    """Seed 000's JSON (bf16) would cast the whole float32 CPU policy to bfloat16 under the sampler's
+    feet (measured: 'expected m1 and m2 to have the same dtype' in the first rollout)."""
+    from grpo.config import ParamsError
+
+    with pytest.raises(ParamsError, match=r"bf16.enabled .* float32; set model.dtype: bfloat16"):
+        _trainer(str(tiny_model_dir), tmp_path, Dist(), monkeypatch,
+                 deepspeed_config=str(REPO / "configs" / "accelerate" / "ds_zero2_offload.json"))

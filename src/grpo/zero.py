@@ -10,7 +10,8 @@ Contract:
 
 * ``ZeroUpdate(model, params, cfg, dist)`` builds the engine over the PEFT ``model`` with an
   optimizer over ``params`` (the trainable LoRA parameters). The JSON decides how the update is
-  laid out (ZeRO stage 1 or 2, offload, bf16/fp16); the trainer's params decide the update and
+  laid out (ZeRO stage 1 or 2, offload, bf16/fp16: DeepSpeed casts the whole model, so the policy
+  must already compute in that dtype, ``model.dtype``); the trainer's params decide the update and
   replace what the JSON says (logged when it differs): the optimizer (AdamW, ``train.lr``,
   ``train.weight_decay``), ``gradient_clipping`` (``train.max_grad_norm``), and the accumulation:
   the trainer calls backward once per micro-batch and steps once per update, so
@@ -49,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import TrainConfig
+from grpo.config import ParamsError, TrainConfig
 from grpo.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,13 @@ def engine_config(cfg: TrainConfig, world_size: int) -> dict:
     try:
         ds = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"train.deepspeed_config: cannot read {path} as JSON ({err})") from None
+        raise ParamsError(f"train.deepspeed_config: cannot read {path} as JSON ({err})") from None
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (1, 2):
-        raise ValueError(f"train.deepspeed_config: {path}: zero_optimization.stage {stage}; the trainer runs "
+        raise ParamsError(f"train.deepspeed_config: {path}: zero_optimization.stage {stage}; the trainer runs "
                          "ZeRO stage 1 or 2 (stage 3 partitions the weights its own forward passes read)")
     if "scheduler" in ds:
-        raise ValueError(f"train.deepspeed_config: {path}: remove 'scheduler'; train.lr_schedule and "
+        raise ParamsError(f"train.deepspeed_config: {path}: remove 'scheduler'; train.lr_schedule and "
                          "train.warmup_steps set the learning rate")
     rows = math.ceil(cfg.prompts_per_step // world_size * cfg.group_size / cfg.micro_batches)
     ours = {
@@ -100,6 +101,21 @@ def _ensure_process_group(dist: Dist) -> None:
         tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
 
 
+def _check_precision(model: torch.nn.Module, config: dict, path: str) -> None:
+    """DeepSpeed's bf16/fp16 casts every floating-point parameter of the model, the frozen base's
+    too: refuse unless the policy already computes in that dtype (``model.dtype``)."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if not config.get(key, {}).get("enabled", False):
+            continue
+        name = str(dtype).removeprefix("torch.")
+        other = {str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                 if p.is_floating_point() and not p.requires_grad} - {name}
+        if other:
+            raise ParamsError(f"train.deepspeed_config: {path}: {key}.enabled casts the policy to {name}, but it "
+                              f"computes in {', '.join(sorted(other))}; set model.dtype: {name} (or disable {key} "
+                              "in the JSON)")
+
+
 class ZeroUpdate:
     """The optimizer step of the LoRA ``params`` through a DeepSpeed engine (see the module docstring)."""
 
@@ -108,6 +124,7 @@ class ZeroUpdate:
 
         _ensure_process_group(dist)
         config = engine_config(cfg, dist.world_size)
+        _check_precision(model, config, cfg.deepspeed_config)
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         self.params, self.world_size = params, dist.world_size
         self.optimizer = self.engine.optimizer.optimizer  # this rank's partition (DeepSpeedCPUAdam when offloaded)

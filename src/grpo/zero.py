@@ -31,8 +31,8 @@ Contract:
   The AdamW moments are partitioned over ranks (and offloaded) while rank 0 alone writes
   checkpoints, so they are not saved: a resumed run restarts AdamW's moments and step count (logged)
   from the checkpoint's LoRA weights, learning rates (the groups' ``lr``), LR schedule, RNG states
-  and step. ``load_state_dict`` runs
-  after the adapter is loaded and copies it into ZeRO's fp32 master weights.
+  and step. ``load_state_dict`` runs after the adapter is loaded and copies it into ZeRO's fp32
+  master weights.
 * One process: a one-rank gloo group is created when none exists (DeepSpeed needs a process group).
   On CPUs DeepSpeed's communication backend is gloo (ccl only with oneccl_bindings_for_pytorch).
 * First use JIT-compiles DeepSpeed's C++ ops with the system compiler and ninja (``cpu_adam`` for

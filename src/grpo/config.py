@@ -312,6 +312,12 @@ class TrainConfig(VLLMEngineConfig):
     dist_timeout_s: PositiveFloat = 600.0
     """With several processes: a collective that waits longer than this for another rank fails
     and takes the stage down (a rank that hangs, or a rank of another machine that is gone)."""
+    deepspeed_config: str = ""
+    """A DeepSpeed JSON (e.g. ``configs/accelerate/ds_zero2_offload.json``: ZeRO-2, AdamW state
+    offloaded to CPU memory): the LoRA update runs through a DeepSpeed engine (``grpo.zero``) instead
+    of the trainer's AdamW, gradient all-reduce and clipping. The JSON sets the ZeRO stage (1 or 2),
+    offload and precision; lr, weight decay, clipping and accumulation stay these params'. Resume
+    restarts AdamW's moments (the partitioned state is not checkpointed). Empty: no DeepSpeed."""
 
     @model_validator(mode="after")
     def _check(self):

@@ -35,7 +35,8 @@ reward statistics see every completion), the loss normaliser (a sum of per-rank 
 the quantile taken over them: exact), the LoRA gradients (summed before clipping: every rank's loss
 is already divided by the step-wide normaliser) and the logged sums (token-weighted statistics
 summed, then divided by the global token count; times and memory: the largest rank's). Every
-rank then clips the same gradient and takes the same AdamW step. Rank 0 alone writes checkpoints,
+rank then clips the same gradient and takes the same AdamW step (with ``train.deepspeed_config``,
+DeepSpeed ZeRO reduces, clips and steps instead: ``grpo.zero``). Rank 0 alone writes checkpoints,
 the step log and the samples; on resume rank 0 reads the checkpoint (verifying it and moving
 damaged ones aside) and sends it to every rank.
 
@@ -152,8 +153,15 @@ class GRPOTrainer:
         self.body, self.lm_head = lm_parts(model)
         self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.zero = None  # with train.deepspeed_config: DeepSpeed takes the update (grpo.zero)
+        if cfg.deepspeed_config:
+            from grpo.zero import ZeroUpdate
+
+            self.zero = ZeroUpdate(model, self.params, cfg, self.dist)
+        # the optimizer as checkpoints see it (with DeepSpeed: grpo.zero's stand-in) and as the schedule steps it
+        self.optimizer = self.zero or torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        lr_target = self.zero.optimizer if self.zero else self.optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(lr_target, lr_lambda(cfg))
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
         self.log_path = self.out / "steps.jsonl"
@@ -303,7 +311,9 @@ class GRPOTrainer:
             max_length=cfg.max_new_tokens,
             token_weights=weights,
         )
-        if loss.requires_grad:
+        if self.zero:
+            self.zero.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
+        elif loss.requires_grad:
             loss.backward()
         return loss.item(), {**stats, **mismatch}, entropy, keep
 
@@ -435,12 +445,16 @@ class GRPOTrainer:
                     sums[key] += value / cfg.mu
                 elif i == 0:  # the sampler/trainer gap, before any update moves the policy
                     sums[key] = value
-            reduced = self.reduce_gradients()
-            t_wait, t_allreduce = t_wait + reduced["wait"], t_allreduce + reduced["allreduce"]
-            t_opt = time.perf_counter()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.zero:  # DeepSpeed reduces, clips and steps (grpo.zero)
+                t_opt = time.perf_counter()
+                grad_norm = self.zero.step()
+            else:
+                reduced = self.reduce_gradients()
+                t_wait, t_allreduce = t_wait + reduced["wait"], t_allreduce + reduced["allreduce"]
+                t_opt = time.perf_counter()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
             t_optimizer += time.perf_counter() - t_opt
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()

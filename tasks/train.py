@@ -164,6 +164,11 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     if cfg.prompts_per_step % dist.world_size:
         raise ParamsError(f"train.prompts_per_step: {cfg.prompts_per_step} prompts do not split evenly over "
                           f"{dist.world_size} processes (the launcher's WORLD_SIZE)")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cfg.deepspeed_config:
+        ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "its DeepSpeed JSON")
+        raise ParamsError(f"train.deepspeed_config is empty but accelerate launched a DeepSpeed run: set it to "
+                          f"{ds_file} (the trainer reads the JSON from the param; without it the run is plain "
+                          "data parallelism)")
     problems = read_jsonl(cfg.data_path)
     if not Path(params.model.path, "config.json").exists():
         raise FileNotFoundError(f"model.path: {params.model.path} has no config.json; run prepare_model first")

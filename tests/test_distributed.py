@@ -279,8 +279,8 @@ def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny
 
 
 def test_accelerate_configs_load():
-    """The shipped accelerate configs parse with accelerate's own loader (they are not run here:
-    no second machine, no GPU, no DeepSpeed)."""
+    """The shipped accelerate configs parse with accelerate's own loader (the 2-node one is not run
+    here: no second machine, no GPU; the DeepSpeed one runs in tests/test_deepspeed.py)."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     two = load_config_from_file(str(REPO / "configs" / "accelerate" / "2nodes.yaml"))
@@ -289,3 +289,19 @@ def test_accelerate_configs_load():
     ds = json.loads((REPO / zero.deepspeed_config["deepspeed_config_file"]).read_text())
     assert zero.distributed_type.value == "DEEPSPEED"
     assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+def test_accelerate_deepspeed_launch_without_the_param_is_refused(tiny_model_dir, tiny_problems, tmp_path,
+                                                                  monkeypatch, capsys):
+    """`accelerate launch --config_file configs/accelerate/zero2_offload.yaml` sets
+    ACCELERATE_USE_DEEPSPEED; with `train.deepspeed_config` empty the trainer would silently run
+    plain data parallelism, so the stage stops with one line naming the param and the JSON."""
+    from tasks.train import main
+
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=1)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/accelerate/ds_zero2_offload.json")
+    assert main(["--params", str(params)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "train.deepspeed_config is empty" in err[-1] and "configs/accelerate/ds_zero2_offload.json" in err[-1]
+    assert not (tmp_path / "out" / "steps.jsonl").exists()

@@ -113,6 +113,10 @@ def test_every_uncached_output_of_the_pipeline_is_left_to_git():
     assert "data/raw/stats.json" in uncached and "reports" in uncached
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *uncached], cwd=REPO, capture_output=True, text=True)
     assert ignored.stdout.split() == [], f"git-ignored, so a fresh clone cannot get them: {ignored.stdout.split()}"
+    # and committed: a fresh clone without them sees the stage changed (`dvc status`: deleted) and re-runs it
+    untracked = [p for p in uncached
+                 if not subprocess.run(["git", "ls-files", "--", p], cwd=REPO, capture_output=True, text=True).stdout]
+    assert untracked == [], f"not committed, so a fresh clone re-runs their stages: {untracked}"
 
 
 @pytest.mark.slow

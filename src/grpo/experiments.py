@@ -1,8 +1,8 @@
 """Seed sweeps as DVC experiments, and their comparison across seeds.
 
-One training run is one draw: the same params with another ``train.seed`` end elsewhere (three
-seeds of the default: final accuracy 0.516, 0.613, 0.520). This module queues the same params over
-several seeds and summarises a metric per set of params across them.
+One training run is one draw: the same params with another ``train.seed`` end elsewhere (README
+"Experiments and seeds" has the default's sweep). This module queues the same params over several
+seeds and summarises a metric per set of params across them.
 
     python -m grpo.experiments queue --name lr5e-4 --seeds 0 1 2 -S train.lr=5e-4 [--run --jobs 1]
     python -m grpo.experiments compare [--metric metrics/final.json:accuracy] [--ignore 'train.wandb_*']

@@ -19,7 +19,6 @@ data-parallel yet: logged).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import shutil
@@ -202,17 +201,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     if not dist.is_main:
         return
 
-    tmp = adapter_dir.with_name(adapter_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    evals = [r for r in history if "val_accuracy" in r]
-    if cfg.keep_best and trainer.best_dir.exists():
-        shutil.copytree(trainer.best_dir, tmp)
-    else:
-        model.save_pretrained(tmp)
-        write_json(tmp / "selection.json", {"adapter": "last step", "step": len(history),
-                                            "val_accuracy": evals[-1]["val_accuracy"] if evals else None})
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(adapter_dir)
+    selection = trainer.run.ship(adapter_dir, model, tokenizer, history)
     shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
 
     first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
@@ -224,8 +213,9 @@ def _train(params: Params, dist: Dist, device: str) -> None:
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
         "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
         "total_time_s": sum(r["step_time_s"] + r.get("time_validate_s", 0.0) for r in history),
-        "adapter": json.loads((adapter_dir / "selection.json").read_text()),
+        "adapter": selection,
     }
+    evals = [r for r in history if "val_accuracy" in r]
     if evals:
         best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
         summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],

@@ -75,6 +75,12 @@ class TransformersBackend:
             ids.update(gen_eos)
         self.eos_ids = ids
 
+    def sync(self, model) -> None:
+        """Nothing to do: the decode loop samples the policy itself."""
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
     @torch.no_grad()
     def generate(
         self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,

@@ -1,16 +1,18 @@
 """Records passed between rollout, reward and loss code; every tensor field documents its shape.
 
 N = number of completions in the batch (prompts * G), P = padded prompt length,
-C = padded completion length.
+C = padded completion length; with several processes n = this rank's completions and N_step the
+whole step's (n = N_step with one process).
 
-``Rollout`` is what a generation backend returns; ``TrainBatch`` is a step's rollouts as the
-update consumes them (on the training device, with advantages and the fixed log-probs), and
-slices into micro-batches by rows.
+A step's phases hand these on: a generation backend returns a ``Rollout``; the rollout phase
+returns ``StepRollouts`` (the rollout with its rewards and advantages); ``TrainBatch`` is that as
+the update consumes it (on the training device, with the fixed log-probs of the no-grad passes),
+sliced into micro-batches by rows; the update returns ``UpdateStats``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -116,3 +118,45 @@ class TrainBatch:
             None if self.ref_logp is None else self.ref_logp[rows],
             None if self.sampling_logp is None else self.sampling_logp[rows],
         )
+
+
+@dataclass
+class StepRollouts:
+    """The rollout phase's record: this rank's completions of the step, scored."""
+
+    rows: list[dict]
+    """This rank's problems of the step (n / G), in prompt order."""
+    first_prompt: int
+    """The index of ``rows[0]`` among the whole step's prompts."""
+    answers: list[str]
+    """n reference answers, one per completion."""
+    rollout: Rollout
+    """This rank's n completions (G contiguous per prompt)."""
+    rewards: list[float]
+    """n weighted total rewards of this rank's completions."""
+    step_rewards: Tensor
+    """(N_step,) float32 total rewards of the whole step's completions (every rank's), prompt order."""
+    step_reward_parts: dict[str, list[float]]
+    """Reward function name -> N_step scores (``correctness`` always among them)."""
+    advantages: Tensor
+    """(n,) float32 group-relative advantages of this rank's completions (from ``step_rewards``)."""
+
+    def samples(self, step: int) -> list[dict]:
+        """The sampled completions with their question, answer and reward, for the samples log."""
+        g = len(self.answers) // max(1, len(self.rows))
+        return [{"step": step, "question": self.rows[i // g]["question"], "answer": self.answers[i],
+                 "completion": text, "reward": self.rewards[i]} for i, text in enumerate(self.rollout.texts)]
+
+
+@dataclass
+class UpdateStats:
+    """The update phase's record (``mu`` optimizer steps over one ``TrainBatch``)."""
+
+    sums: object
+    """``grpo.metrics.Sums`` of the update statistics, combined over the ``mu`` updates (this rank's)."""
+    kept: Tensor
+    """(n, C) bool, the tokens the entropy mask kept in the last update."""
+    grad_norm: float
+    """The global gradient norm before clipping, of the last update."""
+    times: dict[str, float] = field(default_factory=dict)
+    """``time_optimizer_s``, ``time_wait_s``, ``time_allreduce_s``: summed over the ``mu`` updates."""

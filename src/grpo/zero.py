@@ -8,7 +8,7 @@ loss, the entropy mask and checkpoints stay the trainer's.
 
 Contract:
 
-* ``ZeroUpdate(model, params, cfg, dist)`` builds the engine over the PEFT ``model`` with an
+* ``ZeroUpdater(model, params, cfg, dist)`` (a ``grpo.updater.Updater``) builds the engine over the PEFT ``model`` with an
   optimizer over ``params`` (the trainable LoRA parameters). The JSON decides how the update is
   laid out (ZeRO stage 1 or 2, offload, bf16/fp16: DeepSpeed casts the whole model, so the policy
   must already compute in that dtype, ``model.dtype``); the trainer's params decide the update and
@@ -24,8 +24,8 @@ Contract:
   rank's loss is already divided by the step-wide normaliser (their sum is the step's gradient),
   so the loss is multiplied by the world size. Every rank calls it equally often (ZeRO-2 reduces
   inside each backward), also for a loss without grad.
-* ``step() -> float``: finish the reduction, clip, AdamW step, zero the gradients; returns the global
-  gradient norm before clipping (the trainer's ``grad_norm``).
+* ``step() -> StepResult``: finish the reduction, clip, AdamW step, zero the gradients; reports the
+  global gradient norm before clipping (the trainer's ``grad_norm``).
 * ``optimizer``: the torch optimizer that holds this rank's partition (the LR scheduler's target).
 * ``state_dict()`` / ``load_state_dict()``: what a checkpoint holds in place of the optimizer state.
   The AdamW moments are partitioned over ranks (and offloaded) while rank 0 alone writes
@@ -36,8 +36,8 @@ Contract:
 * One process: a one-rank gloo group is created when none exists (DeepSpeed needs a process group).
   On CPUs DeepSpeed's communication backend is gloo (ccl only with oneccl_bindings_for_pytorch).
 * First use JIT-compiles DeepSpeed's C++ ops with the system compiler and ninja (``cpu_adam`` for
-  the offload; ``deepspeed_shm_comm`` on CPUs): about 5 minutes on a busy 2-core CPU, then cached in
-  ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``).
+  the offload; ``deepspeed_shm_comm`` on CPUs), then cached in ``~/.cache/torch_extensions``
+  (``TORCH_EXTENSIONS_DIR``); the docs' scaling-out page has the time it takes.
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from grpo.config import ParamsError, TrainConfig
 from grpo.distributed import Dist
+from grpo.updater import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ def _check_precision(model: torch.nn.Module, config: dict, path: str) -> None:
                               "in the JSON)")
 
 
-class ZeroUpdate:
+class ZeroUpdater:
     """The optimizer step of the LoRA ``params`` through a DeepSpeed engine (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist):
@@ -138,11 +140,12 @@ class ZeroUpdate:
             loss = loss + sum(p.sum() * 0 for p in self.params)
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
-    def step(self) -> float:
+    def step(self) -> StepResult:
         """Reduce, clip, AdamW step, zero grads; the gradient norm before clipping."""
+        t0 = time.perf_counter()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else 0.0
+        return StepResult(float(norm) if norm is not None else 0.0, optimizer_s=time.perf_counter() - t0)
 
     def state_dict(self) -> dict:
         """Stands in for the optimizer state in checkpoints: the learning rates of the parameter

@@ -1,0 +1,131 @@
+"""The statistics one training step logs, each declared once with how it combines.
+
+A statistic of the update (``UPDATE``) is accumulated over the micro-batches of one update
+(``Sums.add``: a sum, or a max), combined over the ``mu`` updates of a step (their mean, or the
+first update's value: the sampler/trainer gap is measured before any update moves the policy),
+reduced over the data-parallel ranks with the same operation (``reduce_over_ranks``: one
+all-reduce per operation) and shown in the step row, divided by the step's valid-token count
+when it is a token-weighted sum. Times and memory (``TIMES``) are the largest rank's; the two
+waiting times of the gradient all-reduce are each rank's own. The reward statistics come from
+the rewards of the whole step, which every rank already holds (``reward_stats``).
+
+A new statistic is one ``Stat`` line here and one ``sums.add(name, value)`` where it is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from grpo.distributed import Dist
+
+
+@dataclass(frozen=True)
+class Stat:
+    name: str
+    """The accumulator's key (the row's key unless ``row`` says otherwise)."""
+    reduce: Literal["sum", "max"] = "sum"
+    """Over micro-batches and over ranks."""
+    per_token: bool = False
+    """Shown divided by the step's valid completion tokens (a token-weighted sum)."""
+    over_mu: Literal["mean", "first"] = "mean"
+    """Over the ``mu`` updates of one step."""
+    row: str | None = ""
+    """The key in the step row; ``""``: ``name``; ``None``: not shown (an input of other statistics)."""
+
+    @property
+    def key(self) -> str | None:
+        return self.name if self.row == "" else self.row
+
+
+UPDATE = (
+    Stat("loss"),  # the step's loss: each micro-batch's is already divided by the step-wide normaliser
+    Stat("kl", per_token=True),  # k3 estimate against the reference policy
+    Stat("clip_frac", per_token=True),  # tokens whose ratio was clipped
+    Stat("ratio", per_token=True),  # pi / pi_old
+    Stat("entropy", per_token=True, row="entropy_mean"),
+    Stat("kept", per_token=True, row="kept_frac"),  # tokens the entropy mask kept
+    # with engine rollouts only: the engine's log-probs of the sampled tokens against the trainer's
+    Stat("mismatch_sum", per_token=True, over_mu="first", row="logp_mismatch_mean"),
+    Stat("mismatch_max", reduce="max", over_mu="first", row="logp_mismatch_max"),
+    Stat("is_weight_sum", per_token=True, over_mu="first", row="is_weight_mean"),  # truncated IS weights
+)
+COUNTS = (Stat("n_valid", row=None), Stat("n_rows", row=None))  # completion tokens and completions
+TIMES = ("time_generate_s", "time_logprob_s", "time_update_s", "time_optimizer_s", "step_time_s", "peak_mem_mb",
+         "peak_reserved_mb")  # the largest rank's (peak_reserved_mb: CUDA only)
+OWN = ("time_wait_s", "time_allreduce_s")  # this rank's wait before the gradient all-reduce and the all-reduce
+STATS = {s.name: s for s in (*UPDATE, *COUNTS)}
+
+
+class Sums:
+    """Statistics accumulated as declared in ``STATS`` (a statistic never added is absent)."""
+
+    def __init__(self, values: dict[str, float] | None = None):
+        self.values = dict(values or {})
+
+    def add(self, name: str, value: float) -> None:
+        if name not in self.values:
+            self.values[name] = float(value)
+        elif STATS[name].reduce == "max":
+            self.values[name] = max(self.values[name], float(value))
+        else:
+            self.values[name] += float(value)
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+
+def over_mu(updates: list[Sums]) -> Sums:
+    """The step's statistics from those of its ``mu`` updates (each ``Stat.over_mu``)."""
+    out = Sums()
+    mu = len(updates)
+    for i, sums in enumerate(updates):
+        for name, value in sums.values.items():
+            if STATS[name].over_mu == "mean":
+                out.values[name] = out.values.get(name, 0.0) + value / mu
+            elif i == 0:
+                out.values[name] = value
+    return out
+
+
+def reduce_over_ranks(dist: Dist, values: dict[str, float], ops: dict[str, str], device) -> dict[str, float]:
+    """``values`` reduced over ranks, each with its op in ``ops`` (``sum`` / ``max``): one
+    all-reduce per op, in a sorted key order every rank shares."""
+    out = {}
+    for op in ("sum", "max"):
+        keys = sorted(k for k in values if ops[k] == op)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+        out.update(zip(keys, dist.all_reduce(t, op).tolist()))
+    return {k: out[k] for k in values}
+
+
+def update_row(dist: Dist, sums: Sums, times: dict[str, float], device) -> dict[str, float]:
+    """The update's part of the step row: ``sums`` (this rank's, with ``n_valid`` and ``n_rows``)
+    and ``times`` (``TIMES`` keys and ``OWN`` keys) reduced over ranks and shown as declared."""
+    shared = {k: v for k, v in times.items() if k not in OWN}
+    ops = {**{k: STATS[k].reduce for k in sums.values}, **dict.fromkeys(shared, "max")}
+    reduced = reduce_over_ranks(dist, {**sums.values, **shared}, ops, device)
+    n_valid = max(1.0, reduced["n_valid"])
+    row = {}
+    for stat in UPDATE:
+        if stat.name in reduced:
+            row[stat.key] = reduced[stat.name] / n_valid if stat.per_token else reduced[stat.name]
+    row["completion_len"] = reduced["n_valid"] / reduced["n_rows"]
+    return {**row, **{k: reduced[k] for k in shared}, **{k: times[k] for k in OWN if k in times}}
+
+
+def reward_stats(rewards: torch.Tensor, parts: dict[str, list[float]], group_size: int) -> dict[str, float]:
+    """Statistics of the whole step's (N,) total rewards and each reward function's (N,) scores
+    (``correctness`` among them: the row's ``accuracy``)."""
+    grouped = rewards.view(-1, group_size)  # (prompts, G)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(np.mean(parts["correctness"])),
+        **{f"reward_{k}_mean": float(np.mean(v)) for k, v in parts.items()},
+        **{f"reward_{k}_std": float(np.std(v)) for k, v in parts.items()},
+        "zero_std_frac": float((grouped.std(dim=1) == 0).float().mean()),  # groups without signal
+    }

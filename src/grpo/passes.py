@@ -1,0 +1,174 @@
+"""Phases 2 and 3 of a step: the passes over the policy, without grad and with grad.
+
+Without grad (``no_grad_pass``): the (N, C) token entropies and log-probs of a step's completions,
+micro-batch by micro-batch; with the adapter disabled it gives the reference policy's log-probs
+(``beta > 0``: no second model), with it the sampling policy's (``mu > 1``: old_logp).
+
+With grad (``accumulate_gradients``, one update): the entropy threshold of the whole step (the
+``1 - entropy_top_quantile`` quantile of every rank's valid token entropies: taken in the one
+forward when there is one micro-batch, else from a no-grad pass first), then per micro-batch
+(``loss_backward``): one body forward with grad (each group's prompt once, its completions on the
+shared KV cache); entropy and log-prob of every completion token without grad (chunked, fused
+kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only at the tokens at or above
+the threshold; ``grpo_loss`` normalised over the whole step; the updater's backward. Micro-batching
+changes memory and time, not the update: the kept tokens and the normaliser are the step's.
+
+Tokens outside the mask carry their detached log-probs in the loss and get no gradient (value and
+normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all valid tokens).
+With ``mu = 1`` the old policy is the current one: old_logp is the detached current log-prob
+(ratio 1 in value, the usual on-policy gradient) and no extra pass runs. With engine rollouts
+each token's policy-gradient term is weighted by ``min(pi_trainer / pi_engine, cap)`` (truncated
+importance sampling) when ``importance_sampling_correction`` is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from grpo.config import TrainConfig
+from grpo.distributed import Dist
+from grpo.entropy import entropy_threshold, high_entropy_mask
+from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
+from grpo.loss import grpo_loss, loss_normalizer
+from grpo.metrics import Sums
+from grpo.policy import lm_parts
+from grpo.types import TrainBatch
+from grpo.updater import Updater
+
+
+def micro_slices(n: int, micro_batches: int, group: int) -> list[slice]:
+    """``micro_batches`` slices of ``n`` rows, whole groups of ``group`` each where possible (shared
+    prompts); the first is the largest."""
+    size = math.ceil(n / micro_batches)
+    if size % group and size > group:
+        size = math.ceil(size / group) * group
+    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+class PolicyPasses:
+    """The forward (and backward) passes of one step over ``model`` (see the module docstring)."""
+
+    def __init__(self, model, cfg: TrainConfig, dist: Dist, updater: Updater):
+        self.model, self.cfg, self.dist, self.updater = model, cfg, dist, updater
+        self.body, self.lm_head = lm_parts(model)
+        self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
+        self.device = next(model.parameters()).device
+
+    def slices(self, n: int) -> list[slice]:
+        return micro_slices(n, self.cfg.micro_batches, self.cfg.group_size)
+
+    # ------------------------------------------------------------------ without grad
+    @torch.no_grad()
+    def no_grad_pass(self, batch: TrainBatch, *, adapter: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, C) entropies and (n, C) log-probs of the targets, micro-batch by micro-batch (the
+        same slices as the update); ``adapter=False``: the reference policy."""
+        entropies, logps = [], []
+        for sl in self.slices(len(batch)):
+            part = batch[sl]
+            with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+                hidden = completion_hidden(self.body, part.input_ids, part.attention_mask, part.prompt_len,
+                                           self.shared_group)  # (m, C, H)
+            entropy, logp = chunked_entropy_logprobs(hidden, self.lm_head, part.targets, self.cfg.logprob_chunk,
+                                                     self.cfg.kernel)  # (m, C) each
+            entropies.append(entropy)
+            logps.append(logp)
+        return torch.cat(entropies), torch.cat(logps)
+
+    def fixed_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """Phase 2: fill ``batch.ref_logp`` (``beta > 0``) and ``batch.old_logp`` (``mu > 1``);
+        returns the (n, C) entropies at the current weights when that pass computed them."""
+        entropy = None
+        if self.cfg.beta:
+            batch.ref_logp = self.no_grad_pass(batch, adapter=False)[1]
+        if self.cfg.mu > 1:
+            entropy, batch.old_logp = self.no_grad_pass(batch, adapter=True)
+        return entropy
+
+    # ------------------------------------------------------------------ step-wide numbers
+    def step_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The entropy threshold of the whole step from this rank's (n, C) entropies and mask: the
+        valid entropies of every rank are gathered and the quantile taken over all of them."""
+        if self.cfg.entropy_top_quantile >= 1:
+            return None
+        values = self.dist.all_gather_cat(entropy[mask.bool()].float())  # (valid tokens of the step,)
+        return entropy_threshold(values, self.cfg.entropy_top_quantile)
+
+    def step_normalizer(self, mask: torch.Tensor) -> float:
+        """The ``loss_type`` denominator of the whole step from this rank's (n, C) mask: every type's
+        is a sum over completions (valid tokens; rows; rows x ``max_new_tokens``), summed over ranks."""
+        local = loss_normalizer(mask, self.cfg.loss_type, self.cfg.max_new_tokens)
+        return float(self.dist.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device)))
+
+    # ------------------------------------------------------------------ with grad
+    def loss_backward(self, batch: TrainBatch, normalizer: float, threshold: torch.Tensor | None = None
+                      ) -> tuple[float, dict, torch.Tensor, torch.Tensor]:
+        """Forward with grad, entropy mask, GRPO loss and backward of one micro-batch.
+
+        ``normalizer``: the step-wide ``loss_normalizer``; ``threshold``: the step-wide entropy
+        threshold, or ``None`` when ``batch`` is the whole step (taken here then). Returns the loss
+        value, its stats (with engine log-probs: the gap to the trainer's and the IS weights), the
+        (m, C) token entropies and the (m, C) kept mask."""
+        cfg = self.cfg
+        hidden = completion_hidden(self.body, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                   self.shared_group)  # (m, C, H)
+        entropy, logp_all = chunked_entropy_logprobs(hidden.detach(), self.lm_head, batch.targets,
+                                                     cfg.logprob_chunk, cfg.kernel)  # (m, C) each, no grad
+        if threshold is None:
+            threshold = self.step_threshold(entropy, batch.mask)
+        keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold)  # (m, C) bool
+        kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep])  # (K,)
+        logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
+        old_logp = batch.old_logp if batch.old_logp is not None else logp_all  # (m, C), no grad
+        weights, engine = self.engine_gap(batch, old_logp)
+        loss, stats = grpo_loss(logp, old_logp, batch.ref_logp, batch.advantages, batch.mask,
+                                epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                loss_type=cfg.loss_type, normalizer=normalizer, max_length=cfg.max_new_tokens,
+                                token_weights=weights)
+        self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
+        return loss.item(), {**stats, **engine}, entropy, keep
+
+    def engine_gap(self, batch: TrainBatch, old_logp: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
+        """With an engine's sampling log-probs: the (m, C) truncated importance weights (or ``None``
+        when the correction is off) and the gap statistics; without: ``(None, {})``."""
+        if batch.sampling_logp is None:  # the policy sampled itself
+            return None, {}
+        valid = batch.mask.bool()
+        gap = (old_logp - batch.sampling_logp).abs()[valid]  # (n_valid,)
+        stats = {"mismatch_sum": float(gap.sum()), "mismatch_max": float(gap.max()) if gap.numel() else 0.0}
+        if not self.cfg.importance_sampling_correction:
+            return None, stats
+        weights = torch.exp(old_logp - batch.sampling_logp).clamp(max=self.cfg.importance_sampling_cap)  # (m, C)
+        stats["is_weight_sum"] = float(weights[valid].sum())
+        return weights, stats
+
+    def accumulate_gradients(self, batch: TrainBatch, normalizer: float, policy_entropy: torch.Tensor | None = None
+                             ) -> tuple[Sums, torch.Tensor]:
+        """Backward of one update over the whole step, micro-batch by micro-batch (gradients add
+        up; no optimizer step). The threshold is the step's: from the one forward when there is one
+        micro-batch, else from ``policy_entropy`` ((n, C), the no-grad pass at the current weights),
+        computed here when not given. Returns the update's ``grpo.metrics.Sums`` and the (n, C)
+        kept mask."""
+        slices = self.slices(len(batch))
+        threshold = None
+        if len(slices) > 1:
+            if policy_entropy is None:
+                policy_entropy = self.no_grad_pass(batch, adapter=True)[0]
+            threshold = self.step_threshold(policy_entropy, batch.mask)
+        sums, kept = Sums(), []
+        for sl in slices:
+            loss, stats, entropy, keep = self.loss_backward(batch[sl], normalizer, threshold)
+            m = batch.mask[sl]
+            n_tok = float(m.sum())
+            sums.add("loss", loss)
+            for key in ("kl", "clip_frac", "ratio"):
+                sums.add(key, stats[key] * n_tok)  # token-weighted
+            sums.add("entropy", float((entropy * m).sum()))
+            sums.add("kept", float(keep.sum()))
+            for key in ("mismatch_sum", "mismatch_max", "is_weight_sum"):
+                if key in stats:
+                    sums.add(key, stats[key])
+            kept.append(keep)
+        return sums, torch.cat(kept)

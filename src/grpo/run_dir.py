@@ -1,0 +1,106 @@
+"""The training run's directory (``train.output_dir``): what a run writes and what survives a crash.
+
+Layout::
+
+    fingerprint            the params and data the run belongs to (grpo.checkpoint.reset_if_changed)
+    steps.jsonl            one row per step (truncated to the checkpoint on resume)
+    samples.jsonl          the sampled completions of every step, with their rewards (same)
+    checkpoints/           grpo.checkpoint: step_XXXXXX/ (the two newest), damaged/
+    best_adapter/          with ``train.keep_best``: the adapter of the best validation accuracy so
+                           far, with selection.json ({"adapter", "step", "val_accuracy"})
+
+``RunDir`` is the one place that decides which adapter the stage ships (``ship``): the best
+validation one when ``keep_best`` saved one, else the last step's. Only the process that writes
+outputs (rank 0) uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from grpo import checkpoint
+
+
+class RunDir:
+    def __init__(self, root: str | Path, keep_best: bool):
+        self.root = Path(root)
+        self.keep_best = keep_best
+        self.checkpoints = self.root / "checkpoints"
+        self.steps = self.root / "steps.jsonl"
+        self.samples = self.root / "samples.jsonl"
+        self.best = self.root / "best_adapter"
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step: int, model, optimizer, scheduler, data_position: int) -> Path:
+        """Write ``checkpoints/step_XXXXXX`` atomically; keep the two newest (``grpo.checkpoint.save``)."""
+        return checkpoint.save(self.checkpoints, step, model, optimizer, scheduler, data_position=data_position)
+
+    def load_latest(self, device: str = "cpu") -> checkpoint.Checkpoint | None:
+        """The newest checkpoint that verifies and reads (damaged ones are logged and moved aside)."""
+        return checkpoint.load_latest(self.checkpoints, device)
+
+    def resume_logs(self, step: int) -> list[dict]:
+        """Make the directory that of a run at ``step``: the step log and samples truncated to it,
+        a best adapter saved after it removed; returns the step rows kept."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        rows = checkpoint.truncate_jsonl(self.steps, step)
+        checkpoint.truncate_jsonl(self.samples, step)
+        selection = self.best / "selection.json"
+        if selection.exists() and json.loads(selection.read_text())["step"] > step:
+            shutil.rmtree(self.best)  # saved after the checkpoint we resumed from: not this run's
+        return rows
+
+    # ------------------------------------------------------------------ per step
+    def append(self, row: dict, samples: list[dict]) -> None:
+        """Add one step's row and its samples (flushed: a crash loses at most the step in flight)."""
+        with open(self.steps, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        with open(self.samples, "a") as fh:
+            fh.writelines(json.dumps(x) + "\n" for x in samples)
+
+    def keep_if_best(self, model, row: dict, history: list[dict]) -> None:
+        """With ``keep_best``: save the adapter when ``row``'s validation accuracy beats every one
+        in ``history`` (the earlier steps)."""
+        if not self.keep_best:
+            return
+        earlier = [r["val_accuracy"] for r in history if "val_accuracy" in r]
+        if earlier and row["val_accuracy"] <= max(earlier) and self.best.exists():
+            return
+        selection = {"adapter": "best validation accuracy", "step": row["step"], "val_accuracy": row["val_accuracy"]}
+        _save_adapter(self.best, model, selection)
+
+    # ------------------------------------------------------------------ the end
+    def ship(self, dest: str | Path, model, tokenizer, history: list[dict]) -> dict:
+        """Write the adapter the stage ships to ``dest`` (replacing it atomically), with the
+        tokenizer and selection.json: the best validation adapter when ``keep_best`` saved one,
+        else the current (last step's) weights of ``model``. Returns the selection."""
+        dest = Path(dest)
+        if self.keep_best and self.best.exists():
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(self.best, tmp)
+        else:
+            evals = [r for r in history if "val_accuracy" in r]
+            selection = {"adapter": "last step", "step": len(history),
+                         "val_accuracy": evals[-1]["val_accuracy"] if evals else None}
+            tmp = _save_adapter(dest.with_name(dest.name + ".tmp"), model, selection, rename=False, indent=2)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        return json.loads((dest / "selection.json").read_text())
+
+
+def _save_adapter(dest: Path, model, selection: dict, rename: bool = True, indent: int | None = None) -> Path:
+    """The PEFT adapter of ``model`` and ``selection.json`` written to ``dest`` through a
+    temporary directory (``rename=False``: written to ``dest`` itself, the caller renames it)."""
+    tmp = dest.with_name(dest.name + ".tmp") if rename else dest
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    (tmp / "selection.json").write_text(json.dumps(selection, indent=indent) + "\n")
+    if rename:
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        return dest
+    return tmp

@@ -1,6 +1,6 @@
 """Peak memory of one GRPO training forward+backward, with and without the entropy mask.
 
-Runs the trainer's own micro-batch path (``GRPOTrainer.policy_loss_backward``) on the base model
+Runs the trainer's own micro-batch path (``grpo.passes.PolicyPasses.loss_backward``) on the base model
 at ``models/base`` (4-bit NF4 + LoRA) with N completions of T tokens, once per mask setting,
 each in a fresh process so that one measurement cannot inherit the other's high-water mark.
 
@@ -33,6 +33,7 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
     from grpo.loss import group_advantages, loss_normalizer
     from grpo.policy import load_policy
     from grpo.trainer import GRPOTrainer
+    from grpo.types import TrainBatch
 
     torch.manual_seed(0)
     from grpo.device import default_device
@@ -55,7 +56,7 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
         base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     with RssPeak() as rss:
-        _, _, _, keep = trainer.policy_loss_backward(ids, attn, targets, mask, prompt_tokens, adv, None, None, norm)
+        _, _, _, keep = trainer.passes.loss_backward(TrainBatch(ids, attn, targets, mask, adv, prompt_tokens), norm)
     seconds = time.perf_counter() - t0
     out = {
         "quantile": quantile,

@@ -160,9 +160,7 @@ def train(params: Params, argv: list[str] = ()) -> None:
 def _train(params: Params, dist: Dist, device: str) -> None:
     """The stage's work in one process of ``dist`` (rank 0 writes every output)."""
     cfg = params.train
-    if cfg.prompts_per_step % dist.world_size:
-        raise ParamsError(f"train.prompts_per_step: {cfg.prompts_per_step} prompts do not split evenly over "
-                          f"{dist.world_size} processes (the launcher's WORLD_SIZE)")
+    cfg.check_split(dist.world_size)
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cfg.deepspeed_config:
         ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "its DeepSpeed JSON")
         raise ParamsError(f"train.deepspeed_config is empty but accelerate launched a DeepSpeed run: set it to "

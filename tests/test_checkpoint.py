@@ -283,7 +283,8 @@ def test_stage_killed_then_newest_adapter_damaged_resumes_from_the_previous_chec
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "Traceback" not in out
-    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    # bitsandbytes warns once on CPUs with AVX512-BF16 that its optional `kernels` package is missing
+    warnings = [line for line in out.splitlines() if "WARNING" in line and "kernels-community" not in line]
     assert len(warnings) == 1 and str(ckpts / "step_000006") in warnings[0], warnings
     assert "adapter.safetensors" in warnings[0]
     assert "step_000004 (step 4)" in out

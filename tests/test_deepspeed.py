@@ -124,7 +124,7 @@ def test_one_process_zero2_offload_makes_the_plain_steps_and_resumes(tiny_model_
     ds.write_text(json.dumps(ZERO2_OFFLOAD))
     trainer = _trainer(str(tiny_model_dir), tmp_path / "zero", Dist(), monkeypatch, deepspeed_config=str(ds),
                        micro_batches=2)
-    assert type(trainer.zero.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert type(trainer.updater.optimizer).__name__ == "DeepSpeedCPUAdam"
     first = trainer.train_step()
     path = trainer.save_checkpoint()
     second = trainer.train_step()

@@ -74,10 +74,11 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
         mine = dist.shard(PROMPTS)
         part = batch[slice(mine.start * G, mine.stop * G)]
         model.zero_grad(set_to_none=True)
-        _, keep = trainer.accumulate_gradients(part, trainer.step_normalizer(part.mask))
+        passes = trainer.passes
+        _, keep = passes.accumulate_gradients(part, passes.step_normalizer(part.mask))
         if reduce:
-            trainer.reduce_gradients()
-        threshold = trainer.step_threshold(trainer._no_grad_pass(part, adapter=True)[0], part.mask)
+            trainer.updater.reduce_gradients()
+        threshold = passes.step_threshold(passes.no_grad_pass(part, adapter=True)[0], part.mask)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         out.append({"grads": grads, "keep": keep, "threshold": threshold})
     return out

@@ -111,13 +111,13 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
     rollout = TransformersBackend(model, tok, min_new_tokens=4).generate(PROMPTS[:2], 2, max_new_tokens=6)
     base = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.device("cpu"))
     fields = dict(output_dir=str(tmp_path), group_size=2, entropy_top_quantile=1.0, max_new_tokens=6)
-    own_logp = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)._no_grad_pass(base, adapter=True)[1]
+    own_logp = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems).passes.no_grad_pass(base, adapter=True)[1]
 
     def grads(correct: bool, shift: float | None):
         trainer = GRPOTrainer(model, tok, TrainConfig(**fields, importance_sampling_correction=correct), tiny_problems)
         batch = TrainBatch(**{**vars(base), "sampling_logp": None if shift is None else own_logp - shift})
         model.zero_grad(set_to_none=True)
-        trainer.accumulate_gradients(batch, loss_normalizer(batch.mask, "dapo"))
+        trainer.passes.accumulate_gradients(batch, loss_normalizer(batch.mask, "dapo"))
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     plain = grads(True, None)

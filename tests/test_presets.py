@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+import grpo.passes as passes_mod
 import grpo.trainer as trainer_mod
 from grpo.base_model import load_tokenizer
 from grpo.config import overlay_params, params_from_dict
@@ -126,8 +127,8 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     # spies on the trainer's parts: what each step really did
     calls = Counter()
     loss_kwargs, clip_norms, system_prompts, gen_kwargs = [], [], set(), []
-    real_loss, real_no_grad, real_backward = trainer_mod.grpo_loss, GRPOTrainer._no_grad_pass, \
-        GRPOTrainer.policy_loss_backward
+    real_loss, real_no_grad, real_backward = passes_mod.grpo_loss, passes_mod.PolicyPasses.no_grad_pass, \
+        passes_mod.PolicyPasses.loss_backward
     real_clip, real_prompt = torch.nn.utils.clip_grad_norm_, trainer_mod.build_prompt
 
     def spy_loss(*args, **kw):
@@ -150,10 +151,10 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
         system_prompts.add(system_prompt)
         return real_prompt(tokenizer, question, system_prompt)
 
-    monkeypatch.setattr(trainer_mod, "grpo_loss", spy_loss)
+    monkeypatch.setattr(passes_mod, "grpo_loss", spy_loss)
     monkeypatch.setattr(trainer_mod, "build_prompt", spy_prompt)
-    monkeypatch.setattr(GRPOTrainer, "_no_grad_pass", spy_no_grad)
-    monkeypatch.setattr(GRPOTrainer, "policy_loss_backward", spy_backward)
+    monkeypatch.setattr(passes_mod.PolicyPasses, "no_grad_pass", spy_no_grad)
+    monkeypatch.setattr(passes_mod.PolicyPasses, "loss_backward", spy_backward)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
     disabled = Counter()
     real_disable = model.disable_adapter
@@ -197,7 +198,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     assert system_prompts == {cfg.system_prompt}
 
     # micro-batches: each update ran as several slices, and the step's threshold came from a no-grad pass
-    slices = len(trainer._micro_slices(n_rows))
+    slices = len(trainer.passes.slices(n_rows))
     assert calls["micro_batch"] == 2 * cfg.mu * slices
     if cfg.micro_batches > 1:
         assert slices > 1

@@ -15,13 +15,14 @@ import torch
 import yaml
 
 from grpo.base_model import load_tokenizer
+from grpo.collect import generation_calls
 from grpo.config import LoraConfig, ModelConfig, ModelConfigError, TrainConfig
 from grpo.data import build_prompt
 from grpo.jsonio import write_jsonl
 from grpo.policy import load_policy
 from grpo.rewards import REWARDS
 from grpo.rollout import TransformersBackend, completion_mask_from_eos
-from grpo.trainer import GRPOTrainer, generation_calls
+from grpo.trainer import GRPOTrainer
 from grpo.types import Rollout, TrainBatch
 
 from .conftest import REPO
@@ -353,14 +354,14 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
 
     def seq_logp() -> torch.Tensor:
         with torch.no_grad():
-            hidden = completion_hidden(trainer.body, ids, attn, len(prompt))
-            return (chunked_entropy_logprobs(hidden, trainer.lm_head, targets)[1] * mask).sum(1)
+            hidden = completion_hidden(trainer.passes.body, ids, attn, len(prompt))
+            return (chunked_entropy_logprobs(hidden, trainer.passes.lm_head, targets)[1] * mask).sum(1)
 
     start = seq_logp()
     for _ in range(8):
-        trainer.policy_loss_backward(TrainBatch(ids, attn, targets, mask, adv, len(prompt)), loss_normalizer(mask, "dapo"))
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad()
+        trainer.passes.loss_backward(TrainBatch(ids, attn, targets, mask, adv, len(prompt)), loss_normalizer(mask, "dapo"))
+        trainer.updater.optimizer.step()
+        trainer.updater.optimizer.zero_grad()
     end = seq_logp()
     assert end[1] < start[1]  # the unrewarded completion is pushed down
     assert (end[0] - end[1]) - (start[0] - start[1]) > 0.2
@@ -397,13 +398,13 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2])  # (N,)
     batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
-    assert len(four._micro_slices(len(batch))) == 4
+    assert len(four.passes.slices(len(batch))) == 4
     normalizer = loss_normalizer(batch.mask, "dapo")
     results = []
     for trainer in (one, four):
         model.train()
         model.zero_grad(set_to_none=True)
-        sums, keep = trainer.accumulate_gradients(batch, normalizer)
+        sums, keep = trainer.passes.accumulate_gradients(batch, normalizer)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results.append((sums, keep, grads))
     (s1, keep1, g1), (s4, keep4, g4) = results

@@ -328,10 +328,15 @@ class TrainConfig(VLLMEngineConfig):
         for name in self.rewards:
             if name not in REWARDS:
                 raise ValueError(f"train.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
-        if self.prompts_per_step % self.num_processes:
-            raise ValueError(f"train.prompts_per_step: {self.prompts_per_step} prompts do not split evenly over "
-                             f"train.num_processes = {self.num_processes} (whole groups per process)")
+        self.check_split(self.num_processes, "train.num_processes")
         return self
+
+    def check_split(self, processes: int, source: str = "the launcher's WORLD_SIZE") -> None:
+        """Raise unless ``prompts_per_step`` splits evenly over ``processes`` (whole groups per
+        process); ``source`` names where the process count comes from."""
+        if self.prompts_per_step % processes:
+            raise ParamsError(f"train.prompts_per_step: {self.prompts_per_step} prompts do not split evenly over "
+                              f"{processes} processes ({source}; whole groups per process)")
 
 
 class Params(BaseModel):

@@ -270,20 +270,18 @@ def activation_bytes(shapes: ModelShapes, *, rows: int, prompt: int, completion:
 
 
 def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
-    """Rows of the first (largest) micro-batch, sliced as ``GRPOTrainer._micro_slices`` does."""
-    size = math.ceil(n / micro_batches)
-    if size % group and size > group:
-        size = math.ceil(size / group) * group
-    return min(size, n)
+    """Rows of the first (largest) micro-batch of the update (``grpo.passes.micro_slices``)."""
+    from grpo.passes import micro_slices
+
+    first = micro_slices(n, micro_batches, group)[0]
+    return first.stop - first.start
 
 
 def generation_rows(n_prompts: int, group: int, max_completions: int) -> int:
-    """Completions of the largest generate call (``grpo.trainer.generation_calls``)."""
-    if not max_completions or max_completions >= group * n_prompts:
-        return group * n_prompts
-    if max_completions >= group:
-        return min(n_prompts, max_completions // group) * group
-    return max_completions
+    """Completions of the largest generate call (``grpo.collect.generation_calls``)."""
+    from grpo.collect import generation_calls
+
+    return max((hi - lo) * n for lo, hi, n in generation_calls(n_prompts, group, max_completions))
 
 
 # ------------------------------------------------------------------------------------- the table

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from grpo import collect, metrics
+from grpo import checkpoint, collect, metrics
 from grpo.config import TrainConfig
 from grpo.curriculum import batch_indices, stage_of_step, stages_for
 from grpo.data import build_prompt
@@ -87,7 +87,7 @@ class GRPOTrainer:
                  val_problems: list[dict] | None = None, dist: Dist | None = None):
         self.model, self.tokenizer, self.cfg, self.problems = model, tokenizer, cfg, problems
         self.dist = dist or Dist()  # one process unless given
-        self.dist.shard(cfg.prompts_per_step)  # fails early unless the prompts split evenly
+        cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
         self.stages = stages_for(cfg.order, len(problems), cfg.num_stages, cfg.seed)
         self.device = next(model.parameters()).device
         self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
@@ -213,8 +213,6 @@ class GRPOTrainer:
         logged and moved aside) and sends it to the other ranks (LoRA-sized), so only rank 0 needs
         ``output_dir`` (no shared filesystem across machines); then every rank holds rank 0's
         LoRA weights. Rank 0 truncates the run directory's logs to the step resumed."""
-        from grpo import checkpoint
-
         ckpt = self.run.load_latest() if self.dist.is_main else None
         ckpt = self.dist.broadcast_object(ckpt)
         self.step = 0

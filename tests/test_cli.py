@@ -59,7 +59,7 @@ def test_check_prints_settings_device_dvc_and_the_estimate(params, capsys):
     assert "memory: one training step on" in out
     for term in ("weights", "LoRA + AdamW", "KV cache", "activations", "generation total", "training total", "peak"):
         assert any(line.strip().startswith(term) for line in lines), term
-    assert any(line.strip().startswith("README") for line in lines)
+    assert any(line.strip().startswith("measured") for line in lines)
     if params != "params.yaml":  # a preset is put over params.yaml: the stages it changes are named
         assert "this file changes" in out and "model.name" in out
 

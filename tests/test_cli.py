@@ -72,6 +72,23 @@ def test_check_for_a_gpu_names_seed003s_measurement(capsys):
     assert "seed 003's step" in out and "not measured yet" in out
 
 
+def test_measured_figures_name_real_params_and_a_bad_file_is_one_line(tmp_path):
+    """measured.yaml (the one home of the figures ``grpo check`` prints) names params fields that
+    exist; an entry missing a key fails with one line naming the file."""
+    from grpo.config import Params
+
+    entries = memory.load_measured()
+    assert {m["device"] for m in entries} == {"cpu", "cuda"}
+    for m in entries:
+        for key in m["params"]:
+            section, name = key.split(".")
+            assert name in type(getattr(Params(), section)).model_fields, key
+    bad = tmp_path / "measured.yaml"
+    bad.write_text(yaml.safe_dump([{"what": "x", "device": "cpu"}]))
+    with pytest.raises(ValueError, match=r"measured.yaml: entry 0: missing command, date, commit, shape, params, figure"):
+        memory.load_measured(bad)
+
+
 def test_unknown_key_exits_2_with_one_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"train": {"learning_rate": 0.1}}))

@@ -59,7 +59,7 @@ def test_check_prints_settings_device_dvc_and_the_estimate(params, capsys):
     assert "memory: one training step on" in out
     for term in ("weights", "LoRA + AdamW", "KV cache", "activations", "generation total", "training total", "peak"):
         assert any(line.strip().startswith(term) for line in lines), term
-    assert any(line.strip().startswith("README") for line in lines)
+    assert any(line.strip().startswith("measured") for line in lines)
     if params != "params.yaml":  # a preset is put over params.yaml: the stages it changes are named
         assert "this file changes" in out and "model.name" in out
 
@@ -70,6 +70,23 @@ def test_check_for_a_gpu_names_seed003s_measurement(capsys):
     assert code == 0
     assert "on cuda (bfloat16 compute)" in out and "dense 4-bit copies" not in out
     assert "seed 003's step" in out and "not measured yet" in out
+
+
+def test_measured_figures_name_real_params_and_a_bad_file_is_one_line(tmp_path):
+    """measured.yaml (the one home of the figures ``grpo check`` prints) names params fields that
+    exist; an entry missing a key fails with one line naming the file."""
+    from grpo.config import Params
+
+    entries = memory.load_measured()
+    assert {m["device"] for m in entries} == {"cpu", "cuda"}
+    for m in entries:
+        for key in m["params"]:
+            section, name = key.split(".")
+            assert name in type(getattr(Params(), section)).model_fields, key
+    bad = tmp_path / "measured.yaml"
+    bad.write_text(yaml.safe_dump([{"what": "x", "device": "cpu"}]))
+    with pytest.raises(ValueError, match=r"measured.yaml: entry 0: missing command, date, commit, shape, params, figure"):
+        memory.load_measured(bad)
 
 
 def test_unknown_key_exits_2_with_one_line(tmp_path):

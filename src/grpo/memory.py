@@ -415,27 +415,23 @@ def format_table(est: Estimate) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- measured
-# Figures the README reports (section "Memory and speed of one GRPO step"); keep the two in step.
-SMOLLM2 = {"hidden": 576, "layers": 30, "vocab": 49152}
-QWEN2_1_5B = {"hidden": 1536, "layers": 28, "vocab": 151936}
-MEASURED = [
-    {
-        "what": "bench/grpo_step.py, ours, 2-core CPU",
-        "shape": SMOLLM2, "device": "cpu",
-        "params": {"model.quantization": "nf4", "model.gradient_checkpointing": False, "lora.rank": 16,
-                   "train.prompts_per_step": 4, "train.group_size": 8, "train.max_new_tokens": 64,
-                   "train.micro_batches": 1, "train.generation_batch_size": 0, "train.entropy_top_quantile": 0.2},
-        "figure": "peak RSS 5.8 GB (ru_maxrss of the whole process: libraries and allocator slack on top of tensors)",
-    },
-    {
-        "what": "bench/grpo_step.py --arch qwen2-1.5b (seed 003's step), GPU",
-        "shape": QWEN2_1_5B, "device": "cuda",
-        "params": {"model.quantization": "nf4", "model.gradient_checkpointing": True, "lora.rank": 16,
-                   "train.prompts_per_step": 1, "train.group_size": 8, "train.max_new_tokens": 512,
-                   "train.micro_batches": 4, "train.generation_batch_size": 4, "train.entropy_top_quantile": 0.2},
-        "figure": None,
-    },
-]
+MEASURED_FILE = Path(__file__).with_name("measured.yaml")
+"""The measured figures (one home: docs/benchmarks.md shows the same file)."""
+MEASURED_KEYS = ("what", "command", "date", "commit", "device", "shape", "params", "figure")
+
+
+def load_measured(path: Path = MEASURED_FILE) -> list[dict]:
+    """The entries of ``path`` (see its header); a malformed entry raises one line naming the file."""
+    import yaml
+
+    entries = yaml.safe_load(path.read_text())
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of entries")
+    for i, m in enumerate(entries):
+        missing = [k for k in MEASURED_KEYS if not isinstance(m, dict) or k not in m]
+        if missing:
+            raise ValueError(f"{path}: entry {i}: missing {', '.join(missing)}")
+    return entries
 
 
 def _get(params, key: str):
@@ -453,23 +449,23 @@ def _with(params, values: dict):
 
 
 def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -> list[str]:
-    """Lines comparing with the README's measured figures for this model and device: at this very
-    shape, or the nearest measured one (its differences named, with the estimate at that shape),
-    or a line saying none was measured."""
+    """Lines comparing with the measured figures (``measured.yaml``) for this model and device: at
+    this very shape, or the nearest measured one (its differences named, with the estimate at that
+    shape), or a line saying none was measured."""
     out = []
-    for m in MEASURED:
+    for m in load_measured():
         if m["device"] != device or any(getattr(shapes, k) != v for k, v in m["shape"].items()):
             continue
-        figure = m["figure"] or "not measured yet (no GPU so far; the README's command prints it)"
+        figure = m["figure"] or f"not measured yet (no GPU so far; `{m['command']}` measures it)"
         diffs = [f"{k.split('.')[1]}={v} (here {_get(params, k)})" for k, v in m["params"].items()
                  if _get(params, k) != v]
         if not diffs:
-            out.append(f"README, {m['what']}, this shape: {figure}")
+            out.append(f"measured, {m['what']}, this shape: {figure}")
             continue
         there = estimate(_with(params, m["params"]), shapes, device, prompt_tokens)
-        out.append(f"README, {m['what']}, the nearest measured shape ({', '.join(diffs)}): {figure}; "
+        out.append(f"measured, {m['what']}, the nearest measured shape ({', '.join(diffs)}): {figure}; "
                    f"this estimate at that shape: {gib(there.peak)} (prompt {prompt_tokens} tokens)")
-    return out or [f"README: no measured figure for this model on {device}"]
+    return out or [f"measured: no figure for this model on {device} (src/grpo/measured.yaml)"]
 
 
 def longest_prompt_tokens(params, root: Path) -> tuple[int, str] | None:

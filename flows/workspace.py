@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo.dvcfile import DVC_DIR, DVC_YAML, find_root, read_stages
+
 FLOW_LOCK = "grpo-flow.lock"
 
 # DVC commands that run stages or write the workspace (its outputs, dvc.lock, .dvc/cache).
@@ -67,23 +69,13 @@ class OtherRun:
                 "wait for it to finish, then start the flow again")
 
 
-def dvc_root(path: Path) -> Path | None:
-    """The DVC repository containing ``path`` (the nearest directory with a ``.dvc`` folder)."""
-    for d in (path, *path.parents):
-        if (d / ".dvc").is_dir():
-            return d
-    return None
-
-
 def dvc_stages(root: Path) -> list[str]:
     """The stage names of ``root/dvc.yaml`` in the file's order (the one list of stages)."""
-    import yaml
-
-    path = root / "dvc.yaml"
-    if not (root / ".dvc").is_dir() or not path.exists():
+    path = root / DVC_YAML
+    if not (root / DVC_DIR).is_dir() or not path.exists():
         raise ValueError(f"{root}: not a DVC workspace (it needs a .dvc folder and a dvc.yaml)")
-    stages = (yaml.safe_load(path.read_text()) or {}).get("stages") or {}
-    templated = [name for name, spec in stages.items() if isinstance(spec, dict) and ({"foreach", "matrix"} & set(spec))]
+    stages = read_stages(path)
+    templated = [name for name, stage in stages.items() if stage.templated]
     if templated:
         raise ValueError(f"{path}: stages with foreach/matrix are not supported by the flow: {', '.join(templated)}")
     return list(stages)
@@ -176,7 +168,7 @@ def _dvc_processes(root: Path, own: set[int]) -> OtherRun | None:
             where = where.resolve()
         except OSError:
             continue
-        if (where == root or root in where.parents) and dvc_root(where) == root:
+        if (where == root or root in where.parents) and find_root(where, DVC_DIR) == root:
             return OtherRun(proc.info["pid"], shlex.join(argv), f"runs `dvc {found[0]}` there")
     return None
 
@@ -356,8 +348,3 @@ def workspace_lock(root: str | Path) -> Iterator[Path]:
     finally:
         _drop(root)
 
-
-def holds_workspace_lock(root: str | Path) -> bool:
-    """Whether this process holds the flow lock of ``root``."""
-    with _registry_guard:
-        return Path(root).resolve() / ".dvc" / "tmp" / FLOW_LOCK in _held

@@ -2,44 +2,31 @@
 
 A preset names only what differs from the embedded default; every key it names replaces that
 key's value in params.yaml (comments kept), so params.yaml stays complete, as dvc.yaml's
-``params:`` need. The result is validated; a bad preset changes nothing and fails with one line.
+``params:`` need (``grpo.config.write_params``, which the flow's ``--set`` uses too). The result is
+validated; a bad preset changes nothing and fails with one line.
 """
 
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
 import yaml
-from ruamel.yaml import YAML
 
-from grpo.config import ParamsError, overlay_params, params_from_dict
-
-
-def _float_yaml11(representer, value: float):
-    """A float that YAML 1.1 readers (PyYAML, DVC's params) also read as a number: ``5.0e-06``,
-    not ``5e-06``, which they read as text."""
-    text = repr(value)
-    if "e" in text and "." not in text.split("e")[0]:
-        mantissa, exponent = text.split("e")
-        text = f"{mantissa}.0e{exponent}"
-    return representer.represent_scalar("tag:yaml.org,2002:float", text)
+from grpo.config import ParamsError, write_params
 
 
 def apply_preset(preset: Path, params: Path) -> None:
-    overrides = yaml.safe_load(preset.read_text()) or {}
-    base = yaml.safe_load(params.read_text())
-    params_from_dict(overlay_params(base, overrides))  # validate before writing anything
-    rt = YAML()
-    rt.representer.add_representer(float, _float_yaml11)
-    doc = rt.load(params.read_text())
-    for section, fields in overrides.items():
-        for key, value in fields.items():
-            doc[section][key] = value
-    out = io.StringIO()
-    rt.dump(doc, out)
-    params.write_text(out.getvalue())
+    try:
+        overrides = yaml.safe_load(preset.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ParamsError(f"not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(overrides, dict):
+        raise ParamsError(f"must be a mapping of sections, got {overrides!r}")
+    for section, fields in overrides.items():  # sections of keys, as `grpo check --params` reads a preset
+        if not isinstance(fields, dict):
+            raise ParamsError(f"{section}: must be a mapping, got {fields!r}")
+    write_params(params, overrides)
 
 
 def main(argv: list[str]) -> int:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from grpo.config import Params, ParamsError, load_params, params_from_dict, reading_params
+from grpo.config import Params, ParamsError, load_params, overlay_params, params_from_dict, reading_params, write_params
 
 from .conftest import REPO
 
@@ -135,3 +135,29 @@ def test_apply_preset_refuses_a_bad_preset_and_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "train.learning_rate: unknown key" in proc.stderr
     assert target.read_text() == (REPO / "params.yaml").read_text()
+
+
+def test_overlay_takes_a_preset_or_dotted_keys_and_leaves_the_base_as_it_was():
+    base = {"train": {"lr": 1e-3, "rewards": {"correctness": 1.0, "format_soft": 0.1}}, "data": None}
+    assert overlay_params(base, {"train": {"rewards": {"correctness": 1.0}}, "lora": {"rank": 4}}) == {
+        "train": {"lr": 1e-3, "rewards": {"correctness": 1.0}}, "data": {}, "lora": {"rank": 4}}  # a value whole
+    assert overlay_params(base, {"train.lr": 5e-4, "train.rewards.correctness": 2.0})["train"] == {
+        "lr": 5e-4, "rewards": {"correctness": 2.0, "format_soft": 0.1}}  # a dotted key of any depth
+    assert base == {"train": {"lr": 1e-3, "rewards": {"correctness": 1.0, "format_soft": 0.1}}, "data": None}
+    for bad, message in (({"train": 5}, "train: must be a mapping, got 5"),
+                         ({"train.lr.x": 1}, "train.lr: must be a mapping, got 0.001 (to set train.lr.x)")):
+        with pytest.raises(ParamsError) as err:
+            overlay_params(base, bad)
+        assert str(err.value) == message
+
+
+def test_write_params_keeps_comments_writes_floats_yaml11_reads_and_refuses_a_bad_result(tmp_path):
+    target = tmp_path / "params.yaml"
+    target.write_text((REPO / "params.yaml").read_text())
+    params = write_params(target, {"train.lr": 5e-6, "train.steps": 60})  # the flow's --set form
+    text = target.read_text()
+    assert "# Embedded default" in text and "lr: 5.0e-06" in text  # `5e-06` would be text to PyYAML
+    assert params == load_params(target) and (params.train.lr, params.train.steps) == (5e-6, 60)
+    with pytest.raises(ParamsError) as err:
+        write_params(target, {"train.lr": "fast"})
+    assert str(err.value).startswith("train.lr: must be a number") and target.read_text() == text

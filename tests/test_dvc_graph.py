@@ -7,7 +7,8 @@ import ast
 from pathlib import Path
 
 import pytest
-import yaml
+
+from grpo.dvcfile import read_stages
 
 from .conftest import REPO
 
@@ -61,14 +62,14 @@ def code_deps(entry: Path) -> set[str]:
 
 
 def _stages() -> dict:
-    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    return read_stages(REPO / "dvc.yaml")
 
 
 @pytest.mark.parametrize("stage", list(_stages()))
 def test_stage_code_deps_are_its_imports(stage):
     spec = _stages()[stage]
-    entry = REPO / "tasks" / f"{spec['cmd'].split('tasks.')[1].split()[0]}.py"
-    declared = {d for d in spec.get("deps", []) if d.startswith(("src/", "tasks/"))}
+    entry = REPO / "tasks" / f"{spec.cmd.split('tasks.')[1].split()[0]}.py"
+    declared = {d for d in spec.deps if d.startswith(("src/", "tasks/"))}
     expected = code_deps(entry)
     assert declared == expected, (f"{stage}: missing {sorted(expected - declared)}, "
                                   f"not imported {sorted(declared - expected)}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo.dvcfile import read_stages
 from tests.conftest import REPO
 
 # stage `raw` writes raw.txt from src.txt; stage `total` sums it into total.json; both log the run
@@ -104,12 +105,7 @@ def test_the_shipped_default_remote_is_a_directory_outside_the_repo():
 def test_every_uncached_output_of_the_pipeline_is_left_to_git():
     """``dvc pull`` restores the cached outputs; the ``cache: false`` ones (metrics, plots, reports,
     data/raw/stats.json) reach a fresh clone only through git, so none may be git-ignored."""
-    uncached = []
-    for stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].values():
-        for kind in ("outs", "metrics", "plots"):
-            for item in stage.get(kind) or []:
-                if isinstance(item, dict):
-                    uncached += [path for path, spec in item.items() if (spec or {}).get("cache") is False]
+    uncached = [path for stage in read_stages(REPO / "dvc.yaml").values() for path in stage.uncached]
     assert "data/raw/stats.json" in uncached and "reports" in uncached
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *uncached], cwd=REPO, capture_output=True, text=True)
     assert ignored.stdout.split() == [], f"git-ignored, so a fresh clone cannot get them: {ignored.stdout.split()}"

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from grpo.dvcfile import read_stages
 from tests.conftest import make_dvc_workspace
 
 pytestmark = pytest.mark.slow
@@ -73,12 +73,12 @@ def test_dvc_repro_runs_the_whole_dag(workspace):
     for png in ("accuracy.png", "curves.png", "signals.png", "sent_entropy.png"):
         assert (workspace / "reports" / png).stat().st_size > 1000
     # every params field a stage read is declared in its `params:` (else DVC misses the change)
-    stages = yaml.safe_load((workspace / "dvc.yaml").read_text())["stages"]
+    stages = read_stages(workspace / "dvc.yaml")
     reads = [json.loads(line) for line in reads_log.read_text().splitlines()]
     assert {r["stage"] for r in reads} == set(stages)
     for r in reads:
-        declared = [p if isinstance(p, str) else next(iter(p)) for p in stages[r["stage"]].get("params", [])]
-        if "params.yaml" in declared:  # the whole file
+        declared = stages[r["stage"]].params
+        if stages[r["stage"]].all_params:  # the whole file
             continue
         undeclared = [k for k in r["params"] if k not in declared and k.split(".")[0] not in declared]
         assert not undeclared, f"{r['stage']} reads {undeclared} but dvc.yaml does not declare them"

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from grpo.config import ModelConfigError, Params, ParamsError, overlay_params, params_from_dict
+from grpo.dvcfile import find_root
 
 DEFAULT_PROMPT_TOKENS = 128
 
@@ -38,11 +39,9 @@ class Resolved:
 
 
 def workspace_root(path: Path) -> Path:
-    """The nearest directory at or above ``path`` holding a ``dvc.yaml``, else the current directory."""
-    for d in path.resolve().parents:
-        if (d / "dvc.yaml").is_file():
-            return d
-    return Path.cwd()
+    """The workspace of the params file ``path``: the nearest directory above it holding a ``dvc.yaml``
+    (``grpo.dvcfile.find_root``), else the current directory."""
+    return find_root(path.resolve().parent) or Path.cwd()
 
 
 def _read_yaml(path: Path) -> dict:

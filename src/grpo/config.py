@@ -14,12 +14,18 @@ Contract:
   together live in one ``_check`` method per section.
 * ``reading_params()`` records which ``section.key`` fields are read while it is active (the
   stages run under it when asked, so a test can check each stage's ``params:`` in ``dvc.yaml``).
+* ``overlay_params(base, overrides)`` is the one way params are put over ``params.yaml`` (a preset's
+  sections, or dotted keys as the flow's ``--set`` gives them; ``grpo check --params`` and the
+  tests use it in memory); ``write_params(path, overrides)`` writes its result into the file,
+  comments kept, once it validates (``scripts/apply_preset.py``, ``flows/pipeline.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
+import io
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -407,16 +413,76 @@ def params_from_dict(raw: dict | None) -> Params:
     return Params(**sections)
 
 
-def overlay_params(base: dict, overrides: dict) -> dict:
-    """``base`` (a complete params mapping) with the keys of ``overrides`` (a preset: any subset of
-    sections and keys) put over it; a key's value is replaced whole (a preset's ``rewards`` is the
-    run's rewards, not a merge). Unknown sections or keys are left for validation to name."""
-    out = {section: dict(fields or {}) for section, fields in base.items()}
-    for section, fields in (overrides or {}).items():
-        if not isinstance(fields, dict):
-            raise ParamsError(f"{section}: must be a mapping, got {fields!r}")
-        out.setdefault(section, {}).update(fields)
+def overlay_params(base: dict, overrides: dict | None) -> dict:
+    """A copy of ``base`` (a params mapping: sections of keys) with ``overrides`` put over it; ``base``
+    is left as it was (a ruamel document's comments and order are copied along).
+
+    An override is a section with any subset of its keys (a preset: ``{"train": {"lr": 5e-4}}``) or a
+    dotted key of any depth (``{"train.lr": 5e-4}``, as ``dvc exp run -S`` and the flow's ``--set``
+    write them). Either way each key named gets the new value whole (a preset's ``rewards`` is the
+    run's rewards, not a merge). A section left empty in ``base`` (``train:``) counts as one with no
+    keys; a section or key missing from ``base`` is added, and an unknown one is left for validation
+    to name. The one error here: the way to a key passes through a value that is not a mapping
+    (``ParamsError`` naming the key)."""
+    out = copy.deepcopy(base) if base is not None else {}
+    for section in list(out):
+        if out[section] is None:
+            out[section] = {}
+    for key, value in (overrides or {}).items():
+        parts = str(key).split(".")
+        if len(parts) == 1:  # a section and some of its keys
+            if not isinstance(value, dict):
+                raise ParamsError(f"{key}: must be a mapping, got {value!r}")
+            parts, items = [key], value.items()
+        else:
+            parts, items = parts[:-1], [(parts[-1], value)]
+        node = out
+        for i, part in enumerate(parts):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                where = ".".join(parts[:i + 1])
+                raise ParamsError(f"{where}: must be a mapping, got {node!r}" + (f" (to set {key})" if where != key else ""))
+        for name, new in items:
+            node[name] = new
     return out
+
+
+def _float_yaml11(representer, value: float):
+    """A float that YAML 1.1 readers (PyYAML: the stages, ``load_params``) also read as a number:
+    ``5.0e-06``, not ruamel's ``5e-06``, which they read as text."""
+    text = repr(value)
+    if "e" in text and "." not in text.split("e")[0]:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}.0e{exponent}"
+    return representer.represent_scalar("tag:yaml.org,2002:float", text)
+
+
+def write_params(path: str | Path, overrides: dict | None) -> Params:
+    """Put ``overrides`` over the params file ``path`` (``overlay_params``) and write it back, its
+    comments and key order kept, so it stays complete as ``dvc.yaml``'s ``params:`` need; the result,
+    read back as the stages read it, is validated first and returned. A missing or unreadable file or
+    a bad result writes nothing and raises ``ParamsError``: one line naming the file or the field."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
+
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path}: params file not found")
+    rt = YAML()
+    rt.representer.add_representer(float, _float_yaml11)
+    try:
+        doc = rt.load(path.read_text())
+    except YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ParamsError(f"{path}: must be a mapping of sections, got {doc!r}")
+    out = io.StringIO()
+    rt.dump(overlay_params(doc, overrides), out)
+    params = params_from_dict(yaml.safe_load(out.getvalue()))
+    path.write_text(out.getvalue())
+    return params
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

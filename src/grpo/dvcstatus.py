@@ -14,36 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
-
-def stage_graph(root: Path) -> dict[str, dict]:
-    """``{stage: {"deps", "outs", "params"}}`` from ``root/dvc.yaml``, in the file's order."""
-    spec = yaml.safe_load((root / "dvc.yaml").read_text()) or {}
-    graph = {}
-    for name, stage in (spec.get("stages") or {}).items():
-        def paths(key, stage=stage):
-            out = []
-            for item in stage.get(key) or []:
-                out.extend(item if isinstance(item, dict) else [item])
-            return [str(p) for p in out]
-
-        params = []
-        for item in stage.get("params") or []:
-            if isinstance(item, dict):  # {other_file.yaml: [keys]}: only params.yaml is ours
-                params.extend(k for f, keys in item.items() if f == "params.yaml" for k in keys or [])
-            else:
-                params.append(str(item))
-        graph[name] = {"deps": paths("deps"), "outs": paths("outs") + paths("metrics") + paths("plots"),
-                       "params": params}
-    return graph
+from grpo.dvcfile import DVC_DIR, DVC_YAML, Stage, read_stages
 
 
 def _under(path: str, out: str) -> bool:
     return path == out or path.startswith(out.rstrip("/") + "/") or out.startswith(path.rstrip("/") + "/")
 
 
-def downstream(graph: dict[str, dict], names: set[str]) -> list[str]:
+def downstream(graph: dict[str, Stage], names: set[str]) -> list[str]:
     """Stages that take an input from ``names`` or from a stage downstream of them (file order)."""
     hit = set(names)
     changed = True
@@ -52,7 +30,7 @@ def downstream(graph: dict[str, dict], names: set[str]) -> list[str]:
         for name, stage in graph.items():
             if name in hit:
                 continue
-            if any(_under(dep, out) for up in hit for out in graph[up]["outs"] for dep in stage["deps"]):
+            if any(_under(dep, out) for up in hit for out in graph[up].outs for dep in stage.deps):
                 hit.add(name)
                 changed = True
     return [n for n in graph if n in hit and n not in names]
@@ -69,10 +47,10 @@ def flat_keys(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def stages_reading(graph: dict[str, dict], keys: list[str]) -> list[str]:
+def stages_reading(graph: dict[str, Stage], keys: list[str]) -> list[str]:
     """Stages whose ``params:`` name one of ``keys`` (``section.key``) or its whole section."""
     return [name for name, stage in graph.items()
-            if any(k == p or k.startswith(p + ".") for k in keys for p in stage["params"])]
+            if any(k == p or k.startswith(p + ".") for k in keys for p in stage.params)]
 
 
 def dvc_status(root: Path, timeout: float = 120) -> dict | str:
@@ -123,9 +101,9 @@ def _why(changes: list) -> str:
 
 def describe(root: Path, changed_params: list[str] | None = None) -> list[str]:
     """Lines saying which stages ``dvc repro`` would run in ``root`` (one line when it cannot tell)."""
-    if not (root / ".dvc").is_dir() or not (root / "dvc.yaml").is_file():
+    if not (root / DVC_DIR).is_dir() or not (root / DVC_YAML).is_file():
         return [f"dvc: {root} is not a DVC workspace (it needs a .dvc folder and a dvc.yaml): no stage status"]
-    graph = stage_graph(root)
+    graph = read_stages(root / DVC_YAML)
     status = dvc_status(root)
     if isinstance(status, str):
         lines = [f"dvc: {status}: no stage status"]
@@ -135,7 +113,7 @@ def describe(root: Path, changed_params: list[str] | None = None) -> list[str]:
         lines = []
     if changed_params:
         for name in stages_reading(graph, changed_params):
-            keys = [k for k in changed_params if any(k == p or k.startswith(p + ".") for p in graph[name]["params"])]
+            keys = [k for k in changed_params if any(k == p or k.startswith(p + ".") for p in graph[name].params)]
             why = "this file changes " + ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
             changed[name] = f"{changed[name]}; {why}" if name in changed else why
     if isinstance(status, dict) or changed:

@@ -17,6 +17,7 @@ from pathlib import Path
 import matplotlib
 
 from grpo.device import describe_device
+from grpo.dvcfile import DVC_YAML, read_stages
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -55,9 +56,7 @@ def stage_times(time_dir: Path, dvc_yaml: Path) -> dict[str, float]:
     run), in ``dvc.yaml``'s stage order where that file exists."""
     times = {p.stem: _json(p)["seconds"] for p in sorted(time_dir.glob("*.json"))}
     if dvc_yaml.exists():
-        import yaml
-
-        order = list((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages", {}))
+        order = list(read_stages(dvc_yaml))
         times = dict(sorted(times.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     return times
 
@@ -192,7 +191,7 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     baseline, final, train, sent = (_json(metrics / f"{n}.json") for n in ("baseline", "final", "train", "sent"))
     steps = read_step_metrics(metrics / "train" / "plots" / "metrics")
     sorted_rows = _jsonl(root / "data/cache/train_sorted.jsonl")
-    timings = stage_times(metrics / "time", root / "dvc.yaml")
+    timings = stage_times(metrics / "time", root / DVC_YAML)
     md = ["# GRPO run report", ""]
 
     md += ["## Result", ""]

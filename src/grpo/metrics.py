@@ -78,16 +78,16 @@ class Sums:
         return self.values[name]
 
 
-def over_mu(updates: list[Sums]) -> Sums:
+def over_mu(updates: list[Sums]) -> dict[str, float]:
     """The step's statistics from those of its ``mu`` updates (each ``Stat.over_mu``)."""
-    out = Sums()
+    out = {}
     mu = len(updates)
     for i, sums in enumerate(updates):
         for name, value in sums.values.items():
             if STATS[name].over_mu == "mean":
-                out.values[name] = out.values.get(name, 0.0) + value / mu
+                out[name] = out.get(name, 0.0) + value / mu
             elif i == 0:
-                out.values[name] = value
+                out[name] = value
     return out
 
 
@@ -102,12 +102,12 @@ def reduce_over_ranks(dist: Dist, values: dict[str, float], ops: dict[str, str],
     return {k: out[k] for k in values}
 
 
-def update_row(dist: Dist, sums: Sums, times: dict[str, float], device) -> dict[str, float]:
+def update_row(dist: Dist, sums: dict[str, float], times: dict[str, float], device) -> dict[str, float]:
     """The update's part of the step row: ``sums`` (this rank's, with ``n_valid`` and ``n_rows``)
     and ``times`` (``TIMES`` keys and ``OWN`` keys) reduced over ranks and shown as declared."""
     shared = {k: v for k, v in times.items() if k not in OWN}
-    ops = {**{k: STATS[k].reduce for k in sums.values}, **dict.fromkeys(shared, "max")}
-    reduced = reduce_over_ranks(dist, {**sums.values, **shared}, ops, device)
+    ops = {**{k: STATS[k].reduce for k in sums}, **dict.fromkeys(shared, "max")}
+    reduced = reduce_over_ranks(dist, {**sums, **shared}, ops, device)
     n_valid = max(1.0, reduced["n_valid"])
     row = {}
     for stat in UPDATE:

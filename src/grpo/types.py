@@ -13,13 +13,9 @@ sliced into micro-batches by rows; the update returns ``UpdateStats``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from grpo.metrics import Sums
 
 
 @dataclass
@@ -156,8 +152,8 @@ class StepRollouts:
 class UpdateStats:
     """The update phase's record (``mu`` optimizer steps over one ``TrainBatch``)."""
 
-    sums: Sums
-    """The update statistics (``grpo.metrics.UPDATE``), combined over the ``mu`` updates (this rank's)."""
+    sums: dict[str, float]
+    """The update statistics by name (``grpo.metrics.UPDATE``), combined over the ``mu`` updates (this rank's)."""
     kept: Tensor
     """(n, C) bool, the tokens the entropy mask kept in the last update."""
     grad_norm: float

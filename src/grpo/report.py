@@ -189,28 +189,39 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     out.mkdir(parents=True, exist_ok=True)
     metrics = root / "metrics"
     baseline, final, train, sent = (_json(metrics / f"{n}.json") for n in ("baseline", "final", "train", "sent"))
-    steps = read_step_metrics(metrics / "train" / "plots" / "metrics")
-    sorted_rows = _jsonl(root / "data/cache/train_sorted.jsonl")
-    timings = stage_times(metrics / "time", root / DVC_YAML)
     md = ["# GRPO run report", ""]
+    md += _result_section(baseline, final, out)
+    md += _training_section(read_step_metrics(metrics / "train" / "plots" / "metrics"), train, final, out)
+    md += _sent_section(_jsonl(root / "data/cache/train_sorted.jsonl"), sent, out)
+    md += _examples_section(_jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl"))
+    md += _run_section(stage_times(metrics / "time", root / DVC_YAML), root / params_path)
+    text = "\n".join(md) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "report.html").write_text(to_html(text))
+    return out / "report.md"
 
-    md += ["## Result", ""]
-    if baseline and final:
-        delta = final["accuracy"] - baseline["accuracy"]
-        md += [
-            "| | accuracy | 95% CI | format rate | n | weights | backend |",
-            "|---|---|---|---|---|---|---|",
-            *(f"| {name} | {m['accuracy']:.3f} | [{m['accuracy_ci95_low']:.3f}, {m['accuracy_ci95_high']:.3f}] | "
-              f"{m['format_rate']:.3f} | {m['n']} | {m.get('weights', '')} | {m.get('backend', '')} |"
-              for name, m in (("baseline", baseline), ("final", final))),
-            "", f"Accuracy change: **{delta:+.3f}** (greedy decoding, same test split).", "",
-        ]
-        plot_accuracy(baseline, final, out / "accuracy.png")
-        md += ["![baseline vs final accuracy](accuracy.png)", ""]
-    else:
-        md += ["Baseline or final metrics are missing (stage not run).", ""]
 
-    md += ["## Training", ""]
+def _result_section(baseline: dict | None, final: dict | None, out: Path) -> list[str]:
+    """Baseline against final accuracy: a table with the 95% intervals and a bar plot."""
+    md = ["## Result", ""]
+    if not (baseline and final):
+        return md + ["Baseline or final metrics are missing (stage not run).", ""]
+    delta = final["accuracy"] - baseline["accuracy"]
+    md += [
+        "| | accuracy | 95% CI | format rate | n | weights | backend |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {name} | {m['accuracy']:.3f} | [{m['accuracy_ci95_low']:.3f}, {m['accuracy_ci95_high']:.3f}] | "
+          f"{m['format_rate']:.3f} | {m['n']} | {m.get('weights', '')} | {m.get('backend', '')} |"
+          for name, m in (("baseline", baseline), ("final", final))),
+        "", f"Accuracy change: **{delta:+.3f}** (greedy decoding, same test split).", "",
+    ]
+    plot_accuracy(baseline, final, out / "accuracy.png")
+    return md + ["![baseline vs final accuracy](accuracy.png)", ""]
+
+
+def _training_section(steps: list[dict], train: dict | None, final: dict | None, out: Path) -> list[str]:
+    """Per-step curves, the validation curve with the evaluated adapter marked, the train summary."""
+    md = ["## Training", ""]
     if steps:
         plot_curves(steps, out / "curves.png")
         plot_signals(steps, out / "signals.png")
@@ -226,35 +237,43 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     if train:
         md += ["| metric | value |", "|---|---|", *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                                                    for k, v in train.items()), ""]
-    if sorted_rows:
-        plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
-        md += ["## SENT curriculum", ""]
-        if sent:
-            md += [f"{sent['rows']} prompts x M={sent['num_samples']} samples through **{sent['backend']}** "
-                   f"({sent['generate_s']:.0f} s generation, {sent['tokens_per_s']:.0f} tok/s); mean entropy "
-                   f"{sent['entropy_mean']:.3f}, {sent['zero_entropy_frac']:.0%} of prompts at zero.", ""]
-        md += ["![semantic entropy histogram](sent_entropy.png)", ""]
+    return md
 
-    before, after = _jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl")
-    if before and after:
-        md += ["## Example completions (before -> after)", ""]
-        for b, a in _examples(before, after):
-            md += [f"**{b['question']}** (answer {b['answer']})", "",
-                   f"Baseline ({'correct' if b['correct'] else 'wrong'}):", _fence(b["completion"]), "",
-                   f"Final ({'correct' if a['correct'] else 'wrong'}):", _fence(a["completion"]), ""]
 
-    md += ["## Run", "", f"Device: {describe_device()}", "", "| package | version |", "|---|---|",
-           *(f"| {k} | {v} |" for k, v in versions().items()), ""]
+def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list[str]:
+    """The SENT stage's sampling figures and the entropy histogram of the sorted training set."""
+    if not sorted_rows:
+        return []
+    plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
+    md = ["## SENT curriculum", ""]
+    if sent:
+        md += [f"{sent['rows']} prompts x M={sent['num_samples']} samples through **{sent['backend']}** "
+               f"({sent['generate_s']:.0f} s generation, {sent['tokens_per_s']:.0f} tok/s); mean entropy "
+               f"{sent['entropy_mean']:.3f}, {sent['zero_entropy_frac']:.0%} of prompts at zero.", ""]
+    return md + ["![semantic entropy histogram](sent_entropy.png)", ""]
+
+
+def _examples_section(before: list[dict], after: list[dict]) -> list[str]:
+    """A few test problems with the baseline's and the final model's completions."""
+    if not (before and after):
+        return []
+    md = ["## Example completions (before -> after)", ""]
+    for b, a in _examples(before, after):
+        md += [f"**{b['question']}** (answer {b['answer']})", "",
+               f"Baseline ({'correct' if b['correct'] else 'wrong'}):", _fence(b["completion"]), "",
+               f"Final ({'correct' if a['correct'] else 'wrong'}):", _fence(a["completion"]), ""]
+    return md
+
+
+def _run_section(timings: dict[str, float], params_file: Path) -> list[str]:
+    """Device, package versions, wall time per stage and the params of the run."""
+    md = ["## Run", "", f"Device: {describe_device()}", "", "| package | version |", "|---|---|",
+          *(f"| {k} | {v} |" for k, v in versions().items()), ""]
     if timings:
         md += ["| stage | wall time (s) |", "|---|---|", *(f"| {k} | {v:.1f} |" for k, v in timings.items()), ""]
-    params_file = root / params_path
     if params_file.exists():
         md += ["Params:", "", "```yaml", params_file.read_text().strip(), "```", ""]
-
-    text = "\n".join(md) + "\n"
-    (out / "report.md").write_text(text)
-    (out / "report.html").write_text(to_html(text))
-    return out / "report.md"
+    return md
 
 
 def to_html(markdown_text: str) -> str:

@@ -26,7 +26,7 @@ from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
 from .conftest import REPO
-from .test_trainer import DETERMINISTIC, LORA, _steps, _write_params
+from .helpers import DETERMINISTIC, LORA, _steps, _write_params
 
 pytestmark = pytest.mark.slow
 
@@ -280,7 +280,7 @@ def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny
 
 def test_accelerate_configs_load():
     """The shipped accelerate configs parse with accelerate's own loader (the 2-node one is not run
-    here: no second machine, no GPU; the DeepSpeed one runs in tests/test_deepspeed.py)."""
+    here: no second machine, no GPU; the DeepSpeed one runs in tests/test_zero.py)."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     two = load_config_from_file(str(REPO / "configs" / "accelerate" / "2nodes.yaml"))

@@ -17,6 +17,7 @@ from .conftest import REPO
 from .helpers import DETERMINISTIC, _steps, _train, _write_params
 
 
+@pytest.mark.slow
 def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tmp_path):
     """kill -9 after the second checkpoint; the restart continues from it and matches an
     uninterrupted run step for step."""
@@ -63,6 +64,7 @@ def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tm
         assert {k: a[k] for k in DETERMINISTIC} == pytest.approx({k: b[k] for k in DETERMINISTIC}, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_stage_logs_to_wandb_offline(tiny_model_dir, tiny_problems, tmp_path):
     params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=1, checkpoint_every=0, wandb_mode="offline")
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}

@@ -20,9 +20,8 @@ from grpo.types import TrainBatch
 
 from .helpers import LORA
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
     # a reward that differs within every group (completion length in characters), so the
     # advantages are non-zero whatever the random tiny model samples

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Set up the environment and run the whole test suite (what CI runs).
+# --fast: only the fast tier (-m "not slow": unit tests and tiny in-process runs) for the inner loop.
+# Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=()
+if [[ "${1:-}" == "--fast" ]]; then fast=(-m "not slow"); shift; fi
 bash scripts/setup.sh
 .venv/bin/python -m ruff check src tasks tests bench flows
 # the docs site: a broken link, anchor or included file fails the build (site/ is git-ignored)
 NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict --quiet --site-dir site
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${fast[@]}" "$@"

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Llama with a character-level tokenizer and a chat template
-(``grpo.synthetic``), and a real local Prefect server for the deployment tests.
+(``grpo.synthetic``), a real local Prefect server for the deployment tests, and the environment
+the ``grpo`` command sets. Plain helpers that several test modules share are in helpers.py.
 
 Everything here is built offline in about a second (the server starts in some seconds, once per
 session, for the tests that ask for it); no test downloads anything.
@@ -69,6 +70,14 @@ def tiny_problems() -> list[dict]:
         {"id": f"p{i}", "question": f"What is {a} + {b}?", "answer": str(a + b), "solution": ""}
         for i, (a, b) in enumerate([(1, 2), (3, 4), (2, 2), (5, 1), (6, 3), (0, 7), (4, 4), (8, 1)])
     ]
+
+
+@pytest.fixture
+def quiet_cli_env(monkeypatch):
+    """``grpo.cli.main`` sets these (setdefault); set them here so the test session gets them back."""
+    for key, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("TQDM_DISABLE", "1")):
+        monkeypatch.setenv(key, value)
 
 
 def make_dvc_workspace(ws: Path, params: dict) -> Path:

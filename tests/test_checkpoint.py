@@ -24,7 +24,7 @@ from grpo.jsonio import write_jsonl
 from grpo.policy import load_policy
 from grpo.trainer import GRPOTrainer
 
-from .test_trainer import DETERMINISTIC, _steps, _train, _write_params
+from .helpers import DETERMINISTIC, _steps, _train, _write_params
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 STEPS = 4  # in-process runs: a checkpoint after every step, "killed" after step 4 is logged

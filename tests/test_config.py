@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
 from grpo.config import Params, ParamsError, load_params, overlay_params, params_from_dict, reading_params, write_params
 
 from .conftest import REPO
+from .helpers import _keys
 
 
 def test_repo_params_yaml_is_valid():
@@ -56,30 +54,9 @@ def test_defaults_fill_missing_sections():
     assert params.train.model_dump() == {**Params().train.model_dump(), "steps": 3}
 
 
-def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["train"].update(
-        lr=-0.1, output_dir=str(tmp_path / "out"), adapter_dir=str(tmp_path / "adapter"), metrics_dir=str(tmp_path / "m")
-    )
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tasks.train", "--params", str(path)], cwd=REPO, capture_output=True, text=True
-    )
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["train: error: train.lr: must be > 0, got -0.1"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
-
-
 @pytest.mark.parametrize("preset", ["params.yaml", "presets/seed003.yaml", "presets/seed001.yaml"])
 def test_shipped_params_and_presets_validate(preset):
     load_params(REPO / preset)
-
-
-def _keys(tree: dict, prefix: str = "") -> set[str]:
-    return {f"{prefix}{k}" for k in tree} | {
-        key for k, v in tree.items() if isinstance(v, dict) and k != "rewards" for key in _keys(v, f"{prefix}{k}.")}
 
 
 def test_params_yaml_is_complete_and_equals_the_code_defaults():
@@ -108,33 +85,6 @@ def test_reading_params_records_fields_read():
         _ = params.train.lr, params.model.path, params.train.lr
     _ = params.lora.rank  # outside the block: not recorded
     assert reads == {"train.lr", "model.path"}
-
-
-@pytest.mark.parametrize("preset", ["presets/seed003.yaml", "presets/seed001.yaml"])
-def test_apply_preset_keeps_params_complete_and_takes_the_preset_values(preset, tmp_path):
-    target = tmp_path / "params.yaml"
-    target.write_text((REPO / "params.yaml").read_text())
-    proc = subprocess.run([sys.executable, "scripts/apply_preset.py", preset, str(target)], cwd=REPO,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    after, overrides = yaml.safe_load(target.read_text()), yaml.safe_load((REPO / preset).read_text())
-    assert _keys(after) == _keys(yaml.safe_load((REPO / "params.yaml").read_text()))
-    for section, fields in overrides.items():
-        for key, value in fields.items():
-            assert after[section][key] == value, f"{section}.{key}"
-    assert "# Embedded default" in target.read_text()  # comments kept
-    load_params(target)
-
-
-def test_apply_preset_refuses_a_bad_preset_and_writes_nothing(tmp_path):
-    target, bad = tmp_path / "params.yaml", tmp_path / "bad.yaml"
-    target.write_text((REPO / "params.yaml").read_text())
-    bad.write_text("train:\n  learning_rate: 0.1\n")
-    proc = subprocess.run([sys.executable, "scripts/apply_preset.py", str(bad), str(target)], cwd=REPO,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "train.learning_rate: unknown key" in proc.stderr
-    assert target.read_text() == (REPO / "params.yaml").read_text()
 
 
 def test_overlay_takes_a_preset_or_dotted_keys_and_leaves_the_base_as_it_was():

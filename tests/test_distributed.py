@@ -26,9 +26,7 @@ from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
 from .conftest import REPO
-from .test_trainer import DETERMINISTIC, LORA, _steps, _write_params
-
-pytestmark = pytest.mark.slow
+from .helpers import DETERMINISTIC, LORA, _steps, _write_params
 
 G, PROMPTS, P_LEN, C_LEN = 2, 4, 6, 8
 CASES = [(1, "dapo"), (2, "grpo"), (1, "dr_grpo")]  # (micro_batches, loss_type)
@@ -110,6 +108,7 @@ def two_process_gradients(model_dir: Path, out: Path, reduce: bool = True) -> li
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
     """The same fixed rollouts, every group on one rank: after the all-reduce both ranks hold the
     one-process LoRA gradients (1e-5) for dapo, grpo (2 micro-batches: the threshold from the no-grad
@@ -164,6 +163,7 @@ def _files(tmp: Path) -> set[str]:
     return {str(p.relative_to(tmp)) for d in keep for p in (tmp / d).rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_two_process_stage_writes_the_one_process_outputs_and_resumes_after_kill_9(
         tiny_model_dir, tiny_problems, tmp_path):
     """The stage with num_processes 2, killed (kill -9 of its process group) after its first
@@ -231,6 +231,7 @@ def _stage_in_training(tmp: Path, model_dir: Path, problems: list[dict], env: di
     return proc, params, ranks
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_takes_the_stage_down_with_its_rank_named(tiny_model_dir, tiny_problems, tmp_path):
     """kill -9 of rank 1 mid-run: the launcher stops rank 0, the stage exits non-zero within
     seconds with one line naming rank 1, and no process is left."""
@@ -250,6 +251,7 @@ if os.environ.get("RANK") == "1":  # rank 1 of the stage: SIGUSR1 makes it sleep
 """
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny_model_dir, tiny_problems, tmp_path):
     """Rank 1 stops mid-run without dying (a ``sitecustomize`` of the stage's processes makes it
     sleep on SIGUSR1; the stage's code is unchanged): rank 0's next collective times out after
@@ -281,7 +283,7 @@ def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny
 
 def test_accelerate_configs_load():
     """The shipped accelerate configs parse with accelerate's own loader (the 2-node one is not run
-    here: no second machine, no GPU; the DeepSpeed one runs in tests/test_deepspeed.py)."""
+    here: no second machine, no GPU; the DeepSpeed one runs in tests/test_zero.py)."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     two = load_config_from_file(str(REPO / "configs" / "accelerate" / "2nodes.yaml"))

@@ -4,7 +4,7 @@ One module-scoped workspace: `dvc repro` runs every stage; a second `dvc repro` 
 `dvc exp run -S train.seed=1` re-runs only train, final_eval and report and `dvc exp show` lists
 the experiment (the seed, not the lr: on a tiny model every group can tie, so a new lr may leave the
 adapter byte-identical and DVC rightly skips final_eval; a new seed always draws new LoRA weights);
-the Prefect flow then skips every cached stage (the flow beside a running DVC: tests/test_flow_lock.py).
+the Prefect flow then skips every cached stage (the flow beside a running DVC: tests/test_flow_workspace.py).
 """
 
 import json
@@ -17,19 +17,9 @@ import pytest
 
 from grpo.dvcfile import read_stages
 from tests.conftest import make_dvc_workspace
+from tests.helpers import TINY_PARAMS
 
 pytestmark = pytest.mark.slow
-
-TINY_PARAMS = {
-    "data": {"source": "arithmetic", "train_size": 8, "test_size": 6, "val_size": 6, "max_digits": 1},
-    "model": {"name": None, "path": "models/base", "quantization": "nf4", "dtype": "auto", "gradient_checkpointing": False},
-    "lora": {"rank": 4, "alpha": 8},
-    "sent": {"backend": "transformers", "num_samples": 2, "max_new_tokens": 6, "batch_prompts": 8},
-    "evaluate": {"backend": "transformers", "max_new_tokens": 6},
-    "train": {"seed": 0, "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "num_stages": 2,
-              "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'.",
-              "rollout_backend": "transformers", "eval_every": 1, "eval_max_new_tokens": 6},
-}
 
 
 def _env(**extra):

@@ -33,8 +33,6 @@ from grpo.trainer import GRPOTrainer, lr_lambda
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.slow
-
 PRESETS = sorted((REPO / "presets").glob("*.yaml"))
 # train keys that are sizes or paths: shrunk or redirected for a CPU test; every other key a preset
 # sets is kept and must reach the run's config
@@ -73,6 +71,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
 def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_problems, tmp_path, monkeypatch,
                                                   chars_reward, one_thread):

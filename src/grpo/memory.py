@@ -60,7 +60,7 @@ passes (``beta > 0``, ``mu > 1``, the step-wide threshold with several micro-bat
 than the training pass. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
 libraries come on top (``max_memory_allocated`` is the comparable GPU figure).
 
-The exact parts are tested against real objects on the CPU (``tests/test_cli.py``): the LoRA
+The exact parts are tested against real objects on the CPU (``tests/test_memory.py``): the LoRA
 parameter count against peft's trainable parameters, the NF4 bytes against a bitsandbytes
 model's storage, the KV cache against a ``DynamicCache``, the saved activations against autograd's
 saved tensors.

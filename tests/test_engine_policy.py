@@ -28,7 +28,6 @@ from grpo.types import TrainBatch
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.slow
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -60,6 +59,7 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
     return model, tok, backend
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
     model, tok, backend = engine
@@ -75,6 +75,7 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
     assert len(set(synced)) > 1  # the prompts lead to different completions
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_steps_with_engine_rollouts_learn_and_log_the_gap(engine, tiny_problems, tmp_path, monkeypatch):
     model, tok, backend = engine
@@ -128,6 +129,7 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
             torch.testing.assert_close(off[n], plain[n], rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, tiny_problems, tmp_path):
     write_jsonl(tmp_path / "train.jsonl", tiny_problems)

@@ -1,4 +1,10 @@
-"""A process work pool and a real worker on a real local Prefect server: two runs of the same workspace
+"""``flows.deploy`` on a real local Prefect server (the session fixture ``prefect_server`` of
+tests/conftest.py).
+
+A scheduled deployment served by ``python -m flows.deploy --config``: it registers, and a scheduled run is
+created by the server's scheduler, executed by the serving process, and completes.
+
+A process work pool and a real worker on a real local Prefect server: two runs of the same workspace
 queue on its Prefect concurrency slot; a run without the slot, at the same moment, fails as busy.
 
 The workspace is a git + DVC repo with one ``always_changed`` stage that appends ``<flow run id> start
@@ -14,7 +20,7 @@ and ``prefect worker start --pool grpo-pool`` run as subprocesses, as the README
 
 from __future__ import annotations
 
-import os
+import json
 import shutil
 import subprocess
 import sys
@@ -27,11 +33,50 @@ import pytest
 import yaml
 
 from flows.pipeline import SLOT_ENV, slot_name
-from tests.conftest import REPO
+from tests.conftest import REPO, make_dvc_workspace
+from tests.helpers import TINY_PARAMS
 
 from .conftest import stop_process
 
 pytestmark = pytest.mark.slow
+
+
+def test_scheduled_deployment_runs_on_the_server(prefect_server, tmp_path, tiny_model_dir):
+    params = json.loads(json.dumps(TINY_PARAMS))
+    params["model"]["name"] = str(tiny_model_dir)
+    ws = make_dvc_workspace(tmp_path / "ws", params)
+    config = tmp_path / "schedule.yaml"
+    config.write_text(yaml.safe_dump({"name": "ci-every-minute", "cron": "* * * * *", "timezone": "UTC",
+                                      "parameters": {"workdir": str(ws), "stages": ["prepare_data"]}}))
+    api = prefect_server["api"]
+    serve = subprocess.Popen([sys.executable, "-m", "flows.deploy", "--config", str(config)], cwd=REPO,
+                             env=prefect_server["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deployment, state = None, None
+        deadline = time.time() + 200  # a run is due at the next minute mark, then the stage runs
+        while time.time() < deadline and state != "COMPLETED":
+            time.sleep(3)
+            assert serve.poll() is None, serve.stdout.read()[-3000:]
+            deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()
+            deployment = next((d for d in deps if d["name"] == "ci-every-minute"), None)
+            if deployment is None:
+                continue
+            runs = httpx.post(f"{api}/flow_runs/filter", timeout=10, json={
+                "deployments": {"id": {"any_": [deployment["id"]]}}}).json()
+            state = next((r["state_type"] for r in runs if r["state_type"] == "COMPLETED"), None)
+        assert deployment is not None, "deployment was never registered"
+        assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["* * * * *"]
+        assert state == "COMPLETED", f"no scheduled run completed; runs: {[r['state_type'] for r in runs]}"
+        assert runs[0]["auto_scheduled"] or any(r["auto_scheduled"] for r in runs)
+        assert (ws / "data/raw/train.jsonl").exists()  # the scheduled run really ran the stage
+        done = next(r for r in runs if r["state_type"] == "COMPLETED")
+        logs = httpx.post(f"{api}/logs/filter", timeout=10, json={"logs": {"flow_run_id": {"any_": [done["id"]]}}}).json()
+        # a served run is a deployment run: it held the workspace's Prefect slot (the work pool tests below)
+        assert any(entry["message"].startswith("took the workspace slot grpo-workspace-") for entry in logs), logs
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+
 
 POOL = "grpo-pool"
 
@@ -217,10 +262,3 @@ def test_runs_of_one_workspace_queue_on_its_slot_and_fail_busy_without_it(pool_s
           f" ({gap:.2f} s after the first's end)\nsecond took the slot {took[second][0] - stamps[first]['end']:.2f} s"
           f" after the first's stage ended, having waited {waited:.1f} s (logged that it was waiting: {said});"
           f" both completed {wall:.1f} s after creation\nthird (no slot) FAILED: {busy[0][:300]}")
-
-
-def test_slot_name_is_per_workspace_path(tmp_path):
-    (tmp_path / "a").mkdir()
-    os.symlink(tmp_path / "a", tmp_path / "link")
-    assert slot_name(tmp_path / "a") == slot_name(tmp_path / "link") != slot_name(tmp_path)
-    assert slot_name(tmp_path).startswith("grpo-workspace-")

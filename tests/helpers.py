@@ -1,0 +1,93 @@
+"""Helpers shared by several test modules (fixtures live in conftest.py).
+
+- the train stage as a subprocess on the tiny model: ``LORA``, ``_write_params``, ``_train``, ``_steps``
+  and the step-log fields that must repeat exactly, ``DETERMINISTIC`` (test_stage_train, test_checkpoint,
+  test_distributed);
+- ``TINY_PARAMS``, the whole pipeline's params at toy size (test_pipeline, test_flow_deploy);
+- ``_keys``, the dotted keys of a params tree (test_config, test_script_apply_preset);
+- ``run``, the ``grpo`` command in this process (test_cli, test_ask).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from grpo import cli
+from grpo.jsonio import write_jsonl
+
+from .conftest import REPO
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> Path:
+    data = tmp / "train.jsonl"
+    write_jsonl(data, problems)
+    params = {
+        "model": {"path": str(model_dir), "quantization": "nf4"},
+        "lora": LORA,
+        "train": {
+            "data_path": str(data),
+            "output_dir": str(tmp / "out"),
+            "adapter_dir": str(tmp / "adapter"),
+            "metrics_dir": str(tmp / "metrics"),
+            "steps": 8,
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "max_new_tokens": 12,
+            "checkpoint_every": 2,
+            "rewards": {"correctness": 1.0, "format_soft": 0.5},
+            "wandb_mode": "disabled",
+            "rollout_backend": "transformers",  # the decode loop (engine rollouts: tests/test_engine_policy.py)
+            "eval_every": 0,
+            **train,
+        },
+    }
+    path = tmp / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _train(params: Path, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tasks.train", "--params", str(params)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
+    )
+
+
+def _steps(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "out" / "steps.jsonl").read_text().splitlines()]
+
+
+DETERMINISTIC = ("step", "reward_mean", "accuracy", "reward_format_soft_mean", "loss", "entropy_mean", "kept_frac",
+                 "completion_len", "grad_norm", "lr")
+
+
+TINY_PARAMS = {
+    "data": {"source": "arithmetic", "train_size": 8, "test_size": 6, "val_size": 6, "max_digits": 1},
+    "model": {"name": None, "path": "models/base", "quantization": "nf4", "dtype": "auto", "gradient_checkpointing": False},
+    "lora": {"rank": 4, "alpha": 8},
+    "sent": {"backend": "transformers", "num_samples": 2, "max_new_tokens": 6, "batch_prompts": 8},
+    "evaluate": {"backend": "transformers", "max_new_tokens": 6},
+    "train": {"seed": 0, "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "num_stages": 2,
+              "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'.",
+              "rollout_backend": "transformers", "eval_every": 1, "eval_max_new_tokens": 6},
+}
+
+
+def _keys(tree: dict, prefix: str = "") -> set[str]:
+    return {f"{prefix}{k}" for k in tree} | {
+        key for k, v in tree.items() if isinstance(v, dict) and k != "rewards" for key in _keys(v, f"{prefix}{k}.")}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -1,0 +1,86 @@
+"""``grpo ask``: the question's greedy completion streamed by the evaluation's own path, with or without
+an adapter, and one line naming a missing model or adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from grpo.rewards import extract_answer
+
+from .helpers import run
+
+pytestmark = pytest.mark.usefixtures("quiet_cli_env")
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir, tmp_path_factory):
+    """A LoRA adapter on the tiny model with non-zero B (an untrained adapter changes nothing)."""
+    from grpo.config import LoraConfig, ModelConfig
+    from grpo.policy import load_policy
+
+    torch.manual_seed(1)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(), "cpu")
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    out = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_params(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("params") / "params.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir)}}))
+    return path
+
+
+def _reference(tiny_model_dir, adapter, tmp_path, max_new_tokens):
+    """Greedy completion by the evaluation's own path: dense export + the transformers backend."""
+    from grpo.base_model import load_tokenizer
+    from grpo.config import ModelConfig, Params
+    from grpo.data import build_prompt
+    from grpo.policy import export_dense, load_base_model
+    from grpo.rollout import TransformersBackend
+
+    export = export_dense(ModelConfig(path=str(tiny_model_dir)), adapter, tmp_path / "ref")
+    tok = load_tokenizer(export["path"])
+    backend = TransformersBackend(load_base_model(export["path"]), tok)
+    prompt = build_prompt(tok, QUESTION, Params().train.system_prompt)
+    return backend.generate([prompt], 1, max_new_tokens=max_new_tokens, temperature=0.0).texts[0]
+
+
+QUESTION = "What is 3 + 4?"
+
+
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_ask_streams_the_greedy_completion_and_its_answer(with_adapter, tiny_model_dir, adapter_dir, tiny_params,
+                                                          tmp_path, capsys):
+    argv = ["ask", QUESTION, "--params", str(tiny_params), "--max-new-tokens", "24"]
+    if with_adapter:
+        argv += ["--adapter", str(adapter_dir)]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert out.endswith("\n")
+    text, answer_line, _ = out.rsplit("\n", 2)  # the streamed text, a line break, the answer line
+    expected = _reference(tiny_model_dir, adapter_dir if with_adapter else None, tmp_path, 24)
+    assert text == expected and text
+    found = extract_answer(expected)
+    assert answer_line == f"answer: {found if found is not None else '(none)'}"
+    assert ("LoRA merged" in err) == with_adapter
+    if with_adapter:  # the adapter changes the output
+        assert expected != _reference(tiny_model_dir, None, tmp_path, 24)
+
+
+def test_ask_names_a_missing_model_or_adapter(tmp_path, tiny_params, capsys):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "no-model")}}))
+    code, out, err = run(capsys, "ask", "1 + 1?", "--params", str(path))
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"grpo ask: error: model.path: {tmp_path / 'no-model'}: no model there (no "
+                                "config.json; run `dvc repro prepare_model` first)"]
+    code, out, err = run(capsys, "ask", "1 + 1?", "--params", str(tiny_params), "--adapter", str(tmp_path / "none"))
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"grpo ask: error: --adapter: {tmp_path / 'none'}: ")

@@ -1,0 +1,73 @@
+"""The test files mirror the code they test, so the tests of a module are found by its name:
+
+- ``test_<name>.py``        src/grpo/<name>.py (or the package src/grpo/<name>/)
+- ``test_stage_<name>.py``  tasks/<name>.py, the DVC stage run as ``python -m tasks.<name>``
+- ``test_flow_<name>.py``   flows/<name>.py
+- ``test_bench_<name>.py``  bench/<name>.py or bench/<name>.sh
+- ``test_script_<name>.py`` scripts/<name>.py or scripts/<name>.sh
+
+A test module whose subject is not one file is listed in ``EXCEPTIONS`` with what it tests. Code that
+several test modules share lives in conftest.py (fixtures) or helpers.py, never in a test module.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .conftest import REPO
+
+TESTS = REPO / "tests"
+
+EXCEPTIONS = {
+    "test_pipeline.py": "the whole DVC pipeline (dvc.yaml) end to end in a temporary workspace, then the flow over it",
+    "test_dvc_graph.py": "dvc.yaml: each stage's code deps are the modules it imports",
+    "test_dvc_remote.py": "the DVC remote of .dvc/config: push, pull into a fresh clone, what git keeps",
+    "test_presets.py": "presets/*.yaml: each preset's switches run two steps on the CPU",
+    "test_cuda.py": "the CUDA paths of several modules on a GPU (`pytest -m cuda`, bench/gpu_check.sh)",
+    "test_mirror.py": "this layout",
+    "test_docs.py": "README.md, docs/ and mkdocs.yml: every path and module they name exists; the README's size",
+    "test_prefect_yaml.py": "prefect.yaml: the deployment it declares equals flows/schedule.yaml",
+}
+
+PREFIXES = {  # prefix -> (folder, suffixes); the plain test_<name>.py is src/grpo
+    "test_stage_": ("tasks", (".py",)),
+    "test_flow_": ("flows", (".py",)),
+    "test_bench_": ("bench", (".py", ".sh")),
+    "test_script_": ("scripts", (".py", ".sh")),
+}
+
+
+def subject(test_file: str) -> list:
+    """The files ``test_file`` may mirror (one of them must exist)."""
+    stem = test_file.removesuffix(".py")
+    for prefix, (folder, suffixes) in PREFIXES.items():
+        if stem.startswith(prefix):
+            return [REPO / folder / (stem.removeprefix(prefix) + s) for s in suffixes]
+    name = stem.removeprefix("test_")
+    return [REPO / "src" / "grpo" / f"{name}.py", REPO / "src" / "grpo" / name / "__init__.py"]
+
+
+TEST_FILES = sorted(p.name for p in TESTS.glob("test_*.py"))
+
+
+def test_every_test_file_names_the_module_it_tests():
+    unmatched = [f"tests/{name}: no {' or '.join(str(p.relative_to(REPO)) for p in subject(name))}"
+                 for name in TEST_FILES if name not in EXCEPTIONS and not any(p.exists() for p in subject(name))]
+    assert not unmatched, "rename each after the module it tests, or list it in EXCEPTIONS with what it tests:\n" + \
+        "\n".join(unmatched)
+
+
+def test_every_exception_is_a_test_file_that_mirrors_nothing():
+    for name in EXCEPTIONS:
+        assert name in TEST_FILES, f"EXCEPTIONS names tests/{name}, which is gone"
+        assert not any(p.exists() for p in subject(name)), f"tests/{name} mirrors a module: drop it from EXCEPTIONS"
+
+
+def test_no_test_module_imports_another():
+    for name in TEST_FILES:
+        tree = ast.parse((TESTS / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                last = node.module.split(".")[-1]
+                assert not last.startswith("test_"), \
+                    f"tests/{name} imports {node.module}: shared code goes to tests/conftest.py or tests/helpers.py"

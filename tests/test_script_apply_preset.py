@@ -1,0 +1,42 @@
+"""``scripts/apply_preset.py``: a preset put over params.yaml keeps it complete, with its comments, and
+a bad preset is refused in one line, leaving the file as it was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grpo.config import load_params
+
+from .conftest import REPO
+from .helpers import _keys
+
+
+@pytest.mark.parametrize("preset", ["presets/seed003.yaml", "presets/seed001.yaml"])
+def test_apply_preset_keeps_params_complete_and_takes_the_preset_values(preset, tmp_path):
+    target = tmp_path / "params.yaml"
+    target.write_text((REPO / "params.yaml").read_text())
+    proc = subprocess.run([sys.executable, "scripts/apply_preset.py", preset, str(target)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    after, overrides = yaml.safe_load(target.read_text()), yaml.safe_load((REPO / preset).read_text())
+    assert _keys(after) == _keys(yaml.safe_load((REPO / "params.yaml").read_text()))
+    for section, fields in overrides.items():
+        for key, value in fields.items():
+            assert after[section][key] == value, f"{section}.{key}"
+    assert "# Embedded default" in target.read_text()  # comments kept
+    load_params(target)
+
+
+def test_apply_preset_refuses_a_bad_preset_and_writes_nothing(tmp_path):
+    target, bad = tmp_path / "params.yaml", tmp_path / "bad.yaml"
+    target.write_text((REPO / "params.yaml").read_text())
+    bad.write_text("train:\n  learning_rate: 0.1\n")
+    proc = subprocess.run([sys.executable, "scripts/apply_preset.py", str(bad), str(target)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "train.learning_rate: unknown key" in proc.stderr
+    assert target.read_text() == (REPO / "params.yaml").read_text()

@@ -1,0 +1,92 @@
+"""The train stage (``python -m tasks.train``) end to end on a tiny random model: adapter and metrics
+outputs, resume after kill -9, wandb offline logging, and one line for a bad param."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from .conftest import REPO
+from .helpers import DETERMINISTIC, _steps, _train, _write_params
+
+
+@pytest.mark.slow
+def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tmp_path):
+    """kill -9 after the second checkpoint; the restart continues from it and matches an
+    uninterrupted run step for step."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
+    full_dir.mkdir()
+    crash_dir.mkdir()
+    proc = _train(_write_params(full_dir, tiny_model_dir, tiny_problems))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    uninterrupted = _steps(full_dir)
+    assert [r["step"] for r in uninterrupted] == list(range(1, 9))
+
+    # outputs of a complete run: a PEFT adapter that PeftModel loads, and the summary metrics
+    adapter = full_dir / "adapter"
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    PeftModel.from_pretrained(base, adapter)
+    summary = json.loads((full_dir / "metrics" / "train.json").read_text())
+    assert summary["steps"] == 8
+    assert (full_dir / "metrics" / "train" / "metrics.json").exists()  # dvclive
+
+    crash_params = _write_params(crash_dir, tiny_model_dir, tiny_problems)
+    proc = _train(crash_params)
+    second = crash_dir / "out" / "checkpoints" / "step_000004"
+    deadline = time.time() + 300
+    while not second.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert second.exists(), "second checkpoint never appeared"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (crash_dir / "adapter").exists() and not (crash_dir / "metrics" / "train.json").exists()
+    resumed_from = max(int(p.name.split("_")[1]) for p in (crash_dir / "out" / "checkpoints").glob("step_*"))
+
+    proc = _train(crash_params)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "resumed from" in out and f"step {resumed_from})" in out
+    resumed = _steps(crash_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))  # none repeated, none skipped
+    for a, b in zip(uninterrupted, resumed):
+        assert {k: a[k] for k in DETERMINISTIC} == pytest.approx({k: b[k] for k in DETERMINISTIC}, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_stage_logs_to_wandb_offline(tiny_model_dir, tiny_problems, tmp_path):
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=1, checkpoint_every=0, wandb_mode="offline")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.train", "--params", str(params)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"].update(
+        lr=-0.1, output_dir=str(tmp_path / "out"), adapter_dir=str(tmp_path / "adapter"), metrics_dir=str(tmp_path / "m")
+    )
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.train", "--params", str(path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["train: error: train.lr: must be > 0, got -0.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]

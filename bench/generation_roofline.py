@@ -65,25 +65,18 @@ def run_backend(args, which: str) -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig
+    from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.policy import load_policy
+    from grpo.rollout import make_backend
 
     tok = load_tokenizer(args.model)
     model = load_policy(ModelConfig(path=args.model), LoraConfig(rank=16, alpha=32))
     fixed = dict(min_new_tokens=args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        if which == "engine":
-            from grpo.engine_policy import VLLMPolicyBackend
-            from grpo.policy import export_dense
-
-            export_dense(ModelConfig(path=args.model), None, Path(tmp) / "engine")
-            backend = VLLMPolicyBackend(model, tok, Path(tmp) / "engine", seed=0, dtype="auto",
-                                        gpu_memory_utilization=0.3, max_model_len=1024, **fixed)
-            backend.sync(model)
-        else:
-            from grpo.rollout import TransformersBackend
-
-            backend = TransformersBackend(model, tok, dequantize=True, **fixed)
+        backend = make_backend("vllm" if which == "engine" else "transformers", tok, policy=model,
+                               base=ModelConfig(path=args.model), engine_dir=Path(tmp) / "engine",
+                               engine=VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=1024), **fixed)
+        backend.sync(model)  # the engine holds the policy; nothing to do for the decode loop
         prompts = prompts_for(tok, args.prompts)
         times = []
         for i in range(args.repeat + 1):  # the first call warms up
@@ -93,6 +86,7 @@ def run_backend(args, which: str) -> dict:
             if i:
                 times.append(time.perf_counter() - t0)
         tokens = int(rollout.completion_mask.sum())
+        backend.close()
     return {"backend": which, "seconds": sorted(times)[len(times) // 2], "tokens": tokens, "calls": times}
 
 

@@ -134,10 +134,10 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig
+    from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.device import default_device
     from grpo.policy import load_policy
-    from grpo.rollout import TransformersBackend
+    from grpo.rollout import make_backend
     from grpo.trainer import GRPOTrainer
 
     device = default_device()
@@ -152,15 +152,9 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
                             LoraConfig(rank=16, alpha=32), device)
         cfg = _train_config(args, overrides, workdir)
         lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
-        if rollout == "vllm":
-            from grpo.engine_policy import VLLMPolicyBackend
-            from grpo.policy import export_dense
-
-            export_dense(ModelConfig(path=model_dir), None, workdir / "engine")
-            backend = VLLMPolicyBackend(model, tok, workdir / "engine", seed=0, dtype="auto", max_model_len=2048,
-                                        gpu_memory_utilization=args.gpu_memory_utilization, **lengths)
-        else:
-            backend = TransformersBackend(model, tok, dequantize=device == "cpu", **lengths)
+        engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
+        backend = make_backend(rollout, tok, policy=model, base=ModelConfig(path=model_dir),
+                               engine_dir=workdir / "engine", engine=engine, **lengths)
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted
@@ -183,6 +177,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
                 "completion_len": row["completion_len"],
                 **_memory_fields(device),
             })
+        backend.close()
     return {"impl": f"ours-{rollout}", "device": device, "steps": steps}
 
 

@@ -35,32 +35,31 @@ def run(args, way: str) -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import DEFAULT_SYSTEM_PROMPT, LoraConfig, ModelConfig
+    from grpo.config import DEFAULT_SYSTEM_PROMPT, LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.data import build_prompt
-    from grpo.engine_policy import VLLMPolicyBackend
     from grpo.jsonio import read_jsonl
     from grpo.policy import export_dense, load_policy
-    from grpo.rollout import TransformersBackend, VLLMBackend
+    from grpo.rollout import make_backend
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=args.model)
     model = load_policy(model_cfg, LoraConfig(rank=16, alpha=32))
     tok = load_tokenizer(args.model)
     prompts = [build_prompt(tok, r["question"], DEFAULT_SYSTEM_PROMPT) for r in read_jsonl(args.data)[: args.prompts]]
-    own = TransformersBackend(model, tok, dequantize=True)  # NF4 + LoRA, dequantised once per call (exact, tested)
+    own = make_backend("transformers", tok, policy=model)  # NF4 + LoRA, dequantised once per call (exact, tested)
     sampling = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     greedy = dict(max_new_tokens=args.new_tokens, temperature=0.0)
     out: dict = {"way": way, "sync_s": [], "tok_s": [], "exact": [], "prompts": len(prompts)}
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = Path(tmp) / "engine"
         export_dense(model_cfg, None, engine_dir)
-        engine = dict(seed=0, dtype="auto", gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
+        engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
         t0 = time.perf_counter()
-        if way == "merged":
-            backend = VLLMPolicyBackend(model, tok, engine_dir, **engine)
+        if way == "merged":  # the engine starts from the export above
+            backend = make_backend("vllm", tok, policy=model, engine_dir=engine_dir, engine=engine)
         else:
-            backend = VLLMBackend(engine_dir, tok, progress=False, enable_lora=True, max_lora_rank=16, max_loras=1,
-                                  **engine)
+            backend = make_backend("vllm", tok, model_dir=engine_dir, engine=engine, progress=False, enable_lora=True,
+                                   max_lora_rank=16, max_loras=1)
             from vllm.lora.request import LoRARequest
         out["engine_start_s"] = time.perf_counter() - t0
         request = None
@@ -88,6 +87,7 @@ def run(args, way: str) -> dict:
             out["tok_s"].append(float(roll.completion_mask.sum()) / (time.perf_counter() - t0))
             texts = backend.generate(prompts, 1, **greedy).texts
             out["exact"].append(sum(a == b for a, b in zip(texts, reference)))
+        backend.close()
     return out
 
 

@@ -16,7 +16,7 @@ from grpo.config import Params
 from grpo.data import build_prompt
 from grpo.device import default_device, sampling_dtype
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
-from grpo.rollout import make_sampler
+from grpo.rollout import make_backend
 from grpo.sent import score_rows
 from tasks._common import run_stage
 
@@ -30,20 +30,17 @@ def sent(params: Params) -> dict:
     tokenizer = load_tokenizer(params.model.path)
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
     dtype = sampling_dtype(cfg.dtype, default_device())
-    sampler, backend = make_sampler(
-        cfg.backend, params.model.path, tokenizer, seed=cfg.seed, dtype=dtype,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
-        enforce_eager=cfg.enforce_eager,
-    )
-    t_ready = time.perf_counter()
-    log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", backend, dtype, t_ready - t0, len(rows),
-             cfg.num_samples)
-    ranked, totals = score_rows(rows, prompts, sampler, cfg)
-    t_done = time.perf_counter()
+    with make_backend(cfg.backend, tokenizer, model_dir=params.model.path, engine=cfg, seed=cfg.seed, dtype=dtype,
+                      enforce_eager=cfg.enforce_eager) as sampler:  # the engine is closed after sampling
+        t_ready = time.perf_counter()
+        log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", sampler.name, dtype, t_ready - t0,
+                 len(rows), cfg.num_samples)
+        ranked, totals = score_rows(rows, prompts, sampler, cfg)
+        t_done = time.perf_counter()
     write_jsonl(cfg.out_path, ranked)
     entropies = [r["semantic_entropy"] for r in ranked]
     summary = {
-        "backend": backend,
+        "backend": sampler.name,
         "dtype": dtype,
         "rows": len(ranked),
         "num_samples": cfg.num_samples,

@@ -44,9 +44,9 @@ from grpo.distributed import (
     shutdown,
     writes_outputs,
 )
-from grpo.engine_policy import make_policy_backend
 from grpo.jsonio import read_jsonl, write_json
 from grpo.policy import load_policy
+from grpo.rollout import make_backend
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage
 
@@ -186,16 +186,16 @@ def _train(params: Params, dist: Dist, device: str) -> None:
             callbacks.append(cb)
             closers.append(close)
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
-    if dist.active and cfg.rollout_backend != "transformers":
-        log.warning("rollout_backend %s: with %d processes the rollouts come from the transformers decode loop "
-                    "on every rank (engine rollouts are not data-parallel yet)", cfg.rollout_backend, dist.world_size)
-        backend, backend_name = None, "transformers"
-    else:
-        backend, backend_name = make_policy_backend(params, model, tokenizer)
-    log.info("rollouts: %s", backend_name)
+    backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
+                           engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
+                           processes=dist.world_size)
+    log.info("rollouts: %s", backend.name)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
-    history = trainer.train(progress=True)
+    try:
+        history = trainer.train(progress=True)
+    finally:
+        backend.close()  # the engine and its memory are given back before the adapter is written
     if not dist.is_main:
         return
 
@@ -205,7 +205,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
     summary = {
         "steps": len(history),
-        "rollout_backend": backend_name,
+        "rollout_backend": backend.name,
         "num_processes": dist.world_size,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),

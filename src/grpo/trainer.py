@@ -46,7 +46,7 @@ from grpo.data import build_prompt
 from grpo.distributed import Dist
 from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS
-from grpo.rollout import RolloutBackend, TransformersBackend
+from grpo.rollout import RolloutBackend, make_backend
 from grpo.run_dir import RunDir
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
 from grpo.updater import make_updater
@@ -90,7 +90,7 @@ class GRPOTrainer:
         cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
         self.stages = stages_for(cfg.order, len(problems), cfg.num_stages, cfg.seed)
         self.device = next(model.parameters()).device
-        self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
+        self.backend = backend or make_backend("transformers", tokenizer, policy=model)  # the decode loop
         self.callbacks = callbacks or []
         self.val_problems = val_problems or []
         self._synced_step: int | None = None  # the step whose weights the backend's engine holds

@@ -45,6 +45,7 @@ def _length_rewards(completions: list[str], answers: list[str], weights: dict) -
 def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
     """A trainer on the tiny 4-bit model with a seeded non-zero adapter, 4 prompts x G = 2 a step."""
     import grpo.collect
+    import grpo.trainer
 
     if monkeypatch is not None:
         monkeypatch.setattr(grpo.collect, "combined_rewards", _length_rewards)
@@ -131,13 +132,13 @@ def test_one_process_zero2_offload_makes_the_plain_steps_and_resumes(tiny_model_
     _assert_same_steps([first, second], plain_steps[0], _lora(trainer), plain_steps[1])
 
     resumed = _trainer(str(tiny_model_dir), tmp_path / "zero", Dist(), monkeypatch, deepspeed_config=str(ds))
-    resumed.load_checkpoint(path)
+    resumed.resume()  # from the newest checkpoint of its run directory: the step-1 one
     assert resumed.step == 1
     plain = _trainer(str(tiny_model_dir), tmp_path / "plain", Dist(), monkeypatch)  # fresh AdamW moments
     ckpt = checkpoint.read(path)
     checkpoint.restore(ckpt, plain.model, SimpleNamespace(load_state_dict=lambda state: None), plain.scheduler)
     plain.step = ckpt.step
-    for group in plain.optimizer.param_groups:
+    for group in plain.updater.optimizer.param_groups:
         group["lr"] = plain.scheduler.get_last_lr()[0]  # what the checkpoint's optimizer state would set
     _assert_same_steps([resumed.train_step()], [plain.train_step()], _lora(resumed), _lora(plain))
 

@@ -266,6 +266,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# Without PREFECT_API_URL the flow starts Prefect's temporary ("ephemeral") server, which Prefect
+# waits 20 s for by default (prefect/settings/models/server/ephemeral.py); a busy 2-core machine can
+# take longer, so the flow waits this long unless the user set the variable.
+EPHEMERAL_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_TIMEOUT_S = 120
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description="Run the DVC pipeline as a Prefect flow.")
     ap.add_argument("--workdir", default=".")
@@ -287,10 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
             os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+            os.environ.setdefault(EPHEMERAL_TIMEOUT, str(EPHEMERAL_TIMEOUT_S))
             results = _prefect_objects()["pipeline"](str(root), overrides or None, args.name, args.stages)
     except (WorkspaceBusy, ParamsError) as err:
         print(f"flow: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        if "ephemeral Prefect API server" not in str(err):
+            raise
+        print(f"flow: error: Prefect's temporary server did not answer within {os.environ[EPHEMERAL_TIMEOUT]} s "
+              f"({EPHEMERAL_TIMEOUT}); retry, or start a server (`prefect server start`) and set PREFECT_API_URL "
+              "(docs/orchestration.md)", file=sys.stderr)
+        return 1
     for r in results:
         print(f"{r['stage']:14} {r['status']:8} {r['seconds']:7.1f} s")
     return 0

@@ -96,6 +96,13 @@ def _wandb_callback(params: Params):
     return cb, run.finish
 
 
+def _loggers(params: Params) -> tuple[list, list]:
+    """The per-step loggers (dvclive, and wandb unless disabled) and their close functions."""
+    pairs = [(cb, close) for cb, close in (_dvclive_callback(Path(params.train.metrics_dir)), _wandb_callback(params))
+             if cb is not None]
+    return [cb for cb, _ in pairs], [close for _, close in pairs]
+
+
 class LaunchFailed(Exception):
     """A training process of a multi-process launch failed (the message names its rank); ``code``:
     its exit code (1 when a signal ended it)."""
@@ -179,12 +186,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
         device = f"cuda:{dist.local_rank}"
     tokenizer = load_tokenizer(params.model.path)
     model = load_policy(params.model, params.lora, device)
-    callbacks, closers = [], []  # per-step loggers and their close functions
-    loggers = (_dvclive_callback(Path(cfg.metrics_dir)), _wandb_callback(params)) if dist.is_main else ()
-    for cb, close in loggers:
-        if cb is not None:
-            callbacks.append(cb)
-            closers.append(close)
+    callbacks, closers = _loggers(params) if dist.is_main else ([], [])
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
     backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
                            engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
@@ -202,11 +204,22 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     selection = trainer.run.ship(adapter_dir, model, tokenizer, history)
     shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
 
+    summary = train_summary(history, backend.name, dist.world_size, selection)
+    write_json(summary_path, summary)
+    for close in closers:
+        close()
+    log.info("adapter written to %s; summary %s", adapter_dir, summary)
+
+
+def train_summary(history: list[dict], backend: str, processes: int, selection: dict) -> dict:
+    """``metrics/train.json``: the run's shape, the last step's ``SUMMARY_KEYS``, accuracy over the
+    first and last ten steps, the total time, the shipped adapter, the validation summary and, with
+    engine rollouts, the sampler/trainer log-prob gap."""
     first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
     summary = {
         "steps": len(history),
-        "rollout_backend": backend.name,
-        "num_processes": dist.world_size,
+        "rollout_backend": backend,
+        "num_processes": processes,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
         "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
@@ -221,10 +234,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     if "logp_mismatch_mean" in history[-1]:
         summary["logp_mismatch_mean"] = sum(r["logp_mismatch_mean"] for r in history) / len(history)
         summary["logp_mismatch_max"] = max(r["logp_mismatch_max"] for r in history)
-    write_json(summary_path, summary)
-    for close in closers:
-        close()
-    log.info("adapter written to %s; summary %s", adapter_dir, summary)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

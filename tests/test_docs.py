@@ -24,7 +24,9 @@ PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_DIRS)})/[\w./-]*\w)(?![\w<])"
 MODULE = re.compile(r"(?<![\w./-])((?:grpo|tasks)\.[a-z_][a-z0-9_]*)")
 
 # What a how-to creates as its worked example, allowed on that page only.
-EXAMPLES = {"docs/howto/add-a-stage.md": {"tasks/gain.py", "tasks.gain"}}
+EXAMPLES = {"docs/howto/add-a-stage.md": {"tasks/gain.py", "tasks.gain"},
+            "docs/howto/add-a-rollout-engine.md": {"src/grpo/hf_generate.py", "grpo.hf_generate",
+                                                   "tests/test_hf_generate.py"}}
 
 
 def doc_files() -> list[Path]:

@@ -103,3 +103,20 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     assert code == 0, err
     model = next(line for line in out.splitlines() if line.strip().startswith("model: "))
     assert f"{tmp_path / 'models' / 'base' / 'config.json'}" in model and "hidden 64" in model
+
+
+def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, capsys):
+    """The device line says why, and the estimate for this machine stops with the one-line error
+    (``--device cuda`` still estimates for a card this machine does not have)."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("GRPO_DEVICE", raising=False)
+    code, out, err = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100")
+    assert code == 2 and "device: none usable: torch " in out
+    (line,) = err.strip().splitlines()
+    assert line.startswith("grpo check: error: torch ") and line.endswith("set GRPO_DEVICE=cpu")
+    code, out, _ = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100",
+                       "--device", "cuda")
+    assert code == 0 and "memory: one training step on cuda" in out

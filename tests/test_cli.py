@@ -76,3 +76,47 @@ def test_estimate_without_a_config_says_so(tmp_path, capsys):
     code, out, _ = run(capsys, "check", "--params", str(path))
     assert code == 0
     assert "memory: no estimate: the estimate needs the model's config.json" in out
+
+
+def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny_model_dir, tmp_path, capsys):
+    """A workspace where the default pipeline ran: prepare_model wrote models/base (with its
+    manifest.json) for params.yaml's model; ``check`` of seed 003 there estimates the 1.5B model
+    the preset names, not the directory; ``check`` of params.yaml still reads the directory."""
+    import shutil
+
+    from grpo.base_model import resolve_base_model
+
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": {"name": str(tiny_model_dir),
+                                                                    "path": "models/base"}}))
+    resolve_base_model(str(tiny_model_dir), tmp_path / "models" / "base")  # as the prepare_model stage does
+    (tmp_path / "presets").mkdir()
+    shutil.copy(REPO / "presets" / "seed003.yaml", tmp_path / "presets" / "seed003.yaml")
+    code, out, err = run(capsys, "check", "--params", str(tmp_path / "presets" / "seed003.yaml"), "--device", "cuda",
+                         "--prompt-tokens", "128")
+    assert code == 0, err
+    model = next(line for line in out.splitlines() if line.strip().startswith("model: "))
+    assert "grpo.synthetic architecture 'qwen2-1.5b'" in model and f"models/base holds {tiny_model_dir}" in model
+    assert "hidden 1536" in model and "28 layers" in model
+    code, out, err = run(capsys, "check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda",
+                         "--prompt-tokens", "128")
+    assert code == 0, err
+    model = next(line for line in out.splitlines() if line.strip().startswith("model: "))
+    assert f"{tmp_path / 'models' / 'base' / 'config.json'}" in model and "hidden 64" in model
+
+
+def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, capsys):
+    """The device line says why, and the estimate for this machine stops with the one-line error
+    (``--device cuda`` still estimates for a card this machine does not have)."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("GRPO_DEVICE", raising=False)
+    code, out, err = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100")
+    assert code == 2 and "device: none usable: torch " in out
+    (line,) = err.strip().splitlines()
+    assert line.startswith("grpo check: error: torch ") and line.endswith("set GRPO_DEVICE=cpu")
+    code, out, _ = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100",
+                       "--device", "cuda")
+    assert code == 0 and "memory: one training step on cuda" in out

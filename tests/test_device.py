@@ -24,3 +24,87 @@ def test_sampling_dtype_auto_follows_native_bf16(tmp_path, monkeypatch):
     assert device.sampling_dtype("float32", "cuda") == "float32"
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
     assert device.sampling_dtype("auto", "cpu") == "bfloat16"
+
+
+def test_auto_is_bf16_from_compute_capability_8_and_fp16_below():
+    """vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654 in 0.32.0)."""
+    for capability, dtype in (((7, 5), torch.float16), ((7, 0), torch.float16), ((6, 1), torch.float16),
+                              ((8, 0), torch.bfloat16), ((8, 6), torch.bfloat16), ((9, 0), torch.bfloat16),
+                              ((12, 0), torch.bfloat16), (None, torch.bfloat16)):
+        assert device.compute_dtype("auto", "cuda", capability) == dtype, capability
+        assert device.sampling_dtype("auto", "cuda", capability) == str(dtype).removeprefix("torch.")
+    assert device.compute_dtype("auto", "cpu", (7, 5)) == torch.float32  # CPUs: fp32 whatever is asked
+    assert device.compute_dtype("float16", "cpu") == torch.float16
+    assert device.compute_dtype("bfloat16", "cuda", (7, 5)) == torch.bfloat16  # named: as named
+
+
+def test_auto_reads_the_cards_own_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))  # a T4
+    assert device.cuda_capability("cuda") == (7, 5)
+    assert device.compute_dtype("auto", "cuda") == torch.float16
+    assert device.sampling_dtype("auto", "cuda") == "float16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 6))  # an RTX 3060 Ti
+    assert device.compute_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_float16_is_a_dtype_param():
+    import pytest
+
+    from grpo.config import ModelConfig, ParamsError, SentConfig
+
+    assert ModelConfig(dtype="float16").dtype == SentConfig(dtype="float16").dtype == "float16"
+    with pytest.raises(ParamsError, match="model.dtype"):
+        ModelConfig(dtype="half")
+
+
+def _cuda_build_without_gpu(monkeypatch, cuda: str | None = "13.0"):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(device.DEVICE_ENV, raising=False)
+
+
+def test_a_cuda_build_without_a_usable_gpu_stops_with_one_line(monkeypatch):
+    import pytest
+
+    from grpo.config import DeviceError
+
+    _cuda_build_without_gpu(monkeypatch)
+    with pytest.raises(DeviceError) as err:
+        device.default_device()
+    (line,) = str(err.value).splitlines()
+    assert "built for CUDA 13.0 but sees no usable GPU" in line and "branch 580 or newer" in line
+    assert line.endswith("to run on the CPU on purpose set GRPO_DEVICE=cpu")
+    assert device.describe_device() == f"none usable: {line}"  # reports say so instead of failing
+    monkeypatch.setenv(device.DEVICE_ENV, "cpu")
+    assert device.default_device() == "cpu"  # on purpose
+    monkeypatch.setenv(device.DEVICE_ENV, "gpu")
+    with pytest.raises(DeviceError, match="GRPO_DEVICE='gpu': must be cpu or cuda"):
+        device.default_device()
+    _cuda_build_without_gpu(monkeypatch, cuda=None)  # a CPU build: the CPU, as before
+    assert device.default_device() == "cpu"
+    monkeypatch.setenv(device.DEVICE_ENV, "cuda")
+    with pytest.raises(DeviceError, match="is a CPU build"):
+        device.default_device()
+
+
+def test_a_stage_on_such_a_build_exits_2_with_that_line(monkeypatch, capsys):
+    from tasks._common import run_stage
+
+    from .conftest import REPO
+
+    _cuda_build_without_gpu(monkeypatch, cuda="12.8")
+    code = run_stage("train", lambda params: device.default_device(), ["--params", str(REPO / "params.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("train: error: torch ") and "branch 525 or newer" in err[0] and "GRPO_DEVICE=cpu" in err[0]
+
+
+def test_free_cuda_cache_only_on_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    device.free_cuda_cache("cpu")
+    assert calls == []
+    device.free_cuda_cache("cuda")
+    device.free_cuda_cache(torch.device("cuda", 0))
+    assert calls == ["empty_cache"] * 2

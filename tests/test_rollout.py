@@ -100,6 +100,7 @@ def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_a_closed_engine_is_gone(tiny_vllm_model_dir):
     """``vllm`` on a model directory: a ``VLLMBackend`` with log-probs; it cannot follow a policy

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config import ModelConfigError, Params, ParamsError, overlay_params, params_from_dict
+from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, overlay_params, params_from_dict
 from grpo.dvcfile import find_root
 
 DEFAULT_PROMPT_TOKENS = 128
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     try:
         return args.func(args)
-    except (ParamsError, ModelConfigError, FileNotFoundError) as err:
+    except (ParamsError, ModelConfigError, DeviceError, FileNotFoundError) as err:
         print(f"grpo {args.command}: error: {err}", file=sys.stderr)
         return 2
 

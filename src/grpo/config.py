@@ -41,12 +41,17 @@ class ModelConfigError(ValueError):
     """A model-related parameter names something that does not exist (a module, a directory)."""
 
 
+class DeviceError(RuntimeError):
+    """The device to compute on cannot be used (``grpo.device.default_device``); the message is one
+    line saying what to do."""
+
+
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 Backend = Literal["auto", "vllm", "transformers"]
-Dtype = Literal["auto", "bfloat16", "float32"]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 _READS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("grpo_param_reads", default=None)
 
@@ -132,8 +137,9 @@ class ModelConfig(Section):
     quantization: Literal["nf4", "none"] = "nf4"
     """``nf4``: bitsandbytes 4-bit NF4 with double quantisation; ``none``: weights in ``dtype``."""
     dtype: Dtype = "auto"
-    """Compute dtype: ``bfloat16``, ``float32``, or ``auto`` (``grpo.device.compute_dtype``: bf16 on
-    CUDA, fp32 on CPUs)."""
+    """Compute dtype: ``bfloat16``, ``float16``, ``float32``, or ``auto`` (``grpo.device.compute_dtype``:
+    bf16 on GPUs of compute capability 8.0 or newer, fp16 on older GPUs, where vLLM refuses bf16;
+    fp32 on CPUs)."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in backward instead of storing them."""
 
@@ -185,8 +191,9 @@ class SentConfig(VLLMEngineConfig):
     batch_prompts: Positive = 64
     """Prompts per generation call (each yields ``num_samples`` sequences)."""
     dtype: Dtype = "auto"
-    """Generation dtype: ``auto`` (``grpo.device.sampling_dtype``: bf16 on CUDA and on CPUs with
-    native bf16 instructions, fp32 on other CPUs), ``bfloat16`` or ``float32``."""
+    """Generation dtype: ``auto`` (``grpo.device.sampling_dtype``: on CUDA as ``model.dtype``'s
+    ``auto``, bf16 on CPUs with native bf16 instructions, fp32 on other CPUs), ``bfloat16``,
+    ``float16`` or ``float32``."""
     enforce_eager: bool = True
     """vLLM: skip graph capture/compilation (a much faster engine start on a CPU, same speed)."""
 

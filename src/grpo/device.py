@@ -1,39 +1,111 @@
 """Device and dtype policy, in one place.
 
-* ``default_device()``: ``cuda`` when a CUDA device is visible, else ``cpu``.
+* ``default_device()``: the device every stage, bench and command computes on. ``GRPO_DEVICE``
+  (``DEVICE_ENV``) chooses on purpose: ``cpu`` or ``cuda``; unset, ``cuda`` when a CUDA device is
+  usable and ``cpu`` with a CPU build of torch. A CUDA build of torch that sees no usable GPU (a
+  driver older than the build needs, no device visible) raises ``DeviceError``, one line naming
+  the driver the build needs and ``GRPO_DEVICE=cpu``: never a silent run on the CPU.
 * ``compute_dtype(setting, device)``: the training/evaluation compute dtype for a ``model.dtype``
-  setting: ``auto`` is bf16 on CUDA and fp32 on CPUs (bf16 matmuls are slow on CPUs without
-  native bf16 instructions, and training there stays in fp32 on every CPU for one behaviour).
+  setting: ``auto`` is bf16 on GPUs of compute capability 8.0 or newer, fp16 on older GPUs (vLLM
+  refuses bf16 there) and fp32 on CPUs (bf16 matmuls are slow on CPUs without native bf16
+  instructions, and training there stays in fp32 on every CPU for one behaviour).
+* ``free_cuda_cache(device)``: give the CUDA caching allocator's unused blocks back to the driver
+  before memory is handed to something outside PyTorch's allocator (a vLLM engine waking up or
+  starting); nothing on CPUs.
 * ``sampling_dtype(setting, device)``: the sampler's dtype for a ``sent.dtype`` setting: ``auto``
-  is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX-BF16), fp32 on other CPUs.
+  is ``compute_dtype``'s choice on CUDA, bf16 on CPUs with native bf16 (AVX512-BF16 or
+  AMX-BF16), fp32 on other CPUs.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 from pathlib import Path
 
 import torch
 
+from grpo.config import DeviceError
+
+DEVICE_ENV = "GRPO_DEVICE"
+"""Environment variable: ``cpu`` or ``cuda`` chooses the device on purpose; unset: the GPU when usable."""
+
+MIN_DRIVER = {"11": "450", "12": "525", "13": "580"}
+"""CUDA major version -> the oldest NVIDIA driver branch that runs it (minor version compatibility:
+docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html, table 1)."""
+
+BF16_CAPABILITY = (8, 0)
+"""The oldest compute capability vLLM runs bf16 on (vllm/platforms/cuda.py:636-654 in 0.32.0,
+``check_if_supports_dtype``, called at engine start from vllm/v1/worker/gpu_worker.py:503)."""
+
+
+def no_usable_gpu_message(torch_version: str, cuda_version: str) -> str:
+    """The one line for a CUDA build of torch that sees no usable GPU."""
+    major = cuda_version.split(".")[0]
+    driver = MIN_DRIVER.get(major)
+    need = (f"an NVIDIA driver of branch {driver} or newer (nvidia-smi shows yours)" if driver
+            else f"an NVIDIA driver that supports CUDA {cuda_version} (nvidia-smi shows yours)")
+    return (f"torch {torch_version} is built for CUDA {cuda_version} but sees no usable GPU: it needs {need} "
+            f"and a visible device; to run on the CPU on purpose set {DEVICE_ENV}=cpu")
+
 
 def default_device() -> str:
-    """``cuda`` when available, else ``cpu``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """``cpu`` or ``cuda``: ``GRPO_DEVICE`` when set, else ``cuda`` when usable, else ``cpu`` for a
+    CPU build of torch; ``DeviceError`` (one line) for a CUDA build, or ``GRPO_DEVICE=cuda``,
+    without a usable GPU."""
+    want = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if want not in ("", "cpu", "cuda"):
+        raise DeviceError(f"{DEVICE_ENV}={want!r}: must be cpu or cuda (unset: the GPU when one is usable)")
+    if want == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.version.cuda:
+        raise DeviceError(no_usable_gpu_message(torch.__version__, torch.version.cuda))
+    if want == "cuda":
+        raise DeviceError(f"{DEVICE_ENV}=cuda but torch {torch.__version__} is a CPU build: install the CUDA build "
+                          "(scripts/setup.sh on a machine with nvidia-smi) or unset it")
+    return "cpu"
 
 
 def describe_device() -> str:
-    """One line naming the device this process computes on (for reports)."""
-    if default_device() == "cuda":
-        return f"CUDA: {torch.cuda.get_device_name(0)}"
+    """One line naming the device this process computes on (for reports), or why there is none."""
+    try:
+        device = default_device()
+    except DeviceError as err:
+        return f"none usable: {err}"
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability(0)
+        return f"CUDA: {torch.cuda.get_device_name(0)} (compute capability {major}.{minor})"
     cores = len(os.sched_getaffinity(0))
     return f"CPU: {platform.processor() or platform.machine()}, {cores} cores, torch threads {torch.get_num_threads()}"
 
 
-def compute_dtype(setting: str, device: str | torch.device) -> torch.dtype:
-    """``bfloat16`` / ``float32`` as named; ``auto``: bf16 on CUDA, fp32 on CPUs."""
+def cuda_capability(device: str | torch.device = "cuda") -> tuple[int, int] | None:
+    """The compute capability of the CUDA ``device``, or None where no GPU is usable (an estimate for
+    a card this machine does not have)."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(torch.device(device)))
+
+
+def cuda_half_dtype(capability: tuple[int, int] | None) -> torch.dtype:
+    """The 16-bit dtype for a GPU of ``capability``: bf16 from 8.0 (Ampere) on, fp16 below (vLLM
+    refuses bf16 there: ``BF16_CAPABILITY``); None (no GPU to ask): bf16, the dtype of the cards
+    the presets are written for."""
+    if capability is None or tuple(capability) >= BF16_CAPABILITY:
+        return torch.bfloat16
+    return torch.float16
+
+
+def compute_dtype(setting: str, device: str | torch.device, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """``bfloat16`` / ``float16`` / ``float32`` as named; ``auto``: on CUDA ``cuda_half_dtype`` of
+    ``capability`` (default: the device's own), on CPUs fp32."""
     if setting == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if torch.device(device).type != "cuda":
+            return torch.float32
+        return cuda_half_dtype(capability if capability is not None else cuda_capability(device))
     return getattr(torch, setting)
 
 
@@ -46,11 +118,22 @@ def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
-def sampling_dtype(setting: str, device: str | torch.device) -> str:
-    """The sampler's dtype name: an explicit one as given; ``auto``: ``bfloat16`` on CUDA and on
-    CPUs with native bf16, ``float32`` on CPUs without it (slow bf16 kernels there; the README's
-    SENT speed table has the figures)."""
+def sampling_dtype(setting: str, device: str | torch.device, capability: tuple[int, int] | None = None) -> str:
+    """The sampler's dtype name: an explicit one as given; ``auto``: on CUDA ``compute_dtype``'s
+    choice (bf16, fp16 below compute capability 8.0), ``bfloat16`` on CPUs with native bf16,
+    ``float32`` on CPUs without it (slow bf16 kernels there; the README's SENT speed table has the
+    figures)."""
     if setting != "auto":
         return setting
-    native = torch.device(device).type == "cuda" or cpu_has_native_bf16()
-    return "bfloat16" if native else "float32"
+    if torch.device(device).type == "cuda":
+        return str(compute_dtype("auto", device, capability)).removeprefix("torch.")
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def free_cuda_cache(device: str | torch.device) -> None:
+    """On CUDA: a garbage-collection pass (tensors that only reference cycles still hold), then
+    ``torch.cuda.empty_cache()``, so the blocks PyTorch keeps cached for reuse become free memory that
+    a vLLM engine can map or measure; on CPUs nothing (the CPU figures never depend on it)."""
+    if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.device import free_cuda_cache
 from grpo.rollout import VLLMBackend
 
 FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
@@ -152,7 +153,19 @@ class VLLMPolicyBackend(VLLMBackend):
             self.asleep = True
 
     def wake_up(self) -> None:
+        """Map the engine's memory back after ``sleep`` (CUDA only), PyTorch's cache emptied first.
+
+        The engine's memory lives in vLLM's own pool (``CuMemAllocator``), beside PyTorch's caching
+        allocator, which still holds the blocks of the last backward pass; ``wake_up`` maps the
+        weights and KV cache back with the driver (vllm/device_allocator/cumem.py:331-364 in 0.32.0,
+        ``create_and_map``), which fails for lack of memory while PyTorch keeps those blocks. vLLM's
+        wake-up empties the cache of the process it runs in (cumem.py:342-343); it is done here
+        anyway, before the call, so this does not rest on the engine running in this process
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) nor on that internal line. TRL empties the cache
+        before every wake-up the same way (trl/generation/vllm_generation.py, v1.9.2). Order tested
+        in tests/test_engine_policy.py with a recording stand-in for the engine."""
         if self.asleep:
+            free_cuda_cache(self.device)
             self._engine().wake_up()
             self.asleep = False
 

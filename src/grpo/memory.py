@@ -152,24 +152,45 @@ def model_shapes(config, source: str = "") -> ModelShapes:
     )
 
 
+def prepared_name(model_dir: Path) -> str | None:
+    """The ``model.name`` prepare_model wrote ``model_dir`` from (its ``manifest.json``), or None
+    (no manifest: not prepared by the pipeline, or not there)."""
+    try:
+        return json.loads((model_dir / "manifest.json").read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
     """The shapes of the configured model, or a one-line reason why they are unknown.
 
-    In order: ``model.path/config.json`` (read from the workspace ``root``), ``model.name`` when it
-    is a local directory with a ``config.json``, then a named architecture of ``grpo.synthetic``
-    whose hub model ``model.name`` names (e.g. DeepSeek-R1-Distill-Qwen-1.5B -> ``qwen2-1.5b``).
+    In order: ``model.path/config.json`` (read from the workspace ``root``) when that directory
+    holds ``model.name`` (the ``manifest.json`` prepare_model writes names it; a directory without
+    one is taken as it is), ``model.name`` when it is a local directory with a ``config.json``,
+    then a named architecture of ``grpo.synthetic`` whose hub model ``model.name`` names (e.g.
+    DeepSeek-R1-Distill-Qwen-1.5B -> ``qwen2-1.5b``). So a preset checked in a workspace where
+    another model was prepared (``grpo check --params presets/seed003.yaml`` after the default
+    pipeline) is estimated for the preset's model.
     """
     from transformers import AutoConfig
 
     from grpo.synthetic import architecture_config, architecture_for_model
 
-    for where in (root / model_cfg.path, root / model_cfg.name):
-        if (where / "config.json").is_file():
+    path = root / model_cfg.path
+    other = prepared_name(path)
+    if other is not None and other == model_cfg.name:
+        other = None
+    for where in (path, root / model_cfg.name):
+        if (where / "config.json").is_file() and not (where == path and other is not None):
             return model_shapes(AutoConfig.from_pretrained(where), f"{where / 'config.json'}")
     arch = architecture_for_model(model_cfg.name)
     if arch is not None:
+        why = f"{model_cfg.path} holds {other}" if other is not None else f"{model_cfg.path} not prepared yet"
         return model_shapes(architecture_config(arch), f"grpo.synthetic architecture {arch!r} (model.name "
-                                                        f"{model_cfg.name}; {model_cfg.path} not prepared yet)")
+                                                        f"{model_cfg.name}; {why})")
+    if other is not None:
+        return (f"the estimate needs {model_cfg.name!r}'s config.json: {path} holds {other!r} (prepared for other "
+                f"params) and {model_cfg.name!r} is not an architecture known to grpo.synthetic")
     return (f"the estimate needs the model's config.json: {root / model_cfg.path} does not exist yet and "
             f"{model_cfg.name!r} is not an architecture known to grpo.synthetic (run prepare_model first)")
 

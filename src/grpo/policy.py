@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import LoraConfig, ModelConfig, ModelConfigError
-from grpo.device import compute_dtype, default_device
+from grpo.device import compute_dtype, default_device, free_cuda_cache
 from grpo.nf4 import dense_weight, keep_standard_nf4_layout, nf4_config
 
 
@@ -89,24 +89,11 @@ def load_base_model(path: str | Path, dtype: str = "auto", device: str | torch.d
     return model.eval()
 
 
-def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: str | Path) -> dict:
-    """Write the policy as trained, as plain dense weights that any engine (vLLM) can load.
-
-    The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
-    ``nf4``); every 4-bit layer is replaced by a dense ``nn.Linear`` holding its dequantised weight,
-    and the LoRA adapter (if any) is merged into those weights with peft's ``merge_and_unload``.
-    The result computes the same function as the trained 4-bit + LoRA policy, so baseline and
-    final evaluation differ by the adapter only.
-    """
+def _dequantize_linears(model: torch.nn.Module) -> None:
+    """Replace every bitsandbytes 4-bit linear of ``model`` by an ``nn.Linear`` holding its
+    dequantised weight (fp32, on the CPU); the 4-bit layers are dropped when this returns."""
     import bitsandbytes as bnb
-    from transformers import AutoModelForCausalLM
 
-    dtype = torch.float32
-    kwargs: dict = {"dtype": dtype}
-    if model_cfg.quantization == "nf4":
-        kwargs["quantization_config"] = nf4_config(dtype)
-        kwargs["device_map"] = {"": default_device()}
-    model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, bnb.nn.Linear4bit):
@@ -115,7 +102,34 @@ def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir
                 if child.bias is not None:
                     dense.bias.data = child.bias.data.float().cpu()
                 setattr(parent, name, dense)
+
+
+def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: str | Path) -> dict:
+    """Write the policy as trained, as plain dense weights that any engine (vLLM) can load.
+
+    The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
+    ``nf4``); every 4-bit layer is replaced by a dense ``nn.Linear`` holding its dequantised weight,
+    and the LoRA adapter (if any) is merged into those weights with peft's ``merge_and_unload``.
+    The result computes the same function as the trained 4-bit + LoRA policy, so baseline and
+    final evaluation differ by the adapter only. On CUDA the 4-bit copy is loaded on the GPU (as
+    training quantises it) and its memory is given back to the driver before this returns
+    (``grpo.device.free_cuda_cache``); only the process's CUDA context stays.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32
+    kwargs: dict = {"dtype": dtype}
+    device = default_device()
+    if model_cfg.quantization == "nf4":
+        kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
+    _dequantize_linears(model)
     model = model.cpu()
+    # The NF4 copy on the GPU is gone; give its cached blocks back, or the engine that starts next
+    # (another process for evaluation) finds them taken: vLLM refuses to start when free memory is
+    # below gpu_memory_utilization x total (vllm/v1/worker/utils.py:761-769 in 0.32.0, request_memory).
+    free_cuda_cache(device)
     model.hf_quantizer = None
     model.is_loaded_in_4bit = False
     if hasattr(model.config, "quantization_config"):

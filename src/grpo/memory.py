@@ -152,8 +152,9 @@ def model_shapes(config, source: str = "") -> ModelShapes:
     )
 
 
-def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
-    """The shapes of the configured model, or a one-line reason why they are unknown.
+def resolve_config(model_cfg, root: Path):
+    """``(transformers config, where it came from)`` of the configured model, or a one-line reason
+    why it is unknown.
 
     In order: ``model.path/config.json`` (read from the workspace ``root``), ``model.name`` when it
     is a local directory with a ``config.json``, then a named architecture of ``grpo.synthetic``
@@ -165,13 +166,19 @@ def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
 
     for where in (root / model_cfg.path, root / model_cfg.name):
         if (where / "config.json").is_file():
-            return model_shapes(AutoConfig.from_pretrained(where), f"{where / 'config.json'}")
+            return AutoConfig.from_pretrained(where), f"{where / 'config.json'}"
     arch = architecture_for_model(model_cfg.name)
     if arch is not None:
-        return model_shapes(architecture_config(arch), f"grpo.synthetic architecture {arch!r} (model.name "
-                                                        f"{model_cfg.name}; {model_cfg.path} not prepared yet)")
+        return architecture_config(arch), (f"grpo.synthetic architecture {arch!r} (model.name {model_cfg.name}; "
+                                           f"{model_cfg.path} not prepared yet)")
     return (f"the estimate needs the model's config.json: {root / model_cfg.path} does not exist yet and "
             f"{model_cfg.name!r} is not an architecture known to grpo.synthetic (run prepare_model first)")
+
+
+def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
+    """The shapes of the configured model (``resolve_config``), or a one-line reason why they are unknown."""
+    found = resolve_config(model_cfg, root)
+    return found if isinstance(found, str) else model_shapes(*found)
 
 
 # ------------------------------------------------------------------------------------- the parts

@@ -120,7 +120,9 @@ class LiveBytes(TorchDispatchMode):
         self.reset()
 
     def reset(self) -> None:
+        """Start the figures afresh: what is live now counts as resident."""
         self.resident = self.cur
+        self.info = {k: ("resident", *v[1:]) for k, v in self.info.items()}
         self.peak, self.peak_phase, self.phase_peak, self.snap, self.snap_at = self.cur, "resident", {}, [], 0
         for fn in self.on_reset:
             fn()
@@ -145,9 +147,9 @@ class LiveBytes(TorchDispatchMode):
         if self.cur > self.phase_peak.get(self.phase, 0):
             self.phase_peak[self.phase] = self.cur
         if self.cur > self.peak:
-            self.peak, self.peak_phase = self.cur, self.phase
+            self.peak = self.cur
             if self.cur - self.snap_at > max(4096, self.peak // 2000):  # the tensors live now (sampled)
-                self.snap, self.snap_at = list(self.info.values()), self.cur
+                self.snap, self.snap_at, self.peak_phase = list(self.info.values()), self.cur, self.phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -247,7 +247,7 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
             phases[name] = compare(peak, None)
     groups: dict[str, list[int]] = {}
     for phase, op, shape, dtype, nbytes in trace.snap:
-        key = "resident: weights, quantisation state, LoRA, AdamW moments, LoRA gradients" if phase == "resident" else \
+        key = "resident: weights, quantisation state, LoRA, AdamW moments" if phase == "resident" else \
             f"{phase}: {op} {dtype} {'x'.join(map(str, shape))}"
         g = groups.setdefault(key, [0, 0])
         g[0] += 1

@@ -6,7 +6,7 @@ step-wide entropy pass when there are several micro-batches, each micro-batch's
 ``loss_backward``; then the updater's all-reduce, clip and AdamW step). Every tensor is a
 ``FakeTensorMode`` tensor on a "cuda" device: shapes, dtypes and devices, no data. A dispatch mode
 counts the bytes of live CUDA storages (each rounded up to 512 B as CUDA's caching allocator does)
-and keeps the peak of each phase and the tensors live at the overall peak. Two updates run; the
+and keeps the peak of each phase and the tensors live at the overall peak. Two steps run; the
 figures are the second's (AdamW's moments exist then, as in every step but the first).
 
 The model is built from the params' model config (``grpo.memory.resolve_config``: the prepared
@@ -86,15 +86,15 @@ def main(argv=None) -> dict:
 
     patch_torch()
     stubs = DataDependent(p.train.entropy_top_quantile)
-    with FakeTensorMode(allow_non_fake_inputs=True), stubs:
+    with FakeTensorMode(allow_non_fake_inputs=True), stubs, tempfile.TemporaryDirectory() as out_dir:
         model, tok = build_policy(config, p, torch)
         trace = LiveBytes(resident_tensors(model))
-        trainer, batch_of = make_trainer(model, tok, p, prompt, torch)
+        trainer, batch_of = make_trainer(model, tok, p, prompt, out_dir, torch)
         instrument(trainer, trace)
         with trace:
             for step in (1, 2):
                 if step == 2:
-                    trace.reset()  # the figures are the second update's (AdamW's moments exist)
+                    trace.reset()  # the figures are the second step's (AdamW's moments exist)
                 batch = batch_of()
                 trace.phase = "no-grad pass"
                 entropy = trainer.passes.fixed_logprobs(batch)
@@ -172,13 +172,12 @@ def resident_tensors(model) -> list:
     return out
 
 
-def make_trainer(model, tok, p, prompt: int, torch):
+def make_trainer(model, tok, p, prompt: int, out_dir: str, torch):
     """The real ``GRPOTrainer`` (its passes, updater and schedule) and a function that makes one
     step's ``TrainBatch`` from random rollouts (the rollout phase replaced)."""
     from grpo.trainer import GRPOTrainer
     from grpo.types import Rollout, TrainBatch
 
-    out_dir = tempfile.mkdtemp(prefix="cuda-memory-")
     cfg = p.train.model_copy(update={"output_dir": out_dir, "checkpoint_every": 0})
     problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
     trainer = GRPOTrainer(model, tok, cfg, problems)
@@ -208,16 +207,25 @@ def instrument(trainer, trace) -> None:
                 trace.phase = before
         return run
 
-    counter = {"micro": 0}
+    counter = {"update": 0, "micro": 0}
+    mu = trainer.cfg.mu
 
     def micro_name():
         counter["micro"] += 1
-        return f"micro-batch {counter['micro']} forward+backward"
+        of_mu = f" (update {counter['update']} of mu {mu})" if mu > 1 else ""
+        return f"micro-batch {counter['micro']} forward+backward{of_mu}"
 
+    accumulate = passes.accumulate_gradients
+
+    def accumulate_counted(*a, **k):
+        counter.update(update=counter["update"] + 1, micro=0)
+        return accumulate(*a, **k)
+
+    passes.accumulate_gradients = accumulate_counted
     passes.no_grad_pass = named(passes.no_grad_pass, "no-grad pass")
     passes.loss_backward = named(passes.loss_backward, micro_name)
     trainer.updater.step = named(trainer.updater.step, "optimizer step")
-    trace.on_reset.append(lambda: counter.update(micro=0))
+    trace.on_reset.append(lambda: counter.update(update=0, micro=0))
 
 
 # ------------------------------------------------------------------------------------- the report
@@ -270,10 +278,10 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
           f"{p.model.gradient_checkpointing}, LoRA {n_lora / 1e6:.2f} M")
     print(f"shape: {n} rows, prompt {prompt} + {t.max_new_tokens} tokens, {out['shape']['micro_batches']} micro-batches, "
           f"mu {t.mu}, beta {t.beta:g}, entropy top {t.entropy_top_quantile:g}")
-    print(f"  {'phase (live CUDA tensors, second update)':<44}{'traced':>11}{'estimate':>11}  ratio")
+    print(f"  {'phase (live CUDA tensors, the second step)':<58}{'traced':>11}{'estimate':>11}  ratio")
     for name, row in {**phases, "peak (" + trace.peak_phase + ")": out["peak"]}.items():
         e = row["estimate_bytes"]
-        print(f"  {name:<44}{gib(row['traced_bytes']):>11}{gib(e) if e else '-':>11}  {row.get('ratio', '')}")
+        print(f"  {name:<58}{gib(row['traced_bytes']):>11}{gib(e) if e else '-':>11}  {row.get('ratio', '')}")
     print("  estimate: resident = weights + LoRA (param and 2 moments); micro-batches and peak = the training "
           "total; optimizer step = weights + LoRA x 16 B; the no-grad passes have no term of their own")
     print(f"live at the peak ({gib(trace.peak)}), largest groups:")

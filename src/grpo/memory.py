@@ -43,14 +43,20 @@ to whole groups as the trainer slices them), with ``T = P + C``:
   checkpointing) a pass over the ``n / G`` prompts (``P`` tokens) and one over the ``n``
   completions (``C - 1`` query tokens on ``P + C - 1`` key positions). With gradient checkpointing:
   ``L * T * H * b`` per row (each layer's input) ``+ (4H + 4)`` per token (the final norm);
-* backward working set: one layer's activations (recomputed under checkpointing, its gradients
-  otherwise);
 * the completion hidden states: ``n * T * H * b`` (``n * C * H * b`` with shared prompts);
-* the chunked no-grad entropy/log-prob pass: ``min(logprob_chunk, n C) * V`` times ``b`` (Triton:
-  the logits only) or ``b + 4 + 4 [b = 2]`` (PyTorch: logits, an fp32 copy, the probabilities);
-* the LM head with grad at the kept tokens, ``K = entropy_top_quantile * n * C`` rows:
-  ``K * V * (12 + 2 [b = 2])`` (fp32 logits saved for backward, two fp32 gradients, a bf16 one);
-  this and the chunked pass run one after the other: the larger of the two is counted.
+* the largest of three working sets that are live one after another, never together (traced on
+  fake CUDA tensors by ``bench/cuda_memory.py``: the body's backward starts after the LM head's has
+  freed its tensors):
+
+  - the chunked no-grad entropy/log-prob pass: ``min(logprob_chunk, n C) * V`` times ``b``
+    (Triton: the logits only) or ``b + 4 + 4 [b = 2]`` (PyTorch: logits, an fp32 copy, the
+    probabilities);
+  - the LM head with grad at the kept tokens, ``K = entropy_top_quantile * n * C`` rows:
+    ``K * V * 16`` (``HEAD_BYTES``: in its backward the fp32 logits saved by the log-softmax, their
+    difference to the log-sum-exp, its exponential and the incoming gradient times it are live
+    together, in bf16 and fp32 compute alike);
+  - the body's backward working set: one layer's activations (recomputed under checkpointing,
+    its gradients otherwise).
 
 Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
 lengths, completions that end early); the estimate is for the first, largest micro-batch.
@@ -76,6 +82,7 @@ from pathlib import Path
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
 NF4_LAYER_CONSTANTS = 16 * 4 + 256 * 4 + 4  # NF4 code table, nested code table, offset (fp32 each)
+HEAD_BYTES = 16  # per (kept token, vocabulary) entry in the LM head's backward: four fp32 (K, V) tensors
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -161,8 +168,9 @@ def prepared_name(model_dir: Path) -> str | None:
         return None
 
 
-def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
-    """The shapes of the configured model, or a one-line reason why they are unknown.
+def resolve_config(model_cfg, root: Path):
+    """``(transformers config, where it came from)`` of the configured model, or a one-line reason
+    why it is unknown.
 
     In order: ``model.path/config.json`` (read from the workspace ``root``) when that directory
     holds ``model.name`` (the ``manifest.json`` prepare_model writes names it; a directory without
@@ -182,17 +190,22 @@ def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
         other = None
     for where in (path, root / model_cfg.name):
         if (where / "config.json").is_file() and not (where == path and other is not None):
-            return model_shapes(AutoConfig.from_pretrained(where), f"{where / 'config.json'}")
+            return AutoConfig.from_pretrained(where), f"{where / 'config.json'}"
     arch = architecture_for_model(model_cfg.name)
     if arch is not None:
         why = f"{model_cfg.path} holds {other}" if other is not None else f"{model_cfg.path} not prepared yet"
-        return model_shapes(architecture_config(arch), f"grpo.synthetic architecture {arch!r} (model.name "
-                                                        f"{model_cfg.name}; {why})")
+        return architecture_config(arch), f"grpo.synthetic architecture {arch!r} (model.name {model_cfg.name}; {why})"
     if other is not None:
         return (f"the estimate needs {model_cfg.name!r}'s config.json: {path} holds {other!r} (prepared for other "
                 f"params) and {model_cfg.name!r} is not an architecture known to grpo.synthetic")
     return (f"the estimate needs the model's config.json: {root / model_cfg.path} does not exist yet and "
             f"{model_cfg.name!r} is not an architecture known to grpo.synthetic (run prepare_model first)")
+
+
+def resolve_shapes(model_cfg, root: Path) -> ModelShapes | str:
+    """The shapes of the configured model (``resolve_config``), or a one-line reason why they are unknown."""
+    found = resolve_config(model_cfg, root)
+    return found if isinstance(found, str) else model_shapes(*found)
 
 
 # ------------------------------------------------------------------------------------- the parts
@@ -393,26 +406,25 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
         how = (f"{shapes.layers} layers x {per_tok:,} B/token + keys/values/mask, {n} rows x {p}+{c} tokens"
                + (f", prompts shared by G={g}" if shared and g > 1 else ""))
     add(Term("activations", "train", saved, how))
-    add(Term("backward working set", "train", one_layer,
-             "one layer recomputed" if gc_on else "one layer's gradients"))
     hidden_tokens = n * c if shared and g > 1 else n * (p + c)
     add(Term("completion hidden states", "train", hidden_tokens * shapes.hidden * b,
              f"{hidden_tokens} tokens x {shapes.hidden} x {b} B"))
     kernel = train.kernel if train.kernel != "auto" else ("triton" if device == "cuda" else "torch")
     chunk = min(train.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
-    chunk_bytes = chunk * shapes.vocab * per_entry
     kept = math.ceil(train.entropy_top_quantile * n * c)
-    per_entry_head = 12 + (2 if b != 4 else 0)
-    head_bytes = kept * shapes.vocab * per_entry_head
-    # the no-grad pass runs before the LM head with grad, which runs before backward: the larger counts
-    if chunk_bytes >= head_bytes:
-        add(Term("entropy/log-prob pass", "train", chunk_bytes,
-                 f"{chunk} rows x {shapes.vocab} x {per_entry} B ({kernel}); > the LM head with grad"))
-    else:
-        add(Term("LM head with grad", "train", head_bytes,
-                 f"{kept} kept tokens x {shapes.vocab} x {per_entry_head} B; > the no-grad chunk pass "
-                 f"({chunk} x {shapes.vocab} x {per_entry} B)"))
+    # the no-grad chunk pass, the LM head with grad and the body's backward run one after the other
+    # (traced: bench/cuda_memory.py): the largest of the three counts
+    one_after_another = [
+        Term("backward working set", "train", one_layer, "one layer recomputed" if gc_on else "one layer's gradients"),
+        Term("entropy/log-prob pass", "train", chunk * shapes.vocab * per_entry,
+             f"{chunk} rows x {shapes.vocab} x {per_entry} B ({kernel})"),
+        Term("LM head with grad", "train", kept * shapes.vocab * HEAD_BYTES,
+             f"{kept} kept tokens x {shapes.vocab} x {HEAD_BYTES} B"),
+    ]
+    largest = max(one_after_another, key=lambda t: t.bytes)
+    others = ", ".join(f"{t.name} {gib(t.bytes)}" for t in one_after_another if t is not largest)
+    add(Term(largest.name, "train", largest.bytes, f"{largest.how}; > {others} (one after another)"))
     return est
 
 

@@ -1,0 +1,298 @@
+"""GPU memory of the real training update, traced on fake CUDA tensors on any machine (no GPU).
+
+The project's own update runs unmodified at a params file's shapes: ``PolicyPasses.fixed_logprobs``
+(the reference / old-policy no-grad passes), ``GRPOTrainer.update`` (``accumulate_gradients``: the
+step-wide entropy pass when there are several micro-batches, each micro-batch's
+``loss_backward``; then the updater's all-reduce, clip and AdamW step). Every tensor is a
+``FakeTensorMode`` tensor on a "cuda" device: shapes, dtypes and devices, no data. A dispatch mode
+counts the bytes of live CUDA storages (each rounded up to 512 B as CUDA's caching allocator does)
+and keeps the peak of each phase and the tensors live at the overall peak. Two steps run; the
+figures are the second's (AdamW's moments exist then, as in every step but the first).
+
+The model is built from the params' model config (``grpo.memory.resolve_config``: the prepared
+``config.json``, or the architecture ``grpo.synthetic`` knows for ``model.name``; no weights), in the
+compute dtype, with NF4 layers as bitsandbytes builds them and the LoRA adapter of ``grpo.policy``.
+
+Replaced (named in the output): the rollouts (the engine or decode loop; here random token ids of
+``prompts_per_step * G`` rows, prompts of ``--prompt-tokens``, completions of ``max_new_tokens``,
+every token valid, and engine log-probs when an engine would sample); the Triton kernel's launch
+(its two fp32 outputs are allocated, as the kernel allocates nothing else); the answers that depend
+on values (``.item()``: booleans False, numbers 1; ``torch.equal``: True, so G completions share
+their prompt's forward; boolean masks keep ``ceil(entropy_top_quantile * elements)``); SDPA, routed
+to the flash / memory-efficient kernels a bf16 sm80+ GPU runs (the fake mode would run the math path).
+
+Not counted (so this is a lower bound of ``torch.cuda.max_memory_allocated``): kernel scratch,
+cuBLAS workspaces, the allocator's fragmentation, the CUDA context, the vLLM engine.
+
+Run: ``python bench/cuda_memory.py [--params presets/seed003.yaml] [--json out.json]``.
+The shim this needs is ``bench/fake_cuda`` (built with g++ on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fake_cuda  # noqa: E402  (before torch: see fake_cuda.load)
+
+REPLACED = [
+    "rollouts: random token ids (every completion full length; engine log-probs when an engine samples)",
+    "Triton entropy/log-prob kernel: its launch (its two fp32 outputs are allocated)",
+    ".item() answers (booleans False, numbers 1), torch.equal True, boolean masks keep ceil(q x elements)",
+    "SDPA: routed to flash / memory-efficient attention as on a bf16 sm80+ GPU",
+]
+NOT_COUNTED = "kernel scratch, cuBLAS workspaces, fragmentation, the CUDA context, the vLLM engine"
+GiB, MiB = 2**30, 2**20
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", default="params.yaml", help="params file (a preset over its workspace's params.yaml)")
+    ap.add_argument("--prompt-tokens", type=int, help="prompt length (default: as `grpo check` takes it)")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--top", type=int, default=10, help="largest live tensor groups shown at the peak")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    fake_cuda.load()
+    import torch
+    from fake_cuda.trace import DataDependent, LiveBytes, patch_torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from grpo import memory
+    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
+
+    t0 = time.time()
+    res = resolve_params(args.params)
+    p = res.params
+    found = memory.resolve_config(p.model, res.root)
+    if isinstance(found, str):
+        raise SystemExit(f"{args.params}: {found}")
+    config, source = found
+    if args.prompt_tokens:
+        prompt = args.prompt_tokens
+    else:
+        longest = memory.longest_prompt_tokens(p, res.root)
+        prompt = longest[0] if longest else DEFAULT_PROMPT_TOKENS
+    shapes = memory.model_shapes(config, source)
+    est = memory.estimate(p, shapes, "cuda", prompt)
+
+    patch_torch()
+    stubs = DataDependent(p.train.entropy_top_quantile)
+    with FakeTensorMode(allow_non_fake_inputs=True), stubs, tempfile.TemporaryDirectory() as out_dir:
+        model, tok = build_policy(config, p, torch)
+        trace = LiveBytes(resident_tensors(model))
+        trainer, batch_of = make_trainer(model, tok, p, prompt, out_dir, torch)
+        instrument(trainer, trace)
+        with trace:
+            for step in (1, 2):
+                if step == 2:
+                    trace.reset()  # the figures are the second step's (AdamW's moments exist)
+                batch = batch_of()
+                trace.phase = "no-grad pass"
+                entropy = trainer.passes.fixed_logprobs(batch)
+                trace.phase = "update"
+                trainer.update(batch, entropy)
+                trace.phase = "between steps"
+                del batch, entropy
+    out = report(args, p, res, shapes, est, prompt, trace, stubs, trainer, time.time() - t0)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+# ------------------------------------------------------------------------------------- the fake step
+def build_policy(config, p, torch):
+    """The policy as ``grpo.policy.load_policy`` builds it, on fake "cuda" tensors: the base in the
+    compute dtype, its linears in NF4 (bitsandbytes' own fake quantize op) unless the params say
+    ``quantization: none``, then ``attach_lora``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from grpo.device import compute_dtype
+    from grpo.nf4 import keep_standard_nf4_layout
+    from grpo.policy import attach_lora
+    from grpo.synthetic import char_tokenizer
+
+    dtype = compute_dtype(p.model.dtype, "cuda")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if p.model.quantization == "nf4":
+        quantize_nf4(model, set(get_keys_to_not_convert(model)), dtype, torch)
+        keep_standard_nf4_layout(model)
+        model.is_loaded_in_4bit = True  # as transformers marks a bitsandbytes 4-bit model (peft reads it)
+    with torch.device("cuda"):
+        model = attach_lora(model, p.lora, p.model.gradient_checkpointing)
+    return model, char_tokenizer()
+
+
+def quantize_nf4(model, skip: set[str], dtype, torch) -> None:
+    """Swap every linear that bitsandbytes quantises for a ``Linear4bit`` holding NF4 data from
+    ``bitsandbytes.functional.quantize_4bit`` (``Params4bit`` cannot wrap a fake tensor: a plain
+    parameter carries the attributes its forward reads)."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from grpo.memory import NF4_BLOCK
+
+    for name, child in list(model.named_modules()):
+        if not isinstance(child, torch.nn.Linear) or any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        with unset_fake_temporarily():  # the module shell on meta, outside the fake mode
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4", device="meta")
+        packed, state = bnb.functional.quantize_4bit(child.weight.data, blocksize=NF4_BLOCK,
+                                                     compress_statistics=True, quant_type="nf4")
+        w = torch.nn.Parameter(packed, requires_grad=False)
+        w.quant_state, w.bnb_quantized, w.quant_type, w.blocksize = state, True, "nf4", NF4_BLOCK
+        w.compress_statistics, w.quant_storage, w.module = True, torch.uint8, q
+        q.weight, q.quant_state = w, state
+        if child.bias is not None:
+            q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+        setattr(parent, name.rsplit(".", 1)[-1], q)
+
+
+def resident_tensors(model) -> list:
+    """Every tensor the model holds before the step: parameters, buffers, NF4 quantisation state."""
+    out = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            out += [state.absmax, state.code]
+            if state.nested:
+                out += [state.offset, state.state2.absmax, state.state2.code]
+    return out
+
+
+def make_trainer(model, tok, p, prompt: int, out_dir: str, torch):
+    """The real ``GRPOTrainer`` (its passes, updater and schedule) and a function that makes one
+    step's ``TrainBatch`` from random rollouts (the rollout phase replaced)."""
+    from grpo.trainer import GRPOTrainer
+    from grpo.types import Rollout, TrainBatch
+
+    cfg = p.train.model_copy(update={"output_dir": out_dir, "checkpoint_every": 0})
+    problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
+    trainer = GRPOTrainer(model, tok, cfg, problems)
+    n, c = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
+    engine = cfg.rollout_backend != "transformers"
+
+    def batch_of():
+        vocab = model.config.vocab_size
+        rollout = Rollout(torch.randint(vocab, (n, prompt)), torch.ones(n, prompt, dtype=torch.long),
+                          torch.randint(vocab, (n, c)), torch.ones(n, c, dtype=torch.long), [""] * n,
+                          torch.zeros(n, c) if engine else None)
+        return TrainBatch.from_rollout(rollout, torch.zeros(n), trainer.device)
+
+    return trainer, batch_of
+
+
+def instrument(trainer, trace) -> None:
+    """Name the phases: the no-grad passes, each micro-batch's forward+backward, the optimizer step."""
+    passes = trainer.passes
+
+    def named(fn, name):
+        def run(*a, **k):
+            before, trace.phase = trace.phase, name() if callable(name) else name
+            try:
+                return fn(*a, **k)
+            finally:
+                trace.phase = before
+        return run
+
+    counter = {"update": 0, "micro": 0}
+    mu = trainer.cfg.mu
+
+    def micro_name():
+        counter["micro"] += 1
+        of_mu = f" (update {counter['update']} of mu {mu})" if mu > 1 else ""
+        return f"micro-batch {counter['micro']} forward+backward{of_mu}"
+
+    accumulate = passes.accumulate_gradients
+
+    def accumulate_counted(*a, **k):
+        counter.update(update=counter["update"] + 1, micro=0)
+        return accumulate(*a, **k)
+
+    passes.accumulate_gradients = accumulate_counted
+    passes.no_grad_pass = named(passes.no_grad_pass, "no-grad pass")
+    passes.loss_backward = named(passes.loss_backward, micro_name)
+    trainer.updater.step = named(trainer.updater.step, "optimizer step")
+    trace.on_reset.append(lambda: counter.update(update=0, micro=0))
+
+
+# ------------------------------------------------------------------------------------- the report
+def compare(traced: int, estimated: int | None) -> dict:
+    row = {"traced_bytes": traced, "estimate_bytes": estimated}
+    if estimated:
+        row["ratio"] = round(traced / estimated, 4)
+    return row
+
+
+def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) -> dict:
+    from grpo.memory import gib
+    from grpo.passes import micro_slices
+
+    terms = {t.name: t.bytes for t in est.terms}
+    n_lora = sum(x.numel() for x in trainer.params)
+    resident_est = terms["weights"] + terms["LoRA + AdamW"] - 4 * n_lora  # no gradient between steps
+    phases = {"resident": compare(trace.resident, resident_est)}
+    for name, peak in trace.phase_peak.items():
+        if name in ("between steps", "update"):  # the update outside its named phases: small tensors
+            continue
+        if name == "optimizer step":
+            phases[name] = compare(peak, est.total("both"))
+        elif name.startswith("micro-batch"):
+            phases[name] = compare(peak, est.total("train"))
+        else:
+            phases[name] = compare(peak, None)
+    groups: dict[str, list[int]] = {}
+    for phase, op, shape, dtype, nbytes in trace.snap:
+        key = "resident: weights, quantisation state, LoRA, AdamW moments" if phase == "resident" else \
+            f"{phase}: {op} {dtype} {'x'.join(map(str, shape))}"
+        g = groups.setdefault(key, [0, 0])
+        g[0] += 1
+        g[1] += nbytes
+    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[: args.top]
+    t = p.train
+    n = t.prompts_per_step * t.group_size
+    out = {
+        "params": args.params, "model": shapes.source, "dtype": est.dtype,
+        "shape": {"rows": n, "prompt_tokens": prompt, "completion_tokens": t.max_new_tokens,
+                  "micro_batches": len(micro_slices(n, t.micro_batches, t.group_size)),
+                  "quantization": p.model.quantization, "gradient_checkpointing": p.model.gradient_checkpointing,
+                  "lora_params": n_lora, "mu": t.mu, "beta": t.beta, "entropy_top_quantile": t.entropy_top_quantile},
+        "phases": phases,
+        "peak": {**compare(trace.peak, est.total("train")), "phase": trace.peak_phase},
+        "live_at_peak": [{"what": k, "count": c, "bytes": b} for k, (c, b) in top],
+        "replaced": REPLACED, "stub_hits": stubs.hits, "not_counted": NOT_COUNTED, "seconds": round(seconds, 1),
+    }
+    print(f"{args.params}: {shapes.source}; {est.dtype}, {p.model.quantization}, gradient checkpointing "
+          f"{p.model.gradient_checkpointing}, LoRA {n_lora / 1e6:.2f} M")
+    print(f"shape: {n} rows, prompt {prompt} + {t.max_new_tokens} tokens, {out['shape']['micro_batches']} micro-batches, "
+          f"mu {t.mu}, beta {t.beta:g}, entropy top {t.entropy_top_quantile:g}")
+    print(f"  {'phase (live CUDA tensors, the second step)':<58}{'traced':>11}{'estimate':>11}  ratio")
+    for name, row in {**phases, "peak (" + trace.peak_phase + ")": out["peak"]}.items():
+        e = row["estimate_bytes"]
+        print(f"  {name:<58}{gib(row['traced_bytes']):>11}{gib(e) if e else '-':>11}  {row.get('ratio', '')}")
+    print("  estimate: resident = weights + LoRA (param and 2 moments); micro-batches and peak = the training "
+          "total; optimizer step = weights + LoRA x 16 B; the no-grad passes have no term of their own")
+    print(f"live at the peak ({gib(trace.peak)}), largest groups:")
+    for item in out["live_at_peak"]:
+        print(f"  {item['bytes'] / MiB:9.1f} MiB  {item['count']:4d} x  {item['what']}")
+    print("replaced: " + "; ".join(REPLACED))
+    print(f"data-dependent answers given: {stubs.hits}")
+    print(f"not counted: {NOT_COUNTED}")
+    print(f"{seconds:.0f} s")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The update traced on fake CUDA tensors (bench/cuda_memory.py) at tiny shapes agrees with
+``grpo.memory.estimate`` within 10% in every phase that the estimate has a figure for, so that the
+estimate cannot drift from the code it describes.
+
+The bench runs in a child process: its C++ shim (bench/fake_cuda) must be loaded before torch.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from .conftest import REPO
+
+BENCH = REPO / "bench" / "cuda_memory.py"
+TOLERANCE = 0.10
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=256, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=1024)
+SETUPS = {
+    # seed 003's switches: NF4, gradient checkpointing, several micro-batches (the step-wide entropy pass)
+    "checkpointed": {"model": {"quantization": "nf4", "gradient_checkpointing": True},
+                     "train": {"micro_batches": 2}},
+    # the default's: no checkpointing, shared prompts, one micro-batch; with KL and mu 2: both no-grad passes
+    "shared prompts, beta, mu 2": {"model": {"quantization": "nf4", "gradient_checkpointing": False},
+                                   "train": {"micro_batches": 1, "beta": 0.04, "mu": 2}},
+}
+
+
+def tiny_workspace(path, overrides: dict):
+    """A workspace (dvc.yaml, params.yaml) whose model is a tiny Qwen2 config.json (no weights)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", **TINY).save_pretrained(path / "models" / "tiny")
+    (path / "dvc.yaml").write_text("stages: {}\n")
+    params = {"model": {"path": "models/tiny", **overrides["model"]},
+              "lora": {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+              "train": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 64, "entropy_top_quantile": 0.2,
+                        **overrides["train"]}}
+    (path / "params.yaml").write_text(yaml.safe_dump(params))
+    return path / "params.yaml"
+
+
+def disagreements(figures: dict) -> list[str]:
+    """The phases whose traced figure is more than ``TOLERANCE`` away from the estimate's."""
+    rows = {**figures["phases"], "peak": figures["peak"]}
+    out = []
+    for name, row in rows.items():
+        if row["estimate_bytes"] and abs(row["ratio"] - 1) > TOLERANCE:
+            out.append(f"{name}: traced {row['traced_bytes']:,} B, estimate {row['estimate_bytes']:,} B "
+                       f"(ratio {row['ratio']})")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", SETUPS)
+def test_traced_update_agrees_with_the_estimate(tmp_path, setup):
+    params = tiny_workspace(tmp_path, SETUPS[setup])
+    out = tmp_path / "figures.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--params", str(params), "--prompt-tokens", "32",
+                          "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    phases = figures["phases"]
+    micro = [name for name in phases if name.startswith("micro-batch")]
+    assert micro and "optimizer step" in phases and "no-grad pass" in phases, list(phases)
+    assert not disagreements(figures), "the trace and grpo.memory.estimate disagree:\n" + "\n".join(
+        disagreements(figures))
+    # the estimate counts the no-grad passes as smaller than the training pass: they must be
+    assert phases["no-grad pass"]["traced_bytes"] < figures["peak"]["traced_bytes"]
+    assert figures["replaced"] and "CUDA context" in figures["not_counted"]

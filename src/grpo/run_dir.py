@@ -69,7 +69,7 @@ class RunDir:
         if earlier and row["val_accuracy"] <= max(earlier) and self.best.exists():
             return
         selection = {"adapter": "best validation accuracy", "step": row["step"], "val_accuracy": row["val_accuracy"]}
-        _save_adapter(self.best, model, selection)
+        _replace(self.best, lambda tmp: _write_adapter(tmp, model, selection))
 
     # ------------------------------------------------------------------ the end
     def ship(self, dest: str | Path, model, tokenizer, history: list[dict]) -> dict:
@@ -77,30 +77,32 @@ class RunDir:
         tokenizer and selection.json: the best validation adapter when ``keep_best`` saved one,
         else the current (last step's) weights of ``model``. Returns the selection."""
         dest = Path(dest)
-        if self.keep_best and self.best.exists():
-            tmp = dest.with_name(dest.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(self.best, tmp)
-        else:
-            evals = [r for r in history if "val_accuracy" in r]
-            selection = {"adapter": "last step", "step": len(history),
-                         "val_accuracy": evals[-1]["val_accuracy"] if evals else None}
-            tmp = _save_adapter(dest.with_name(dest.name + ".tmp"), model, selection, rename=False, indent=2)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
+        best = self.keep_best and self.best.exists()
+        evals = [r for r in history if "val_accuracy" in r]
+        last = {"adapter": "last step", "step": len(history), "val_accuracy": evals[-1]["val_accuracy"] if evals else None}
+
+        def fill(tmp: Path) -> None:
+            if best:
+                shutil.copytree(self.best, tmp)
+            else:
+                _write_adapter(tmp, model, last, indent=2)
+            tokenizer.save_pretrained(tmp)
+
+        _replace(dest, fill)
         return json.loads((dest / "selection.json").read_text())
 
 
-def _save_adapter(dest: Path, model, selection: dict, rename: bool = True, indent: int | None = None) -> Path:
-    """The PEFT adapter of ``model`` and ``selection.json`` written to ``dest`` through a
-    temporary directory (``rename=False``: written to ``dest`` itself, the caller renames it)."""
-    tmp = dest.with_name(dest.name + ".tmp") if rename else dest
+def _write_adapter(path: Path, model, selection: dict, indent: int | None = None) -> None:
+    """The PEFT adapter of ``model`` and its ``selection.json`` written into the directory ``path``."""
+    model.save_pretrained(path)
+    (path / "selection.json").write_text(json.dumps(selection, indent=indent) + "\n")
+
+
+def _replace(dest: Path, fill) -> None:
+    """``fill(tmp)`` writes a directory beside ``dest``, which then replaces ``dest`` by a rename: a
+    crash leaves the old directory or the new one, never a half-written one under ``dest``."""
+    tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    (tmp / "selection.json").write_text(json.dumps(selection, indent=indent) + "\n")
-    if rename:
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
-        return dest
-    return tmp
+    fill(tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)

@@ -151,7 +151,8 @@ class GRPOTrainer:
             times["time_wait_s"] += result.wait_s
             times["time_allreduce_s"] += result.allreduce_s
         self.scheduler.step()
-        return UpdateStats(metrics.over_mu(updates), kept, result.grad_norm, times)
+        sums = {**metrics.over_mu(updates), "n_valid": float(batch.mask.sum()), "n_rows": float(len(batch))}
+        return UpdateStats(sums, kept, result.grad_norm, times)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
@@ -171,7 +172,6 @@ class GRPOTrainer:
         t_end = time.perf_counter()
         self.step += 1
         self.last_samples = [s for part in self.dist.all_gather_object(scored.samples(self.step)) for s in part]
-        stats.sums.update(n_valid=float(batch.mask.sum()), n_rows=float(len(batch)))
         times = {"time_generate_s": t_gen - t0, "time_logprob_s": t_ref - t_gen, "time_update_s": t_end - t_ref,
                  "step_time_s": t_end - t0, "peak_mem_mb": peak_memory_mb(self.device), **stats.times}
         if self.device.type == "cuda":

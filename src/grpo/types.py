@@ -153,7 +153,8 @@ class UpdateStats:
     """The update phase's record (``mu`` optimizer steps over one ``TrainBatch``)."""
 
     sums: dict[str, float]
-    """The update statistics by name (``grpo.metrics.UPDATE``), combined over the ``mu`` updates (this rank's)."""
+    """The update statistics by name (``grpo.metrics.UPDATE``), combined over the ``mu`` updates, and
+    the counts ``n_valid`` (completion tokens) and ``n_rows`` (completions): this rank's."""
     kept: Tensor
     """(n, C) bool, the tokens the entropy mask kept in the last update."""
     grad_norm: float

@@ -93,9 +93,26 @@ class RunDir:
 
 
 def _write_adapter(path: Path, model, selection: dict, indent: int | None = None) -> None:
-    """The PEFT adapter of ``model`` and its ``selection.json`` written into the directory ``path``."""
+    """The PEFT adapter of ``model`` and its ``selection.json`` written into the directory ``path``;
+    the same weights are the same bytes in every process (``_sort_set_fields``)."""
     model.save_pretrained(path)
+    for config in model.peft_config.values():
+        _sort_set_fields(path / "adapter_config.json", config)
     (path / "selection.json").write_text(json.dumps(selection, indent=indent) + "\n")
+
+
+def _sort_set_fields(file: Path, config) -> None:
+    """Rewrite the set-valued fields of a PEFT config (``target_modules``) sorted in ``file``.
+
+    PEFT writes them as ``list(set)`` (peft/config.py, ``save_pretrained``), an order that follows
+    the process's string-hash seed, so two runs that train the same weights wrote different
+    adapter_config.json files and DVC saw a different ``models/adapter``. The file keeps PEFT's
+    own layout (indent 2, sorted keys, no final newline)."""
+    data = json.loads(file.read_text())
+    for key, value in vars(config).items():
+        if isinstance(value, set) and key in data:
+            data[key] = sorted(value)
+    file.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 def _replace(dest: Path, fill) -> None:

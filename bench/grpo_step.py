@@ -308,6 +308,7 @@ def summarise(result: dict) -> dict:
     steps = result["steps"]
     out = {k: _median(steps, k) for k in ("step_s", *PHASES)}
     out["reward_mean"] = statistics.fmean(s["reward"] for s in steps if s.get("reward") is not None)
+    out["completion_len"] = _median(steps, "completion_len")  # the update's cost follows it
     out["step_times"] = [round(s["step_s"], 2) for s in steps]
     out["peak_mb"] = max(s[_peak_key(result)] for s in steps)
     if result["device"] == "cuda":
@@ -317,10 +318,11 @@ def summarise(result: dict) -> dict:
 
 def print_speed(rows: dict[str, dict]) -> None:
     print(f"\n{'impl':<10} {'median step s':>13} " + " ".join(f"{p:>9}" for p in PHASES)
-          + f" {'reward':>7} {'peak MB':>8}  steps (s)")
+          + f" {'reward':>7} {'length':>7} {'peak MB':>8}  steps (s)")
     for name, s in rows.items():
+        length = s.get("completion_len", float("nan"))  # mean completion tokens: the update follows it
         print(f"{name:<10} {s['step_s']:13.2f} " + " ".join(f"{s[p]:9.2f}" for p in PHASES)
-              + f" {s['reward_mean']:7.3f} {s['peak_mb']:8.0f}  {s['step_times']}")
+              + f" {s['reward_mean']:7.3f} {length:7.1f} {s['peak_mb']:8.0f}  {s['step_times']}")
     for other in ("trl", "trl-tuned", "ours-transformers"):
         if "ours" in rows and other in rows:
             print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}")

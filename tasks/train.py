@@ -12,8 +12,8 @@ others wait in) makes them time out after ``train.dist_timeout_s``, and the line
 code ``grpo.distributed.TIMEOUT_EXIT_CODE``). A process started by a launcher (``WORLD_SIZE``
 set: this stage's own launch, or ``torchrun`` / ``accelerate launch`` of ``-m tasks.train``, also
 across machines) joins the process group instead (``grpo.distributed``); rank 0 alone writes the
-outputs. Rollouts then come from the decode loop on every rank (engine rollouts are not
-data-parallel yet: logged).
+outputs. With engine rollouts every process holds its own engine (``grpo.engine_policy``); on
+a CPU their N shares of RAM are checked before launching (``grpo.rollout.check_engine_memory``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from grpo.distributed import (
 )
 from grpo.jsonio import read_jsonl, write_json
 from grpo.policy import load_policy
-from grpo.rollout import make_backend
+from grpo.rollout import check_engine_memory, engine_rollouts, make_backend
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage
 
@@ -152,6 +152,8 @@ def launch_processes(n: int, argv: list[str], timeout_s: float) -> None:
 def train(params: Params, argv: list[str] = ()) -> None:
     cfg = params.train
     if cfg.num_processes > 1 and not launched():
+        if engine_rollouts(cfg.rollout_backend) and default_device() == "cpu":
+            check_engine_memory(cfg.gpu_memory_utilization, cfg.num_processes)  # before any process starts
         launch_processes(cfg.num_processes, list(argv), cfg.dist_timeout_s)
         return
     if launched():
@@ -190,12 +192,13 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
     backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
                            engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
-                           processes=dist.world_size)
-    log.info("rollouts: %s", backend.name)
+                           dist=dist)
+    log.info("rollouts: %s (rank %d of %d)", backend.name, dist.rank, dist.world_size)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:
         history = trainer.train(progress=True)
+        dist.barrier()  # closing an engine ends torch.distributed's group: after every rank's last collective
     finally:
         backend.close()  # the engine and its memory are given back before the adapter is written
     if not dist.is_main:

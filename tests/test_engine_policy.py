@@ -90,14 +90,24 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
 @pytest.mark.slow
 @pytest.mark.cuda
 @needs_vllm
-def test_the_engine_is_bounded_to_one_step(engine):
+def test_the_engine_is_bounded_to_one_step(engine, tiny_vllm_model_dir):
     """The live engine's scheduler (not our dict) holds the step's bounds: as many sequences as the
     step's 8 completions, 40 tokens an iteration (below max_model_len 256: prompts are prefilled in
-    chunks, and the sync test's greedy outputs still equal the policy's)."""
+    chunks, and the sync test's greedy outputs still equal the policy's). Its KV cache spec gives
+    the bytes per token ``grpo check`` counts (fp32 here)."""
+    from transformers import AutoConfig
+
+    from grpo import memory
+
     model, tok, backend = engine
     sched = backend.llm.llm_engine.vllm_config.scheduler_config
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (8, 40)
     assert sched.enable_chunked_prefill
+    kv = backend.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
+                    for g in kv.kv_cache_groups)
+    shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_vllm_model_dir))
+    assert per_token == memory.kv_bytes_per_token(shapes, 4) == 2 * 2 * 1 * 64 * 4
     rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
     assert rollout.completion_ids.shape[0] == 8
 

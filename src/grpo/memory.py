@@ -722,12 +722,16 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
     smaller = adapter if plan is not None and plan.form == "dense" and adapter is not None else None
 
     def engine_knob(need: int) -> str:
-        if need <= free:
-            return f"train.gpu_memory_utilization: between {math.ceil(need / card * 100) / 100:.2f} and " \
-                   f"{math.floor(free / card * 100) / 100:.2f}"
+        low, high = math.ceil(need / card * 100) / 100, math.floor(free / card * 100) / 100
+        if low <= high:
+            return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
         if smaller is not None and smaller.need <= free:
             return f"train.engine_weights: adapter (needs {gib(smaller.need)})"
-        return "train.generation_batch_size: fewer completions per call (the engine's KV cache and max_num_seqs)"
+        per_seq = plan.kv_step // plan.seqs
+        fits = (free - plan.fixed) // per_seq if free > plan.fixed else 0
+        if fits >= 1 and plan.fixed + (plan.kv_step - (plan.seqs - fits) * per_seq) <= free:
+            return f"train.generation_batch_size: at most {fits} completions per call (the KV cache of one call)"
+        return "train.rollout_backend: transformers (the decode loop: no engine)"
 
     head = f"card {gib(card)}:"
     if plan is not None and plan.budget > free:

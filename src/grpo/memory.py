@@ -168,6 +168,14 @@ def prepared_name(model_dir: Path) -> str | None:
         return None
 
 
+def _prepared_source(data_dir: Path) -> str | None:
+    """The ``data.source`` prepare_data wrote ``data_dir`` from (its ``stats.json``), or None."""
+    try:
+        return json.loads((data_dir / "stats.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def resolve_config(model_cfg, root: Path):
     """``(transformers config, where it came from)`` of the configured model, or a one-line reason
     why it is unknown.
@@ -810,10 +818,16 @@ def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -
 
 def longest_prompt_tokens(params, root: Path) -> tuple[int, str] | None:
     """Tokens of the longest training prompt (chat template and system prompt included), when the
-    training rows and the model's tokenizer are in the workspace."""
+    training rows and the model's tokenizer are in the workspace and were prepared for these params
+    (``model.path`` holds ``model.name``, ``data.out_dir/stats.json`` names ``data.source``: a preset
+    checked where the default pipeline ran is not measured with another model's tokenizer on
+    another data set)."""
     tok_dir = root / params.model.path
     rows_path = next((root / p for p in (params.train.data_path, params.sent.data_path) if (root / p).is_file()), None)
     if rows_path is None or not (tok_dir / "tokenizer_config.json").is_file():
+        return None
+    if prepared_name(tok_dir) not in (None, params.model.name) or _prepared_source(root / params.data.out_dir) not in (
+            None, params.data.source):
         return None
     from grpo.base_model import load_tokenizer
     from grpo.data import build_prompt

@@ -696,11 +696,10 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
         n_lin = len(decoder_linears(s))
         rows.append(("LoRA buffers", plan.lora, f"max_lora_rank {engine_lora_rank(plan.lora_rank)} x (in + out) of "
                      f"{n_lin} decoder linears x {b} B, one adapter slot"))
-    first, second = ("forward", "sampler pass") if plan.forward >= plan.sampler else ("sampler pass", "forward")
     rows.append(("profile run", plan.profile,
-                 f"max_num_batched_tokens {plan.batched_tokens} x (2 x {s.hidden} + 3 x {s.intermediate}) x {b} B "
-                 f"forward; {plan.seqs} rows x {s.vocab} x ({b} + {SAMPLER_BYTES}) B sampler pass: the {first}, "
-                 f"> the {second} {gib(min(plan.forward, plan.sampler))}"))
+                 f"the larger of its forward, max_num_batched_tokens {plan.batched_tokens} x (2 x {s.hidden} + 3 x "
+                 f"{s.intermediate}) x {b} B = {gib(plan.forward)}, and its sampler pass, max_num_seqs {plan.seqs} x "
+                 f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
     rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
     per_seq = plan.step_tokens // plan.seqs if plan.step_tokens % plan.seqs == 0 else None
     tokens = (f"{plan.seqs} completions x {per_seq}" if per_seq else "one max_model_len sequence")

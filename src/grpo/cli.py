@@ -1,8 +1,10 @@
 """The ``grpo`` command: ``grpo check`` and ``grpo ask`` (also ``python -m grpo.cli``).
 
-``grpo check [--params FILE]`` validates the params, prints the main settings, the device, the
-stages ``dvc repro`` would run and an estimate of one training step's peak memory
-(``grpo.memory``). ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
+``grpo check [--params FILE] [--device cpu|cuda] [--gpu-memory GIB]`` validates the params, prints
+the main settings, the device, the stages ``dvc repro`` would run and an estimate of one training
+step's peak memory (``grpo.memory``); on CUDA with engine rollouts, the train engine's arithmetic
+and both phases with it, and for a card of ``GIB`` (else this machine's) whether the step fits and,
+if not, the param to turn. ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
 LoRA adapter, greedily, streaming the text, then prints ``answer: N`` (``grpo.ask``).
 
 Params files. The workspace of ``--params FILE`` is the nearest directory at or above FILE that

@@ -61,6 +61,17 @@ to whole groups as the trainer slices them), with ``T = P + C``:
 Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
 lengths, completions that end early); the estimate is for the first, largest micro-batch.
 
+With engine rollouts on CUDA (``engine`` given to ``estimate``) the generation phase holds, instead of
+the decode loop's KV cache and logits, the vLLM engine's whole budget, ``gpu_memory_utilization x``
+the card (its needs where the card is unknown), and the training phase what the sleeping engine
+keeps (``ENGINE_NON_TORCH``). What the engine needs (``engine_needs``): its weights
+(``engine_weight_bytes``: dense ``b`` bytes a parameter, or the adapter form's 4-bit linears with a
+16-bit scale and a 4-bit zero per ``QUANT_GROUP`` weights plus vLLM's LoRA buffers), the larger of
+its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cache of one call,
+``2 L k d b`` bytes per token for its completions x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks.
+``resolve_engine_weights`` picks the form for ``train.engine_weights: auto``; ``verdict`` says
+whether the step fits a card and which param to turn.
+
 Peak = the larger phase total (generation memory is released before training). The no-grad
 passes (``beta > 0``, ``mu > 1``, the step-wide threshold with several micro-batches) hold less
 than the training pass. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
@@ -383,26 +394,29 @@ def kv_bytes_per_token(shapes: ModelShapes, b: int) -> int:
     return kv_cache_bytes(shapes, 1, 1, b)
 
 
+def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
+    """KV positions of one sequence of ``prompt + new_tokens`` (at most ``max_model_len``) in whole
+    ``ENGINE_BLOCK`` blocks."""
+    return math.ceil(min(prompt + new_tokens, max_model_len) / ENGINE_BLOCK) * ENGINE_BLOCK
+
+
 def engine_step_tokens(seqs: int, prompt: int, new_tokens: int, max_model_len: int) -> int:
-    """KV positions the engine holds for one generation call: ``seqs`` sequences of ``prompt +
-    new_tokens`` (at most ``max_model_len``), each in whole ``ENGINE_BLOCK`` blocks (no prefix shared:
+    """KV positions the engine holds for one generation call: ``seqs`` sequences (no prefix shared:
     the worst case), and at least one ``max_model_len`` sequence, which vLLM requires at start
     (v1/core/kv_cache_utils.py:1019-1039)."""
-    def blocks(n: int) -> int:
-        return math.ceil(n / ENGINE_BLOCK) * ENGINE_BLOCK
-    return max(seqs * blocks(min(prompt + new_tokens, max_model_len)), blocks(max_model_len))
+    return max(seqs * engine_seq_tokens(prompt, new_tokens, max_model_len),
+               engine_seq_tokens(max_model_len, 0, max_model_len))
 
 
 def engine_profile_bytes(shapes: ModelShapes, tokens: int, seqs: int, b: int) -> tuple[int, int]:
     """(forward, sampler): the transient peaks of vLLM's profile run, which the engine keeps free
     beside its weights and KV cache (v1/worker/gpu_worker.py:682-744; enforce_eager: no CUDA
-    graphs). The forward of ``tokens`` (``max_num_batched_tokens``, v1/worker/gpu_model_runner.py:516,
-    6193-6195)
-    peaks in the MLP: the hidden state and residual (``2 H``), the fused gate/up output (``2 I``) and
-    its activation (``I``) per token, ``b`` bytes each. Then the sampler on one row per sequence
-    (``seqs`` = ``max_num_seqs``, gpu_model_runner.py:517, 5927-5970) with the hidden states still held:
-    the logits in ``b`` bytes plus ``SAMPLER_BYTES`` per (row, vocabulary) entry. The two run one
-    after the other."""
+    graphs). The forward of ``tokens`` (``max_num_batched_tokens``: v1/worker/gpu_model_runner.py:516,
+    6193-6195) peaks in the MLP: the hidden state and residual (``2 H``), the fused gate/up output
+    (``2 I``) and its activation (``I``) per token, ``b`` bytes each. Then the sampler on one row per
+    sequence (``seqs`` = ``max_num_seqs``: gpu_model_runner.py:517, 5927-5970) with the hidden states
+    still held: the logits in ``b`` bytes plus ``SAMPLER_BYTES`` per (row, vocabulary) entry. The two
+    run one after the other."""
     h, i = shapes.hidden, shapes.intermediate
     forward = tokens * (2 * h + 3 * i) * b
     sampler = tokens * h * b + seqs * shapes.vocab * (b + SAMPLER_BYTES)
@@ -419,6 +433,7 @@ class EnginePlan:
     b: int
     seqs: int  # max_num_seqs
     batched_tokens: int  # max_num_batched_tokens
+    seq_tokens: int  # KV positions of one sequence (engine_seq_tokens)
     step_tokens: int  # KV positions of one generation call (engine_step_tokens)
     kv_per_token: int
     weights: int
@@ -469,6 +484,7 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
     forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
     return EnginePlan(
         form=form, why=why, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
+        seq_tokens=engine_seq_tokens(prompt_tokens, train.max_new_tokens, train.max_model_len),
         step_tokens=engine_step_tokens(seqs, prompt_tokens, train.max_new_tokens, train.max_model_len),
         kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, device, b),
         lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "adapter" else 0,
@@ -701,8 +717,8 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
                  f"{s.intermediate}) x {b} B = {gib(plan.forward)}, and its sampler pass, max_num_seqs {plan.seqs} x "
                  f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
     rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
-    per_seq = plan.step_tokens // plan.seqs if plan.step_tokens % plan.seqs == 0 else None
-    tokens = (f"{plan.seqs} completions x {per_seq}" if per_seq else "one max_model_len sequence")
+    tokens = (f"{plan.seqs} completions x {plan.seq_tokens}" if plan.step_tokens == plan.seqs * plan.seq_tokens
+              else "one max_model_len sequence, vLLM's least")
     rows.append(("KV cache of one step", plan.kv_step,
                  f"{plan.step_tokens:,} tokens ({tokens}, in blocks of {ENGINE_BLOCK}) x {plan.kv_per_token / 1024:g}"
                  f" KiB/token (2 x {s.layers} layers x {s.kv_heads} kv heads x {s.head_dim} x {b} B)"))
@@ -717,6 +733,22 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     return [f"  {name:<{width}}{gib(size):>11}  {how}".rstrip() for name, size, how in rows]
 
 
+def _engine_knob(plan: EnginePlan, adapter: EnginePlan | None, free: int, card: int) -> str:
+    """The one param that lets the engine fit ``free`` bytes beside the policy, first of: a
+    ``gpu_memory_utilization`` between its needs and ``free``; the adapter form (for a dense
+    engine); fewer completions per call (the KV cache of one call); no engine."""
+    low, high = math.ceil(plan.need / card * 100) / 100, math.floor(free / card * 100) / 100
+    if low <= high:
+        return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
+    if plan.form == "dense" and adapter is not None and adapter.need <= free:
+        return f"train.engine_weights: adapter (needs {gib(adapter.need)})"
+    per_seq = plan.seq_tokens * plan.kv_per_token
+    fits = min((free - plan.fixed) // per_seq, plan.seqs - 1) if free > plan.fixed else 0
+    if fits >= 1:
+        return f"train.generation_batch_size: at most {fits} completions per call (the KV cache of one call)"
+    return "train.rollout_backend: transformers (the decode loop: no engine)"
+
+
 def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
             adapter: EnginePlan | None = None) -> str:
     """Whether the step fits a card of ``card`` bytes (the CUDA context allowance included) and, if
@@ -726,28 +758,14 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
     hold its needs, then the update must fit."""
     resident = sum(t.bytes for t in est.terms if t.phase == "both")
     free = card - resident - CUDA_CONTEXT  # what the engine can get at its start
-    smaller = adapter if plan is not None and plan.form == "dense" and adapter is not None else None
-
-    def engine_knob(need: int) -> str:
-        low, high = math.ceil(need / card * 100) / 100, math.floor(free / card * 100) / 100
-        if low <= high:
-            return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
-        if smaller is not None and smaller.need <= free:
-            return f"train.engine_weights: adapter (needs {gib(smaller.need)})"
-        per_seq = plan.kv_step // plan.seqs
-        fits = (free - plan.fixed) // per_seq if free > plan.fixed else 0
-        if fits >= 1 and plan.fixed + (plan.kv_step - (plan.seqs - fits) * per_seq) <= free:
-            return f"train.generation_batch_size: at most {fits} completions per call (the KV cache of one call)"
-        return "train.rollout_backend: transformers (the decode loop: no engine)"
-
     head = f"card {gib(card)}:"
     if plan is not None and plan.budget > free:
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} is not free at its start (card - "
                 f"policy {gib(resident)} - CUDA context {gib(CUDA_CONTEXT)} = {gib(free)}); turn "
-                f"{engine_knob(plan.need)}")
+                f"{_engine_knob(plan, adapter, free, card)}")
     if plan is not None and plan.budget < plan.need:
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} < its needs {gib(plan.need)} "
-                f"({plan.form}); turn {engine_knob(plan.need)}")
+                f"({plan.form}); turn {_engine_knob(plan, adapter, free, card)}")
     total = est.peak + CUDA_CONTEXT
     if total > card:
         if est.peak_phase == "training":

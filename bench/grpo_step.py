@@ -134,6 +134,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
+    from grpo.collect import engine_limits
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.device import default_device
     from grpo.policy import load_policy
@@ -154,7 +155,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
         lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
         backend = make_backend(rollout, tok, policy=model, base=ModelConfig(path=model_dir),
-                               engine_dir=workdir / "engine", engine=engine, **lengths)
+                               engine_dir=workdir / "engine", engine=engine, **lengths, **engine_limits(cfg))
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted

@@ -31,6 +31,7 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.checkpoint import reset_if_changed
+from grpo.collect import engine_limits
 from grpo.config import Params, ParamsError
 from grpo.device import default_device
 from grpo.distributed import (
@@ -192,7 +193,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
     backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
                            engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
-                           dist=dist)
+                           dist=dist, **engine_limits(cfg, dist.world_size))
     log.info("rollouts: %s (rank %d of %d)", backend.name, dist.rank, dist.world_size)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)

@@ -3,6 +3,7 @@ workspace under a preset (``ask``: tests/test_ask.py; the estimate's exact parts
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from grpo import cli
+from grpo.jsonio import write_jsonl
 
 from .conftest import REPO
 from .helpers import run
@@ -78,10 +80,13 @@ def test_estimate_without_a_config_says_so(tmp_path, capsys):
     assert "memory: no estimate: the estimate needs the model's config.json" in out
 
 
-def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny_model_dir, tmp_path, capsys):
+def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny_model_dir, tiny_problems, tmp_path,
+                                                                           capsys):
     """A workspace where the default pipeline ran: prepare_model wrote models/base (with its
-    manifest.json) for params.yaml's model; ``check`` of seed 003 there estimates the 1.5B model
-    the preset names, not the directory; ``check`` of params.yaml still reads the directory."""
+    manifest.json) for params.yaml's model, prepare_data the arithmetic problems; ``check`` of seed
+    003 there estimates the 1.5B model the preset names, not the directory (nor its prompts with
+    that model's tokenizer), with the engine at ``--gpu-memory 8`` and 6; ``check`` of params.yaml
+    still reads the directory and the problems."""
     import shutil
 
     from grpo.base_model import resolve_base_model
@@ -90,19 +95,44 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": {"name": str(tiny_model_dir),
                                                                     "path": "models/base"}}))
     resolve_base_model(str(tiny_model_dir), tmp_path / "models" / "base")  # as the prepare_model stage does
+    write_jsonl(tmp_path / "data" / "raw" / "train.jsonl", tiny_problems)  # as prepare_data does
+    (tmp_path / "data" / "raw" / "stats.json").write_text(json.dumps({"source": "arithmetic"}))
     (tmp_path / "presets").mkdir()
     shutil.copy(REPO / "presets" / "seed003.yaml", tmp_path / "presets" / "seed003.yaml")
     code, out, err = run(capsys, "check", "--params", str(tmp_path / "presets" / "seed003.yaml"), "--device", "cuda",
-                         "--prompt-tokens", "128")
+                         "--gpu-memory", "8")
     assert code == 0, err
-    model = next(line for line in out.splitlines() if line.strip().startswith("model: "))
+    lines = [line.strip() for line in out.splitlines()]
+    # not the tiny model's tokenizer on the arithmetic problems: the preset's prompt length is assumed
+    assert "prompt 128 tokens (assumed" in out
+    model = next(line for line in lines if line.startswith("model: "))
     assert "grpo.synthetic architecture 'qwen2-1.5b'" in model and f"models/base holds {tiny_model_dir}" in model
     assert "hidden 1536" in model and "28 layers" in model
-    code, out, err = run(capsys, "check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda",
-                         "--prompt-tokens", "128")
+    # both phases with the engine, its arithmetic and the verdict for the card
+    assert "engine: train.engine_weights auto -> adapter (auto: dense needs 3.95 GiB > the budget 2.40 GiB)" in out
+    assert any(line.startswith("KV cache of one step") and "10,240 tokens (16 completions x 640" in line
+               and "x 28 KiB/token (2 x 28 layers x 2 kv heads x 128 x 2 B)" in line for line in lines)
+    assert any(line.startswith("budget") and "train.gpu_memory_utilization 0.3 x 8.00 GiB" in line for line in lines)
+    assert any(line.startswith("vLLM engine, awake") and "generate" in line for line in lines)
+    assert any(line.startswith("vLLM engine, asleep") and "train" in line for line in lines)
+    peak = next(line for line in lines if line.startswith("peak"))
+    assert "(generation)" in peak and float(peak.split()[1]) <= 4.0  # seed 003's goal with the adapter engine
+    assert "card 8.00 GiB: fits: peak" in out
+    code, out, err = run(capsys, "check", "--params", str(tmp_path / "presets" / "seed003.yaml"), "--device", "cuda",
+                         "--prompt-tokens", "128", "--gpu-memory", "6")
+    assert code == 0, err
+    assert "card 6.00 GiB: does not fit: the engine's budget 1.80 GiB < its needs 2.18 GiB (adapter); turn " \
+           "train.gpu_memory_utilization: between 0.37 and 0.65" in out
+    code, out, err = run(capsys, "check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda")
     assert code == 0, err
     model = next(line for line in out.splitlines() if line.strip().startswith("model: "))
     assert f"{tmp_path / 'models' / 'base' / 'config.json'}" in model and "hidden 64" in model
+    assert f"(the longest prompt of {tmp_path / 'data' / 'raw' / 'train.jsonl'})" in out
+
+
+def test_a_card_size_that_is_not_positive_is_one_line(capsys):
+    code, out, err = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--gpu-memory", "0")
+    assert (code, out, err.strip()) == (2, "", "grpo check: error: --gpu-memory: must be > 0 GiB")
 
 
 def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, capsys):

@@ -22,7 +22,8 @@ import torch
 import yaml
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig, VLLMEngineConfig
+from grpo.collect import engine_limits
+from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.device import default_device
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
@@ -37,6 +38,9 @@ from .conftest import REPO
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memory_utilization=0.1,
+                   max_num_batched_tokens=40)
+"""The engine fixture's step: 8 completions; 40 tokens an iteration, below max_model_len (chunked prefill)."""
 PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
 
 
@@ -60,8 +64,7 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
     model = load_policy(model_cfg, LoraConfig(**LORA), default_device())
     tok = load_tokenizer(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
-                      dtype="float32") as backend:
+                      engine=STEP, dtype="float32", **engine_limits(STEP)) as backend:
         assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"
         yield model, tok, backend
 
@@ -82,6 +85,31 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
         assert synced == own.generate(PROMPTS, 1, **greedy).texts, f"trial {trial}"
         assert synced != stale, f"trial {trial}: the sync changed nothing"
     assert len(set(synced)) > 1  # the prompts lead to different completions
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@needs_vllm
+def test_the_engine_is_bounded_to_one_step(engine, tiny_vllm_model_dir):
+    """The live engine's scheduler (not our dict) holds the step's bounds: as many sequences as the
+    step's 8 completions, 40 tokens an iteration (below max_model_len 256: prompts are prefilled in
+    chunks, and the sync test's greedy outputs still equal the policy's). Its KV cache spec gives
+    the bytes per token ``grpo check`` counts (fp32 here)."""
+    from transformers import AutoConfig
+
+    from grpo import memory
+
+    model, tok, backend = engine
+    sched = backend.llm.llm_engine.vllm_config.scheduler_config
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (8, 40)
+    assert sched.enable_chunked_prefill
+    kv = backend.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
+                    for g in kv.kv_cache_groups)
+    shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_vllm_model_dir))
+    assert per_token == memory.kv_bytes_per_token(shapes, 4) == 2 * 2 * 1 * 64 * 4
+    rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
+    assert rollout.completion_ids.shape[0] == 8
 
 
 @pytest.mark.slow

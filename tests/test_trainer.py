@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.collect import generation_calls
+from grpo.collect import engine_limits, generation_calls
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
 from grpo.policy import load_policy
@@ -58,6 +58,20 @@ def test_generation_calls_cover_every_completion_once(n, g, size, expected):
     assert calls == expected
     per_prompt = [sum(k for lo, hi, k in calls if lo <= i < hi) for i in range(n)]
     assert per_prompt == [g] * n and all((hi - lo) * k <= (size or n * g) for lo, hi, k in calls)
+
+
+@pytest.mark.parametrize("fields,processes,expected", [
+    ({}, 1, (16, 2048)),                                                    # the default step: 4 prompts x G = 4
+    ({"prompts_per_step": 2, "group_size": 8}, 1, (16, 2048)),             # seed 003
+    ({"generation_batch_size": 6}, 1, (4, 2048)),                          # whole groups of 4 per call
+    ({"generation_batch_size": 3}, 1, (3, 2048)),                          # a group over calls of 3 + 1
+    ({"prompts_per_step": 8}, 2, (16, 2048)),                              # 4 prompts a process
+    ({"max_num_batched_tokens": 8}, 1, (16, 16)),                          # a token per sequence at least
+    ({"max_model_len": 64}, 1, (16, 1024)),                                # at most max_num_seqs x max_model_len
+])
+def test_the_engine_is_bounded_to_one_generation_call(fields, processes, expected):
+    limits = engine_limits(TrainConfig(**fields), processes)
+    assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == expected
 
 
 def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_model_dir, tiny_problems, tmp_path):

@@ -1,8 +1,10 @@
 """The ``grpo`` command: ``grpo check`` and ``grpo ask`` (also ``python -m grpo.cli``).
 
-``grpo check [--params FILE]`` validates the params, prints the main settings, the device, the
-stages ``dvc repro`` would run and an estimate of one training step's peak memory
-(``grpo.memory``). ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
+``grpo check [--params FILE] [--device cpu|cuda] [--gpu-memory GIB]`` validates the params, prints
+the main settings, the device, the stages ``dvc repro`` would run and an estimate of one training
+step's peak memory (``grpo.memory``); on CUDA with engine rollouts, the train engine's arithmetic
+and both phases with it, and for a card of ``GIB`` (else this machine's) whether the step fits and,
+if not, the param to turn. ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
 LoRA adapter, greedily, streaming the text, then prints ``answer: N`` (``grpo.ask``).
 
 Params files. The workspace of ``--params FILE`` is the nearest directory at or above FILE that
@@ -130,17 +132,52 @@ def cmd_check(args) -> int:
     else:
         found = memory.longest_prompt_tokens(p, res.root)
         prompt, how = found if found else (DEFAULT_PROMPT_TOKENS, "assumed; --prompt-tokens N to set")
-    est = memory.estimate(p, shapes, device, prompt)
+    card, card_how = card_bytes(args.gpu_memory, device)
+    engine = engine_rollouts(p, device)
+    plan = memory.engine_plan(p, shapes, device, prompt, card) if engine else None
+    est = memory.estimate(p, shapes, device, prompt, engine=plan)
     s = shapes
     print(f"memory: one training step on {device} ({est.dtype} compute), estimated")
     print(f"  model: {s.source}: {s.total_params / 1e9:.3g} B params, {s.layers} layers, hidden {s.hidden}, "
           f"intermediate {s.intermediate}, {s.heads} heads / {s.kv_heads} kv heads x {s.head_dim}, vocab {s.vocab}")
     print(f"  shape: {p.train.prompts_per_step} prompts x G={p.train.group_size}, prompt {prompt} tokens ({how}) "
           f"+ {p.train.max_new_tokens} new tokens (all full length)")
+    print(f"  card: {card_how}")
+    print(f"  rollouts: {engine or 'the decode loop on the policy (train.rollout_backend transformers, or several processes)'}")
+    if plan is not None:
+        print(f"  engine: train.engine_weights {p.train.engine_weights} -> {plan.form} ({plan.why}); max_num_seqs "
+              f"{plan.seqs}, max_num_batched_tokens {plan.batched_tokens}, enforce_eager")
+        print("\n".join(f"  {line}" for line in memory.format_engine(plan, shapes)))
     print("\n".join(memory.format_table(est)))
+    if card is not None and device == "cuda":
+        adapter = memory.engine_needs(p, shapes, device, prompt, "adapter", card) if plan is not None else None
+        print(f"  {memory.verdict(p, est, card, plan, adapter)}")
     for line in memory.measured_for(p, shapes, device, prompt):
         print(f"  {line}")
     return 0
+
+
+def engine_rollouts(p: Params, device: str) -> str | None:
+    """How the step's rollouts come from the vLLM engine on CUDA, or None (the decode loop: the
+    transformers backend, or several processes, where engine rollouts are not used yet)."""
+    if device != "cuda" or p.train.rollout_backend == "transformers" or p.train.num_processes > 1:
+        return None
+    return f"the vLLM engine holding the policy (train.rollout_backend {p.train.rollout_backend})"
+
+
+def card_bytes(gpu_memory: float | None, device: str) -> tuple[int | None, str]:
+    """The card's total memory in bytes (``--gpu-memory`` GiB, else this machine's card on CUDA) and
+    where it came from."""
+    if device != "cuda":
+        return None, "none (a CPU estimate)" + (": --gpu-memory applies to --device cuda" if gpu_memory else "")
+    if gpu_memory is not None:
+        return int(gpu_memory * 2**30), f"{gpu_memory:g} GiB (--gpu-memory)"
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.mem_get_info()[1]
+        return total, f"{total / 2**30:.2f} GiB (this machine's)"
+    return None, "unknown: --gpu-memory GIB for the engine's budget and a verdict"
 
 
 # ------------------------------------------------------------------------------------- ask
@@ -172,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate params; settings, device, DVC status, memory estimate")
     check.add_argument("--params", default="params.yaml", help="params file or preset (default: params.yaml)")
     check.add_argument("--device", choices=["cpu", "cuda"], help="estimate for this device (default: this machine's)")
+    check.add_argument("--gpu-memory", type=float, metavar="GIB",
+                       help="the card's total memory in GiB (as torch.cuda.mem_get_info reports it; an 8 GB card "
+                       "has about 7.8): the engine's budget and whether the step fits (default: this machine's card)")
     check.add_argument("--prompt-tokens", type=int, help="prompt length for the estimate (default: the longest "
                        f"training prompt when data and tokenizer exist, else {DEFAULT_PROMPT_TOKENS})")
     check.set_defaults(func=cmd_check)
@@ -202,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"grpo {args.command}: error: --{flag.replace('_', '-')}: must be >= 1", file=sys.stderr)
             return 2
+    if getattr(args, "gpu_memory", None) is not None and not args.gpu_memory > 0:
+        print(f"grpo {args.command}: error: --gpu-memory: must be > 0 GiB", file=sys.stderr)
+        return 2
     _quiet()
     try:
         return args.func(args)

@@ -42,6 +42,31 @@ def generation_calls(n_prompts: int, group_size: int, max_completions: int) -> l
     return [(i, i + 1, min(size, g - s)) for i in range(n_prompts) for s in range(0, g, size)]
 
 
+def largest_call(n_prompts: int, group_size: int, max_completions: int) -> int:
+    """Completions of the largest of ``generation_calls(n_prompts, group_size, max_completions)``."""
+    return max((hi - lo) * n for lo, hi, n in generation_calls(n_prompts, group_size, max_completions))
+
+
+def engine_limits(cfg: TrainConfig, processes: int = 1) -> dict[str, int]:
+    """The vLLM scheduler bounds of the train engine, sized to one generation call of the step
+    (``LLM`` keywords; vLLM 0.32 paths under vllm/):
+
+    - ``max_num_seqs``: the completions of this process's largest call (``largest_call`` of
+      ``prompts_per_step / processes`` prompts), so the engine never runs more sequences than a
+      step samples and its profile run (one sampler pass over ``max_num_seqs`` rows,
+      v1/worker/gpu_model_runner.py:6193-6199) reserves no more;
+    - ``max_num_batched_tokens``: ``cfg.max_num_batched_tokens``, raised to ``max_num_seqs`` where
+      below it (vLLM refuses fewer tokens than sequences: config/scheduler.py:328-333) and capped
+      at ``max_num_seqs * max_model_len`` (vLLM warns above it, scheduler.py:344-350, and caps its
+      own default there, engine/arg_utils.py:3166-3169). It may be below ``max_model_len``:
+      chunked prefill, on by default for decoder models, splits a longer prompt
+      (scheduler.py:316-326 refuses that only without it).
+    """
+    seqs = largest_call(cfg.prompts_per_step // processes, cfg.group_size, cfg.generation_batch_size)
+    tokens = min(max(cfg.max_num_batched_tokens, seqs), seqs * cfg.max_model_len)
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+
+
 def sample(backend, prompts: list[str], cfg: TrainConfig, step: int, first_prompt: int, pad_id: int) -> Rollout:
     """G completions of each prompt (contiguous per prompt) from ``backend``, at most
     ``cfg.generation_batch_size`` per call; ``first_prompt``: the index of ``prompts[0]`` in the

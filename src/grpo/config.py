@@ -246,6 +246,20 @@ class TrainConfig(VLLMEngineConfig):
     synced after every optimizer step: ``grpo.engine_policy``; one per process with
     ``num_processes`` > 1), ``transformers`` (the project's decode loop on the policy itself, the
     fallback), or ``auto`` (vLLM when installed)."""
+    max_num_batched_tokens: Positive = 2048
+    """vLLM: tokens the train engine computes per iteration (a longer prefill is split over
+    iterations: chunked prefill). At start the engine runs one forward pass of this many tokens
+    to size its activation memory, which it keeps beside the weights and KV cache, so this bounds
+    the engine's overhead. Raised to the step's completions per generation call where below it
+    (vLLM needs a token per running sequence) and capped at those completions x ``max_model_len``
+    (``grpo.collect.engine_limits``); the engine's ``max_num_seqs`` is those completions."""
+    engine_weights: Literal["auto", "dense", "adapter"] = "auto"
+    """The base model the train engine holds: ``dense`` (the 4-bit base dequantised to the
+    compute dtype, the policy's adapter merged into the adapted layers each step), ``adapter``
+    (a 4-bit base on CUDA, the dense base on CPUs, the policy's adapter sent as a LoRA adapter each
+    step) or ``auto`` (``grpo.memory.resolve_engine_weights``: dense where its weights, overhead
+    and the KV cache of one step fit ``gpu_memory_utilization`` of the card, else adapter; dense
+    on CPUs). ``grpo check --device cuda --gpu-memory GIB`` shows the arithmetic."""
     importance_sampling_correction: bool = True
     """With engine rollouts, weight each token's policy-gradient term by the truncated ratio
     ``min(pi_trainer / pi_engine, importance_sampling_cap)`` of the sampled token's probabilities

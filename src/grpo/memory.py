@@ -57,7 +57,10 @@ to whole groups as the trainer slices them), with ``T = P + C``:
     logits and one fp32 copy; fp32 logits are worked on in place), plus ``2 K H b`` (the kept
     hidden rows and their gradient direction, saved for backward);
   - the body's backward working set: one layer's activations (recomputed under checkpointing,
-    its gradients otherwise).
+    its gradients otherwise) and ``5 I b`` per token of the larger pass (``MLP_BACKWARD``: at the
+    peak of the layer's backward the trace finds eight intermediate-sized tensors live, three of
+    them the saved ones counted above: the product the down projection's 4-bit matmul keeps, the
+    gradients of its input and of the gate and up outputs, and the gate's sigmoid).
 
 Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
 lengths, completions that end early); the estimate is for the first, largest micro-batch.
@@ -83,6 +86,7 @@ from pathlib import Path
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
 NF4_LAYER_CONSTANTS = 16 * 4 + 256 * 4 + 4  # NF4 code table, nested code table, offset (fp32 each)
+MLP_BACKWARD = 5  # intermediate-sized tensors of a layer's MLP backward beyond the saved activations (x b per token)
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -413,12 +417,15 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
     chunk = min(train.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
     kept = math.ceil(train.entropy_top_quantile * n * c)
+    pass_tokens = max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0 and c > 1 else n * (p + c)
     head_rows = min(train.logprob_chunk, kept)
     head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)
     # the no-grad chunk pass, the LM head with grad and the body's backward run one after the other
     # (traced: bench/cuda_memory.py): the largest of the three counts
     one_after_another = [
-        Term("backward working set", "train", one_layer, "one layer recomputed" if gc_on else "one layer's gradients"),
+        Term("backward working set", "train", one_layer + MLP_BACKWARD * shapes.intermediate * b * pass_tokens,
+             ("one layer recomputed" if gc_on else "one layer's gradients")
+             + f" + {MLP_BACKWARD} x {pass_tokens} tokens x {shapes.intermediate} x {b} B (MLP backward)"),
         Term("entropy/log-prob pass", "train", chunk * shapes.vocab * per_entry,
              f"{chunk} rows x {shapes.vocab} x {per_entry} B ({kernel})"),
         Term("LM head with grad", "train", head_rows * shapes.vocab * head_entry + 2 * kept * shapes.hidden * b,

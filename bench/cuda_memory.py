@@ -15,8 +15,9 @@ compute dtype, with NF4 layers as bitsandbytes builds them and the LoRA adapter 
 
 Replaced (named in the output): the rollouts (the engine or decode loop; here random token ids of
 ``prompts_per_step * G`` rows, prompts of ``--prompt-tokens``, completions of ``max_new_tokens``,
-every token valid, and engine log-probs when an engine would sample); the Triton kernel's launch
-(its two fp32 outputs are allocated, as the kernel allocates nothing else); the answers that depend
+every token valid, and engine log-probs when an engine would sample); the Triton kernels' launches
+(their two fp32 row outputs are allocated, as the kernels allocate nothing else: the LM head's
+writes its gradient over the logits); the answers that depend
 on values (``.item()``: booleans False, numbers 1; ``torch.equal``: True, so G completions share
 their prompt's forward; boolean masks keep ``ceil(entropy_top_quantile * elements)``); SDPA, routed
 to the flash / memory-efficient kernels a bf16 sm80+ GPU runs (the fake mode would run the math path).
@@ -42,7 +43,8 @@ import fake_cuda  # noqa: E402  (before torch: see fake_cuda.load)
 
 REPLACED = [
     "rollouts: random token ids (every completion full length; engine log-probs when an engine samples)",
-    "Triton entropy/log-prob kernel: its launch (its two fp32 outputs are allocated)",
+    "Triton kernels (entropy/log-prob; the LM head's log-prob gradient, written over the logits): their launches "
+    "(their two fp32 row outputs are allocated)",
     ".item() answers (booleans False, numbers 1), torch.equal True, boolean masks keep ceil(q x elements)",
     "SDPA: routed to flash / memory-efficient attention as on a bf16 sm80+ GPU",
 ]

@@ -25,14 +25,18 @@ SETUPS = {
     # the default's: no checkpointing, shared prompts, one micro-batch; with KL and mu 2: both no-grad passes
     "shared prompts, beta, mu 2": {"model": {"quantization": "nf4", "gradient_checkpointing": False},
                                    "train": {"micro_batches": 1, "beta": 0.04, "mu": 2}},
+    # a small vocabulary and a wide MLP: the body's backward, not the LM head, is the largest working set
+    "body backward largest": {"model": {"quantization": "nf4", "gradient_checkpointing": True},
+                              "train": {"micro_batches": 2}, "config": {"vocab_size": 512, "intermediate_size": 2048}},
 }
 
 
 def tiny_workspace(path, overrides: dict):
-    """A workspace (dvc.yaml, params.yaml) whose model is a tiny Qwen2 config.json (no weights)."""
+    """A workspace (dvc.yaml, params.yaml) whose model is a tiny Qwen2 config.json (no weights;
+    ``overrides["config"]`` changes its fields)."""
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen2", **TINY).save_pretrained(path / "models" / "tiny")
+    AutoConfig.for_model("qwen2", **{**TINY, **overrides.get("config", {})}).save_pretrained(path / "models" / "tiny")
     (path / "dvc.yaml").write_text("stages: {}\n")
     params = {"model": {"path": "models/tiny", **overrides["model"]},
               "lora": {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},

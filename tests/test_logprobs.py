@@ -1,11 +1,15 @@
-"""``grpo.logprobs``: the shared-prompt forward of a group equals the full forward."""
+"""``grpo.logprobs``: the shared-prompt forward of a group equals the full forward; the chunked LM
+head with grad (``selected_logprobs``) equals ``log_softmax`` of the full logits in value and
+gradients (hidden rows, a trained head, tied embeddings, bf16) and saves no (K, V) tensor; the
+update's LoRA gradients are those of the plain log-softmax head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo.config import LoraConfig, ModelConfig
+from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.logprobs import selected_logprobs
 from grpo.policy import load_policy
 
 from .helpers import LORA
@@ -44,3 +48,142 @@ def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_mo
     torch.testing.assert_close(h_shared * c_mask.unsqueeze(-1), h_full * c_mask.unsqueeze(-1), rtol=1e-4, atol=1e-5)
     for n in g_full:
         torch.testing.assert_close(g_shared[n], g_full[n], rtol=1e-3, atol=1e-4)  # float reassociation
+
+
+def log_softmax_head(hidden_rows, lm_head, targets, *_):
+    """The head as autograd computes it from the full fp32 logits (the code before the chunked head)."""
+    logits = lm_head(hidden_rows).float()  # (K, V)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def values_and_grads(fn, head, hidden, targets, weights, *extra):
+    """``fn``'s (K,) log-probs, and the gradients of ``sum(weights * logp)`` with respect to the
+    hidden rows and every trainable parameter of ``head``."""
+    head.zero_grad(set_to_none=True)
+    h = hidden.clone().requires_grad_(True)
+    logp = fn(h, head, targets, *extra)
+    (logp * weights).sum().backward()
+    return logp.detach(), h.grad, {n: p.grad for n, p in head.named_parameters() if p.requires_grad}
+
+
+def assert_same(head, hidden, targets, chunk, tol, backend="auto"):
+    torch.manual_seed(1)
+    weights = torch.randn(hidden.shape[0])  # an upstream gradient per row
+    ref = values_and_grads(log_softmax_head, head, hidden, targets, weights)
+    new = values_and_grads(selected_logprobs, head, hidden, targets, weights, chunk, backend)
+    assert new[0].dtype == torch.float32 and new[0].shape == (hidden.shape[0],)
+    torch.testing.assert_close(new[0], ref[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(new[1], ref[1], rtol=tol, atol=tol)
+    assert new[2].keys() == ref[2].keys()
+    for name in ref[2]:
+        torch.testing.assert_close(new[2][name], ref[2][name], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("trained_head", [False, True])
+@pytest.mark.parametrize(("k", "chunk"), [(13, 5), (12, 4), (7, 1024), (1, 3), (0, 4)])
+def test_selected_logprobs_equal_log_softmax_fp32(bias, trained_head, k, chunk):
+    """Within 1e-5 of the full log-softmax in value and every gradient, for K a multiple of the
+    chunk or not, one chunk, K = 0; with a frozen or a trained head, with or without a bias."""
+    torch.manual_seed(k + chunk)
+    head = torch.nn.Linear(24, 97, bias=bias).requires_grad_(trained_head)
+    hidden, targets = torch.randn(k, 24) * 2, torch.randint(0, 97, (k,))
+    assert_same(head, hidden, targets, chunk, 1e-5)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_selected_logprobs_with_tied_embeddings(trained):
+    """The head's weight is the input embedding's (tie_word_embeddings): the gradient of the shared
+    weight sums its lookup's and the head's, as with the full log-softmax."""
+    torch.manual_seed(2)
+    emb = torch.nn.Embedding(61, 16)
+    head = torch.nn.Linear(16, 61, bias=False)
+    head.weight = emb.weight
+    emb.requires_grad_(trained)
+    ids, targets = torch.randint(0, 61, (9,)), torch.randint(0, 61, (9,))
+    results = []
+    for fn, extra in ((log_softmax_head, ()), (selected_logprobs, (4,))):
+        emb.zero_grad(set_to_none=True)
+        x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        logp = fn(emb(ids) + x, head, targets, *extra)
+        (logp * torch.linspace(-1, 1, 9)).sum().backward()
+        results.append((logp.detach(), x.grad, emb.weight.grad))
+    (v0, x0, w0), (v1, x1, w1) = results
+    torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x1, x0, rtol=1e-5, atol=1e-5)
+    assert (w0 is None) == (w1 is None) == (not trained)
+    if trained:
+        torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trained_head", [False, True])
+def test_selected_logprobs_bf16(trained_head):
+    """A bf16 head (the compute dtype on CUDA): the same values and gradients up to bf16 rounding
+    (the full path rounds ``g * (onehot - softmax)`` to bf16, the chunked one ``onehot - softmax``)."""
+    torch.manual_seed(4)
+    head = torch.nn.Linear(32, 300, bias=False).to(torch.bfloat16).requires_grad_(trained_head)
+    hidden, targets = (torch.randn(11, 32) * 2).to(torch.bfloat16), torch.randint(0, 300, (11,))
+    assert_same(head, hidden, targets, 4, 2e-2)
+
+
+def test_selected_logprobs_save_no_vocabulary_sized_tensor():
+    """What autograd keeps between forward and backward: no tensor with a vocabulary dimension
+    other than the head's weight (the full path saves the fp32 (K, V) logits and their softmax)."""
+    torch.manual_seed(5)
+    vocab, k = 211, 10
+    head = torch.nn.Linear(16, vocab, bias=False).requires_grad_(False)
+    hidden = torch.randn(k, 16, requires_grad=True)
+    targets = torch.randint(0, vocab, (k,))
+    for fn, has_vocab in ((log_softmax_head, True), (selected_logprobs, False)):
+        saved = []
+
+        def pack(t, saved=saved):
+            if t.untyped_storage().data_ptr() != head.weight.untyped_storage().data_ptr():
+                saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp = fn(hidden, head, targets)
+        assert any(vocab in s for s in saved) == has_vocab, saved
+        logp.sum().backward()
+
+
+def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
+    """The real update (``PolicyPasses.accumulate_gradients``, entropy mask at 0.3, two
+    micro-batches, tied embeddings, chunks of 3 kept rows) gives the loss, kept tokens and LoRA
+    gradients that the full log-softmax head gives."""
+    from grpo import passes
+    from grpo.base_model import load_tokenizer
+    from grpo.data import build_prompt
+    from grpo.loss import loss_normalizer
+    from grpo.rollout import TransformersBackend
+    from grpo.trainer import GRPOTrainer
+    from grpo.types import TrainBatch
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3)  # non-zero adapter: gradients reach A and B
+    cfg = TrainConfig(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10,
+                      checkpoint_every=0, entropy_top_quantile=0.3, micro_batches=2, logprob_chunk=3)
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
+    rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)
+    batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2]),
+                                    torch.device("cpu"))
+    normalizer = loss_normalizer(batch.mask, "dapo")
+    results = []
+    for head_fn in (log_softmax_head, selected_logprobs):
+        monkeypatch.setattr(passes, "selected_logprobs", head_fn)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        sums, keep = trainer.passes.accumulate_gradients(batch, normalizer)
+        results.append((sums, keep, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (s0, keep0, g0), (s1, keep1, g1) = results
+    assert torch.equal(keep0, keep1) and 0 < keep1.sum() < batch.mask.sum()
+    assert s1["loss"] == pytest.approx(s0["loss"], abs=1e-6)
+    assert any(g.abs().max() > 1e-4 for g in g0.values())
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-5)

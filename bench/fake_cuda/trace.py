@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 def patch_torch() -> None:
     """What the real code needs to run on fake CUDA tensors (README.md here): ``Module.to`` on fake
-    parameters, the Triton launch replaced by its outputs, SDPA as a CUDA GPU runs it."""
+    parameters, the Triton launches replaced by their outputs, SDPA as a CUDA GPU runs it."""
     swap = torch.utils.swap_tensors
 
     def swap_or_set(t1, t2):  # Module.to() swaps parameters, which refuses a fake one (it has a weakref)
@@ -42,6 +42,8 @@ def patch_torch() -> None:
                 torch.empty(rows, dtype=torch.float32, device=logits.device))
 
     kernel.entropy_logprob_triton = triton_outputs
+    # the LM head's kernel writes its gradient over the logits: its launch leaves two fp32 outputs
+    importlib.import_module("grpo.kernels.logprob_grad").logprob_grad_triton = triton_outputs
     torch.nn.functional.scaled_dot_product_attention = sdpa_as_on_cuda
 
 

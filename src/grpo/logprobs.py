@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo.kernels import entropy_logprob
+from grpo.kernels import entropy_logprob, logprob_grad
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -84,7 +84,77 @@ def chunked_entropy_logprobs(
     return ent.view(n, c), logp.view(n, c)
 
 
-def selected_logprobs(hidden_rows: Tensor, lm_head: torch.nn.Module, targets: Tensor) -> Tensor:
-    """Log-prob of ``targets`` with grad: hidden_rows (K, H), targets (K,) -> (K,) fp32."""
-    logits = lm_head(hidden_rows).float()  # (K, V)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def selected_logprobs(hidden_rows: Tensor, lm_head: torch.nn.Module, targets: Tensor, chunk: int = 1024,
+                      backend: str = "auto") -> Tensor:
+    """Log-prob of ``targets`` with grad: hidden_rows (K, H), targets (K,) -> (K,) fp32.
+
+    The value and gradients of ``log_softmax(lm_head(h).float())[target]``, without an fp32 (K, V)
+    tensor or any (K, V) tensor saved for backward. ``chunk`` rows at a time, the logits (in the
+    model dtype) are overwritten by ``onehot - softmax`` (``grpo.kernels.logprob_grad``), and the
+    gradient with respect to the hidden row is taken at once through the head:
+    ``d_k = (onehot - softmax)_k @ W`` (through ``lm_head``'s own backward, so a bias, tied weights
+    or an adapter on the head count). Each output depends on its own row only, so the backward is
+    ``grad_h_k = g_k * d_k``: no logits are recomputed, and the forward and backward cost the two
+    (K, H, V) matmuls that autograd would. Only when a parameter of the head requires grad (a
+    trained head, trained tied embeddings) does the backward recompute each chunk's logits for its
+    gradient ``sum_k g_k (onehot - softmax)_k^T h_k``. Saved: the (K, H) hidden rows and ``d``,
+    the targets and the (K,) log-sum-exp.
+    """
+    params = [p for p in lm_head.parameters() if p.requires_grad]
+    return _HeadLogprob.apply(hidden_rows, targets, lm_head, chunk, backend, *params)
+
+
+def _chunk_grad(lm_head, h, targets, backend, need_h: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """One chunk: the logits (graph output when ``need_h``, overwritten by ``onehot - softmax``),
+    lse (r,), logp (r,) and ``d`` (r, H) or ``None``; returns (lse, logp, d, logits)."""
+    h = h.detach().requires_grad_(need_h)
+    with torch.enable_grad():
+        logits = lm_head(h)  # (r, V), model dtype
+    lse, logp = logprob_grad(logits.detach(), targets, backend)  # logits now hold d logp / d logits
+    d = torch.autograd.grad(logits, h, logits.detach())[0] if need_h else None  # (r, H)
+    return lse, logp, d, logits
+
+
+class _HeadLogprob(torch.autograd.Function):
+    """``selected_logprobs``' value and backward (see its docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, lm_head, chunk, backend, *params):
+        need_h = ctx.needs_input_grad[0]
+        k = hidden.shape[0]
+        lse = torch.empty(k, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(k, dtype=torch.float32, device=hidden.device)
+        d = torch.empty_like(hidden) if need_h else None  # (K, H)
+        for start in range(0, k, chunk):
+            rows = slice(start, start + chunk)
+            lse[rows], logp[rows], d_rows, logits = _chunk_grad(lm_head, hidden[rows], targets[rows], backend, need_h)
+            del logits
+            if need_h:
+                d[rows] = d_rows
+        ctx.lm_head, ctx.chunk, ctx.backend = lm_head, chunk, backend
+        ctx.save_for_backward(hidden, targets, lse, d)
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, targets, lse, d = ctx.saved_tensors
+        params = ctx.needs_input_grad[5:]
+        grad_h = (d.float() * grad.unsqueeze(-1)).to(d.dtype) if ctx.needs_input_grad[0] else None
+        grad_params = _param_grads(ctx, hidden, targets, grad) if any(params) else [None] * len(params)
+        return grad_h, None, None, None, None, *grad_params
+
+
+def _param_grads(ctx, hidden: Tensor, targets: Tensor, grad: Tensor) -> list[Tensor | None]:
+    """Gradients of the head's trainable parameters: each chunk's logits recomputed, their gradient
+    ``g_k (onehot - softmax)_k`` sent through the head's own backward."""
+    params = [p for p in ctx.lm_head.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for start in range(0, hidden.shape[0], ctx.chunk):
+        rows = slice(start, start + ctx.chunk)
+        _, _, _, logits = _chunk_grad(ctx.lm_head, hidden[rows], targets[rows], ctx.backend, False)
+        out = logits.detach().mul_(grad[rows].unsqueeze(-1).to(logits.dtype))  # (r, V): g * (onehot - softmax)
+        for acc, g in zip(total, torch.autograd.grad(logits, params, out, allow_unused=True)):
+            if g is not None:
+                acc += g
+        del logits, out
+    return total

@@ -51,12 +51,16 @@ to whole groups as the trainer slices them), with ``T = P + C``:
   - the chunked no-grad entropy/log-prob pass: ``min(logprob_chunk, n C) * V`` times ``b``
     (Triton: the logits only) or ``b + 4 + 4 [b = 2]`` (PyTorch: logits, an fp32 copy, the
     probabilities);
-  - the LM head with grad at the kept tokens, ``K = entropy_top_quantile * n * C`` rows:
-    ``K * V * 16`` (``HEAD_BYTES``: in its backward the fp32 logits saved by the log-softmax, their
-    difference to the log-sum-exp, its exponential and the incoming gradient times it are live
-    together, in bf16 and fp32 compute alike);
+  - the LM head with grad at the kept tokens, ``K = entropy_top_quantile * n * C`` rows, chunked
+    like the pass above (``grpo.logprobs.selected_logprobs``): ``min(logprob_chunk, K) * V`` times
+    ``b`` (Triton: the logits, overwritten by their gradient) or ``4 + b [b = 2]`` (PyTorch: the
+    logits and one fp32 copy; fp32 logits are worked on in place), plus ``2 K H b`` (the kept
+    hidden rows and their gradient direction, saved for backward);
   - the body's backward working set: one layer's activations (recomputed under checkpointing,
-    its gradients otherwise).
+    its gradients otherwise) and ``5 I b`` per token of the larger pass (``MLP_BACKWARD``: at the
+    peak of the layer's backward the trace finds eight intermediate-sized tensors live, three of
+    them the saved ones counted above: the product the down projection's 4-bit matmul keeps, the
+    gradients of its input and of the gate and up outputs, and the gate's sigmoid).
 
 Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
 lengths, completions that end early); the estimate is for the first, largest micro-batch.
@@ -93,7 +97,7 @@ from pathlib import Path
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
 NF4_LAYER_CONSTANTS = 16 * 4 + 256 * 4 + 4  # NF4 code table, nested code table, offset (fp32 each)
-HEAD_BYTES = 16  # per (kept token, vocabulary) entry in the LM head's backward: four fp32 (K, V) tensors
+MLP_BACKWARD = 5  # intermediate-sized tensors of a layer's MLP backward beyond the saved activations (x b per token)
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -665,14 +669,20 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     chunk = min(train.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
     kept = math.ceil(train.entropy_top_quantile * n * c)
+    pass_tokens = max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0 and c > 1 else n * (p + c)
+    head_rows = min(train.logprob_chunk, kept)
+    head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)
     # the no-grad chunk pass, the LM head with grad and the body's backward run one after the other
     # (traced: bench/cuda_memory.py): the largest of the three counts
     one_after_another = [
-        Term("backward working set", "train", one_layer, "one layer recomputed" if gc_on else "one layer's gradients"),
+        Term("backward working set", "train", one_layer + MLP_BACKWARD * shapes.intermediate * b * pass_tokens,
+             ("one layer recomputed" if gc_on else "one layer's gradients")
+             + f" + {MLP_BACKWARD} x {pass_tokens} tokens x {shapes.intermediate} x {b} B (MLP backward)"),
         Term("entropy/log-prob pass", "train", chunk * shapes.vocab * per_entry,
              f"{chunk} rows x {shapes.vocab} x {per_entry} B ({kernel})"),
-        Term("LM head with grad", "train", kept * shapes.vocab * HEAD_BYTES,
-             f"{kept} kept tokens x {shapes.vocab} x {HEAD_BYTES} B"),
+        Term("LM head with grad", "train", head_rows * shapes.vocab * head_entry + 2 * kept * shapes.hidden * b,
+             f"{head_rows} of {kept} kept tokens x {shapes.vocab} x {head_entry} B ({kernel}) + 2 x {kept} x "
+             f"{shapes.hidden} x {b} B"),
     ]
     largest = max(one_after_another, key=lambda t: t.bytes)
     others = ", ".join(f"{t.name} {gib(t.bytes)}" for t in one_after_another if t is not largest)

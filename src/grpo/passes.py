@@ -10,8 +10,9 @@ forward when there is one micro-batch, else from a no-grad pass first), then per
 (``loss_backward``): one body forward with grad (each group's prompt once, its completions on the
 shared KV cache); entropy and log-prob of every completion token without grad (chunked, fused
 kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only at the tokens at or above
-the threshold; ``grpo_loss`` normalised over the whole step; the updater's backward. Micro-batching
-changes memory and time, not the update: the kept tokens and the normaliser are the step's.
+the threshold (chunked as well, its gradient written over the logits: no fp32 (K, V) tensor);
+``grpo_loss`` normalised over the whole step; the updater's backward. Micro-batching changes
+memory and time, not the update: the kept tokens and the normaliser are the step's.
 
 Tokens outside the mask carry their detached log-probs in the loss and get no gradient (value and
 normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all valid tokens).
@@ -119,7 +120,8 @@ class PolicyPasses:
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
         keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold)  # (m, C) bool
-        kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep])  # (K,)
+        kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.logprob_chunk,
+                                      cfg.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
         old_logp = batch.old_logp if batch.old_logp is not None else logp_all  # (m, C), no grad
         weights, engine = self.engine_gap(batch, old_logp)

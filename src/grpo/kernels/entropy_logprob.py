@@ -34,6 +34,11 @@ def triton_available(device: torch.device | str) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def use_triton(logits: Tensor, backend: str) -> bool:
+    """Whether ``backend`` (``triton``, ``torch`` or ``auto``: triton on CUDA) picks the Triton kernel."""
+    return backend == "triton" or (backend == "auto" and logits.is_cuda and triton is not None)
+
+
 def entropy_logprob_torch(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Reference: logits (R, V) any float dtype, targets (R,) int -> entropy (R,), logp (R,) fp32."""
     x = logits.float()  # (R, V)
@@ -89,8 +94,7 @@ def entropy_logprob_triton(logits: Tensor, targets: Tensor, block: int = 4096) -
 
 def entropy_logprob(logits: Tensor, targets: Tensor, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Entropy and target log-prob per row; ``backend`` is ``triton``, ``torch`` or ``auto``."""
-    use_triton = backend == "triton" or (backend == "auto" and logits.is_cuda and triton is not None)
-    if use_triton:
+    if use_triton(logits, backend):
         if not triton_available(logits.device):
             raise RuntimeError("the triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
         return entropy_logprob_triton(logits, targets)

@@ -190,8 +190,10 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
     backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
                            engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
-                           processes=dist.world_size)
-    log.info("rollouts: %s", backend.name)
+                           processes=dist.world_size,
+                           engine_weights=resolve_engine_weights(cfg.engine_weights, device))
+    weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
+    log.info("rollouts: %s%s", backend.name, f" (engine weights: {weights_form})" if weights_form else "")
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:
@@ -204,21 +206,33 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     selection = trainer.run.ship(adapter_dir, model, tokenizer, history)
     shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
 
-    summary = train_summary(history, backend.name, dist.world_size, selection)
+    summary = train_summary(history, backend.name, dist.world_size, selection, weights_form)
     write_json(summary_path, summary)
     for close in closers:
         close()
     log.info("adapter written to %s; summary %s", adapter_dir, summary)
 
 
-def train_summary(history: list[dict], backend: str, processes: int, selection: dict) -> dict:
-    """``metrics/train.json``: the run's shape, the last step's ``SUMMARY_KEYS``, accuracy over the
+def resolve_engine_weights(choice: str, device: str) -> str:
+    """``train.engine_weights`` resolved: ``dense`` or ``adapter`` as given; ``auto`` -> ``dense``.
+
+    Placeholder: the memory-budget rule for ``auto`` on CUDA (dense where it fits, else adapter)
+    lives with the memory model and replaces this; on CPUs ``auto`` is dense either way."""
+    del device  # the budget rule needs it
+    return "dense" if choice == "auto" else choice
+
+
+def train_summary(history: list[dict], backend: str, processes: int, selection: dict,
+                  engine_weights: str | None = None) -> dict:
+    """``metrics/train.json``: the run's shape (with engine rollouts, the engine's weights form:
+    ``dense`` or ``adapter``), the last step's ``SUMMARY_KEYS``, accuracy over the
     first and last ten steps, the total time, the shipped adapter, the validation summary and, with
     engine rollouts, the sampler/trainer log-prob gap."""
     first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
     summary = {
         "steps": len(history),
         "rollout_backend": backend,
+        "engine_weights": engine_weights,
         "num_processes": processes,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),

@@ -245,6 +245,12 @@ class TrainConfig(VLLMEngineConfig):
     """Who samples the rollouts: ``vllm`` (an engine in the stage's process holding the policy,
     synced after every optimizer step: ``grpo.engine_policy``), ``transformers`` (the project's
     decode loop on the policy itself, the fallback), or ``auto`` (vLLM when installed)."""
+    engine_weights: Literal["auto", "dense", "adapter"] = "auto"
+    """How the train engine holds the policy (vLLM rollouts only): ``dense``, a merged copy of base +
+    LoRA written into it every step (``grpo.engine_policy``); ``adapter``, the base held once and the
+    policy's LoRA adapter loaded every step through vLLM's LoRA support (``grpo.engine_adapter``);
+    ``auto``, dense where it fits the card's memory budget, else adapter (dense on CPUs). The
+    chosen form is logged and written to ``metrics/train.json``."""
     importance_sampling_correction: bool = True
     """With engine rollouts, weight each token's policy-gradient term by the truncated ratio
     ``min(pi_trainer / pi_engine, importance_sampling_cap)`` of the sampled token's probabilities

@@ -229,6 +229,9 @@ class VLLMBackend(RolloutBackend):
     """
 
     name = "vllm"
+    lora_request = None
+    """The ``vllm.lora.request.LoRARequest`` every generation call carries (``None``: the weights
+    alone; ``grpo.engine_adapter.VLLMAdapterBackend`` sets it at each sync)."""
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int, dtype: str, gpu_memory_utilization: float,
                  max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True,
@@ -295,7 +298,8 @@ class VLLMBackend(RolloutBackend):
         ids = [tok(p, add_special_tokens=False)["input_ids"][-(self.max_prompt_tokens or 0):] for p in prompts]
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                 min_tokens=min(self.min_new_tokens, max_new_tokens), logprobs=0, detokenize=False)
-        outs = self._engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=self.progress)
+        outs = self._engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=self.progress,
+                                       lora_request=self.lora_request)
         pad = tok.pad_token_id
         p_len = max(map(len, ids))
         c_len = max(len(c.token_ids) for o in outs for c in o.outputs) or 1
@@ -333,7 +337,7 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
                  base: ModelConfig | None = None, engine_dir: str | Path | None = None,
                  engine: VLLMEngineConfig | None = None, seed: int = 0, dtype: str = "auto",
                  enforce_eager: bool = True, processes: int = 1, max_prompt_tokens: int | None = None,
-                 min_new_tokens: int = 0, **engine_args) -> RolloutBackend:
+                 min_new_tokens: int = 0, engine_weights: str = "dense", **engine_args) -> RolloutBackend:
     """The rollout backend every caller uses; the one place where ``choice`` is decided.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise transformers,
@@ -345,7 +349,8 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
     - ``policy``: the peft policy being trained (the train stage, the trainer's default, the
       benches). vLLM: a ``VLLMPolicyBackend`` started from ``engine_dir``, a dense export of the
       base (written there from ``base``, the base as training loads it, when given; else already
-      there); transformers: the decode loop on the policy itself (4-bit layers dequantised once
+      there), taking the policy as merged weights (``engine_weights="dense"``) or as a LoRA adapter
+      (``"adapter"``: ``grpo.engine_adapter.VLLMAdapterBackend``); transformers: the decode loop on the policy itself (4-bit layers dequantised once
       per call where the policy is on the CPU), without log-probs. With ``processes > 1`` (data
       parallel) the decode loop runs on every rank, logged unless ``choice`` is ``transformers``:
       engine rollouts are not data-parallel yet.
@@ -386,10 +391,16 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
         return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
     if engine_dir is None:
         raise TypeError("make_backend: vLLM rollouts of a policy need engine_dir (where the engine's dense base is)")
+    if engine_weights not in ("dense", "adapter"):
+        raise ValueError(f"engine_weights: must be dense or adapter (the caller resolves auto); got {engine_weights!r}")
     if base is not None:
         from grpo.policy import export_dense
 
         export_dense(base, None, engine_dir)
+    if engine_weights == "adapter":
+        from grpo.engine_adapter import VLLMAdapterBackend
+
+        return VLLMAdapterBackend(policy, tokenizer, engine_dir, **settings)
     from grpo.engine_policy import VLLMPolicyBackend
 
     return VLLMPolicyBackend(policy, tokenizer, engine_dir, **settings)

@@ -193,7 +193,8 @@ def _train(params: Params, dist: Dist, device: str) -> None:
                            processes=dist.world_size,
                            engine_weights=resolve_engine_weights(cfg.engine_weights, device))
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
-    log.info("rollouts: %s%s", backend.name, f" (engine weights: {weights_form})" if weights_form else "")
+    base_form = f", {backend.base_form} base" if hasattr(backend, "base_form") else ""
+    log.info("rollouts: %s%s", backend.name, f" (engine weights: {weights_form}{base_form})" if weights_form else "")
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:

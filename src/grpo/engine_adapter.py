@@ -2,8 +2,10 @@
 
 The ``adapter`` engine form (``train.engine_weights``); ``grpo.engine_policy`` is the ``dense``
 form, and this class shares its start, sleep and wake-up. The engine starts from the same dense
-export of the base (``grpo.policy.export_dense``: the NF4 base dequantised) with vLLM's LoRA
-support on: ``enable_lora``, one adapter slot (``max_loras=1``) and ``max_lora_rank`` the
+export of the base (``grpo.policy.export_dense``: the NF4 base dequantised), or, with
+``base_form="int4"`` (``make_backend``'s default on CUDA), from that export rewritten as a 4-bit
+GPTQ checkpoint (``grpo.gptq``: a quarter of the weights' bytes, an engine base that differs from
+the trainer's NF4 one), with vLLM's LoRA support on: ``enable_lora``, one adapter slot (``max_loras=1``) and ``max_lora_rank`` the
 smallest rank vLLM accepts that holds the policy's (``engine_lora_rank``). Each ``sync(model)``:
 
 1. writes the policy's adapter in PEFT format (``adapter_config.json``, ``adapter_model.safetensors``)
@@ -64,6 +66,10 @@ class VLLMAdapterBackend(VLLMPolicyBackend):
     layers the last sync sent."""
 
     weights_form = "adapter"
+
+    def __init__(self, model, tokenizer, engine_dir, *, base_form: str = "dense", **settings):
+        self.base_form = base_form  # what ``engine_dir`` holds: dense weights or a 4-bit GPTQ checkpoint (grpo.gptq)
+        super().__init__(model, tokenizer, engine_dir, **settings)
 
     def engine_options(self, model) -> dict:
         """vLLM's LoRA support, one adapter of the policy's rank."""

@@ -337,7 +337,8 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
                  base: ModelConfig | None = None, engine_dir: str | Path | None = None,
                  engine: VLLMEngineConfig | None = None, seed: int = 0, dtype: str = "auto",
                  enforce_eager: bool = True, processes: int = 1, max_prompt_tokens: int | None = None,
-                 min_new_tokens: int = 0, engine_weights: str = "dense", **engine_args) -> RolloutBackend:
+                 min_new_tokens: int = 0, engine_weights: str = "dense", engine_base: str | None = None,
+                 **engine_args) -> RolloutBackend:
     """The rollout backend every caller uses; the one place where ``choice`` is decided.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise transformers,
@@ -350,7 +351,9 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
       benches). vLLM: a ``VLLMPolicyBackend`` started from ``engine_dir``, a dense export of the
       base (written there from ``base``, the base as training loads it, when given; else already
       there), taking the policy as merged weights (``engine_weights="dense"``) or as a LoRA adapter
-      (``"adapter"``: ``grpo.engine_adapter.VLLMAdapterBackend``); transformers: the decode loop on the policy itself (4-bit layers dequantised once
+      (``"adapter"``: ``grpo.engine_adapter.VLLMAdapterBackend``). The adapter engine's base is
+      ``engine_base``: ``int4`` (the export rewritten as a 4-bit GPTQ checkpoint, ``grpo.gptq``),
+      ``dense``, or ``None``: int4 on CUDA, dense elsewhere; transformers: the decode loop on the policy itself (4-bit layers dequantised once
       per call where the policy is on the CPU), without log-probs. With ``processes > 1`` (data
       parallel) the decode loop runs on every rank, logged unless ``choice`` is ``transformers``:
       engine rollouts are not data-parallel yet.
@@ -393,6 +396,8 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
         raise TypeError("make_backend: vLLM rollouts of a policy need engine_dir (where the engine's dense base is)")
     if engine_weights not in ("dense", "adapter"):
         raise ValueError(f"engine_weights: must be dense or adapter (the caller resolves auto); got {engine_weights!r}")
+    if engine_base not in (None, "dense", "int4"):
+        raise ValueError(f"engine_base: must be dense or int4; got {engine_base!r}")
     if base is not None:
         from grpo.policy import export_dense
 
@@ -400,7 +405,12 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
     if engine_weights == "adapter":
         from grpo.engine_adapter import VLLMAdapterBackend
 
-        return VLLMAdapterBackend(policy, tokenizer, engine_dir, **settings)
+        engine_base = engine_base or ("int4" if default_device() == "cuda" else "dense")
+        if engine_base == "int4" and base is not None:
+            from grpo.gptq import export_gptq
+
+            export_gptq(engine_dir, compute_dtype(dtype, default_device()))
+        return VLLMAdapterBackend(policy, tokenizer, engine_dir, base_form=engine_base, **settings)
     from grpo.engine_policy import VLLMPolicyBackend
 
     return VLLMPolicyBackend(policy, tokenizer, engine_dir, **settings)

@@ -42,8 +42,9 @@ def test_the_packed_weight_is_the_round_to_nearest_int4_grid():
 
 
 def test_the_group_size_is_the_largest_that_divides_every_layer():
-    assert pick_group_size({"a": (1536, 1536), "b": (256, 8960)}) == 128  # Qwen2-1.5B
+    assert pick_group_size({"a": (1536, 1536), "b": (256, 8960)}) == 64  # Qwen2-1.5B
     assert pick_group_size({"a": (576, 576), "b": (192, 576), "c": (576, 1536)}) == 64  # SmolLM2-135M
+    assert pick_group_size({"a": (64, 96)}) == 32
     with pytest.raises(ValueError, match="b: output size 48"):
         pick_group_size({"a": (64, 64), "b": (48, 64)})
     with pytest.raises(ValueError, match="no group size"):
@@ -58,9 +59,9 @@ def test_export_writes_a_gptq_checkpoint_of_the_decoder_linears(tiny_vllm_model_
     with pytest.raises(ValueError, match="model.dtype"):
         export_gptq(tmp_path / "m", torch.float32)
     info = export_gptq(tmp_path / "m", torch.bfloat16)
-    assert info["group_size"] == 128
+    assert info["group_size"] == 64
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "gptq", "bits": 4, "group_size": 128,
+    assert config["quantization_config"] == {"quant_method": "gptq", "bits": 4, "group_size": 64,
                                              "desc_act": False, "sym": True}
     out = load_file(tmp_path / "m" / "model.safetensors")
     name = "model.layers.1.mlp.down_proj"

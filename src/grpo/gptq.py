@@ -23,7 +23,10 @@ the NF4 base dequantised):
   ``config.json`` gets ``quantization_config = {quant_method: gptq, bits: 4, group_size,
   desc_act: false, sym: true}``.
 
-``group_size``: the largest of 128, 64, 32 that divides every quantized layer's input size.
+``group_size``: 64 where it divides every quantized layer's input size, else 32. 64 is the block of
+bitsandbytes' NF4 (its default ``blocksize``), so the engine's base has a scale per 64 weights as
+the trainer's has; GPTQ's usual 128 halves the scales' bytes (0.125 instead of 0.25 bits a
+weight) at a larger error (the measured gap to the NF4 policy: docs/results.md).
 The engine then samples from this int4 base + LoRA, not from the trainer's NF4 base + LoRA: NF4's
 16 levels are not an affine grid, so the engine's log-probs differ from the policy's by more than
 the dense engine's; the trainer's truncated importance sampling (``train.importance_sampling_correction``)
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GROUP_SIZES = (128, 64, 32)
+GROUP_SIZES = (64, 32)
 MIN_OUT = 64
 """Output sizes must be multiples of this (Marlin's tile, marlin_utils.py:32; the CPU kernel needs 32)."""
 

@@ -27,7 +27,9 @@ from grpo.rollout import TransformersBackend, make_backend
 from grpo.trainer import GRPOTrainer
 
 from .conftest import REPO
-from .test_engine_policy import LORA, PROMPTS, _randomise_adapter
+from .helpers import ENGINE_LORA as LORA
+from .helpers import ENGINE_PROMPTS as PROMPTS
+from .helpers import randomise_adapter as _randomise_adapter
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

@@ -33,18 +33,11 @@ from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
 from .conftest import REPO
+from .helpers import ENGINE_LORA as LORA
+from .helpers import ENGINE_PROMPTS as PROMPTS
+from .helpers import randomise_adapter as _randomise_adapter
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-
-LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
-
-
-def _randomise_adapter(model, std: float, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.data = torch.randn(p.shape, generator=gen) * std
 
 
 @pytest.fixture(scope="module")

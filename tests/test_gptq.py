@@ -98,7 +98,9 @@ def test_the_int4_adapter_engine_samples_from_the_int4_base_plus_lora(tiny_vllm_
     from grpo.policy import export_dense, load_policy
     from grpo.rollout import TransformersBackend, make_backend
 
-    from .test_engine_policy import LORA, PROMPTS, _randomise_adapter
+    from .helpers import ENGINE_LORA as LORA
+    from .helpers import ENGINE_PROMPTS as PROMPTS
+    from .helpers import randomise_adapter as _randomise_adapter
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=str(tiny_vllm_model_dir), dtype="float32")

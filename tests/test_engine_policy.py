@@ -165,7 +165,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, ti
     assert [r["step"] for r in steps] == list(range(1, 7))  # none repeated, none skipped
     assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]
     summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
-    assert summary["rollout_backend"] == "vllm"
+    assert summary["rollout_backend"] == "vllm" and summary["engine_weights"] == "dense"  # auto, on the CPU
     # keep_best (the default): the best validation accuracy, earliest on ties, across the kill
     val = {r["step"]: r["val_accuracy"] for r in steps if "val_accuracy" in r}
     best = min(s for s, v in val.items() if v == max(val.values()))

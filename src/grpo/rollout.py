@@ -352,9 +352,10 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
       base (written there from ``base``, the base as training loads it, when given; else already
       there), taking the policy as merged weights (``engine_weights="dense"``) or as a LoRA adapter
       (``"adapter"``: ``grpo.engine_adapter.VLLMAdapterBackend``). The adapter engine's base is
-      ``engine_base``: ``int4`` (the export rewritten as a 4-bit GPTQ checkpoint, ``grpo.gptq``),
-      ``dense``, or ``None``: int4 on CUDA, dense elsewhere; transformers: the decode loop on the policy itself (4-bit layers dequantised once
-      per call where the policy is on the CPU), without log-probs. With ``processes > 1`` (data
+      ``engine_base``: ``int4`` (the export rewritten as a 4-bit GPTQ checkpoint, ``grpo.gptq``,
+      when ``base`` is given; else ``engine_dir`` holds one), ``dense``, or ``None``: int4 on
+      CUDA, dense elsewhere. transformers: the decode loop on the policy itself (4-bit layers
+      dequantised once per call where the policy is on the CPU), without log-probs. With ``processes > 1`` (data
       parallel) the decode loop runs on every rank, logged unless ``choice`` is ``transformers``:
       engine rollouts are not data-parallel yet.
 

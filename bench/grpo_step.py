@@ -130,7 +130,8 @@ def _memory_fields(device: str) -> dict:
 # ---------------------------------------------------------------------------- our step
 def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
     """Our ``train_step`` with rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
-    synced every step, ``grpo.engine_policy``) or ``transformers`` (the project's decode loop)."""
+    synced every step, in the form ``args.engine_weights``: ``grpo.engine_policy`` or
+    ``grpo.engine_adapter``) or ``transformers`` (the project's decode loop)."""
     import torch
 
     from grpo.base_model import load_tokenizer
@@ -155,7 +156,8 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
         lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
         backend = make_backend(rollout, tok, policy=model, base=ModelConfig(path=model_dir),
-                               engine_dir=workdir / "engine", engine=engine, **lengths, **engine_limits(cfg))
+                               engine_dir=workdir / "engine", engine=engine, engine_weights=args.engine_weights,
+                               **lengths, **engine_limits(cfg))
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted
@@ -359,6 +361,9 @@ def main() -> None:
                     help="who samples our rollouts: a vLLM engine holding the policy, our decode loop, or both "
                          "in one run (default: both where vLLM is installed)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of GPU memory / RAM")
+    ap.add_argument("--engine-weights", choices=["dense", "adapter"], default="dense",
+                    help="the vLLM engine's form (train.engine_weights): merged weights, or the base (4-bit on "
+                         "CUDA) + the policy's LoRA adapter")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,19 +1,23 @@
-"""The two ways to get the trained policy into a vLLM engine, measured: merged dense weights vs a
-LoRA adapter loaded through vLLM's LoRA support.
+"""The train engine's forms, measured: merged dense weights against the policy's LoRA adapter on
+the same dense base and on a 4-bit base.
 
     python bench/weight_sync.py [--model models/base] [--prompts 32] [--group 8] [--new-tokens 64] [--rounds 3]
+                                [--ways dense adapter adapter-int4] [--dtype auto] [--json FILE]
 
-Both engines start from the same dense export of the NF4 base (``grpo.policy.export_dense``), and
-the policy's LoRA adapter (r16 / alpha 32 on q/k/v/o, B drawn at random so that it matters) changes
-every round, as an optimizer step would. Per round and way:
+Each way is the engine ``make_backend`` builds for the train stage (``train.engine_weights``), in a
+fresh process, started from the NF4 base as training loads it; the policy's LoRA adapter (r16 /
+alpha 32 on q/k/v/o, B drawn at random so that it matters) changes every round, as an optimizer
+step would. Per round and way: ``sync`` (timed), then ``prompts x group`` completions (temperature 1,
+at most ``new-tokens``; timed), the mean |engine log-prob - policy log-prob| over their tokens
+(the policy teacher-forced on them: the gap the importance-sampling correction sees), and a greedy
+decode of the prompts compared with the policy's own NF4 + LoRA decode (exactness).
 
-* ``merged``: ``VLLMPolicyBackend.sync`` (``W + s B A`` written into the engine's fused layers).
-* ``lora``: the adapter saved with peft, then a new ``LoRARequest`` for it (vLLM loads the files).
+* ``dense``: ``VLLMPolicyBackend`` (``W + s B A`` written into the engine's fused layers).
+* ``adapter``: ``VLLMAdapterBackend`` on the dense base (the adapter saved, loaded under a new id).
+* ``adapter-int4``: the same on the 4-bit GPTQ base (``grpo.gptq``; needs a bf16/fp16 engine dtype).
 
-Then each engine samples ``prompts x group`` completions (temperature 1, at most ``new-tokens``)
-and greedily decodes the prompts; the greedy texts are compared with the policy's own decode loop
-on NF4 + LoRA (exactness). Prints the sync time, the sampling speed and the exact-match count of
-each way; ``--json`` writes them.
+Prints engine start, median sync time, median sampling speed, the log-prob gap and the exact-match
+count of each way; ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -28,18 +32,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+WAYS = {"dense": ("dense", None), "adapter": ("adapter", "dense"), "adapter-int4": ("adapter", "int4")}
+"""Way -> (``engine_weights``, ``engine_base``) for ``make_backend``."""
 
 
 def run(args, way: str) -> dict:
-    """One way, in this process: ``merged`` or ``lora``."""
+    """One way, in this process."""
     import torch
 
     from grpo.base_model import load_tokenizer
     from grpo.config import DEFAULT_SYSTEM_PROMPT, LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.data import build_prompt
     from grpo.jsonio import read_jsonl
-    from grpo.policy import export_dense, load_policy
-    from grpo.rollout import make_backend
+    from grpo.policy import load_policy
+    from grpo.rollout import TransformersBackend, make_backend
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=args.model)
@@ -47,24 +53,17 @@ def run(args, way: str) -> dict:
     tok = load_tokenizer(args.model)
     prompts = [build_prompt(tok, r["question"], DEFAULT_SYSTEM_PROMPT) for r in read_jsonl(args.data)[: args.prompts]]
     own = make_backend("transformers", tok, policy=model)  # NF4 + LoRA, dequantised once per call (exact, tested)
+    scorer = TransformersBackend(model, tok)  # teacher-forced log-probs of the policy
     sampling = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     greedy = dict(max_new_tokens=args.new_tokens, temperature=0.0)
-    out: dict = {"way": way, "sync_s": [], "tok_s": [], "exact": [], "prompts": len(prompts)}
+    weights, base = WAYS[way]
+    out: dict = {"way": way, "sync_s": [], "tok_s": [], "logp_gap_mean": [], "exact": [], "prompts": len(prompts)}
     with tempfile.TemporaryDirectory() as tmp:
-        engine_dir = Path(tmp) / "engine"
-        export_dense(model_cfg, None, engine_dir)
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
-        t0 = time.perf_counter()
-        if way == "merged":  # the engine starts from the export above
-            backend = make_backend("vllm", tok, policy=model, engine_dir=engine_dir, engine=engine)
-        else:
-            backend = make_backend("vllm", tok, model_dir=engine_dir, engine=engine, progress=False, enable_lora=True,
-                                   max_lora_rank=16, max_loras=1)
-            from vllm.lora.request import LoRARequest
+        t0 = time.perf_counter()  # export (and 4-bit rewrite) + engine start
+        backend = make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=Path(tmp) / "engine",
+                               engine=engine, dtype=args.dtype, engine_weights=weights, engine_base=base)
         out["engine_start_s"] = time.perf_counter() - t0
-        request = None
-        original = backend.llm.generate
-        backend.llm.generate = lambda *a, **k: original(*a, **k, lora_request=request) if request else original(*a, **k)
         for rnd in range(args.rounds):
             gen = torch.Generator().manual_seed(rnd)
             for n, p in model.named_parameters():
@@ -72,19 +71,15 @@ def run(args, way: str) -> dict:
                     p.data = torch.randn(p.shape, generator=gen) * 0.02
             reference = own.generate(prompts, 1, **greedy).texts
             t0 = time.perf_counter()
-            if way == "merged":
-                backend.sync(model)
-            else:
-                adapter = Path(tmp) / f"adapter_{rnd}"
-                model.save_pretrained(adapter)
-                if request is not None:
-                    backend.llm.llm_engine.remove_lora(request.lora_int_id)
-                request = LoRARequest(f"policy-{rnd}", rnd + 1, str(adapter))
-                backend.llm.llm_engine.add_lora(request)
+            backend.sync(model)
             out["sync_s"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             roll = backend.generate(prompts, args.group, **sampling)
             out["tok_s"].append(float(roll.completion_mask.sum()) / (time.perf_counter() - t0))
+            policy_logp = scorer._teacher_forced_logprobs(roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
+                                                          roll.completion_mask, args.group)
+            mask = roll.completion_mask.bool()
+            out["logp_gap_mean"].append(float((roll.logprobs - policy_logp).abs()[mask].mean()))
             texts = backend.generate(prompts, 1, **greedy).texts
             out["exact"].append(sum(a == b for a, b in zip(texts, reference)))
         backend.close()
@@ -100,7 +95,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--way", choices=["merged", "lora"], help=argparse.SUPPRESS)  # one way, in this process
+    ap.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS))
+    ap.add_argument("--dtype", default="auto", help="engine dtype (model.dtype); adapter-int4 needs bf16 or fp16")
+    ap.add_argument("--way", choices=list(WAYS), help=argparse.SUPPRESS)  # one way, in this process
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -108,17 +105,19 @@ def main() -> None:
         print(json.dumps(run(args, args.way)))
         return
     results = {}
-    for way in ("merged", "lora"):  # each engine in a fresh process
+    for way in args.ways:  # each engine in a fresh process
         proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--way", way], capture_output=True, text=True)
         if proc.returncode:
             print(f"{way}: failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
         results[way] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"{args.prompts} prompts x G={args.group}, <= {args.new_tokens} new tokens, {args.rounds} rounds")
-    print(f"{'way':<8} {'engine start s':>14} {'sync s (median)':>16} {'sampling tok/s (median)':>24}  greedy = policy")
+    print(f"{'way':<13} {'export+start s':>14} {'sync s (median)':>16} {'sampling tok/s (median)':>24} "
+          f"{'|logp gap| mean':>16}  greedy = policy")
     for way, r in results.items():
-        print(f"{way:<8} {r['engine_start_s']:14.1f} {statistics.median(r['sync_s']):16.3f} "
-              f"{statistics.median(r['tok_s']):24.1f}  {r['exact']} of {r['prompts']} per round")
+        print(f"{way:<13} {r['engine_start_s']:14.1f} {statistics.median(r['sync_s']):16.3f} "
+              f"{statistics.median(r['tok_s']):24.1f} {statistics.mean(r['logp_gap_mean']):16.5f}  "
+              f"{r['exact']} of {r['prompts']} per round")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -46,6 +46,7 @@ from grpo.distributed import (
     writes_outputs,
 )
 from grpo.jsonio import read_jsonl, write_json
+from grpo.memory import engine_weights_here
 from grpo.policy import load_policy
 from grpo.rollout import check_engine_memory, engine_rollouts, make_backend
 from grpo.trainer import GRPOTrainer
@@ -193,8 +194,12 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
     backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
                            engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
-                           dist=dist, **engine_limits(cfg, dist.world_size))
-    log.info("rollouts: %s (rank %d of %d)", backend.name, dist.rank, dist.world_size)
+                           dist=dist, **engine_limits(cfg, dist.world_size),
+                           engine_weights=engine_weights_here(params, Path("."), device)[0])
+    weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
+    base_form = f", {backend.base_form} base" if hasattr(backend, "base_form") else ""
+    log.info("rollouts: %s%s (rank %d of %d)", backend.name,
+             f" (engine weights: {weights_form}{base_form})" if weights_form else "", dist.rank, dist.world_size)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:
@@ -208,21 +213,24 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     selection = trainer.run.ship(adapter_dir, model, tokenizer, history)
     shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
 
-    summary = train_summary(history, backend.name, dist.world_size, selection)
+    summary = train_summary(history, backend.name, dist.world_size, selection, weights_form)
     write_json(summary_path, summary)
     for close in closers:
         close()
     log.info("adapter written to %s; summary %s", adapter_dir, summary)
 
 
-def train_summary(history: list[dict], backend: str, processes: int, selection: dict) -> dict:
-    """``metrics/train.json``: the run's shape, the last step's ``SUMMARY_KEYS``, accuracy over the
+def train_summary(history: list[dict], backend: str, processes: int, selection: dict,
+                  engine_weights: str | None = None) -> dict:
+    """``metrics/train.json``: the run's shape (with engine rollouts, the engine's weights form:
+    ``dense`` or ``adapter``), the last step's ``SUMMARY_KEYS``, accuracy over the
     first and last ten steps, the total time, the shipped adapter, the validation summary and, with
     engine rollouts, the sampler/trainer log-prob gap."""
     first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
     summary = {
         "steps": len(history),
         "rollout_backend": backend,
+        "engine_weights": engine_weights,
         "num_processes": processes,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
         "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),

@@ -91,3 +91,19 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+"""The adapter of the engine tests (tests/test_engine_policy.py, test_engine_adapter.py, test_gptq.py)."""
+ENGINE_PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
+
+
+def randomise_adapter(model, std: float, seed: int) -> None:
+    """Every LoRA weight of ``model`` drawn from N(0, std^2), seeded (B is 0 at init: this gives
+    the adapter a say)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=gen) * std

@@ -34,21 +34,15 @@ from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
 from .conftest import REPO
+from .helpers import ENGINE_LORA as LORA
+from .helpers import ENGINE_PROMPTS as PROMPTS
+from .helpers import randomise_adapter as _randomise_adapter
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
-LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memory_utilization=0.1,
                    max_num_batched_tokens=40)
 """The engine fixture's step: 8 completions; 40 tokens an iteration, below max_model_len (chunked prefill)."""
-PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
-
-
-def _randomise_adapter(model, std: float, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.data = torch.randn(p.shape, generator=gen) * std
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +194,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, ti
     assert [r["step"] for r in steps] == list(range(1, 7))  # none repeated, none skipped
     assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]
     summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
-    assert summary["rollout_backend"] == "vllm"
+    assert summary["rollout_backend"] == "vllm" and summary["engine_weights"] == "dense"  # auto, on the CPU
     # keep_best (the default): the best validation accuracy, earliest on ties, across the kill
     val = {r["step"]: r["val_accuracy"] for r in steps if "val_accuracy" in r}
     best = min(s for s, v in val.items() if v == max(val.values()))

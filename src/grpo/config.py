@@ -257,9 +257,11 @@ class TrainConfig(VLLMEngineConfig):
     """The base model the train engine holds: ``dense`` (the 4-bit base dequantised to the
     compute dtype, the policy's adapter merged into the adapted layers each step), ``adapter``
     (a 4-bit base on CUDA, the dense base on CPUs, the policy's adapter sent as a LoRA adapter each
-    step) or ``auto`` (``grpo.memory.resolve_engine_weights``: dense where its weights, overhead
-    and the KV cache of one step fit ``gpu_memory_utilization`` of the card, else adapter; dense
-    on CPUs). ``grpo check --device cuda --gpu-memory GIB`` shows the arithmetic."""
+    step through vLLM's LoRA support, ``grpo.engine_adapter``) or ``auto``
+    (``grpo.memory.resolve_engine_weights``: dense where its weights, overhead and the KV cache of
+    one step fit ``gpu_memory_utilization`` of the card, else adapter; dense on CPUs). ``grpo check
+    --device cuda --gpu-memory GIB`` shows the arithmetic; the chosen form is logged and written to
+    ``metrics/train.json``."""
     importance_sampling_correction: bool = True
     """With engine rollouts, weight each token's policy-gradient term by the truncated ratio
     ``min(pi_trainer / pi_engine, importance_sampling_cap)`` of the sampled token's probabilities

@@ -162,7 +162,15 @@ def engine_placement(device: str, processes: int) -> dict:
 
 
 class VLLMPolicyBackend(VLLMBackend):
-    """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``."""
+    """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``.
+
+    This class is the ``dense`` engine form (``weights_form``): merged weights written into the
+    engine. ``grpo.engine_adapter.VLLMAdapterBackend`` is the ``adapter`` form; it shares the
+    engine's start, sleep and wake-up and replaces ``engine_options``, ``prepare`` and ``sync``.
+    """
+
+    weights_form = "dense"
+    """How the policy reaches the engine: ``dense`` (merged weights) or ``adapter`` (a LoRA adapter)."""
 
     def __init__(self, model, tokenizer, engine_dir: str | Path, *, seed: int, dtype: str,
                  gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool = True, processes: int = 1,
@@ -173,10 +181,18 @@ class VLLMPolicyBackend(VLLMBackend):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         super().__init__(engine_dir, tokenizer, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False,
-                         **engine_placement(self.device, processes), **options)
-        self.weights = PolicyWeights(model, compute_dtype(dtype, self.device))
+                         **engine_placement(self.device, processes), **self.engine_options(model), **options)
         self.asleep = False
         self.synced_layers = 0
+        self.prepare(model, compute_dtype(dtype, self.device))
+
+    def engine_options(self, model) -> dict:
+        """More ``LLM`` arguments this engine form needs (none for merged weights)."""
+        return {}
+
+    def prepare(self, model, dtype: torch.dtype) -> None:
+        """Once, after the engine started: dequantise and keep the adapted layers' base weights."""
+        self.weights = PolicyWeights(model, dtype)
 
     def sync(self, model) -> None:
         """Write the policy's current adapted weights into the engine (``self.synced_layers``: how

@@ -337,10 +337,12 @@ def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
 # ------------------------------------------------------------------------------------- the engine
 ENGINE_BLOCK = 16
 """Tokens per KV-cache block of vLLM on CUDA (``CacheConfig.DEFAULT_BLOCK_SIZE``, config/cache.py:72)."""
-QUANT_GROUP = 128
-"""Weights per scale of the adapter engine's 4-bit base (a GPTQ/AWQ-format checkpoint)."""
+QUANT_GROUP = 64
+"""Weights per scale of the adapter engine's 4-bit base: ``grpo.gptq.GROUP_SIZES[0]`` (held here so
+that ``grpo check`` needs no torch import; tests/test_gptq.py holds them equal)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""vLLM's allowed ``max_lora_rank`` values (``MaxLoRARanks``, config/lora.py:26)."""
+"""vLLM's allowed ``max_lora_rank`` values (``MaxLoRARanks``, config/lora.py:26; held here so that
+``grpo check`` runs without vLLM; tests/test_engine_adapter.py holds it equal to vLLM's)."""
 SAMPLER_BYTES = 25
 """Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy
 (v1/sample/sampler.py:97), the raw log-probs the engine returns (sampler.py:89, 4), top-k/top-p's
@@ -527,7 +529,9 @@ def engine_plan(params, shapes: ModelShapes, device: str, prompt_tokens: int, ca
 def engine_weights_here(params, root: Path, device: str) -> tuple[str, str]:
     """``resolve_engine_weights`` for the train stage on this machine: the model's shapes from the
     workspace ``root``, the longest training prompt (else ``max_model_len - max_new_tokens``) and,
-    on CUDA, this card's total memory."""
+    on CUDA, this card's total memory (none of it looked up where no budget decides)."""
+    if params.train.engine_weights != "auto" or not device.startswith("cuda"):
+        return resolve_engine_weights(params, None, device, 0, None)
     shapes = resolve_shapes(params.model, root)
     if isinstance(shapes, str):
         raise FileNotFoundError(shapes)

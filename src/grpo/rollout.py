@@ -229,6 +229,9 @@ class VLLMBackend(RolloutBackend):
     """
 
     name = "vllm"
+    lora_request = None
+    """The ``vllm.lora.request.LoRARequest`` every generation call carries (``None``: the weights
+    alone; ``grpo.engine_adapter.VLLMAdapterBackend`` sets it at each sync)."""
 
     def __init__(self, model_path: str | Path, tokenizer, *, seed: int, dtype: str, gpu_memory_utilization: float,
                  max_model_len: int, enforce_eager: bool = True, max_num_seqs: int = 256, progress: bool = True,
@@ -305,7 +308,7 @@ class VLLMBackend(RolloutBackend):
                                 min_tokens=min(self.min_new_tokens, max_new_tokens), logprobs=0, detokenize=False)
         with _call_seed(seeds if self.seeds_calls else None):
             outs = self._engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params,
-                                           use_tqdm=self.progress)
+                                           use_tqdm=self.progress, lora_request=self.lora_request)
         pad = tok.pad_token_id
         p_len = max(map(len, ids))
         c_len = max(len(c.token_ids) for o in outs for c in o.outputs) or 1
@@ -360,7 +363,8 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
                  base: ModelConfig | None = None, engine_dir: str | Path | None = None,
                  engine: VLLMEngineConfig | None = None, seed: int = 0, dtype: str = "auto",
                  enforce_eager: bool = True, dist=None, max_prompt_tokens: int | None = None,
-                 min_new_tokens: int = 0, **engine_args) -> RolloutBackend:
+                 min_new_tokens: int = 0, engine_weights: str = "dense", engine_base: str | None = None,
+                 **engine_args) -> RolloutBackend:
     """The rollout backend every caller uses; the one place where ``choice`` is decided.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise transformers,
@@ -372,13 +376,17 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
     - ``policy``: the peft policy being trained (the train stage, the trainer's default, the
       benches). vLLM: a ``VLLMPolicyBackend`` started from ``engine_dir``, a dense export of the
       base (written there from ``base``, the base as training loads it, when given; else already
-      there); transformers: the decode loop on the policy itself (4-bit layers dequantised once
-      per call where the policy is on the CPU), without log-probs. Data parallel (``dist``
-      active: torch.distributed's default group joined), every rank calls this and builds its
-      own engine, which joins that group as vLLM's ``external_launcher`` executor
+      there), taking the policy as merged weights (``engine_weights="dense"``) or as a LoRA adapter
+      (``"adapter"``: ``grpo.engine_adapter.VLLMAdapterBackend``). The adapter engine's base is
+      ``engine_base``: ``int4`` (the export rewritten as a 4-bit GPTQ checkpoint, ``grpo.gptq``,
+      when ``base`` is given; else ``engine_dir`` holds one), ``dense``, or ``None``: int4 on
+      CUDA, dense elsewhere. transformers: the decode loop on the policy itself (4-bit layers
+      dequantised once per call where the policy is on the CPU), without log-probs. Data parallel
+      (``dist`` active: torch.distributed's default group joined), every rank calls this and builds
+      its own engine, which joins that group as vLLM's ``external_launcher`` executor
       (``grpo.engine_policy``) and is seeded ``seed + rank``; on a CPU ``check_engine_memory``
-      first refuses N shares of RAM that do not fit; local rank 0 alone writes the dense base and
-      every rank waits for it (a barrier) before its engine reads it.
+      first refuses N shares of RAM that do not fit; local rank 0 alone writes the engine's base
+      and every rank waits for it (a barrier) before its engine reads it.
 
     ``dist``: this process's ``grpo.distributed.Dist`` (``None``: one process; not imported here,
     so that the stages that only sample saved models do not depend on that module).
@@ -414,17 +422,31 @@ def make_backend(choice: str, tokenizer, *, model_dir: str | Path | None = None,
         return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
     if engine_dir is None:
         raise TypeError("make_backend: vLLM rollouts of a policy need engine_dir (where the engine's dense base is)")
+    if engine_weights not in ("dense", "adapter"):
+        raise ValueError(f"engine_weights: must be dense or adapter (the caller resolves auto); got {engine_weights!r}")
+    if engine_base not in (None, "dense", "int4"):
+        raise ValueError(f"engine_base: must be dense or int4; got {engine_base!r}")
     processes = dist.world_size if dist is not None and dist.active else 1
     if processes > 1:
         if default_device() == "cpu":
             check_engine_memory(engine.gpu_memory_utilization, local_engines(processes))
         settings["seed"] = seed + dist.rank  # independent sampling streams per rank
+    engine_base = engine_base or ("int4" if default_device() == "cuda" else "dense")
     if base is not None and (processes == 1 or dist.local_rank == 0):
         from grpo.policy import export_dense
 
         export_dense(base, None, engine_dir)
+        if engine_weights == "adapter" and engine_base == "int4":
+            from grpo.gptq import export_gptq
+
+            export_gptq(engine_dir, compute_dtype(dtype, default_device()))
     if processes > 1:
-        dist.barrier()  # the dense base is written before any rank's engine reads it
+        dist.barrier()  # the engine's base is written before any rank's engine reads it
+    if engine_weights == "adapter":
+        from grpo.engine_adapter import VLLMAdapterBackend
+
+        return VLLMAdapterBackend(policy, tokenizer, engine_dir, base_form=engine_base, processes=processes,
+                                  **settings)
     from grpo.engine_policy import VLLMPolicyBackend
 
     return VLLMPolicyBackend(policy, tokenizer, engine_dir, processes=processes, **settings)

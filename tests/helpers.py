@@ -7,7 +7,8 @@
 - ``_keys``, the dotted keys of a params tree (test_config, test_script_apply_preset);
 - ``run``, the ``grpo`` command in this process (test_cli, test_ask);
 - the engine tests' adapter, prompts and steps: ``ENGINE_LORA``, ``ENGINE_PROMPTS``, ``randomise_adapter``,
-  ``train_on_engine_rollouts`` (test_engine_policy, test_engine_adapter, test_gptq).
+  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_adapter, test_gptq);
+- ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients.
 """
 
 from __future__ import annotations
@@ -138,3 +139,28 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
         assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 1e-3
         assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     return rows
+
+
+def give_adapter_a_say(model, std: float) -> None:
+    """Every ``lora_B`` weight of ``model`` drawn from N(0, std^2) with torch's global generator
+    (B is 0 at init, so a fresh adapter changes nothing and its A gets no gradient)."""
+    import torch
+
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=std)
+
+
+def tiny_engine_policy(model_dir):
+    """``(model_cfg, policy, tokenizer)`` of the engine tests: the tiny model in fp32 with
+    ``ENGINE_LORA``, on the default device, after ``torch.manual_seed(0)``."""
+    import torch
+
+    from grpo.base_model import load_tokenizer
+    from grpo.config import LoraConfig, ModelConfig
+    from grpo.device import default_device
+    from grpo.policy import load_policy
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(path=str(model_dir), dtype="float32")
+    return model_cfg, load_policy(model_cfg, LoraConfig(**ENGINE_LORA), default_device()), load_tokenizer(model_dir)

@@ -9,7 +9,7 @@ import yaml
 
 from grpo.rewards import extract_answer
 
-from .helpers import run
+from .helpers import give_adapter_a_say, run
 
 pytestmark = pytest.mark.usefixtures("quiet_cli_env")
 
@@ -22,9 +22,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
     torch.manual_seed(1)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(), "cpu")
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
+    give_adapter_a_say(model, std=0.5)
     out = tmp_path_factory.mktemp("adapter")
     model.save_pretrained(out)
     return out

@@ -17,9 +17,7 @@ import pytest
 import torch
 import yaml
 
-from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
-from grpo.device import default_device
 from grpo.jsonio import write_jsonl
 from grpo.policy import load_policy
 from grpo.rollout import TransformersBackend, make_backend
@@ -28,7 +26,7 @@ from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
 from .helpers import ENGINE_PROMPTS as PROMPTS
 from .helpers import randomise_adapter as _randomise_adapter
-from .helpers import train_on_engine_rollouts
+from .helpers import tiny_engine_policy, train_on_engine_rollouts
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -46,10 +44,7 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
         pytest.skip("vLLM is not installed")
     from grpo.engine_adapter import VLLMAdapterBackend
 
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(path=str(tiny_vllm_model_dir), dtype="float32")
-    model = load_policy(model_cfg, LoraConfig(**LORA), default_device())
-    tok = load_tokenizer(tiny_vllm_model_dir)
+    model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
                       engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
                       dtype="float32", engine_weights="adapter", engine_base="dense") as backend:

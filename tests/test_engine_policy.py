@@ -24,7 +24,6 @@ import yaml
 from grpo.base_model import load_tokenizer
 from grpo.collect import engine_limits
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
-from grpo.device import default_device
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
 from grpo.policy import load_policy
@@ -36,7 +35,7 @@ from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
 from .helpers import ENGINE_PROMPTS as PROMPTS
 from .helpers import randomise_adapter as _randomise_adapter
-from .helpers import train_on_engine_rollouts
+from .helpers import tiny_engine_policy, train_on_engine_rollouts
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -53,10 +52,7 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
         pytest.skip("vLLM is not installed")
     from grpo.engine_policy import VLLMPolicyBackend
 
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(path=str(tiny_vllm_model_dir), dtype="float32")
-    model = load_policy(model_cfg, LoraConfig(**LORA), default_device())
-    tok = load_tokenizer(tiny_vllm_model_dir)
+    model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
                       engine=STEP, dtype="float32", **engine_limits(STEP)) as backend:
         assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"

@@ -12,7 +12,7 @@ from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.logprobs import selected_logprobs
 from grpo.policy import load_policy
 
-from .helpers import LORA
+from .helpers import LORA, give_adapter_a_say
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -26,9 +26,7 @@ def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_mo
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=checkpointing),
                         LoraConfig(**LORA))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.3)
+    give_adapter_a_say(model, std=0.3)
     model.train()
     body, head = lm_parts(model)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5)
@@ -163,9 +161,7 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.3)  # non-zero adapter: gradients reach A and B
+    give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     cfg = TrainConfig(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10,
                       checkpoint_every=0, entropy_top_quantile=0.3, micro_batches=2, logprob_chunk=3)
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)

@@ -9,7 +9,7 @@ import torch
 from grpo.config import LoraConfig, ModelConfig, ModelConfigError
 from grpo.policy import load_policy
 
-from .helpers import LORA
+from .helpers import LORA, give_adapter_a_say
 
 
 def test_policy_is_4bit_lora_and_reference_is_adapter_off(tiny_model_dir):
@@ -22,9 +22,7 @@ def test_policy_is_4bit_lora_and_reference_is_adapter_off(tiny_model_dir):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # a non-zero adapter changes the output; disable_adapter gives the base model back
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.5)
+    give_adapter_a_say(model, std=0.5)
     ids = torch.randint(3, 90, (1, 12))
     with torch.no_grad():
         with_adapter = model(input_ids=ids).logits

@@ -9,6 +9,8 @@ from grpo.config import LoraConfig, ModelConfig
 from grpo.policy import load_policy
 from grpo.sampling import decode, sample_tokens
 
+from .helpers import give_adapter_a_say
+
 
 def test_sample_tokens_follows_the_softmax():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(20000, 4)  # p = .5 .3 .2 0
@@ -35,9 +37,7 @@ def _policy(tiny_model_dir):
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=False),
                         LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.3)
+    give_adapter_a_say(model, std=0.3)
     return model.eval(), load_tokenizer(tiny_model_dir)
 
 

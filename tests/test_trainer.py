@@ -19,7 +19,7 @@ from grpo.rollout import TransformersBackend
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
-from .helpers import LORA
+from .helpers import LORA, give_adapter_a_say
 
 
 @pytest.mark.slow
@@ -146,9 +146,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.3)  # non-zero adapter: gradients reach A and B
+    give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
                   entropy_top_quantile=0.2, mu=mu)
     one = GRPOTrainer(model, tok, TrainConfig(**fields, micro_batches=1), tiny_problems)

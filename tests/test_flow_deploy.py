@@ -70,9 +70,8 @@ def test_scheduled_deployment_runs_on_the_server(prefect_server, tmp_path, tiny_
         assert runs[0]["auto_scheduled"] or any(r["auto_scheduled"] for r in runs)
         assert (ws / "data/raw/train.jsonl").exists()  # the scheduled run really ran the stage
         done = next(r for r in runs if r["state_type"] == "COMPLETED")
-        logs = httpx.post(f"{api}/logs/filter", timeout=10, json={"logs": {"flow_run_id": {"any_": [done["id"]]}}}).json()
         # a served run is a deployment run: it held the workspace's Prefect slot (the work pool tests below)
-        assert any(entry["message"].startswith("took the workspace slot grpo-workspace-") for entry in logs), logs
+        _wait_log(api, done["id"], "took the workspace slot grpo-workspace-", serve)
     finally:
         serve.terminate()
         serve.wait(timeout=30)
@@ -166,6 +165,15 @@ def _logs(api: str, run_id: str) -> str:
     return "\n".join(message for _, message in _log_entries(api, run_id))
 
 
+def _wait_log(api: str, run_id: str, text: str, worker: subprocess.Popen) -> tuple[float, str]:
+    """The first log entry of a run whose message holds ``text``, waiting for it: a run's process
+    ships its logs in batches from a background thread, so the run's state can be final on the server
+    before its last batch of logs has arrived."""
+    def found():
+        return next(((t, m) for t, m in _log_entries(api, run_id) if text in m), None)
+    return _wait_until(found, f"run {run_id}'s log line with {text!r}", worker, timeout=60)
+
+
 def _stamps(path: Path) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -241,8 +249,7 @@ def test_runs_of_one_workspace_queue_on_its_slot_and_fail_busy_without_it(pool_s
     wall = time.monotonic() - t0
 
     assert while_held == {first: "RUNNING", second: "RUNNING", third: "FAILED"}, while_held
-    busy = [line for line in _logs(api, third).splitlines() if "is busy: PID " in line]
-    assert busy, _logs(api, third)[-3000:]
+    busy = _wait_log(api, third, "is busy: PID ", worker)[1]
     assert [runs[i]["state"]["type"] for i in ids] == ["COMPLETED", "COMPLETED"], \
         {i: (runs[i]["state"]["name"], _logs(api, i)[-2000:]) for i in ids}
     stamps = _stamps(stamps_log)
@@ -250,7 +257,7 @@ def test_runs_of_one_workspace_queue_on_its_slot_and_fail_busy_without_it(pool_s
     gap = stamps[second]["start"] - stamps[first]["end"]
     assert gap >= 0, f"the runs overlapped in the workspace: {stamps}"
     # the second asked for the slot while the first held it, and got it only once the first let it go
-    took = {i: next((t, m) for t, m in _log_entries(api, i) if m.startswith("took the workspace slot")) for i in ids}
+    took = {i: _wait_log(api, i, "took the workspace slot", worker) for i in ids}
     waited = float(took[second][1].split(" after ")[1].split()[0])
     assert took[second][0] - waited < stamps[first]["end"] <= took[second][0], (took, stamps)
     said = "waiting for the slot" in _logs(api, second)  # when it found the slot taken before asking for it
@@ -261,4 +268,4 @@ def test_runs_of_one_workspace_queue_on_its_slot_and_fail_busy_without_it(pool_s
           f"\nsecond {second}: stage {stamps[second]['start']:.2f} -> {stamps[second]['end']:.2f}"
           f" ({gap:.2f} s after the first's end)\nsecond took the slot {took[second][0] - stamps[first]['end']:.2f} s"
           f" after the first's stage ended, having waited {waited:.1f} s (logged that it was waiting: {said});"
-          f" both completed {wall:.1f} s after creation\nthird (no slot) FAILED: {busy[0][:300]}")
+          f" both completed {wall:.1f} s after creation\nthird (no slot) FAILED: {busy[:300]}")

@@ -24,6 +24,7 @@ import yaml
 from grpo.base_model import load_tokenizer
 from grpo.collect import engine_limits
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.engine_policy import cpu_kv_cache_bytes
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
 from grpo.policy import load_policy
@@ -80,7 +81,7 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
 @pytest.mark.slow
 @pytest.mark.cuda
 @needs_vllm
-def test_the_engine_is_bounded_to_one_step(engine, tiny_vllm_model_dir):
+def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, tiny_vllm_model_dir):
     """The live engine's scheduler (not our dict) holds the step's bounds: as many sequences as the
     step's 8 completions, 40 tokens an iteration (below max_model_len 256: prompts are prefilled in
     chunks, and the sync test's greedy outputs still equal the policy's). Its KV cache spec gives
@@ -98,6 +99,10 @@ def test_the_engine_is_bounded_to_one_step(engine, tiny_vllm_model_dir):
                     for g in kv.kv_cache_groups)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_vllm_model_dir))
     assert per_token == memory.kv_bytes_per_token(shapes, 4) == 2 * 2 * 1 * 64 * 4
+    # on a CPU its KV cache is one call's, 8 sequences of max_model_len 256, not a share of the RAM
+    block = kv.kv_cache_groups[0].kv_cache_spec.block_size
+    assert kv.num_blocks * block * per_token == cpu_kv_cache_bytes(model.config, 8, 256, torch.float32)
+    assert kv.num_blocks * block == 8 * 256
     rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
     assert rollout.completion_ids.shape[0] == 8
 

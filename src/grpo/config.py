@@ -162,7 +162,9 @@ class VLLMEngineConfig(Section):
 
     gpu_memory_utilization: Fraction = 0.5
     """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
-    little KV cache makes the engine preempt and recompute sequences."""
+    little KV cache makes the engine preempt and recompute sequences. On a CPU the train engine's KV
+    cache is one generation call's instead (``grpo.engine_policy.cpu_kv_cache_bytes``) and the
+    share is what ``grpo.rollout.check_engine_memory`` checks for N processes."""
     max_model_len: Positive = 1024
     """vLLM: longest prompt + completion the engine accepts."""
 

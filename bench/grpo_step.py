@@ -137,7 +137,8 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
     from grpo.base_model import load_tokenizer
     from grpo.collect import engine_limits
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
-    from grpo.device import default_device
+    from grpo.device import compute_dtype, default_device
+    from grpo.memory import cpu_engine_kv
     from grpo.policy import load_policy
     from grpo.rollout import make_backend
     from grpo.trainer import GRPOTrainer
@@ -155,9 +156,11 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
         cfg = _train_config(args, overrides, workdir)
         lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
+        limits = engine_limits(cfg)  # the engine as the train stage bounds it: one call's sequences and KV cache
+        kv = cpu_engine_kv(model.config, device, limits["max_num_seqs"], engine.max_model_len, compute_dtype("auto", device))
         backend = make_backend(rollout, tok, policy=model, base=ModelConfig(path=model_dir),
                                engine_dir=workdir / "engine", engine=engine, engine_weights=args.engine_weights,
-                               **lengths, **engine_limits(cfg))
+                               **lengths, **limits, **kv)
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted

@@ -24,9 +24,9 @@ import yaml
 from grpo.base_model import load_tokenizer
 from grpo.collect import engine_limits
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
-from grpo.engine_policy import cpu_kv_cache_bytes
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
+from grpo.memory import cpu_engine_kv
 from grpo.policy import load_policy
 from grpo.rollout import TransformersBackend, make_backend
 from grpo.trainer import GRPOTrainer
@@ -55,7 +55,8 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
 
     model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
-                      engine=STEP, dtype="float32", **engine_limits(STEP)) as backend:
+                      engine=STEP, dtype="float32", **engine_limits(STEP),
+                      **cpu_engine_kv(model.config, "cpu", 8, STEP.max_model_len, torch.float32)) as backend:
         assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"
         yield model, tok, backend
 
@@ -101,7 +102,8 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
     assert per_token == memory.kv_bytes_per_token(shapes, 4) == 2 * 2 * 1 * 64 * 4
     # on a CPU its KV cache is one call's, 8 sequences of max_model_len 256, not a share of the RAM
     block = kv.kv_cache_groups[0].kv_cache_spec.block_size
-    assert kv.num_blocks * block * per_token == cpu_kv_cache_bytes(model.config, 8, 256, torch.float32)
+    assert kv.num_blocks * block * per_token == cpu_engine_kv(model.config, "cpu", 8, 256, torch.float32)[
+        "kv_cache_memory_bytes"]
     assert kv.num_blocks * block == 8 * 256
     rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
     assert rollout.completion_ids.shape[0] == 8

@@ -61,7 +61,7 @@ def test_generation_calls_cover_every_completion_once(n, g, size, expected):
 
 
 @pytest.mark.parametrize("fields,processes,expected", [
-    ({}, 1, (16, 2048)),                                                    # the default step: 4 prompts x G = 4
+    ({}, 1, (16, 2048)),                                                    # 4 prompts x G = 4
     ({"prompts_per_step": 2, "group_size": 8}, 1, (16, 2048)),             # seed 003
     ({"generation_batch_size": 6}, 1, (4, 2048)),                          # whole groups of 4 per call
     ({"generation_batch_size": 3}, 1, (3, 2048)),                          # a group over calls of 3 + 1
@@ -70,7 +70,7 @@ def test_generation_calls_cover_every_completion_once(n, g, size, expected):
     ({"max_model_len": 64}, 1, (16, 1024)),                                # at most max_num_seqs x max_model_len
 ])
 def test_the_engine_is_bounded_to_one_generation_call(fields, processes, expected):
-    limits = engine_limits(TrainConfig(**fields), processes)
+    limits = engine_limits(TrainConfig(**{"group_size": 4, **fields}), processes)  # G = 4 unless given
     assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == expected
 
 

@@ -163,7 +163,7 @@ class VLLMEngineConfig(Section):
     gpu_memory_utilization: Fraction = 0.5
     """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
     little KV cache makes the engine preempt and recompute sequences. On a CPU the train engine's KV
-    cache is one generation call's instead (``grpo.engine_policy.cpu_kv_cache_bytes``) and the
+    cache is one generation call's instead (``grpo.memory.cpu_engine_kv``) and the
     share is what ``grpo.rollout.check_engine_memory`` checks for N processes."""
     max_model_len: Positive = 1024
     """vLLM: longest prompt + completion the engine accepts."""
@@ -239,7 +239,7 @@ class TrainConfig(VLLMEngineConfig):
     """Optimizer steps."""
     prompts_per_step: Positive = 4
     """Distinct prompts per step; each gets ``group_size`` completions."""
-    group_size: Annotated[int, Field(ge=2)] = 4
+    group_size: Annotated[int, Field(ge=2)] = 8
     """G: completions per prompt (>= 2, a group of one has no baseline)."""
     max_new_tokens: Positive = 24
     """Completion length cap."""
@@ -290,7 +290,7 @@ class TrainConfig(VLLMEngineConfig):
     release_generation_memory: bool = True
     """After the rollouts, collect garbage and return the CUDA cache's free blocks before the
     training forward (lowers peak *reserved* memory; no effect on the CPU)."""
-    lr: PositiveFloat = 5e-4
+    lr: PositiveFloat = 3e-4
     """AdamW peak learning rate (LoRA parameters only)."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """AdamW weight decay."""

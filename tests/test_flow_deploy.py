@@ -73,8 +73,7 @@ def test_scheduled_deployment_runs_on_the_server(prefect_server, tmp_path, tiny_
         # a served run is a deployment run: it held the workspace's Prefect slot (the work pool tests below)
         _wait_log(api, done["id"], "took the workspace slot grpo-workspace-", serve)
     finally:
-        serve.terminate()
-        serve.wait(timeout=30)
+        stop_process(serve)  # SIGTERM; SIGKILL when a loaded machine keeps it (a next run may be starting) past 30 s
 
 
 POOL = "grpo-pool"

@@ -5,9 +5,12 @@ import torch
 import grpo.device as device
 
 
-def test_compute_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpus():
+def test_compute_dtype_auto_is_bf16_on_cuda_and_follows_native_bf16_on_cpus(monkeypatch):
     assert device.compute_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     assert device.compute_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    assert device.compute_dtype("auto", "cpu") == torch.bfloat16
     assert device.compute_dtype("bfloat16", "cpu") == torch.bfloat16
     assert device.compute_dtype("float32", "cuda") == torch.float32
 
@@ -26,14 +29,15 @@ def test_sampling_dtype_auto_follows_native_bf16(tmp_path, monkeypatch):
     assert device.sampling_dtype("auto", "cpu") == "bfloat16"
 
 
-def test_auto_is_bf16_from_compute_capability_8_and_fp16_below():
+def test_auto_is_bf16_from_compute_capability_8_and_fp16_below(monkeypatch):
     """vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654 in 0.32.0)."""
     for capability, dtype in (((7, 5), torch.float16), ((7, 0), torch.float16), ((6, 1), torch.float16),
                               ((8, 0), torch.bfloat16), ((8, 6), torch.bfloat16), ((9, 0), torch.bfloat16),
                               ((12, 0), torch.bfloat16), (None, torch.bfloat16)):
         assert device.compute_dtype("auto", "cuda", capability) == dtype, capability
         assert device.sampling_dtype("auto", "cuda", capability) == str(dtype).removeprefix("torch.")
-    assert device.compute_dtype("auto", "cpu", (7, 5)) == torch.float32  # CPUs: fp32 whatever is asked
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    assert device.compute_dtype("auto", "cpu", (7, 5)) == torch.float32  # CPUs: the capability is a GPU's
     assert device.compute_dtype("float16", "cpu") == torch.float16
     assert device.compute_dtype("bfloat16", "cuda", (7, 5)) == torch.bfloat16  # named: as named
 

@@ -129,7 +129,7 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
     the weight; with the switch off it is unchanged."""
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     _randomise_adapter(model, std=0.3, seed=1)
     rollout = TransformersBackend(model, tok, min_new_tokens=4).generate(PROMPTS[:2], 2, max_new_tokens=6)
     base = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.device("cpu"))

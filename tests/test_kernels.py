@@ -140,3 +140,26 @@ def test_logprob_grad_at_qwen2_vocab_on_cuda():
     torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(logp, logp_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fallbacks_in_row_blocks_equal_one_pass(dtype):
+    """On CPU tensors the torch fallbacks run a few rows at a time (``by_row_blocks``): the same
+    values, and the same gradient written over the logits, as one pass over every row."""
+    from grpo.kernels.entropy_logprob import CPU_BLOCK_BYTES
+
+    vocab = CPU_BLOCK_BYTES // 4 // 3  # 3 rows a block: 10 rows make 4 blocks, the last partial
+    torch.manual_seed(1)
+    logits = (torch.randn(10, vocab) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (10,))
+    ent, logp = entropy_logprob(logits, targets, "torch")
+    ent_ref, logp_ref = entropy_logprob_torch(logits, targets)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-6, atol=1e-6)
+    blocked, whole = logits.clone(), logits.clone()
+    lse, logp = logprob_grad(blocked, targets, "torch")
+    lse_ref, logp_ref = logprob_grad_torch(whole, targets)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(blocked, logits)  # the gradient was written over the logits ...
+    torch.testing.assert_close(blocked, whole)  # ... in every block

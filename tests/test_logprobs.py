@@ -24,7 +24,7 @@ def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_mo
     from grpo.policy import lm_parts
 
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=checkpointing),
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=checkpointing),
                         LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)
     model.train()
@@ -160,7 +160,7 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     cfg = TrainConfig(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10,
                       checkpoint_every=0, entropy_top_quantile=0.3, micro_batches=2, logprob_chunk=3)

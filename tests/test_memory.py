@@ -50,7 +50,7 @@ def test_lora_nf4_and_kv_cache_terms_equal_the_real_objects(which, tiny_model_di
 
     path = tiny_model_dir if which == "tiny" else smol_width_dir
     shapes = memory.model_shapes(AutoConfig.from_pretrained(path))
-    base = load_training_base(ModelConfig(path=str(path)), "cpu")
+    base = load_training_base(ModelConfig(path=str(path), dtype="float32"), "cpu")
     # NF4 weights + the rest in fp32: to the byte (the brief allows 10%)
     assert memory.weight_bytes(shapes, "nf4", 4) == real_weight_bytes(base)
     # KV cache of a short fixed-length generation: 4 rows, 12 prompt tokens (3 padded) + 5 generated - 1

@@ -21,7 +21,7 @@ def test_4bit_layers_keep_the_standard_layout_and_repacked_ones_are_refused(tiny
     from grpo.nf4 import dense_weight
     from grpo.policy import load_training_base
 
-    model = load_training_base(ModelConfig(path=str(tiny_model_dir)), "cpu")
+    model = load_training_base(ModelConfig(path=str(tiny_model_dir), dtype="float32"), "cpu")
     layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
     assert layer.support_avx512bf16_for_cpu is False
     before = dense_weight(layer).clone()  # (out, in)
@@ -43,7 +43,7 @@ def test_dequantized_weights_are_exact_and_temporary(tiny_model_dir):
 
     from grpo.nf4 import dequantized_weights
 
-    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.5)  # the adapter must still apply inside the block
     ids = torch.randint(3, 90, (2, 10))
     with torch.no_grad():

@@ -145,7 +145,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
                   entropy_top_quantile=0.2, mu=mu)

@@ -3,7 +3,7 @@
 The policy is the one final evaluation scores: ``grpo.policy.export_dense`` writes the base as
 training loads it (4-bit NF4 when ``model.quantization`` is ``nf4``) dequantised to dense weights,
 with the adapter merged (``merge_and_unload``), into a temporary directory; that directory is
-loaded in ``model.dtype`` (``auto``: bf16 on CUDA, fp32 on CPUs) like evaluation's transformers
+loaded in ``model.dtype`` (``auto``: ``grpo.device.compute_dtype``) like evaluation's transformers
 backend. The prompt is ``grpo.data.build_prompt`` with ``train.system_prompt``; decoding is greedy
 (``model.generate``, whose greedy tokens equal ``grpo.sampling.decode``'s, tested there), stops at
 the same EOS ids as the rollout backend and is capped at ``evaluate.max_new_tokens`` unless told

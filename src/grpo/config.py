@@ -139,7 +139,7 @@ class ModelConfig(Section):
     dtype: Dtype = "auto"
     """Compute dtype: ``bfloat16``, ``float16``, ``float32``, or ``auto`` (``grpo.device.compute_dtype``:
     bf16 on GPUs of compute capability 8.0 or newer, fp16 on older GPUs, where vLLM refuses bf16;
-    fp32 on CPUs)."""
+    bf16 on CPUs with native bf16 instructions, fp32 on other CPUs)."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in backward instead of storing them."""
 

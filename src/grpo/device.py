@@ -7,14 +7,12 @@
   the driver the build needs and ``GRPO_DEVICE=cpu``: never a silent run on the CPU.
 * ``compute_dtype(setting, device)``: the training/evaluation compute dtype for a ``model.dtype``
   setting: ``auto`` is bf16 on GPUs of compute capability 8.0 or newer, fp16 on older GPUs (vLLM
-  refuses bf16 there) and fp32 on CPUs (bf16 matmuls are slow on CPUs without native bf16
-  instructions, and training there stays in fp32 on every CPU for one behaviour).
+  refuses bf16 there), bf16 on CPUs with native bf16 instructions (AVX512-BF16 or AMX-BF16) and
+  fp32 on other CPUs (bf16 matmuls are slow without them).
 * ``free_cuda_cache(device)``: give the CUDA caching allocator's unused blocks back to the driver
   before memory is handed to something outside PyTorch's allocator (a vLLM engine waking up or
   starting); nothing on CPUs.
-* ``sampling_dtype(setting, device)``: the sampler's dtype for a ``sent.dtype`` setting: ``auto``
-  is ``compute_dtype``'s choice on CUDA, bf16 on CPUs with native bf16 (AVX512-BF16 or
-  AMX-BF16), fp32 on other CPUs.
+* ``sampling_dtype(setting, device)``: ``compute_dtype``'s choice as a vLLM dtype name.
 """
 
 from __future__ import annotations
@@ -101,10 +99,11 @@ def cuda_half_dtype(capability: tuple[int, int] | None) -> torch.dtype:
 
 def compute_dtype(setting: str, device: str | torch.device, capability: tuple[int, int] | None = None) -> torch.dtype:
     """``bfloat16`` / ``float16`` / ``float32`` as named; ``auto``: on CUDA ``cuda_half_dtype`` of
-    ``capability`` (default: the device's own), on CPUs fp32."""
+    ``capability`` (default: the device's own); on CPUs bf16 where the CPU has native bf16
+    instructions (``cpu_has_native_bf16``), else fp32."""
     if setting == "auto":
         if torch.device(device).type != "cuda":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return cuda_half_dtype(capability if capability is not None else cuda_capability(device))
     return getattr(torch, setting)
 
@@ -119,15 +118,10 @@ def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
 
 
 def sampling_dtype(setting: str, device: str | torch.device, capability: tuple[int, int] | None = None) -> str:
-    """The sampler's dtype name: an explicit one as given; ``auto``: on CUDA ``compute_dtype``'s
-    choice (bf16, fp16 below compute capability 8.0), ``bfloat16`` on CPUs with native bf16,
-    ``float32`` on CPUs without it (slow bf16 kernels there; the README's SENT speed table has the
-    figures)."""
+    """The sampler's dtype name: an explicit one as given; ``auto``: ``compute_dtype``'s choice."""
     if setting != "auto":
         return setting
-    if torch.device(device).type == "cuda":
-        return str(compute_dtype("auto", device, capability)).removeprefix("torch.")
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return str(compute_dtype("auto", device, capability)).removeprefix("torch.")
 
 
 def free_cuda_cache(device: str | torch.device) -> None:

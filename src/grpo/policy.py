@@ -82,7 +82,7 @@ def lm_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def load_base_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"):
     """The base model unquantised in eval mode (generation fallback and evaluation). ``dtype``:
-    ``auto`` (bf16 on CUDA, fp32 on CPUs), ``bfloat16`` or ``float32``."""
+    ``auto`` (``grpo.device.compute_dtype``), ``bfloat16`` or ``float32``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype(dtype, device)).to(device)

@@ -9,7 +9,9 @@ log-sum-exp over vocabulary blocks,
 so neither the softmax nor an fp32 copy of the (rows, V) logits is ever materialised: each
 program reads its row once in BLOCK-sized pieces and writes two floats. ``entropy_logprob_torch``
 is the reference (and the fallback where Triton cannot run: CPU tensors outside
-``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET=1``). On CPU tensors the fallback runs a few rows at a time (``by_row_blocks``), so
+its fp32 temporaries stay in the CPU's cache instead of streaming through RAM once per operation
+(docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ def triton_available(device: torch.device | str) -> bool:
         return False
     device = torch.device(device)
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+CPU_BLOCK_BYTES = 4 << 20
+"""The size of one fp32 block of logits that the torch fallback works on at a time on CPU tensors."""
+
+
+def by_row_blocks(fn, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``fn(logits, targets) -> (a, b)`` per row, run on blocks of ``CPU_BLOCK_BYTES`` of fp32 rows
+    when the logits are on a CPU (each block a view: in-place work lands in ``logits``), at once on
+    GPUs; the per-row outputs concatenated."""
+    step = max(1, CPU_BLOCK_BYTES // (4 * logits.shape[-1]))
+    if logits.is_cuda or step >= logits.shape[0]:
+        return fn(logits, targets)
+    parts = [fn(logits[i : i + step], targets[i : i + step]) for i in range(0, logits.shape[0], step)]
+    return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
 
 
 def use_triton(logits: Tensor, backend: str) -> bool:
@@ -98,4 +115,4 @@ def entropy_logprob(logits: Tensor, targets: Tensor, backend: str = "auto") -> t
         if not triton_available(logits.device):
             raise RuntimeError("the triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
         return entropy_logprob_triton(logits, targets)
-    return entropy_logprob_torch(logits, targets)
+    return by_row_blocks(entropy_logprob_torch, logits, targets)

@@ -8,7 +8,8 @@ and writes the gradient into the logits' own storage (in their dtype), so the on
 tensor is the logits themselves: the LM head with grad (``grpo.logprobs.selected_logprobs``) needs
 no fp32 copy of them. The Triton kernel sweeps each row twice (an online log-sum-exp, then the
 gradient), with fp32 arithmetic in registers. ``logprob_grad_torch`` is the reference and the
-fallback; it works in place on fp32 logits and on one fp32 copy of lower-precision ones.
+fallback; it works in place on fp32 logits and on one fp32 copy of lower-precision ones, on CPU
+tensors a few rows at a time (``by_row_blocks``) (as ``entropy_logprob``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo.kernels.entropy_logprob import triton, triton_available, use_triton
+from grpo.kernels.entropy_logprob import by_row_blocks, triton, triton_available, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -86,4 +87,4 @@ def logprob_grad(logits: Tensor, targets: Tensor, backend: str = "auto") -> tupl
         if not triton_available(logits.device):
             raise RuntimeError("the triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
         return logprob_grad_triton(logits, targets)
-    return logprob_grad_torch(logits, targets)
+    return by_row_blocks(logprob_grad_torch, logits, targets)

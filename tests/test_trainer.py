@@ -187,3 +187,44 @@ def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_probl
     for r in rows:
         drawn = {stage_of_question[s["question"]] for s in samples if s["step"] == r["step"]}
         assert drawn == {r["stage"]}, r["step"]
+
+
+def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_problems, tmp_path):
+    """A step of three groups, the middle one rewarded alike: ``update_rows`` drops it, and with
+    every token kept the update over the other two (the loss normalised over all three) has the
+    gradients of the update over all three. With ``beta > 0`` nothing is dropped; a process whose
+    groups all lack signal keeps one group with every token masked out (it gives no gradient)."""
+    from grpo.loss import group_advantages
+    from grpo.types import StepRollouts
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
+    give_adapter_a_say(model, std=0.3)
+    fields = dict(output_dir=str(tmp_path), prompts_per_step=3, group_size=4, max_new_tokens=8, checkpoint_every=0,
+                  entropy_top_quantile=1.0)
+    trainer = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)
+    prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:3]]
+    rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
+    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0])  # (12,): group 1 all alike
+    advantages = group_advantages(rewards, 4)
+    scored = StepRollouts(tiny_problems[:3], 0, ["1"] * 12, rollout, rewards.tolist(), rewards, {}, advantages)
+    batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
+    normalizer = trainer.passes.step_normalizer(batch.mask)
+
+    rows = trainer.update_rows(batch, scored)
+    assert torch.equal(rows.input_ids, torch.cat([batch.input_ids[:4], batch.input_ids[8:]]))
+    grads = []
+    for part in (batch, rows):
+        model.zero_grad(set_to_none=True)
+        trainer.passes.accumulate_gradients(part, normalizer)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-6)
+    assert any(g.abs().max() > 1e-4 for g in grads[0].values())
+
+    with_kl = GRPOTrainer(model, tok, TrainConfig(**fields, beta=0.04), tiny_problems)
+    assert with_kl.update_rows(batch, scored) is batch
+    rank = StepRollouts(tiny_problems[1:2], 1, ["1"] * 4, rollout, rewards[4:8].tolist(), rewards, {}, advantages[4:8])
+    placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only
+    assert len(placeholder) == 4 and placeholder.mask.sum() == 0

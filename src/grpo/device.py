@@ -13,6 +13,8 @@
   before memory is handed to something outside PyTorch's allocator (a vLLM engine waking up or
   starting); nothing on CPUs.
 * ``sampling_dtype(setting, device)``: ``compute_dtype``'s choice as a vLLM dtype name.
+* ``attention_implementation(device)``: the transformers attention of the trained policy:
+  ``eager`` on CPUs, ``sdpa`` on CUDA.
 """
 
 from __future__ import annotations
@@ -122,6 +124,15 @@ def sampling_dtype(setting: str, device: str | torch.device, capability: tuple[i
     if setting != "auto":
         return setting
     return str(compute_dtype("auto", device, capability)).removeprefix("torch.")
+
+
+def attention_implementation(device: str | torch.device) -> str:
+    """The transformers ``attn_implementation`` of the policy on ``device``: ``sdpa`` on CUDA (its
+    fused kernels never hold the (N, heads, T, T) attention weights, which eager keeps for backward:
+    gigabytes at seed 003's 640 tokens), ``eager`` on CPUs, where the step's attention is small and
+    torch's CPU ``scaled_dot_product_attention`` with a padding mask runs slower forward and
+    backward than the plain matmul-softmax-matmul (docs/results.md, the eager-attention entry)."""
+    return "sdpa" if torch.device(device).type == "cuda" else "eager"
 
 
 def free_cuda_cache(device: str | torch.device) -> None:

@@ -54,6 +54,13 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> 
     return centred.view(-1)  # (N,)
 
 
+def signal_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """(P,) bool: the groups of (N,) ``rewards`` (G contiguous completions each) whose rewards are
+    not all equal, the only ones with non-zero advantages."""
+    grouped = rewards.view(-1, group_size)  # (P, G)
+    return (grouped != grouped[:, :1]).any(dim=1)  # (P,)
+
+
 def loss_normalizer(mask: Tensor, loss_type: str, max_length: int | None = None) -> float:
     """The denominator of ``loss_type`` for a whole batch; pass it to every micro-batch's
     ``grpo_loss`` so that gradient accumulation sums to the full-batch loss."""

@@ -62,8 +62,11 @@ to whole groups as the trainer slices them), with ``T = P + C``:
     them the saved ones counted above: the product the down projection's 4-bit matmul keeps, the
     gradients of its input and of the gate and up outputs, and the gate's sigmoid).
 
-Attention is transformers' SDPA with a padding mask (GRPO batches are ragged: prompts of several
-lengths, completions that end early); the estimate is for the first, largest micro-batch.
+Attention is transformers' SDPA with a padding mask on CUDA (GRPO batches are ragged: prompts of
+several lengths, completions that end early) and eager attention on CPUs
+(``grpo.device.attention_implementation``): it saves the fp32 softmax output and its 16-bit cast
+per (query, key) pair (``pair_bytes``) instead of SDPA's mask and log-sum-exp. The estimate is for the first, largest
+micro-batch.
 
 With engine rollouts on CUDA (``engine`` given to ``estimate``) the generation phase holds, instead of
 the decode loop's KV cache and logits, the vLLM engine's whole budget, ``gpu_memory_utilization x``
@@ -93,6 +96,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from grpo.device import attention_implementation
 
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
@@ -291,14 +296,23 @@ def layer_token_bytes(shapes: ModelShapes, b: int, lora_rank: int, targets: list
     """Bytes autograd saves per decoder layer and query token (without the key/value and mask terms)."""
     h, a, d = shapes.hidden, shapes.heads, shapes.head_dim
     hit = _layer_targets(shapes, targets)
-    return (2 * (4 * h + 4) + 2 * a * d * b + 4 * a + 3 * shapes.intermediate * b
+    lse = 4 * a if attention_implementation(device) == "sdpa" else 0  # SDPA's fp32 log-sum-exp
+    return (2 * (4 * h + 4) + 2 * a * d * b + lse + 3 * shapes.intermediate * b
             + 4 * lora_rank * len(hit) + _lora_input_bytes(shapes, hit, b, dropout, dropout_mask_bytes(device)))
 
 
-def _pass_bytes(shapes, per_token, rows, q_len, kv_len, b, padded) -> int:
+def pair_bytes(shapes: ModelShapes, b: int, padded: bool, device: str) -> int:
+    """Bytes saved per (query, key) pair of a row: SDPA's padding mask (``b``; none unpadded), or
+    eager attention's softmax output, which transformers takes in fp32, and its cast to ``b`` for
+    the product with the values (``4 a``, ``(4 + b) a`` when ``b`` < 4)."""
+    if attention_implementation(device) == "eager":
+        return shapes.heads * (4 + (b if b != 4 else 0))
+    return b if padded else 0
+
+
+def _pass_bytes(shapes, per_token, rows, q_len, kv_len, b, padded, device) -> int:
     kv = 2 * (shapes.heads if padded else shapes.kv_heads) * shapes.head_dim * b
-    mask = b if padded else 0
-    return rows * (q_len * per_token + kv_len * kv + q_len * kv_len * mask)
+    return rows * (q_len * per_token + kv_len * kv + q_len * kv_len * pair_bytes(shapes, b, padded, device))
 
 
 def activation_bytes(shapes: ModelShapes, *, rows: int, prompt: int, completion: int, group: int, b: int,
@@ -311,13 +325,13 @@ def activation_bytes(shapes: ModelShapes, *, rows: int, prompt: int, completion:
     final norm makes up for."""
     per_token = layer_token_bytes(shapes, b, lora_rank, targets, dropout, device)
     t = prompt + completion
-    one_layer = _pass_bytes(shapes, per_token, rows, t, t, b, padded)
+    one_layer = _pass_bytes(shapes, per_token, rows, t, t, b, padded, device)
     if checkpointing:
         return rows * t * (shapes.layers * shapes.hidden * b + 4 * shapes.hidden + 4), one_layer
     tokens = rows * t
     if shared and group > 1 and rows % group == 0 and completion > 1:
-        one_layer = (_pass_bytes(shapes, per_token, rows // group, prompt, prompt, b, padded)
-                     + _pass_bytes(shapes, per_token, rows, completion - 1, t - 1, b, padded))
+        one_layer = (_pass_bytes(shapes, per_token, rows // group, prompt, prompt, b, padded, device)
+                     + _pass_bytes(shapes, per_token, rows, completion - 1, t - 1, b, padded, device))
         tokens = rows // group * prompt + rows * (completion - 1)
     first_masks = 0
     if dropout > 0:

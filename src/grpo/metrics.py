@@ -4,9 +4,9 @@ A statistic of the update (``UPDATE``) is accumulated over the micro-batches of 
 (``Sums.add``: a sum, or a max), combined over the ``mu`` updates of a step (their mean, or the
 first update's value: the sampler/trainer gap is measured before any update moves the policy),
 reduced over the data-parallel ranks with the same operation (``reduce_over_ranks``: one
-all-reduce per operation) and shown in the step row, divided by the step's valid-token count
-when it is a token-weighted sum. Times and memory (``TIMES``) are the largest rank's; the two
-waiting times of the gradient all-reduce are each rank's own. The reward statistics come from
+all-reduce per operation) and shown in the step row, divided by the update's valid-token count
+when it is a token-weighted sum (the update runs over the step's groups with signal only:
+``GRPOTrainer.update_rows``). Times and memory (``TIMES``) are the largest rank's; the two waiting times of the gradient all-reduce are each rank's own. The reward statistics come from
 the rewards of the whole step, which every rank already holds (``reward_stats``).
 
 A new statistic is one ``Stat`` line here and one ``sums.add(name, value)`` where it is computed.
@@ -30,7 +30,7 @@ class Stat:
     reduce: Literal["sum", "max"] = "sum"
     """Over micro-batches and over ranks."""
     per_token: bool = False
-    """Shown divided by the step's valid completion tokens (a token-weighted sum)."""
+    """Shown divided by the update's valid completion tokens (a token-weighted sum)."""
     over_mu: Literal["mean", "first"] = "mean"
     """Over the ``mu`` updates of one step."""
     row: str | None = ""
@@ -53,7 +53,8 @@ UPDATE = (
     Stat("mismatch_max", reduce="max", over_mu="first", row="logp_mismatch_max"),
     Stat("is_weight_sum", per_token=True, over_mu="first", row="is_weight_mean"),  # truncated IS weights
 )
-COUNTS = (Stat("n_valid", row=None), Stat("n_rows", row=None))  # completion tokens and completions
+COUNTS = (  # completion tokens and completions: of the update (the per-token denominator) and of the whole step
+    Stat("n_valid", row=None), Stat("n_rows", row=None), Stat("n_valid_step", row=None), Stat("n_rows_step", row=None))
 TIMES = ("time_generate_s", "time_logprob_s", "time_update_s", "time_optimizer_s", "step_time_s", "peak_mem_mb",
          "peak_reserved_mb")  # the largest rank's (peak_reserved_mb: CUDA only)
 OWN = ("time_wait_s", "time_allreduce_s")  # this rank's wait before the gradient all-reduce and the all-reduce
@@ -113,7 +114,8 @@ def update_row(dist: Dist, sums: dict[str, float], times: dict[str, float], devi
     for stat in UPDATE:
         if stat.name in reduced:
             row[stat.key] = reduced[stat.name] / n_valid if stat.per_token else reduced[stat.name]
-    row["completion_len"] = reduced["n_valid"] / reduced["n_rows"]
+    row["completion_len"] = reduced["n_valid_step"] / reduced["n_rows_step"]
+    row["update_frac"] = reduced["n_rows"] / reduced["n_rows_step"]  # completions the update back-propagated
     return {**row, **{k: reduced[k] for k in shared}, **{k: times[k] for k in OWN if k in times}}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import LoraConfig, ModelConfig, ModelConfigError
-from grpo.device import compute_dtype, default_device, free_cuda_cache
+from grpo.device import attention_implementation, compute_dtype, default_device, free_cuda_cache
 from grpo.nf4 import dense_weight, keep_standard_nf4_layout, nf4_config
 
 
@@ -28,11 +28,12 @@ def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:
 
 def load_training_base(model_cfg: ModelConfig, device: str | torch.device = "cpu"):
     """The frozen base as training uses it: 4-bit NF4 (bitsandbytes) when ``model.quantization`` is
-    ``nf4``, else dense, in ``model.dtype`` on ``device``; no adapter yet."""
+    ``nf4``, else dense, in ``model.dtype`` on ``device`` with ``grpo.device.attention_implementation``;
+    no adapter yet."""
     from transformers import AutoModelForCausalLM
 
     dtype = compute_dtype(model_cfg.dtype, device)
-    kwargs: dict = {"dtype": dtype}
+    kwargs: dict = {"dtype": dtype, "attn_implementation": attention_implementation(device)}
     if model_cfg.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": str(device)}

@@ -6,12 +6,21 @@ One optimizer step (``GRPOTrainer.train_step``):
    curriculum's order (the data position wraps around at the end); G completions per prompt from
    the rollout backend, synced to the policy first (``grpo.rollout``); rewards and group-relative
    advantages -> ``StepRollouts``; generation state is dropped before training;
-2. **no-grad passes** (``grpo.passes.PolicyPasses.fixed_logprobs``): with ``beta > 0`` the
-   reference log-probs (the adapter disabled), with ``mu > 1`` the sampling policy's -> the
-   ``TrainBatch``'s fixed fields;
-3. **update** (``update``): ``mu`` times the gradients of the whole step, micro-batch by
+2. **the update's rows** (``update_rows``): the step's loss normaliser is taken over every
+   completion, then the groups whose rewards are all equal are dropped (their advantages are zero,
+   so with ``beta = 0`` their gradient is exactly zero: DAPO's filter, arXiv 2503.14476, without its
+   re-sampling); **no-grad passes** (``grpo.passes.PolicyPasses.fixed_logprobs``): with
+   ``beta > 0`` the reference log-probs (the adapter disabled), with ``mu > 1`` the sampling
+   policy's -> the ``TrainBatch``'s fixed fields;
+3. **update** (``update``): ``mu`` times the gradients of the step's rows, micro-batch by
    micro-batch, under the step's entropy mask (``PolicyPasses.accumulate_gradients``), then the
    updater's step (``grpo.updater``: all-reduce, clip, AdamW; or DeepSpeed ZeRO) -> ``UpdateStats``;
+
+Dropping the uniform groups changes the update in one place only: the entropy threshold is the
+quantile over the tokens of the groups with signal, not over every token of the step (the tokens
+of a uniform group get no gradient whatever the mask says). It is skipped with ``beta > 0`` (the
+KL term has a gradient at zero advantage) and under DeepSpeed (every rank must run the same
+number of backward passes); a step without any group with signal updates all its rows as before.
 
 then the step's row (``grpo.metrics``: every statistic declared once with its reduction).
 
@@ -44,6 +53,7 @@ from grpo.config import TrainConfig
 from grpo.curriculum import batch_indices, stage_of_step, stages_for
 from grpo.data import build_prompt
 from grpo.distributed import Dist
+from grpo.loss import signal_groups
 from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS
 from grpo.rollout import RolloutBackend, make_backend
@@ -135,11 +145,31 @@ class GRPOTrainer:
         rollout = self.rollout(prompts, first_prompt=mine.start)
         return collect.score(rows, mine.start, rollout, self.cfg, self.dist, self.device)
 
+    # ------------------------------------------------------------------ phase 2: the update's rows
+    def update_rows(self, batch: TrainBatch, scored: StepRollouts) -> TrainBatch:
+        """This rank's rows of ``batch`` in the groups with signal (see the module docstring). A
+        rank without such a group while another has one keeps its first group with every token
+        masked out: it adds nothing, and every rank still runs one update."""
+        g = self.cfg.group_size
+        if self.cfg.beta or self.cfg.deepspeed_config:
+            return batch
+        signal = signal_groups(scored.step_rewards, g)  # (P_step,) bool
+        if not signal.any():
+            return batch
+        mine = signal[scored.first_prompt : scored.first_prompt + len(scored.rows)].to(batch.mask.device)  # (p,)
+        if not mine.any():
+            placeholder = batch[:g]
+            placeholder.mask = torch.zeros_like(placeholder.mask)
+            return placeholder
+        return batch[mine.repeat_interleave(g).nonzero().squeeze(1)]  # (k,) rows
+
     # ------------------------------------------------------------------ phase 3: update
-    def update(self, batch: TrainBatch, policy_entropy: torch.Tensor | None) -> UpdateStats:
-        """``mu`` optimizer steps on ``batch`` (``policy_entropy``: the (n, C) entropies of the
-        no-grad pass, when phase 2 ran it), then one step of the LR schedule."""
-        normalizer = self.passes.step_normalizer(batch.mask)
+    def update(self, batch: TrainBatch, policy_entropy: torch.Tensor | None, normalizer: float,
+               step_mask: torch.Tensor) -> UpdateStats:
+        """``mu`` optimizer steps on ``batch`` (the update's rows; ``policy_entropy``: their (n, C)
+        entropies of the no-grad pass, when phase 2 ran it; ``normalizer``: the whole step's loss
+        normaliser; ``step_mask``: the (N, C) mask of all this rank's completions, for the counts),
+        then one step of the LR schedule."""
         self.model.train()
         updates, times = [], dict.fromkeys(("time_optimizer_s", "time_wait_s", "time_allreduce_s"), 0.0)
         for _ in range(self.cfg.mu):
@@ -151,7 +181,9 @@ class GRPOTrainer:
             times["time_wait_s"] += result.wait_s
             times["time_allreduce_s"] += result.allreduce_s
         self.scheduler.step()
-        sums = {**metrics.over_mu(updates), "n_valid": float(batch.mask.sum()), "n_rows": float(len(batch))}
+        counts = {"n_valid": float(batch.mask.sum()), "n_rows": float((batch.mask.sum(1) > 0).sum()),
+                  "n_valid_step": float(step_mask.sum()), "n_rows_step": float(step_mask.shape[0])}
+        sums = {**metrics.over_mu(updates), **counts}
         return UpdateStats(sums, kept, result.grad_norm, times)
 
     # ------------------------------------------------------------------ one step
@@ -164,11 +196,13 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         scored = self.collect()
         t_gen = time.perf_counter()
-        batch = TrainBatch.from_rollout(scored.rollout, scored.advantages, self.device)
+        step_batch = TrainBatch.from_rollout(scored.rollout, scored.advantages, self.device)
+        normalizer = self.passes.step_normalizer(step_batch.mask)  # over every completion of the step
+        batch = self.update_rows(step_batch, scored)
         policy_entropy = self.passes.fixed_logprobs(batch)
         t_ref = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
-        stats = self.update(batch, policy_entropy)
+        stats = self.update(batch, policy_entropy, normalizer, step_batch.mask)
         t_end = time.perf_counter()
         self.step += 1
         self.last_samples = [s for part in self.dist.all_gather_object(scored.samples(self.step)) for s in part]

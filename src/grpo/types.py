@@ -109,8 +109,8 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def __getitem__(self, rows: slice) -> TrainBatch:
-        """The rows ``rows`` of every tensor field (a micro-batch)."""
+    def __getitem__(self, rows: slice | Tensor) -> TrainBatch:
+        """The rows ``rows`` (a slice, or a (k,) index tensor) of every tensor field."""
         return TrainBatch(
             self.input_ids[rows], self.attention_mask[rows], self.targets[rows], self.mask[rows],
             self.advantages[rows], self.prompt_len,
@@ -154,7 +154,7 @@ class UpdateStats:
 
     sums: dict[str, float]
     """The update statistics by name (``grpo.metrics.UPDATE``), combined over the ``mu`` updates, and
-    the counts ``n_valid`` (completion tokens) and ``n_rows`` (completions): this rank's."""
+    the counts (``grpo.metrics.COUNTS``) of the update's and the step's completions: this rank's."""
     kept: Tensor
     """(n, C) bool, the tokens the entropy mask kept in the last update."""
     grad_norm: float

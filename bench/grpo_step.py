@@ -35,6 +35,8 @@ mu = 1, beta = 0), ``fwd_bwd`` (training forward and backward), ``optimizer`` (c
 TRL: its ``_generate_single_turn`` is ``generate``; the rest of its input preparation (decoding,
 rewards, old/ref log-probs) is ``logprob``; ``compute_loss`` + ``accelerator.backward`` is
 ``fwd_bwd``; the remainder of the step (optimizer, scheduler, logging) is ``optimizer``.
+``updated``: the share of the step's completions our update back-propagates (at ``beta`` 0 the
+groups whose rewards are all equal are left out: their gradient is zero; TRL computes it: 1.00).
 Peak memory: CUDA ``max_memory_allocated`` / ``max_memory_reserved`` over the step; on the CPU the
 process's peak resident set (``ru_maxrss``: whole process, model included, since its start).
 """
@@ -135,10 +137,9 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.collect import engine_limits
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.device import compute_dtype, default_device
-    from grpo.memory import cpu_engine_kv
+    from grpo.memory import train_engine_bounds
     from grpo.policy import load_policy
     from grpo.rollout import make_backend
     from grpo.trainer import GRPOTrainer
@@ -156,11 +157,12 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
         cfg = _train_config(args, overrides, workdir)
         lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
-        limits = engine_limits(cfg)  # the engine as the train stage bounds it: one call's sequences and KV cache
-        kv = cpu_engine_kv(model.config, device, limits["max_num_seqs"], engine.max_model_len, compute_dtype("auto", device))
+        # the engine as the train stage bounds it: one call's sequences and KV cache
+        bounds = train_engine_bounds(cfg, model.config, device, compute_dtype("auto", device),
+                                     max_model_len=engine.max_model_len)
         backend = make_backend(rollout, tok, policy=model, base=ModelConfig(path=model_dir),
                                engine_dir=workdir / "engine", engine=engine, engine_weights=args.engine_weights,
-                               **lengths, **limits, **kv)
+                               **lengths, **bounds)
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted
@@ -181,6 +183,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
                 "reward": row["reward_mean"],
                 "accuracy": row["accuracy"],
                 "completion_len": row["completion_len"],
+                "updated": row["update_frac"],  # completions in groups with signal: the update's rows
                 **_memory_fields(device),
             })
         backend.close()
@@ -315,6 +318,7 @@ def summarise(result: dict) -> dict:
     out = {k: _median(steps, k) for k in ("step_s", *PHASES)}
     out["reward_mean"] = statistics.fmean(s["reward"] for s in steps if s.get("reward") is not None)
     out["completion_len"] = _median(steps, "completion_len")  # the update's cost follows it
+    out["updated"] = statistics.fmean(s.get("updated", 1.0) for s in steps)  # TRL back-propagates every row
     out["step_times"] = [round(s["step_s"], 2) for s in steps]
     out["peak_mb"] = max(s[_peak_key(result)] for s in steps)
     if result["device"] == "cuda":
@@ -324,11 +328,12 @@ def summarise(result: dict) -> dict:
 
 def print_speed(rows: dict[str, dict]) -> None:
     print(f"\n{'impl':<10} {'median step s':>13} " + " ".join(f"{p:>9}" for p in PHASES)
-          + f" {'reward':>7} {'length':>7} {'peak MB':>8}  steps (s)")
+          + f" {'reward':>7} {'length':>7} {'updated':>7} {'peak MB':>8}  steps (s)")
     for name, s in rows.items():
         length = s.get("completion_len", float("nan"))  # mean completion tokens: the update follows it
         print(f"{name:<10} {s['step_s']:13.2f} " + " ".join(f"{s[p]:9.2f}" for p in PHASES)
-              + f" {s['reward_mean']:7.3f} {length:7.1f} {s['peak_mb']:8.0f}  {s['step_times']}")
+              + f" {s['reward_mean']:7.3f} {length:7.1f} {s.get('updated', 1.0):7.2f} {s['peak_mb']:8.0f}"
+              + f"  {s['step_times']}")
     for other in ("trl", "trl-tuned", "ours-transformers"):
         if "ours" in rows and other in rows:
             print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}")

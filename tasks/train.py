@@ -31,7 +31,6 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.checkpoint import reset_if_changed
-from grpo.collect import engine_limits
 from grpo.config import Params, ParamsError
 from grpo.device import compute_dtype, default_device
 from grpo.distributed import (
@@ -46,7 +45,7 @@ from grpo.distributed import (
     writes_outputs,
 )
 from grpo.jsonio import read_jsonl, write_json
-from grpo.memory import cpu_engine_kv, engine_weights_here
+from grpo.memory import engine_weights_here, train_engine_bounds
 from grpo.policy import load_policy
 from grpo.rollout import check_engine_memory, engine_rollouts, make_backend
 from grpo.trainer import GRPOTrainer
@@ -192,12 +191,10 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     model = load_policy(params.model, params.lora, device)
     callbacks, closers = _loggers(params) if dist.is_main else ([], [])
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
-    limits = engine_limits(cfg, dist.world_size)
-    kv = cpu_engine_kv(model.config, device, limits["max_num_seqs"], cfg.max_model_len,
-                       compute_dtype(params.model.dtype, device))
+    bounds = train_engine_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device), dist.world_size)
     backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
                            engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
-                           dist=dist, **limits, **kv, engine_weights=engine_weights_here(params, Path("."), device)[0])
+                           dist=dist, **bounds, engine_weights=engine_weights_here(params, Path("."), device)[0])
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     base_form = f", {backend.base_form} base" if hasattr(backend, "base_form") else ""
     log.info("rollouts: %s (rank %d of %d%s)", backend.name, dist.rank, dist.world_size,

@@ -22,11 +22,10 @@ import torch
 import yaml
 
 from grpo.base_model import load_tokenizer
-from grpo.collect import engine_limits
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
-from grpo.memory import cpu_engine_kv
+from grpo.memory import cpu_engine_kv, train_engine_bounds
 from grpo.policy import load_policy
 from grpo.rollout import TransformersBackend, make_backend
 from grpo.trainer import GRPOTrainer
@@ -55,8 +54,8 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
 
     model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
     with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
-                      engine=STEP, dtype="float32", **engine_limits(STEP),
-                      **cpu_engine_kv(model.config, "cpu", 8, STEP.max_model_len, torch.float32)) as backend:
+                      engine=STEP, dtype="float32",
+                      **train_engine_bounds(STEP, model.config, "cpu", torch.float32)) as backend:
         assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"
         yield model, tok, backend
 

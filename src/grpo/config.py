@@ -305,13 +305,14 @@ class TrainConfig(VLLMEngineConfig):
     epsilon_high: PositiveFloat | None = None
     """Upper clip ``1 + epsilon_high`` (DAPO clip-higher); ``null`` means ``epsilon``."""
     beta: Annotated[float, Field(ge=0)] = 0.0
-    """k3 KL coefficient; 0 skips the reference forward pass entirely."""
+    """k3 KL coefficient; 0 skips the reference forward pass entirely, and the update leaves out the
+    groups whose rewards are all equal (their gradient is zero then: ``GRPOTrainer.update_rows``)."""
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     """``grpo`` (per-sequence mean), ``dr_grpo`` (sum / max length), ``dapo`` (token mean over batch)."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """``group``, ``batch`` or ``none``: what the centred rewards are divided by."""
     entropy_top_quantile: Fraction = 0.2
-    """Fraction of the step's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
+    """Fraction of the update's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """Entropy/log-prob pass: ``triton`` (CUDA), ``torch``, or ``auto`` (triton when on CUDA)."""
     logprob_chunk: Positive = 1024

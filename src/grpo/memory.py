@@ -433,6 +433,19 @@ def cpu_engine_kv(config, device: str, seqs: int, max_model_len: int, dtype) -> 
     return {"kv_cache_memory_bytes": kv_cache_bytes(model_shapes(config), seqs, positions, dtype.itemsize)}
 
 
+def train_engine_bounds(cfg, config, device: str, dtype, processes: int = 1,
+                        max_model_len: int | None = None) -> dict[str, int]:
+    """The train engine's ``LLM`` keywords that bound its memory: the scheduler bounds of one
+    generation call (``grpo.collect.engine_limits`` for ``processes``) and, on a CPU, the KV cache
+    of that call (``cpu_engine_kv`` of the model ``config`` at ``max_model_len``, default
+    ``cfg.max_model_len``, keys and values in ``dtype``)."""
+    from grpo.collect import engine_limits
+
+    limits = engine_limits(cfg, processes)
+    kv = cpu_engine_kv(config, device, limits["max_num_seqs"], max_model_len or cfg.max_model_len, dtype)
+    return {**limits, **kv}
+
+
 def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
     """KV positions of one sequence of ``prompt + new_tokens`` (at most ``max_model_len``) in whole
     ``ENGINE_BLOCK`` blocks."""

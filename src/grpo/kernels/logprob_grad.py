@@ -9,7 +9,7 @@ tensor is the logits themselves: the LM head with grad (``grpo.logprobs.selected
 no fp32 copy of them. The Triton kernel sweeps each row twice (an online log-sum-exp, then the
 gradient), with fp32 arithmetic in registers. ``logprob_grad_torch`` is the reference and the
 fallback; it works in place on fp32 logits and on one fp32 copy of lower-precision ones, on CPU
-tensors a few rows at a time (``by_row_blocks``) (as ``entropy_logprob``).
+tensors a few rows at a time (``by_row_blocks``, as ``entropy_logprob``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
     else:  # a spawned worker
         grpo.collect.combined_rewards = _length_rewards
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=model_dir), LoraConfig(**LORA))
+    model = load_policy(ModelConfig(path=model_dir, dtype="float32"), LoraConfig(**LORA))  # fp32 on every CPU
     gen = torch.Generator().manual_seed(1)
     for n, p in sorted(model.named_parameters()):
         if "lora_B" in n:

@@ -19,8 +19,9 @@ One optimizer step (``GRPOTrainer.train_step``):
 Dropping the uniform groups changes the update in one place only: the entropy threshold is the
 quantile over the tokens of the groups with signal, not over every token of the step (the tokens
 of a uniform group get no gradient whatever the mask says). It is skipped with ``beta > 0`` (the
-KL term has a gradient at zero advantage) and under DeepSpeed (every rank must run the same
-number of backward passes); a step without any group with signal updates all its rows as before.
+KL term has a gradient at zero advantage); under DeepSpeed (every rank must run the same number
+of backward passes) those rows stay with their tokens masked out: the same update, no time saved.
+A step without any group with signal updates all its rows as before.
 
 then the step's row (``grpo.metrics``: every statistic declared once with its reduction).
 
@@ -147,21 +148,24 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ phase 2: the update's rows
     def update_rows(self, batch: TrainBatch, scored: StepRollouts) -> TrainBatch:
-        """This rank's rows of ``batch`` in the groups with signal (see the module docstring). A
-        rank without such a group while another has one keeps its first group with every token
+        """This rank's rows of ``batch`` in the groups with signal (see the module docstring).
+        Under DeepSpeed, where every rank must run the same backward passes, the other rows stay
+        with every token masked out (the same update, no time saved); otherwise they are dropped,
+        and a rank without a group with signal while another rank has one keeps its first group,
         masked out: it adds nothing, and every rank still runs one update."""
         g = self.cfg.group_size
-        if self.cfg.beta or self.cfg.deepspeed_config:
+        if self.cfg.beta:
             return batch
         signal = signal_groups(scored.step_rewards, g)  # (P_step,) bool
         if not signal.any():
             return batch
         mine = signal[scored.first_prompt : scored.first_prompt + len(scored.rows)].to(batch.mask.device)  # (p,)
-        if not mine.any():
-            placeholder = batch[:g]
-            placeholder.mask = torch.zeros_like(placeholder.mask)
-            return placeholder
-        return batch[mine.repeat_interleave(g).nonzero().squeeze(1)]  # (k,) rows
+        rows = mine.repeat_interleave(g)  # (n,) bool
+        if self.cfg.deepspeed_config or not mine.any():
+            kept = batch[:] if self.cfg.deepspeed_config else batch[:g]
+            kept.mask = kept.mask * rows[: len(kept), None]  # (n, C), zero outside the groups with signal
+            return kept
+        return batch[rows.nonzero().squeeze(1)]  # (k,) rows
 
     # ------------------------------------------------------------------ phase 3: update
     def update(self, batch: TrainBatch, policy_entropy: torch.Tensor | None, normalizer: float,

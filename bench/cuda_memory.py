@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
                 trace.phase = "no-grad pass"
                 entropy = trainer.passes.fixed_logprobs(batch)
                 trace.phase = "update"
-                trainer.update(batch, entropy)
+                trainer.update(batch, entropy, trainer.passes.step_normalizer(batch.mask), batch.mask)
                 trace.phase = "between steps"
                 del batch, entropy
     out = report(args, p, res, shapes, est, prompt, trace, stubs, trainer, time.time() - t0)

@@ -25,6 +25,8 @@ def test_repo_params_yaml_is_valid():
         ({"train": {"entropy_top_quantile": 0.0}}, "train.entropy_top_quantile"),
         ({"train": {"entropy_top_quantile": 1.5}}, "train.entropy_top_quantile"),
         ({"train": {"group_size": 1}}, "train.group_size"),
+        ({"train": {"entropy_keep": "low", "entropy_top_quantile": 1.0}}, "train.entropy_keep"),
+        ({"train": {"order": "backwards"}}, "train.order"),
         ({"train": {"rewards": {"correctnes": 1.0}}}, "train.rewards"),
         ({"train": {"loss_type": "ppo"}}, "train.loss_type"),
         ({"train": {"steps": "ten"}}, "train.steps"),

@@ -28,8 +28,15 @@ def test_steps_are_split_evenly_over_stages_in_order():
 
 
 def test_orders_cover_every_row_once():
-    for order in ("curriculum", "shuffled", "file"):
+    for order in ("curriculum", "reversed", "shuffled", "file"):
         stages = stages_for(order, 11, 4, seed=3)
         assert sorted(i for s in stages for i in s) == list(range(11)), order
     assert stages_for("file", 5, 4, seed=0) == [[0, 1, 2, 3, 4]]
     assert len(stages_for("curriculum", 3, 8, seed=0)) == 3  # never more stages than rows
+
+
+def test_reversed_takes_the_hardest_slice_first():
+    forward = stages_for("curriculum", 12, 3, seed=5)
+    backward = stages_for("reversed", 12, 3, seed=5)
+    assert backward == forward[::-1]
+    assert min(backward[0]) == 8 and max(backward[-1]) == 3  # rows sorted easy -> hard: the last rows first

@@ -66,3 +66,18 @@ def test_mask_empty_and_bad_quantile():
     for q in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError):
             high_entropy_mask(ENT, MASK, q)
+
+
+def test_low_side_is_the_complement_of_the_top_within_the_valid_tokens():
+    torch.manual_seed(0)
+    entropy = torch.rand(4, 9)
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    high = high_entropy_mask(entropy, mask, 0.2)
+    low = high_entropy_mask(entropy, mask, 0.2, keep="low")
+    assert not (high & low).any()
+    assert torch.equal(high | low, mask)
+    assert low.sum() > 3 * high.sum()  # bottom 80% against top 20%
+    assert entropy[low].max() < entropy[high].min()
+    with pytest.raises(ValueError, match="keep"):
+        high_entropy_mask(entropy, mask, 0.2, keep="middle")

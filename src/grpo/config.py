@@ -221,9 +221,9 @@ class TrainConfig(VLLMEngineConfig):
     SECTION: ClassVar[str] = "train"
     data_path: str = "data/cache/train_sorted.jsonl"
     """JSONL of training problems (id, question, answer); the SENT stage writes it sorted easy -> hard."""
-    order: Literal["curriculum", "shuffled", "file"] = "curriculum"
+    order: Literal["curriculum", "reversed", "shuffled", "file"] = "curriculum"
     """``curriculum``: ``num_stages`` slices of the file trained in order, shuffled within each;
-    ``shuffled``: one seeded permutation of all rows (the comparison without curriculum); ``file``: file order."""
+    ``reversed``: the same slices hardest first (the anti-curriculum); ``shuffled``: one seeded permutation of all rows (the comparison without curriculum); ``file``: file order."""
     num_stages: Positive = 4
     """Curriculum stages; the run's steps are split evenly over them."""
     output_dir: str = "outputs/train"
@@ -313,6 +313,10 @@ class TrainConfig(VLLMEngineConfig):
     """``group``, ``batch`` or ``none``: what the centred rewards are divided by."""
     entropy_top_quantile: Fraction = 0.2
     """Fraction of the update's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
+    entropy_keep: Literal["high", "low"] = "high"
+    """Which side of the entropy threshold gets gradient: ``high``, the top ``entropy_top_quantile``
+    (the method); ``low``, every other valid token (the bottom ``1 - entropy_top_quantile``: the
+    masking paper's contrast, for ablations). ``low`` needs ``entropy_top_quantile`` below 1."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """Entropy/log-prob pass: ``triton`` (CUDA), ``torch``, or ``auto`` (triton when on CUDA)."""
     logprob_chunk: Positive = 1024
@@ -366,6 +370,9 @@ class TrainConfig(VLLMEngineConfig):
         for name in self.rewards:
             if name not in REWARDS:
                 raise ValueError(f"train.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+        if self.entropy_keep == "low" and self.entropy_top_quantile >= 1:
+            raise ValueError("train.entropy_keep: low keeps the tokens below the top entropy_top_quantile; "
+                             "set train.entropy_top_quantile below 1")
         self.check_split(self.num_processes, "train.num_processes")
         return self
 

@@ -2,8 +2,9 @@
 
 The SENT stage writes the training rows sorted easy -> hard. ``stages_for`` turns them into
 stages of row indices: ``curriculum`` cuts the file into ``num_stages`` contiguous, near-equal
-slices, each shuffled by the seed; ``shuffled`` is one seeded permutation of all rows (the
-comparison without a curriculum); ``file`` is the file order. A run's steps are split evenly
+slices, each shuffled by the seed; ``reversed`` is the same slices taken hard -> easy (the
+anti-curriculum); ``shuffled`` is one seeded permutation of all rows (the comparison without a
+curriculum); ``file`` is the file order. A run's steps are split evenly
 over the stages (``stage_of_step``); within its stage a step takes the next ``k`` rows, wrapping
 around (``batch_indices``).
 """
@@ -29,10 +30,13 @@ def curriculum_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]
 
 
 def stages_for(order: str, n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
-    """Row indices per stage for ``train.order`` (``curriculum``, ``shuffled`` or ``file``); a
-    curriculum never has more stages than rows."""
+    """Row indices per stage for ``train.order`` (``curriculum``, ``reversed``, ``shuffled`` or
+    ``file``); a curriculum never has more stages than rows. ``reversed`` holds the curriculum's
+    stages, rows within each shuffled alike, in the opposite order (hardest slice first)."""
     if order == "curriculum":
         return curriculum_order(n_rows, min(num_stages, n_rows), seed)
+    if order == "reversed":
+        return curriculum_order(n_rows, min(num_stages, n_rows), seed)[::-1]
     if order == "shuffled":
         return curriculum_order(n_rows, 1, seed)
     if order == "file":

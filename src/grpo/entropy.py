@@ -37,17 +37,23 @@ def entropy_threshold(values: Tensor, top_quantile: float) -> Tensor | None:
     return torch.quantile(values.float(), 1.0 - top_quantile)
 
 
-def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, threshold: Tensor | None = None) -> Tensor:
-    """Boolean mask of the highest-entropy valid tokens.
+def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, threshold: Tensor | None = None,
+                      keep: str = "high") -> Tensor:
+    """Boolean mask of the highest-entropy valid tokens (``keep="high"``), or of the others
+    (``keep="low"``: the valid tokens below the threshold, the complement within ``mask``).
 
     entropy: (N, T); mask: (N, T), true/1 on valid completion tokens. Returns a (N, T) bool tensor
     that is a subset of ``mask``. ``top_quantile = 1`` keeps every valid token. ``threshold``: the
     step-wide value from ``entropy_threshold`` when these rows are part of a larger step; by
     default it is taken over the valid tokens given here.
     """
+    if keep not in ("high", "low"):
+        raise ValueError(f"keep must be 'high' or 'low', got {keep!r}")
     valid = mask.bool()
     if threshold is None:
         threshold = entropy_threshold(entropy[valid], top_quantile)
     if threshold is None:
         return valid.clone()
+    if keep == "low":
+        return (entropy < threshold) & valid
     return (entropy >= threshold) & valid

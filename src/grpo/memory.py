@@ -718,7 +718,8 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     kernel = train.kernel if train.kernel != "auto" else ("triton" if device == "cuda" else "torch")
     chunk = min(train.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
-    kept = math.ceil(train.entropy_top_quantile * n * c)
+    q = train.entropy_top_quantile if train.entropy_keep == "high" else 1 - train.entropy_top_quantile
+    kept = math.ceil(q * n * c)
     pass_tokens = max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0 and c > 1 else n * (p + c)
     head_rows = min(train.logprob_chunk, kept)
     head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)

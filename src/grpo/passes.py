@@ -119,7 +119,8 @@ class PolicyPasses:
                                                      cfg.logprob_chunk, cfg.kernel)  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
-        keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold)  # (m, C) bool
+        keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold,
+                                 cfg.entropy_keep)  # (m, C) bool
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.logprob_chunk,
                                       cfg.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept

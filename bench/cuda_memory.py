@@ -70,6 +70,7 @@ def main(argv=None) -> dict:
 
     from grpo import memory
     from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
+    from grpo.metrics import PhaseTimer
 
     t0 = time.time()
     res = resolve_params(args.params)
@@ -99,9 +100,9 @@ def main(argv=None) -> dict:
                     trace.reset()  # the figures are the second step's (AdamW's moments exist)
                 batch = batch_of()
                 trace.phase = "no-grad pass"
-                entropy = trainer.passes.fixed_logprobs(batch)
+                batch, entropy = trainer.passes.fixed_logprobs(batch)
                 trace.phase = "update"
-                trainer.update(batch, entropy, trainer.passes.step_normalizer(batch.mask), batch.mask)
+                trainer.update(batch, entropy, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
                 trace.phase = "between steps"
                 del batch, entropy
     out = report(args, p, res, shapes, est, prompt, trace, stubs, trainer, time.time() - t0)

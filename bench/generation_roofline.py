@@ -66,16 +66,16 @@ def run_backend(args, which: str) -> dict:
 
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
+    from grpo.engine.policy import policy_rollouts
     from grpo.policy import load_policy
-    from grpo.rollout import make_backend
 
     tok = load_tokenizer(args.model)
     model = load_policy(ModelConfig(path=args.model), LoraConfig(rank=16, alpha=32))
     fixed = dict(min_new_tokens=args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        backend = make_backend("vllm" if which == "engine" else "transformers", tok, policy=model,
-                               base=ModelConfig(path=args.model), engine_dir=Path(tmp) / "engine",
-                               engine=VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=1024), **fixed)
+        backend = policy_rollouts("vllm" if which == "engine" else "transformers", tok, model,
+                                  base=ModelConfig(path=args.model), engine_dir=Path(tmp) / "engine",
+                                  section=VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=1024), **fixed)
         backend.sync(model)  # the engine holds the policy; nothing to do for the decode loop
         prompts = prompts_for(tok, args.prompts)
         times = []

@@ -133,16 +133,16 @@ def _memory_fields(device: str) -> dict:
 # ---------------------------------------------------------------------------- our step
 def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
     """Our ``train_step`` with rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
-    synced every step, in the form ``args.engine_weights``: ``grpo.engine_policy`` or
-    ``grpo.engine_adapter``) or ``transformers`` (the project's decode loop)."""
+    synced every step, in the form ``args.engine_weights``: ``grpo.engine.policy.policy_rollouts``) or
+    ``transformers`` (the project's decode loop)."""
     import torch
 
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.device import compute_dtype, default_device
-    from grpo.memory import train_engine_bounds
+    from grpo.engine.bounds import train_bounds
+    from grpo.engine.policy import policy_rollouts
     from grpo.policy import load_policy
-    from grpo.rollout import make_backend
     from grpo.trainer import GRPOTrainer
 
     device = default_device()
@@ -159,11 +159,10 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
         lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
         # the engine as the train stage bounds it: one call's sequences and KV cache
-        bounds = train_engine_bounds(cfg, model.config, device, compute_dtype("auto", device),
-                                     max_model_len=engine.max_model_len)
-        backend = make_backend(rollout, tok, policy=model, base=ModelConfig(path=model_dir),
-                               engine_dir=workdir / "engine", engine=engine, engine_weights=args.engine_weights,
-                               **lengths, **bounds)
+        bounds = train_bounds(cfg.model_copy(update={"max_model_len": engine.max_model_len}), model.config, device,
+                              compute_dtype("auto", device).itemsize)
+        backend = policy_rollouts(rollout, tok, model, section=engine, engine_dir=workdir / "engine",
+                                  base=ModelConfig(path=model_dir), form=args.engine_weights, bounds=bounds, **lengths)
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted

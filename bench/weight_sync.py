@@ -4,7 +4,7 @@ the same dense base and on a 4-bit base.
     python bench/weight_sync.py [--model models/base] [--prompts 32] [--group 8] [--new-tokens 64] [--rounds 3]
                                 [--ways dense adapter adapter-int4] [--dtype auto] [--json FILE]
 
-Each way is the engine ``make_backend`` builds for the train stage (``train.engine_weights``), in a
+Each way is the engine ``grpo.engine.policy.policy_rollouts`` builds for the train stage (``train.engine_weights``), in a
 fresh process, started from the NF4 base as training loads it; the policy's LoRA adapter (r16 /
 alpha 32 on q/k/v/o, B drawn at random so that it matters) changes every round, as an optimizer
 step would. Per round and way: ``sync`` (timed), then ``prompts x group`` completions (temperature 1,
@@ -12,9 +12,9 @@ at most ``new-tokens``; timed), the mean |engine log-prob - policy log-prob| ove
 (the policy teacher-forced on them: the gap the importance-sampling correction sees), and a greedy
 decode of the prompts compared with the policy's own NF4 + LoRA decode (exactness).
 
-* ``dense``: ``VLLMPolicyBackend`` (``W + s B A`` written into the engine's fused layers).
-* ``adapter``: ``VLLMAdapterBackend`` on the dense base (the adapter saved, loaded under a new id).
-* ``adapter-int4``: the same on the 4-bit GPTQ base (``grpo.gptq``; needs a bf16/fp16 engine dtype).
+* ``dense``: ``DenseSync`` (``W + s B A`` written into the engine's fused layers).
+* ``adapter``: ``AdapterSync`` on the dense base (the adapter saved, loaded under a new id).
+* ``adapter-int4``: the same on the 4-bit GPTQ base (``grpo.engine.gptq``; needs a bf16/fp16 engine dtype).
 
 Prints engine start, median sync time, median sampling speed, the log-prob gap and the exact-match
 count of each way; ``--json`` writes them.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WAYS = {"dense": ("dense", None), "adapter": ("adapter", "dense"), "adapter-int4": ("adapter", "int4")}
-"""Way -> (``engine_weights``, ``engine_base``) for ``make_backend``."""
+"""Way -> (``form``, ``base_form``) for ``policy_rollouts``."""
 
 
 def run(args, way: str) -> dict:
@@ -43,16 +43,17 @@ def run(args, way: str) -> dict:
     from grpo.base_model import load_tokenizer
     from grpo.config import DEFAULT_SYSTEM_PROMPT, LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.data import build_prompt
+    from grpo.engine.policy import policy_rollouts
     from grpo.jsonio import read_jsonl
     from grpo.policy import load_policy
-    from grpo.rollout import TransformersBackend, make_backend
+    from grpo.rollout import TransformersBackend
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=args.model)
     model = load_policy(model_cfg, LoraConfig(rank=16, alpha=32))
     tok = load_tokenizer(args.model)
     prompts = [build_prompt(tok, r["question"], DEFAULT_SYSTEM_PROMPT) for r in read_jsonl(args.data)[: args.prompts]]
-    own = make_backend("transformers", tok, policy=model)  # NF4 + LoRA, dequantised once per call (exact, tested)
+    own = policy_rollouts("transformers", tok, model)  # NF4 + LoRA, dequantised once per call (exact, tested)
     scorer = TransformersBackend(model, tok)  # teacher-forced log-probs of the policy
     sampling = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     greedy = dict(max_new_tokens=args.new_tokens, temperature=0.0)
@@ -61,8 +62,8 @@ def run(args, way: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
         t0 = time.perf_counter()  # export (and 4-bit rewrite) + engine start
-        backend = make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=Path(tmp) / "engine",
-                               engine=engine, dtype=args.dtype, engine_weights=weights, engine_base=base)
+        backend = policy_rollouts("vllm", tok, model, section=engine, engine_dir=Path(tmp) / "engine", base=model_cfg,
+                                  dtype=args.dtype, form=weights, base_form=base)
         out["engine_start_s"] = time.perf_counter() - t0
         for rnd in range(args.rounds):
             gen = torch.Generator().manual_seed(rnd)

@@ -1,8 +1,12 @@
-"""Print the longest functions and classes of a source tree, in lines (docstrings and comments included).
+"""Print the longest functions and classes of a source tree, in lines (docstrings and comments
+included), and its import cycles.
 
     python scripts/code_size.py [src/grpo] [--top 5]
 
-A plain measure of how much a reader must hold at once; issue 20 quotes its before/after figures.
+A plain measure of how much a reader must hold at once. Import cycles: every ``import`` and
+``from ... import`` of a module of the tree, at the top or inside a function (a lazy import is
+still a dependency: DVC's deps follow it), as a graph of modules; each strongly connected
+component of more than one module, and each module importing itself, is a cycle.
 """
 
 from __future__ import annotations
@@ -25,6 +29,73 @@ def spans(root: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     return sorted(funcs, reverse=True), sorted(classes, reverse=True)
 
 
+def module_name(path: Path, root: Path) -> str:
+    """``src/grpo/engine/args.py`` -> ``grpo.engine.args`` (``__init__.py`` names its package)."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the tree it imports (relative imports resolved; a ``from package
+    import name`` counts the submodule ``package.name`` when there is one)."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for t in targets:
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t:
+                    graph[mod].add(t)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``: strongly connected components (Tarjan) of two or more modules,
+    and modules that import themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default="src/grpo")
@@ -35,6 +106,10 @@ def main() -> None:
         print(f"longest {title} in {args.root}:")
         for n, where in rows[: args.top]:
             print(f"  {n:4d}  {where}")
+    cycles = import_cycles(import_graph(Path(args.root)))
+    print(f"import cycles in {args.root}: {len(cycles)}")
+    for comp in cycles:
+        print("  " + " <-> ".join(comp))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from grpo.base_model import load_tokenizer
 from grpo.config import Params
 from grpo.data import build_prompt
 from grpo.device import default_device, sampling_dtype
+from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
-from grpo.rollout import make_backend
 from grpo.sent import score_rows
 from tasks._common import run_stage
 
@@ -30,8 +30,8 @@ def sent(params: Params) -> dict:
     tokenizer = load_tokenizer(params.model.path)
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
     dtype = sampling_dtype(cfg.dtype, default_device())
-    with make_backend(cfg.backend, tokenizer, model_dir=params.model.path, engine=cfg, seed=cfg.seed, dtype=dtype,
-                      enforce_eager=cfg.enforce_eager) as sampler:  # the engine is closed after sampling
+    with saved_model_sampler(cfg.backend, tokenizer, params.model.path, cfg, seed=cfg.seed, dtype=dtype,
+                             enforce_eager=cfg.enforce_eager) as sampler:  # the engine is closed after sampling
         t_ready = time.perf_counter()
         log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", sampler.name, dtype, t_ready - t0,
                  len(rows), cfg.num_samples)

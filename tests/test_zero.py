@@ -44,13 +44,13 @@ def _length_rewards(completions: list[str], answers: list[str], weights: dict) -
 
 def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
     """A trainer on the tiny 4-bit model with a seeded non-zero adapter, 4 prompts x G = 2 a step."""
-    import grpo.collect
+    import grpo.rollout_phase
     import grpo.trainer
 
     if monkeypatch is not None:
-        monkeypatch.setattr(grpo.collect, "combined_rewards", _length_rewards)
+        monkeypatch.setattr(grpo.rollout_phase, "combined_rewards", _length_rewards)
     else:  # a spawned worker
-        grpo.collect.combined_rewards = _length_rewards
+        grpo.rollout_phase.combined_rewards = _length_rewards
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=model_dir, dtype="float32"), LoraConfig(**LORA))  # fp32 on every CPU
     gen = torch.Generator().manual_seed(1)

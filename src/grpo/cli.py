@@ -116,6 +116,8 @@ def cmd_check(args) -> int:
     p = res.params
     from grpo import dvcstatus, memory
     from grpo.device import default_device, describe_device
+    from grpo.engine.forms import rollouts_per_process
+    from grpo.rollout import uses_engine
 
     print(f"params: {res.label}: valid")
     print("\n".join(settings_lines(p)))
@@ -133,8 +135,9 @@ def cmd_check(args) -> int:
         found = memory.longest_prompt_tokens(p, res.root)
         prompt, how = found if found else (DEFAULT_PROMPT_TOKENS, "assumed; --prompt-tokens N to set")
     card, card_how = card_bytes(args.gpu_memory, device)
-    engine = engine_rollouts(p, device)
-    plan = memory.engine_plan(p, shapes, device, prompt, card) if engine else None
+    engine = uses_engine(p.train.rollout_backend)  # the train stage's rule
+    plan = memory.engine_plan(p, shapes, device, prompt, card) if engine and device == "cuda" else None
+    form = plan.form if plan else (memory.choose_engine_form(p, shapes, device, prompt, card)[0] if engine else None)
     est = memory.estimate(p, shapes, device, prompt, engine=plan)
     s = shapes
     print(f"memory: one training step on {device} ({est.dtype} compute), estimated")
@@ -143,7 +146,8 @@ def cmd_check(args) -> int:
     print(f"  shape: {p.train.prompts_per_step} prompts x G={p.train.group_size}, prompt {prompt} tokens ({how}) "
           f"+ {p.train.max_new_tokens} new tokens (all full length)")
     print(f"  card: {card_how}")
-    print(f"  rollouts: {engine or 'the decode loop on the policy (train.rollout_backend transformers, or several processes)'}")
+    print(f"  rollouts: {rollouts_per_process(engine, p.train.num_processes, form)} "
+          f"(train.rollout_backend {p.train.rollout_backend})")
     if plan is not None:
         print(f"  engine: train.engine_weights {p.train.engine_weights} -> {plan.form} ({plan.why}); max_num_seqs "
               f"{plan.seqs}, max_num_batched_tokens {plan.batched_tokens}, enforce_eager")
@@ -155,14 +159,6 @@ def cmd_check(args) -> int:
     for line in memory.measured_for(p, shapes, device, prompt):
         print(f"  {line}")
     return 0
-
-
-def engine_rollouts(p: Params, device: str) -> str | None:
-    """How the step's rollouts come from the vLLM engine on CUDA, or None (the decode loop: the
-    transformers backend, or several processes, where engine rollouts are not used yet)."""
-    if device != "cuda" or p.train.rollout_backend == "transformers" or p.train.num_processes > 1:
-        return None
-    return f"the vLLM engine holding the policy (train.rollout_backend {p.train.rollout_backend})"
 
 
 def card_bytes(gpu_memory: float | None, device: str) -> tuple[int | None, str]:

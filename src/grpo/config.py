@@ -163,8 +163,8 @@ class VLLMEngineConfig(Section):
     gpu_memory_utilization: Fraction = 0.5
     """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
     little KV cache makes the engine preempt and recompute sequences. On a CPU the train engine's KV
-    cache is one generation call's instead (``grpo.memory.cpu_engine_kv``) and the
-    share is what ``grpo.rollout.check_engine_memory`` checks for N processes."""
+    cache is one generation call's instead (``grpo.engine.bounds.train_bounds``) and the
+    share is what ``grpo.engine.policy.check_engine_memory`` checks for N processes."""
     max_model_len: Positive = 1024
     """vLLM: longest prompt + completion the engine accepts."""
 
@@ -245,7 +245,7 @@ class TrainConfig(VLLMEngineConfig):
     """Completion length cap."""
     rollout_backend: Backend = "auto"
     """Who samples the rollouts: ``vllm`` (an engine in the stage's process holding the policy,
-    synced after every optimizer step: ``grpo.engine_policy``; one per process with
+    synced after every optimizer step: ``grpo.engine.policy``; one per process with
     ``num_processes`` > 1), ``transformers`` (the project's decode loop on the policy itself, the
     fallback), or ``auto`` (vLLM when installed)."""
     max_num_batched_tokens: Positive = 2048
@@ -254,13 +254,13 @@ class TrainConfig(VLLMEngineConfig):
     to size its activation memory, which it keeps beside the weights and KV cache, so this bounds
     the engine's overhead. Raised to the step's completions per generation call where below it
     (vLLM needs a token per running sequence) and capped at those completions x ``max_model_len``
-    (``grpo.collect.engine_limits``); the engine's ``max_num_seqs`` is those completions."""
+    (``grpo.engine.bounds.step_limits``); the engine's ``max_num_seqs`` is those completions."""
     engine_weights: Literal["auto", "dense", "adapter"] = "auto"
     """The base model the train engine holds: ``dense`` (the 4-bit base dequantised to the
     compute dtype, the policy's adapter merged into the adapted layers each step), ``adapter``
     (a 4-bit base on CUDA, the dense base on CPUs, the policy's adapter sent as a LoRA adapter each
-    step through vLLM's LoRA support, ``grpo.engine_adapter``) or ``auto``
-    (``grpo.memory.resolve_engine_weights``: dense where its weights, overhead and the KV cache of
+    step through vLLM's LoRA support, ``grpo.engine.adapter``) or ``auto``
+    (``grpo.engine.forms.choose_form``: dense where its weights, overhead and the KV cache of
     one step fit ``gpu_memory_utilization`` of the card, else adapter; dense on CPUs). ``grpo check
     --device cuda --gpu-memory GIB`` shows the arithmetic; the chosen form is logged and written to
     ``metrics/train.json``."""

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from grpo.base_model import load_tokenizer
 from grpo.data import build_prompt
+from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl
 from grpo.policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
-from grpo.rollout import generate_in_batches, make_backend
+from grpo.rollout import generate_in_batches
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -63,7 +64,7 @@ def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tu
     tokenizer = load_tokenizer(export["path"])
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
     completions = []
-    with make_backend(cfg.backend, tokenizer, model_dir=export["path"], engine=cfg) as sampler:  # closed after
+    with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg) as sampler:  # closed after
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
                                            max_new_tokens=cfg.max_new_tokens, temperature=0.0):
             completions += roll.texts

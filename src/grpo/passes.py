@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 
@@ -78,15 +79,16 @@ class PolicyPasses:
             logps.append(logp)
         return torch.cat(entropies), torch.cat(logps)
 
-    def fixed_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Phase 2: fill ``batch.ref_logp`` (``beta > 0``) and ``batch.old_logp`` (``mu > 1``);
-        returns the (n, C) entropies at the current weights when that pass computed them."""
-        entropy = None
+    def fixed_logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor | None]:
+        """Phase 2: ``batch`` with ``ref_logp`` (``beta > 0``) and ``old_logp`` (``mu > 1``) filled,
+        a new record (``batch`` is left as it is), and the (n, C) entropies at the current weights
+        when that pass computed them."""
+        entropy, fixed = None, {}
         if self.cfg.beta:
-            batch.ref_logp = self.no_grad_pass(batch, adapter=False)[1]
+            fixed["ref_logp"] = self.no_grad_pass(batch, adapter=False)[1]
         if self.cfg.mu > 1:
-            entropy, batch.old_logp = self.no_grad_pass(batch, adapter=True)
-        return entropy
+            entropy, fixed["old_logp"] = self.no_grad_pass(batch, adapter=True)
+        return replace(batch, **fixed), entropy
 
     # ------------------------------------------------------------------ step-wide numbers
     def step_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -164,14 +166,7 @@ class PolicyPasses:
         for sl in slices:
             loss, stats, entropy, keep = self.loss_backward(batch[sl], normalizer, threshold)
             m = batch.mask[sl]
-            n_tok = float(m.sum())
-            sums.add("loss", loss)
-            for key in ("kl", "clip_frac", "ratio"):
-                sums.add(key, stats[key] * n_tok)  # token-weighted
-            sums.add("entropy", float((entropy * m).sum()))
-            sums.add("kept", float(keep.sum()))
-            for key in ("mismatch_sum", "mismatch_max", "is_weight_sum"):
-                if key in stats:
-                    sums.add(key, stats[key])
+            sums.add_micro_batch({**stats, "loss": loss, "entropy": float((entropy * m).sum()),
+                                  "kept": float(keep.sum())}, float(m.sum()))
             kept.append(keep)
         return sums, torch.cat(kept)

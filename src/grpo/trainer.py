@@ -2,7 +2,7 @@
 
 One optimizer step (``GRPOTrainer.train_step``):
 
-1. **rollouts** (``collect``, ``grpo.collect``): the next ``prompts_per_step`` problems in the
+1. **rollouts** (``collect``, ``grpo.rollout_phase``): the next ``prompts_per_step`` problems in the
    curriculum's order (the data position wraps around at the end); G completions per prompt from
    the rollout backend, synced to the policy first (``grpo.rollout``); rewards and group-relative
    advantages -> ``StepRollouts``; generation state is dropped before training;
@@ -46,10 +46,11 @@ import math
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from grpo import checkpoint, collect, metrics
+from grpo import checkpoint, metrics, rollout_phase
 from grpo.config import TrainConfig
 from grpo.curriculum import batch_indices, stage_of_step, stages_for
 from grpo.data import build_prompt
@@ -57,7 +58,7 @@ from grpo.distributed import Dist
 from grpo.loss import signal_groups
 from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS
-from grpo.rollout import RolloutBackend, make_backend
+from grpo.rollout import RolloutBackend, TransformersBackend
 from grpo.run_dir import RunDir
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
 from grpo.updater import make_updater
@@ -101,7 +102,8 @@ class GRPOTrainer:
         cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
         self.stages = stages_for(cfg.order, len(problems), cfg.num_stages, cfg.seed)
         self.device = next(model.parameters()).device
-        self.backend = backend or make_backend("transformers", tokenizer, policy=model)  # the decode loop
+        # the decode loop on the policy (its 4-bit layers dequantised once per call on the CPU)
+        self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
         self.callbacks = callbacks or []
         self.val_problems = val_problems or []
         self._synced_step: int | None = None  # the step whose weights the backend's engine holds
@@ -127,10 +129,10 @@ class GRPOTrainer:
             self._synced_step = self.step
 
     def rollout(self, prompts: list[str], first_prompt: int = 0) -> Rollout:
-        """G completions of each prompt from the synced backend (``grpo.collect.sample``), then the
+        """G completions of each prompt from the synced backend (``grpo.rollout_phase.sample``), then the
         backend sleeps and generation memory is dropped for the update."""
         self.sync_backend()
-        rollout = collect.sample(self.backend, prompts, self.cfg, self.step, first_prompt, self.tokenizer.pad_token_id)
+        rollout = rollout_phase.sample(self.backend, prompts, self.cfg, self.step, first_prompt, self.tokenizer.pad_token_id)
         self.backend.sleep()
         if self.cfg.release_generation_memory:
             gc.collect()
@@ -144,7 +146,7 @@ class GRPOTrainer:
         rows = self.batch_rows(self.step)[mine]
         prompts = [build_prompt(self.tokenizer, r["question"], self.cfg.system_prompt) for r in rows]
         rollout = self.rollout(prompts, first_prompt=mine.start)
-        return collect.score(rows, mine.start, rollout, self.cfg, self.dist, self.device)
+        return rollout_phase.score(rows, mine.start, rollout, self.cfg, self.dist, self.device)
 
     # ------------------------------------------------------------------ phase 2: the update's rows
     def update_rows(self, batch: TrainBatch, scored: StepRollouts) -> TrainBatch:
@@ -161,34 +163,32 @@ class GRPOTrainer:
             return batch
         mine = signal[scored.first_prompt : scored.first_prompt + len(scored.rows)].to(batch.mask.device)  # (p,)
         rows = mine.repeat_interleave(g)  # (n,) bool
-        if self.cfg.deepspeed_config or not mine.any():
-            kept = batch[:] if self.cfg.deepspeed_config else batch[:g]
-            kept.mask = kept.mask * rows[: len(kept), None]  # (n, C), zero outside the groups with signal
-            return kept
+        if self.updater.masks_rows or not mine.any():
+            kept = batch[:] if self.updater.masks_rows else batch[:g]
+            return replace(kept, mask=kept.mask * rows[: len(kept), None])  # (n, C), zero outside the groups with signal
         return batch[rows.nonzero().squeeze(1)]  # (k,) rows
 
     # ------------------------------------------------------------------ phase 3: update
     def update(self, batch: TrainBatch, policy_entropy: torch.Tensor | None, normalizer: float,
-               step_mask: torch.Tensor) -> UpdateStats:
+               step_mask: torch.Tensor, timer: metrics.PhaseTimer) -> UpdateStats:
         """``mu`` optimizer steps on ``batch`` (the update's rows; ``policy_entropy``: their (n, C)
         entropies of the no-grad pass, when phase 2 ran it; ``normalizer``: the whole step's loss
         normaliser; ``step_mask``: the (N, C) mask of all this rank's completions, for the counts),
-        then one step of the LR schedule."""
+        then one step of the LR schedule; the optimizer's times go to ``timer``."""
         self.model.train()
-        updates, times = [], dict.fromkeys(("time_optimizer_s", "time_wait_s", "time_allreduce_s"), 0.0)
+        updates = []
         for _ in range(self.cfg.mu):
-            sums, kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
+            sums, _kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update
             updates.append(sums)
             result = self.updater.step()
-            times["time_optimizer_s"] += result.optimizer_s
-            times["time_wait_s"] += result.wait_s
-            times["time_allreduce_s"] += result.allreduce_s
+            timer.add("time_optimizer_s", result.optimizer_s)
+            timer.add("time_wait_s", result.wait_s)
+            timer.add("time_allreduce_s", result.allreduce_s)
         self.scheduler.step()
         counts = {"n_valid": float(batch.mask.sum()), "n_rows": float((batch.mask.sum(1) > 0).sum()),
                   "n_valid_step": float(step_mask.sum()), "n_rows_step": float(step_mask.shape[0])}
-        sums = {**metrics.over_mu(updates), **counts}
-        return UpdateStats(sums, kept, result.grad_norm, times)
+        return UpdateStats({**metrics.over_mu(updates), **counts}, result.grad_norm)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
@@ -197,26 +197,25 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         stage = stage_of_step(self.step, self.cfg.steps, len(self.stages))  # the stage batch_rows draws from
-        t0 = time.perf_counter()
-        scored = self.collect()
-        t_gen = time.perf_counter()
-        step_batch = TrainBatch.from_rollout(scored.rollout, scored.advantages, self.device)
-        normalizer = self.passes.step_normalizer(step_batch.mask)  # over every completion of the step
-        batch = self.update_rows(step_batch, scored)
-        policy_entropy = self.passes.fixed_logprobs(batch)
-        t_ref = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
-        stats = self.update(batch, policy_entropy, normalizer, step_batch.mask)
-        t_end = time.perf_counter()
+        timer = metrics.PhaseTimer()
+        with timer.phase("step_time_s"):
+            with timer.phase("time_generate_s"):
+                scored = self.collect()
+            with timer.phase("time_logprob_s"):
+                step_batch = TrainBatch.from_rollout(scored.rollout, scored.advantages, self.device)
+                normalizer = self.passes.step_normalizer(step_batch.mask)  # over every completion of the step
+                batch, policy_entropy = self.passes.fixed_logprobs(self.update_rows(step_batch, scored))
+            lr = self.scheduler.get_last_lr()[0]
+            with timer.phase("time_update_s"):
+                stats = self.update(batch, policy_entropy, normalizer, step_batch.mask, timer)
         self.step += 1
         self.last_samples = [s for part in self.dist.all_gather_object(scored.samples(self.step)) for s in part]
-        times = {"time_generate_s": t_gen - t0, "time_logprob_s": t_ref - t_gen, "time_update_s": t_end - t_ref,
-                 "step_time_s": t_end - t0, "peak_mem_mb": peak_memory_mb(self.device), **stats.times}
+        timer.add("peak_mem_mb", peak_memory_mb(self.device))
         if self.device.type == "cuda":
-            times["peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / 2**20
+            timer.add("peak_reserved_mb", torch.cuda.max_memory_reserved(self.device) / 2**20)
         return {"step": self.step, "stage": stage,
                 **metrics.reward_stats(scored.step_rewards, scored.step_reward_parts, self.cfg.group_size),
-                **metrics.update_row(self.dist, stats.sums, times, self.device),
+                **metrics.update_row(self.dist, stats.sums, timer.times, self.device),
                 "grad_norm": stats.grad_norm, "lr": lr}
 
     # ------------------------------------------------------------------ validation

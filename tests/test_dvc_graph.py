@@ -40,25 +40,32 @@ def _imports(path: Path) -> set[str]:
     return {m for m in found if _module_file(m) is not None}
 
 
+def _packages(path: Path) -> list[Path]:
+    """The ``__init__.py`` of every subpackage of ``grpo`` that holds ``path`` (Python runs each
+    when it imports a module inside)."""
+    inits = []
+    for parent in path.parents:
+        if parent == ROOTS["grpo"] or ROOTS["grpo"] not in parent.parents:
+            break
+        inits.append(parent / "__init__.py")
+    return [p for p in inits if p.exists()]
+
+
 def code_deps(entry: Path) -> set[str]:
-    """Repo-relative files reached from ``entry``; a package directory stands for its files."""
+    """Repo-relative files reached from ``entry``: a module of a subpackage brings the package's
+    ``__init__.py``, not its other modules; a subpackage all of whose modules are reached is
+    named by its directory."""
     seen, todo = set(), [entry]
     while todo:
         path = todo.pop()
         if path in seen:
             continue
         seen.add(path)
-        todo += [_module_file(m) for m in _imports(path)]
-        if path.name == "__init__.py":  # a package: every module in it
-            todo += list(path.parent.glob("*.py"))
-    out = set()
-    for path in seen:
-        rel = path.relative_to(REPO)
-        if path.parent != ROOTS["grpo"] and path.parent.parent == ROOTS["grpo"]:
-            out.add(str(rel.parent))  # src/grpo/<package>
-        elif rel != Path("tasks/__init__.py"):
-            out.add(str(rel))
-    return out
+        todo += [_module_file(m) for m in _imports(path)] + _packages(path)
+    for package in {p.parent for p in seen if p.name == "__init__.py"}:
+        if set(package.glob("*.py")) <= seen:
+            seen = {p for p in seen if p.parent != package} | {package}
+    return {str(path.relative_to(REPO)) for path in seen} - {"tasks/__init__.py"}
 
 
 def _stages() -> dict:
@@ -78,6 +85,18 @@ def test_stage_code_deps_are_its_imports(stage):
 def test_the_walk_sees_lazy_and_package_imports():
     deps = code_deps(REPO / "tasks" / "train.py")
     assert "src/grpo/rewards.py" in deps  # imported inside a validator of grpo.config
-    assert "src/grpo/kernels" in deps and "src/grpo/config.py" in deps
-    assert not any(d.startswith("src/grpo/kernels/") for d in deps)
-    assert "tasks/_common.py" in deps
+    assert "src/grpo/config.py" in deps and "tasks/_common.py" in deps
+    assert {"src/grpo/engine", "src/grpo/kernels"} <= deps  # every module of each package
+    assert not any(d.startswith(("src/grpo/engine/", "src/grpo/kernels/")) for d in deps)
+
+
+@pytest.mark.parametrize("stage", ["sent", "baseline_eval", "final_eval"])
+def test_sampling_stages_depend_on_the_saved_model_sampler_alone(stage):
+    """SENT and the evaluations sample saved models: an edit of the training engine (its sync
+    strategies, weights forms, 4-bit base, the trainer) re-runs none of them."""
+    spec = _stages()[stage]
+    engine = {d for d in spec.deps if d.startswith("src/grpo/engine/")}
+    assert engine == {"src/grpo/engine/__init__.py", "src/grpo/engine/args.py", "src/grpo/engine/bounds.py",
+                      "src/grpo/engine/sampler.py"}
+    training = {"src/grpo/trainer.py", "src/grpo/passes.py", "src/grpo/rollout_phase.py", "src/grpo/memory.py"}
+    assert not training & set(spec.deps)

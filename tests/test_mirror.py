@@ -1,6 +1,7 @@
 """The test files mirror the code they test, so the tests of a module are found by its name:
 
 - ``test_<name>.py``        src/grpo/<name>.py (or the package src/grpo/<name>/)
+- ``test_<pkg>_<name>.py``  src/grpo/<pkg>/<name>.py, a module of a subpackage
 - ``test_stage_<name>.py``  tasks/<name>.py, the DVC stage run as ``python -m tasks.<name>``
 - ``test_flow_<name>.py``   flows/<name>.py
 - ``test_bench_<name>.py``  bench/<name>.py or bench/<name>.sh
@@ -8,6 +9,10 @@
 
 A test module whose subject is not one file is listed in ``EXCEPTIONS`` with what it tests. Code that
 several test modules share lives in conftest.py (fixtures) or helpers.py, never in a test module.
+
+Both ways for the library: every module of src/grpo has its own test file (a subpackage's
+``__init__.py`` only when it holds code, and a subpackage may be tested as a whole by
+``test_<pkg>.py``: ``PACKAGE_TESTS``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ EXCEPTIONS = {
     "test_prefect_yaml.py": "prefect.yaml: the deployment it declares equals flows/schedule.yaml",
 }
 
+PACKAGE_TESTS = {"kernels": "test_kernels.py"}
+"""Subpackages tested as a whole by one file (the fused kernels against their torch fallbacks)."""
+
 PREFIXES = {  # prefix -> (folder, suffixes); the plain test_<name>.py is src/grpo
     "test_stage_": ("tasks", (".py",)),
     "test_flow_": ("flows", (".py",)),
@@ -44,7 +52,12 @@ def subject(test_file: str) -> list:
         if stem.startswith(prefix):
             return [REPO / folder / (stem.removeprefix(prefix) + s) for s in suffixes]
     name = stem.removeprefix("test_")
-    return [REPO / "src" / "grpo" / f"{name}.py", REPO / "src" / "grpo" / name / "__init__.py"]
+    grpo = REPO / "src" / "grpo"
+    found = [grpo / f"{name}.py", grpo / name / "__init__.py"]
+    for i, ch in enumerate(name):  # test_<pkg>_<name>.py: src/grpo/<pkg>/<name>.py
+        if ch == "_" and (grpo / name[:i]).is_dir():
+            found.append(grpo / name[:i] / f"{name[i + 1:]}.py")
+    return found
 
 
 TEST_FILES = sorted(p.name for p in TESTS.glob("test_*.py"))
@@ -71,3 +84,30 @@ def test_no_test_module_imports_another():
                 last = node.module.split(".")[-1]
                 assert not last.startswith("test_"), \
                     f"tests/{name} imports {node.module}: shared code goes to tests/conftest.py or tests/helpers.py"
+
+
+def _holds_code(path) -> bool:
+    """Whether a module has more than a docstring."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)) for n in body)
+
+
+def test_every_library_module_has_its_own_test_file():
+    grpo = REPO / "src" / "grpo"
+    missing = []
+    for path in sorted(grpo.rglob("*.py")):
+        rel = path.relative_to(grpo)
+        if path.name == "__init__.py" and (path.parent == grpo or not _holds_code(path)):
+            continue
+        if len(rel.parts) > 1 and rel.parts[0] in PACKAGE_TESTS:
+            continue
+        parts = rel.with_suffix("").parts
+        name = "_".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if f"test_{name}.py" not in TEST_FILES:
+            missing.append(f"src/grpo/{rel}: no tests/test_{name}.py")
+    assert not missing, "every module gets its own test file:\n" + "\n".join(missing)
+
+
+def test_package_tests_exist():
+    for package, test_file in PACKAGE_TESTS.items():
+        assert (REPO / "src" / "grpo" / package).is_dir() and test_file in TEST_FILES

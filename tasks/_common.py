@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, load_params, reading_params
+from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, StageStop, load_params, reading_params
 from grpo.jsonio import DataError, write_json
 
-USER_ERRORS = (ParamsError, DataError, ModelConfigError, DeviceError, FileNotFoundError)
+USER_ERRORS = (ParamsError, DataError, ModelConfigError, DeviceError, StageStop, FileNotFoundError)
 
 
 def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None = None, *,

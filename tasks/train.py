@@ -67,7 +67,7 @@ def _dvclive_callback(metrics_dir: Path):
     def cb(row: dict) -> None:
         live.step = row["step"]
         for key, value in row.items():
-            if key != "step":
+            if key != "step" and value is not None:  # None: not finite in a skipped update
                 live.log_metric(key, value, plot=True)
         live.next_step()
 
@@ -201,8 +201,8 @@ def _train(params: Params, dist: Dist, device: str) -> None:
                               seed=cfg.seed, dtype=params.model.dtype, dist=dist)
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     rollouts = rollouts_per_process(weights_form is not None, dist.world_size, weights_form)
-    base_form = f", {backend.base_form} base" if weights_form else ""
-    log.info("rollouts: %s (rank %d of %d%s)", rollouts, dist.rank, dist.world_size, base_form)
+    base = f"; the adapter's base: {backend.base_form}" if weights_form == "adapter" else ""
+    log.info("rollouts: %s (rank %d of %d)%s", rollouts, dist.rank, dist.world_size, base)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:

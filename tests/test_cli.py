@@ -150,3 +150,25 @@ def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, cap
     code, out, _ = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100",
                        "--device", "cuda")
     assert code == 0 and "memory: one training step on cuda" in out
+
+
+def test_check_says_what_each_training_process_samples_with(tmp_path, capsys):
+    """The train stage's rule (``grpo.rollout.uses_engine``): with vLLM installed every process runs
+    an engine of its own; the decode loop with ``rollout_backend: transformers`` (the stage test
+    with 2 real processes compares this line with its log: tests/test_distributed.py)."""
+    import importlib.util
+
+    from grpo.rollout import uses_engine
+
+    for backend, processes in (("auto", 2), ("transformers", 2), ("vllm", 1)):
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump(
+            {"train": {"num_processes": processes, "prompts_per_step": 4, "rollout_backend": backend}}))
+        code, out, err = run(capsys, "check", "--params", str(tmp_path / "p.yaml"))
+        assert code == 0, err
+        line = next(x.strip() for x in out.splitlines() if x.strip().startswith("rollouts:"))
+        who = "the process" if processes == 1 else f"each of {processes} processes"
+        if uses_engine(backend):
+            assert line.startswith(f"rollouts: {who}: a vLLM engine of its own holding the policy (dense weights)")
+        else:
+            assert line.startswith(f"rollouts: {who}: the decode loop on the policy (transformers)")
+    assert uses_engine("auto") == (importlib.util.find_spec("vllm") is not None)

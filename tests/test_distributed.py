@@ -434,7 +434,8 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
     proc = _stage(params)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
-    assert "resumed from" in out and "rollouts: vllm (rank 1 of 2; engine weights: dense)" in out
+    rollouts = "each of 2 processes: a vLLM engine of its own holding the policy (dense weights)"
+    assert "resumed from" in out and f"rollouts: {rollouts} (rank 1 of 2)" in out
     steps = _steps(tmp_path)
     assert [r["step"] for r in steps] == list(range(1, 7))  # none repeated, none skipped
     assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]
@@ -448,6 +449,13 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
     assert (summary["rollout_backend"], summary["num_processes"], summary["steps"]) == ("vllm", 2, 6)
     assert summary["logp_mismatch_max"] < 1e-3
     assert not (tmp_path / "out" / "engine").exists()  # the engines' copy of the base is removed
+    # `grpo check` on the same params says what the stage logged each process ran
+    check = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(params)], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    said = next(line for line in check.stdout.splitlines() if line.strip().startswith("rollouts:"))
+    assert said.strip() == f"rollouts: {summary['rollouts']} (train.rollout_backend vllm)"
+    assert summary["rollouts"] == rollouts
 
 
 def test_engines_that_do_not_fit_the_ram_stop_the_stage_before_it_launches(tiny_model_dir, tiny_problems, tmp_path,

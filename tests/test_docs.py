@@ -85,3 +85,53 @@ def test_readme_fits_a_screen_and_links_onward():
 @pytest.mark.parametrize("page", sorted(p.name for p in (REPO / "docs").rglob("*.md")))
 def test_every_page_is_in_the_nav(page):
     assert page in (REPO / "mkdocs.yml").read_text()
+
+
+POINTER = re.compile(r"(?<![\w./-])(docs/[\w/-]+\.md)((?:#[\w-]+)?)((?:,?\s+(?:and\s+)?#[\w-]+)*)")
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors mkdocs gives the page's headings (lower case, words joined by hyphens, other
+    punctuation dropped)."""
+    anchors = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            title = re.sub(r"[`*]", "", line.lstrip("#").strip()).lower()
+            anchors.add(re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", title)).strip("-"))
+    return anchors
+
+
+def code_pointers() -> list[tuple[str, str, str]]:
+    """(file, page, anchor or "") for every pointer from the code (src/, tasks/, bench/, flows/,
+    scripts/) to a docs page: ``docs/page.md``, ``docs/page.md#anchor``, and ``, #more`` after it."""
+    out = []
+    for folder in ("src", "tasks", "bench", "flows", "scripts"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            text = path.read_text()
+            for page, first, more in POINTER.findall(text):
+                anchors = [first.lstrip("#")] if first else [""]
+                anchors += re.findall(r"#([\w-]+)", more)
+                out += [(str(path.relative_to(REPO)), page, a) for a in anchors]
+    return out
+
+
+def test_pointers_from_the_code_to_the_docs_resolve():
+    pointers = code_pointers()
+    assert any(a == "shutdown" for _, _, a in pointers)  # the scan sees the vLLM source map's pointers
+    broken = []
+    for file, page, anchor in pointers:
+        target = REPO / page
+        if not target.is_file():
+            broken.append(f"{file}: {page} does not exist")
+        elif anchor and anchor not in heading_anchors(target):
+            broken.append(f"{file}: {page}#{anchor}: no such heading")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_vllm_source_map_is_the_one_home_of_vllm_line_numbers():
+    """Line numbers of vLLM's source live in docs/gpu-notes.md; the code points there."""
+    cited = re.compile(r"\b(?:v1|lora|config|distributed|device_allocator|model_executor|platforms|engine|utils)/"
+                       r"[\w/]+\.py:\d+")
+    found = [f"{p.relative_to(REPO)}: {m}" for folder in ("src", "tasks")
+             for p in sorted((REPO / folder).rglob("*.py")) for m in cited.findall(p.read_text())]
+    assert not found, "\n".join(found)

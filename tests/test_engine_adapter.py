@@ -119,7 +119,8 @@ def test_the_stage_names_the_adapter_engine(tiny_vllm_model_dir, tiny_problems, 
     out = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "engine weights: adapter, dense base)" in out.stderr
+    assert ("rollouts: the process: a vLLM engine of its own holding the policy (adapter weights) (rank 0 of 1); "
+            "the adapter's base: dense") in out.stderr
     summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert summary["rollout_backend"] == "vllm" and summary["engine_weights"] == "adapter"
     assert summary["logp_mismatch_max"] < LOGP_TOLERANCE

@@ -66,6 +66,21 @@ def test_cpu_engine_environment_keeps_user_values(monkeypatch):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     monkeypatch.setattr(os, "environ", dict(env))
     start_environment("cuda", in_process=False)  # a saved model's sampler on CUDA: vLLM's own processes
-    assert not any(k.startswith("VLLM_") for k in os.environ)
+    assert {k: v for k, v in os.environ.items() if k.startswith("VLLM_")} == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     start_environment("cuda", in_process=True)  # the policy's engine: in this process
-    assert os.environ == {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert os.environ == {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("in_process", [False, True])  # a saved model's sampler; the policy's engine
+def test_every_engine_starts_with_the_flashinfer_sampler_off_unless_the_user_set_it(monkeypatch, device, in_process):
+    """vLLM's FlashInfer top-k/top-p sampler compiles with nvcc at the first sampling on RTX 30/40
+    cards (docs/gpu-notes.md#flashinfer-sampler): every engine kind starts with it off; a user's
+    ``VLLM_USE_FLASHINFER_SAMPLER=1`` is kept."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    monkeypatch.setattr(os, "environ", dict(env))
+    start_environment(device, in_process=in_process)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setattr(os, "environ", {**env, "VLLM_USE_FLASHINFER_SAMPLER": "1"})
+    start_environment(device, in_process=in_process)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"

@@ -4,6 +4,7 @@ this process."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ def test_a_closed_engine_is_gone(tiny_vllm_model_dir):
     with saved_model_sampler("vllm", tok, tiny_vllm_model_dir,
                              VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
         assert backend.name == "vllm"
+        assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # the engine started with it off
         roll = backend.generate(["Hi"], 2, max_new_tokens=4)
         assert roll.logprobs.shape == roll.completion_ids.shape
         backend.sleep()

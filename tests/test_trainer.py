@@ -222,3 +222,63 @@ def test_a_cut_off_completion_scores_zero_unless_asked(truncated):
         assert scored.rewards[0] > 0 and scored.advantages[0] > 0 > scored.advantages[1]
     else:
         assert scored.rewards[0] == scored.rewards[1] > 0 and scored.advantages.abs().max() == 0
+
+
+def _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls, **cfg):
+    """A trainer whose reward is the completion's length, and infinite at the reward calls (one a
+    step) in ``bad_calls``: that step's advantages, loss and gradients are not finite."""
+    calls = []
+
+    def boom(completions, answers):
+        calls.append(1)
+        bad = len(calls) in bad_calls
+        return [float("inf") if bad else float(len(c)) for c in completions]
+
+    monkeypatch.setitem(REWARDS, "boom", boom)
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    train = TrainConfig(**{"output_dir": str(tmp_path), "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6,
+                           "checkpoint_every": 0, "eval_every": 0, "rewards": {"boom": 0.1}, "truncated": "score",
+                           "warmup_steps": 0, "lr": 1e-2, **cfg})
+    return GRPOTrainer(model, tok, train, tiny_problems), model
+
+
+def test_a_non_finite_step_applies_no_update_and_training_goes_on(tiny_model_dir, tiny_problems, tmp_path,
+                                                                  monkeypatch, caplog):
+    """Step 2's rewards are infinite: its loss and gradients are NaN. Its update is not applied (the
+    LoRA weights and AdamW's moments stay as step 1 left them), the row says so with nulls for the
+    non-finite values, a warning names the step, and steps 3 and 4 update again."""
+    trainer, model = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls={2}, steps=4)
+    lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
+    moments = lambda: [s["exp_avg"].clone() for s in trainer.updater.optimizer.state.values()]  # noqa: E731
+    snapshots = []
+    trainer.callbacks.append(lambda row: snapshots.append((row["step"], lora(), moments())))
+    with caplog.at_level("WARNING", logger="grpo.trainer"):
+        rows = trainer.train(progress=False)
+    assert [r.get("update_skipped", 0) for r in rows] == [0, 1, 0, 0]
+    assert rows[1]["loss"] is None and rows[1]["reward_mean"] is None and rows[0]["loss"] is not None
+    (_, after1, m1), (_, after2, m2), (_, after3, _), _ = snapshots
+    assert all(torch.equal(after1[n], after2[n]) for n in after1)  # step 2 changed no weight
+    assert all(torch.equal(a, b) for a, b in zip(m1, m2))  # nor the optimizer state
+    assert any(not torch.equal(after2[n], after3[n]) for n in after2)  # step 3 did
+    assert all(torch.isfinite(p).all() for p in after3.values())
+    assert any("step 2: a non-finite loss, log-prob or gradient norm; the update was not applied" in m
+               for m in caplog.messages)
+    json.dumps(rows, allow_nan=False)  # the step log stays valid JSON
+
+
+def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
+    """Every step from the third on is infinite: with ``max_nonfinite_steps`` 2 training stops after
+    step 4 with one line naming the steps and the last good checkpoint (step 2's)."""
+    from grpo.config import StageStop
+
+    trainer, _ = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(range(3, 10)),
+                              steps=6, checkpoint_every=2, max_nonfinite_steps=2)
+    with pytest.raises(StageStop) as err:
+        trainer.train(progress=False)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("train: steps 3-4: 2 updates in a row not applied")
+    assert line.split("the last good checkpoint: ")[1].startswith(str(tmp_path / "checkpoints" / "step_000002"))
+    assert [r.get("update_skipped", 0) for r in trainer.history] == [0, 0, 1, 1]  # logged, then stopped
+    assert (tmp_path / "steps.jsonl").read_text().count("update_skipped") == 2

@@ -116,7 +116,6 @@ def cmd_check(args) -> int:
     p = res.params
     from grpo import dvcstatus, memory
     from grpo.device import default_device, describe_device
-    from grpo.engine.forms import rollouts_per_process
     from grpo.rollout import uses_engine
 
     print(f"params: {res.label}: valid")
@@ -125,8 +124,12 @@ def cmd_check(args) -> int:
     print("\n".join(dvcstatus.describe(res.root, res.changed)))
 
     device = args.device or default_device()
+    engine = uses_engine(p.train.rollout_backend)  # the train stage's rule
     shapes = memory.resolve_shapes(p.model, res.root)
     if isinstance(shapes, str):
+        known = not (device == "cuda" and p.train.engine_weights == "auto")  # auto on CUDA needs the shapes
+        form = memory.choose_engine_form(p, None, device, 0, None)[0] if engine and known else "auto"
+        print(f"rollouts: {rollouts_line(p, engine, form)}")
         print(f"memory: no estimate: {shapes}")
         return 0
     if args.prompt_tokens:
@@ -135,7 +138,6 @@ def cmd_check(args) -> int:
         found = memory.longest_prompt_tokens(p, res.root)
         prompt, how = found if found else (DEFAULT_PROMPT_TOKENS, "assumed; --prompt-tokens N to set")
     card, card_how = card_bytes(args.gpu_memory, device)
-    engine = uses_engine(p.train.rollout_backend)  # the train stage's rule
     plan = memory.engine_plan(p, shapes, device, prompt, card) if engine and device == "cuda" else None
     form = plan.form if plan else (memory.choose_engine_form(p, shapes, device, prompt, card)[0] if engine else None)
     est = memory.estimate(p, shapes, device, prompt, engine=plan)
@@ -146,8 +148,7 @@ def cmd_check(args) -> int:
     print(f"  shape: {p.train.prompts_per_step} prompts x G={p.train.group_size}, prompt {prompt} tokens ({how}) "
           f"+ {p.train.max_new_tokens} new tokens (all full length)")
     print(f"  card: {card_how}")
-    print(f"  rollouts: {rollouts_per_process(engine, p.train.num_processes, form)} "
-          f"(train.rollout_backend {p.train.rollout_backend})")
+    print(f"  rollouts: {rollouts_line(p, engine, form)}")
     if plan is not None:
         print(f"  engine: train.engine_weights {p.train.engine_weights} -> {plan.form} ({plan.why}); max_num_seqs "
               f"{plan.seqs}, max_num_batched_tokens {plan.batched_tokens}, enforce_eager")
@@ -159,6 +160,13 @@ def cmd_check(args) -> int:
     for line in memory.measured_for(p, shapes, device, prompt):
         print(f"  {line}")
     return 0
+
+
+def rollouts_line(p: Params, engine: bool, form: str | None) -> str:
+    """What each training process samples with, as the train stage logs it (``rollouts_per_process``)."""
+    from grpo.engine.forms import rollouts_per_process
+
+    return f"{rollouts_per_process(engine, p.train.num_processes, form)} (train.rollout_backend {p.train.rollout_backend})"
 
 
 def card_bytes(gpu_memory: float | None, device: str) -> tuple[int | None, str]:

@@ -46,6 +46,11 @@ class DeviceError(RuntimeError):
     line saying what to do."""
 
 
+class StageStop(RuntimeError):
+    """A stage stops on purpose (training that keeps producing non-finite values); the message is
+    one line saying where and what is left."""
+
+
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
@@ -330,6 +335,10 @@ class TrainConfig(VLLMEngineConfig):
     backend (0: never)."""
     eval_max_new_tokens: Positive = 64
     """Length cap of the validation completions."""
+    max_nonfinite_steps: Positive = 3
+    """A step whose loss, log-probs or gradient norm is not finite applies no update (parameters and
+    optimizer state unchanged; logged and counted as ``update_skipped``); this many such steps in a
+    row stop the stage with one line naming the step and the last checkpoint."""
     keep_best: bool = True
     """Write the adapter of the best validation accuracy (earliest on ties) as the stage's adapter
     instead of the last one; ``models/adapter/selection.json`` says which was written."""

@@ -36,8 +36,8 @@ MIN_DRIVER = {"11": "450", "12": "525", "13": "580"}
 docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html, table 1)."""
 
 BF16_CAPABILITY = (8, 0)
-"""The oldest compute capability vLLM runs bf16 on (vllm/platforms/cuda.py:636-654 in 0.32.0,
-``check_if_supports_dtype``, called at engine start from vllm/v1/worker/gpu_worker.py:503)."""
+"""The oldest compute capability vLLM runs bf16 on, checked at engine start
+(docs/gpu-notes.md#dtypes)."""
 
 
 def no_usable_gpu_message(torch_version: str, cuda_version: str) -> str:

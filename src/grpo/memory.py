@@ -353,17 +353,19 @@ def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
 
 # ------------------------------------------------------------------------------------- the engine
 ENGINE_BLOCK = 16
-"""Tokens per KV-cache block of vLLM on CUDA (``CacheConfig.DEFAULT_BLOCK_SIZE``, config/cache.py:72)."""
+"""Tokens per KV-cache block of vLLM on CUDA (``CacheConfig.DEFAULT_BLOCK_SIZE``).
+
+The vLLM lines of this section's constants and functions: docs/gpu-notes.md#engine-memory,
+#scheduler-bounds, #lora-loading and #sleep-and-wake-up."""
 QUANT_GROUP = GPTQ_GROUP_SIZES[0]
 """Weights per scale of the adapter engine's 4-bit base on CUDA (``grpo.engine.gptq``)."""
 SAMPLER_BYTES = 25
-"""Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy
-(v1/sample/sampler.py:97), the raw log-probs the engine returns (sampler.py:89, 4), top-k/top-p's
-sorted fp32 values, their int64 order, the sorted probabilities and a bool mask
-(v1/sample/ops/topk_topp_sampler.py:494-511: 4 + 8 + 4 + 1)."""
+"""Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy (4), the
+raw log-probs the engine returns (4), top-k/top-p's sorted fp32 values, their int64 order, the
+sorted probabilities and a bool mask (4 + 8 + 4 + 1)."""
 ENGINE_NON_TORCH = 256 * 2**20
 """Allowance for what the engine adds outside PyTorch's allocator (libraries' workspaces and
-handles), counted into its non-KV memory (utils/mem_utils.py:306-321) and outside vLLM's sleep
+handles), counted into its non-KV memory and outside vLLM's sleep
 pool, so it stays while the engine sleeps. Never measured."""
 CUDA_CONTEXT = 512 * 2**20
 """Allowance for the process's CUDA context (outside every allocator). Never measured."""
@@ -393,10 +395,9 @@ def decoder_linears(shapes: ModelShapes) -> list[Linear]:
 
 def engine_lora_bytes(shapes: ModelShapes, rank: int, b: int) -> int:
     """vLLM's LoRA buffers on the device (the adapter form, ``max_loras`` = 1): for every decoder
-    linear (vLLM wraps each one without ``target_modules``: lora/model_manager.py:483-489,
-    lora/utils.py:232-246) an A slot ``r x in`` and a B slot ``out x r`` per packed slice, in the
-    model dtype (lora/layers/base_linear.py:133-154), ``r`` = ``engine_lora_rank``. The adapter's
-    own tensors are loaded into host memory (lora/worker_manager.py:145) and copied into these."""
+    linear (vLLM wraps each one without ``target_modules``) an A slot ``r x in`` and a B slot
+    ``out x r`` per packed slice, in the model dtype, ``r`` = ``engine_lora_rank``. The adapter's
+    own tensors are loaded into host memory and copied into these."""
     return engine_lora_rank(rank) * sum(x.in_features + x.out_features for x in decoder_linears(shapes)) * b
 
 
@@ -413,19 +414,17 @@ def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
 
 def engine_step_tokens(seqs: int, prompt: int, new_tokens: int, max_model_len: int) -> int:
     """KV positions the engine holds for one generation call: ``seqs`` sequences (no prefix shared:
-    the worst case), and at least one ``max_model_len`` sequence, which vLLM requires at start
-    (v1/core/kv_cache_utils.py:1019-1039)."""
+    the worst case), and at least one ``max_model_len`` sequence, which vLLM requires at start."""
     return max(seqs * engine_seq_tokens(prompt, new_tokens, max_model_len),
                engine_seq_tokens(max_model_len, 0, max_model_len))
 
 
 def engine_profile_bytes(shapes: ModelShapes, tokens: int, seqs: int, b: int) -> tuple[int, int]:
     """(forward, sampler): the transient peaks of vLLM's profile run, which the engine keeps free
-    beside its weights and KV cache (v1/worker/gpu_worker.py:682-744; enforce_eager: no CUDA
-    graphs). The forward of ``tokens`` (``max_num_batched_tokens``: v1/worker/gpu_model_runner.py:516,
-    6193-6195) peaks in the MLP: the hidden state and residual (``2 H``), the fused gate/up output
+    beside its weights and KV cache (``enforce_eager``: no CUDA graphs). The forward of ``tokens``
+    (``max_num_batched_tokens``) peaks in the MLP: the hidden state and residual (``2 H``), the fused gate/up output
     (``2 I``) and its activation (``I``) per token, ``b`` bytes each. Then the sampler on one row per
-    sequence (``seqs`` = ``max_num_seqs``: gpu_model_runner.py:517, 5927-5970) with the hidden states
+    sequence (``seqs`` = ``max_num_seqs``) with the hidden states
     still held: the logits in ``b`` bytes plus ``SAMPLER_BYTES`` per (row, vocabulary) entry. The two
     run one after the other."""
     h, i = shapes.hidden, shapes.intermediate
@@ -474,7 +473,7 @@ class EnginePlan:
 
     @property
     def budget(self) -> int | None:
-        """``gpu_memory_utilization x card`` (v1/worker/utils.py:724-726), all of which the engine
+        """``gpu_memory_utilization x card``, all of which the engine
         holds while awake: what its weights and overhead leave becomes KV cache."""
         return None if self.card is None else math.ceil(self.card * self.utilization)
 
@@ -604,7 +603,7 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
         add(_engine_awake(engine))
         add(Term("vLLM engine, asleep", "train", ENGINE_NON_TORCH,
                  "sleep level 1: weights and runtime state offloaded to host memory, KV cache dropped "
-                 "(device_allocator/sleep_mode_backend.py:127-137); the non-torch allowance outside its pool stays"))
+                 "(docs/gpu-notes.md#sleep-and-wake-up); the non-torch allowance outside its pool stays"))
     else:
         _decode_loop_terms(est, shapes, params, device, prompt_tokens, b)
     _update_terms(est, shapes, params, device, prompt_tokens, b)
@@ -761,7 +760,7 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
     """Whether the step fits a card of ``card`` bytes (the CUDA context allowance included) and, if
     not, the one knob to turn. ``plan``: the engine (None: decode-loop rollouts); ``adapter``: the
     engine in the adapter form, for the advice when the dense one does not fit. Checked in order:
-    the engine's budget must be free when it starts beside the policy (v1/worker/utils.py:761-769),
+    the engine's budget must be free when it starts beside the policy,
     hold its needs, then the update must fit."""
     resident = sum(t.bytes for t in est.terms if t.phase == "both")
     free = card - resident - CUDA_CONTEXT  # what the engine can get at its start

@@ -129,7 +129,7 @@ def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir
     model = model.cpu()
     # The NF4 copy on the GPU is gone; give its cached blocks back, or the engine that starts next
     # (another process for evaluation) finds them taken: vLLM refuses to start when free memory is
-    # below gpu_memory_utilization x total (vllm/v1/worker/utils.py:761-769 in 0.32.0, request_memory).
+    # below gpu_memory_utilization x total (docs/gpu-notes.md#engine-memory).
     free_cuda_cache(device)
     model.hf_quantizer = None
     model.is_loaded_in_4bit = False

@@ -37,6 +37,11 @@ class RunDir:
         """Write ``checkpoints/step_XXXXXX`` atomically; keep the two newest (``grpo.checkpoint.save``)."""
         return checkpoint.save(self.checkpoints, step, model, optimizer, scheduler, data_position=data_position)
 
+    def latest_checkpoint(self) -> Path | None:
+        """The newest ``checkpoints/step_XXXXXX`` folder (not verified), or None."""
+        found = sorted(self.checkpoints.glob("step_*")) if self.checkpoints.is_dir() else []
+        return found[-1] if found else None
+
     def load_latest(self, device: str = "cpu") -> checkpoint.Checkpoint | None:
         """The newest checkpoint that verifies and reads (damaged ones are logged and moved aside)."""
         return checkpoint.load_latest(self.checkpoints, device)

@@ -51,7 +51,7 @@ from dataclasses import replace
 import torch
 
 from grpo import checkpoint, metrics, rollout_phase
-from grpo.config import TrainConfig
+from grpo.config import StageStop, TrainConfig
 from grpo.curriculum import batch_indices, stage_of_step, stages_for
 from grpo.data import build_prompt
 from grpo.distributed import Dist
@@ -113,6 +113,7 @@ class GRPOTrainer:
         self.passes = PolicyPasses(model, cfg, self.dist, self.updater)
         self.run = RunDir(cfg.output_dir, cfg.keep_best)
         self.step = 0
+        self.nonfinite = 0  # steps in a row whose update was skipped
         self.history: list[dict] = []
         self.last_samples: list[dict] = []  # the last step's completions, every rank's
 
@@ -176,19 +177,28 @@ class GRPOTrainer:
         normaliser; ``step_mask``: the (N, C) mask of all this rank's completions, for the counts),
         then one step of the LR schedule; the optimizer's times go to ``timer``."""
         self.model.train()
-        updates = []
+        updates, applied = [], True
         for _ in range(self.cfg.mu):
             sums, _kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update
             updates.append(sums)
-            result = self.updater.step()
+            result = self.updater.step(skip=not self.finite_everywhere(sums))
+            applied = applied and result.applied
             timer.add("time_optimizer_s", result.optimizer_s)
             timer.add("time_wait_s", result.wait_s)
             timer.add("time_allreduce_s", result.allreduce_s)
+            if not result.applied:
+                break  # the rest of the step would repeat the same update
         self.scheduler.step()
         counts = {"n_valid": float(batch.mask.sum()), "n_rows": float((batch.mask.sum(1) > 0).sum()),
                   "n_valid_step": float(step_mask.sum()), "n_rows_step": float(step_mask.shape[0])}
-        return UpdateStats({**metrics.over_mu(updates), **counts}, result.grad_norm)
+        return UpdateStats({**metrics.over_mu(updates), **counts}, result.grad_norm, applied=applied)
+
+    def finite_everywhere(self, sums: metrics.Sums) -> bool:
+        """Whether every rank's update statistics (loss, log-prob gap, entropy, ...) are finite: one
+        all-reduce, so that every rank skips or steps alike."""
+        bad = float(not all(math.isfinite(v) for v in sums.values.values()))
+        return not self.dist.all_reduce(torch.tensor([bad], device=self.device), "max").item()
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
@@ -213,10 +223,30 @@ class GRPOTrainer:
         timer.add("peak_mem_mb", peak_memory_mb(self.device))
         if self.device.type == "cuda":
             timer.add("peak_reserved_mb", torch.cuda.max_memory_reserved(self.device) / 2**20)
-        return {"step": self.step, "stage": stage,
-                **metrics.reward_stats(scored.step_rewards, scored.step_reward_parts, self.cfg.group_size),
-                **metrics.update_row(self.dist, stats.sums, timer.times, self.device),
-                "grad_norm": stats.grad_norm, "lr": lr}
+        row = {"step": self.step, "stage": stage,
+               **metrics.reward_stats(scored.step_rewards, scored.step_reward_parts, self.cfg.group_size),
+               **metrics.update_row(self.dist, stats.sums, timer.times, self.device),
+               "grad_norm": stats.grad_norm, "lr": lr}
+        if not stats.applied:  # non-finite values are logged as null (JSON has no NaN)
+            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+            row["update_skipped"] = 1
+        return row
+
+    def check_finite(self, row: dict) -> None:
+        """Count steps in a row whose update was skipped for a non-finite value; stop after
+        ``max_nonfinite_steps`` of them with one line naming the step and the last checkpoint."""
+        if not row.get("update_skipped"):
+            self.nonfinite = 0
+            return
+        self.nonfinite += 1
+        log.warning("step %d: a non-finite loss, log-prob or gradient norm; the update was not applied "
+                    "(%d in a row)", self.step, self.nonfinite)
+        if self.nonfinite >= self.cfg.max_nonfinite_steps:
+            last = self.run.latest_checkpoint()
+            raise StageStop(f"train: steps {self.step - self.nonfinite + 1}-{self.step}: {self.nonfinite} updates in a "
+                            f"row not applied (a non-finite loss, log-prob or gradient norm; train.max_nonfinite_steps "
+                            f"{self.cfg.max_nonfinite_steps}); the last good checkpoint: "
+                            f"{last or 'none (train.checkpoint_every)'}; fp16 overflows: try model.dtype float32 or bf16")
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
@@ -284,13 +314,14 @@ class GRPOTrainer:
                     if main:
                         self.run.keep_if_best(self.model, row, self.history)
                 self.history.append(row)
-                if not main:
-                    continue
-                self.run.append(row, self.last_samples)
-                for cb in self.callbacks:
-                    cb(row)
-                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+                if main:
+                    self.run.append(row, self.last_samples)
+                    for cb in self.callbacks:
+                        cb(row)
+                    if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 \
+                            and not row.get("update_skipped"):  # a checkpoint is a step that updated
+                        self.save_checkpoint()
+                    bar.update(1)
+                    bar.set_postfix({k: "-" if row[k] is None else f"{row[k]:.3f}" for k in ("reward_mean", "accuracy")})
+                self.check_finite(row)  # logged first; every rank stops alike
         return self.history

@@ -165,6 +165,9 @@ class StepResult:
     """The gradient all-reduce itself."""
     optimizer_s: float = 0.0
     """Clipping, the optimizer step and clearing the gradients (with DeepSpeed: its whole step)."""
+    applied: bool = True
+    """False when the update was skipped (``skip``, or a non-finite gradient norm): the gradients
+    were cleared, parameters and optimizer state left as they were."""
 
 
 @dataclass
@@ -177,4 +180,6 @@ class UpdateStats:
     grad_norm: float
     """The global gradient norm before clipping, of the last update."""
     times: dict[str, float] = field(default_factory=dict)
+    applied: bool = True
+    """False when an update of the step was skipped for a non-finite value (``Updater.step``)."""
     """``time_optimizer_s``, ``time_wait_s``, ``time_allreduce_s``: summed over the ``mu`` updates."""

@@ -17,6 +17,7 @@ are what a checkpoint holds in place of the optimizer state (``grpo.checkpoint``
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -36,8 +37,9 @@ class Updater(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (gradients add up until ``step``)."""
 
-    def step(self) -> StepResult:
-        """Reduce over ranks, clip, step, clear the gradients."""
+    def step(self, skip: bool = False) -> StepResult:
+        """Reduce over ranks, clip, step, clear the gradients; with ``skip`` (every rank passes the
+        same), or a non-finite global gradient norm, clear the gradients without stepping."""
 
     def state_dict(self) -> dict: ...
 
@@ -71,13 +73,15 @@ class AdamWUpdater:
             p.grad = g.to(p.dtype).clone()
         return t1 - t0, time.perf_counter() - t1
 
-    def step(self) -> StepResult:
-        wait, allreduce = self.reduce_gradients()
+    def step(self, skip: bool = False) -> StepResult:
+        wait, allreduce = self.reduce_gradients()  # every rank reduces, skipped or not
         t0 = time.perf_counter()
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        self.optimizer.step()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))  # global: the same on every rank
+        applied = not skip and math.isfinite(norm)
+        if applied:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(norm, wait, allreduce, time.perf_counter() - t0)
+        return StepResult(norm, wait, allreduce, time.perf_counter() - t0, applied)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ParamsError, TrainConfig
+from grpo.config import ParamsError, StageStop, TrainConfig
 from grpo.distributed import Dist
 from grpo.types import StepResult
 
@@ -142,8 +142,14 @@ class ZeroUpdater:
             loss = loss + sum(p.sum() * 0 for p in self.params)
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
-    def step(self) -> StepResult:
-        """Reduce, clip, AdamW step, zero grads; the gradient norm before clipping."""
+    def step(self, skip: bool = False) -> StepResult:
+        """Reduce, clip, AdamW step, zero grads; the gradient norm before clipping. ``skip`` (a
+        non-finite loss or log-prob on some rank) stops the stage: a DeepSpeed engine has no step
+        that leaves its partitioned state untouched (its own fp16 loss scaling skips overflowing
+        steps; bf16 and fp32 have none)."""
+        if skip:
+            raise StageStop("train: a non-finite loss or log-prob under DeepSpeed (train.deepspeed_config); "
+                            "DeepSpeed cannot skip the update: resume from the last checkpoint in fp32 or bf16")
         t0 = time.perf_counter()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()

@@ -16,5 +16,5 @@
 
 SENT and the evaluations import only ``sampler``, ``args`` and ``bounds`` (their DVC deps say so);
 the training engine's modules are the train stage's alone. Pointers into vLLM's source for each
-topic: docs/gpu-notes.md ("vLLM source map").
+topic: docs/gpu-notes.md#vllm-source-map.
 """

@@ -13,8 +13,7 @@ Each ``AdapterSync.push``:
 
 A new id per sync makes the worker read the files once (an id already loaded is not re-read, and
 ``load_inplace`` would re-read them at every scheduler step), and the prefix cache needs no reset:
-a KV block's hash includes the request's LoRA name. The vLLM lines: docs/gpu-notes.md ("vLLM
-source map": LoRA loading). vLLM's LoRA layers compute ``x W^T + s (x A^T) B^T`` as peft does;
+a KV block's hash includes the request's LoRA name. The vLLM lines: docs/gpu-notes.md#lora-loading. vLLM's LoRA layers compute ``x W^T + s (x A^T) B^T`` as peft does;
 greedy outputs equal the policy's own after every sync (tests/test_engine_adapter.py).
 """
 

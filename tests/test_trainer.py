@@ -198,27 +198,3 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     rank = StepRollouts(tiny_problems[1:2], 1, ["1"] * 4, rollout, rewards[4:8].tolist(), rewards, {}, advantages[4:8])
     placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only
     assert len(placeholder) == 4 and placeholder.mask.sum() == 0
-
-
-@pytest.mark.parametrize("truncated", ["zero", "score"])
-def test_a_cut_off_completion_scores_zero_unless_asked(truncated):
-    """Two completions whose last number is the answer; the second was cut off at max_new_tokens
-    (no EOS): under ``zero`` every reward of it is 0 (it never stated its answer), under ``score``
-    its text is scored as the finished one's."""
-    from grpo.distributed import Dist
-    from grpo.rollout_phase import score
-    from grpo.types import Rollout
-
-    texts = ["3 + 4 = 7", "First 3, then 4, and 3 + 4 = 7"]
-    rollout = Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
-                      torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), texts,
-                      finished=torch.tensor([True, False]))
-    cfg = TrainConfig(group_size=2, rewards={"correctness": 1.0, "format_soft": 0.5}, truncated=truncated)
-    scored = score([{"question": "3 + 4?", "answer": "7"}], 0, rollout, cfg, Dist(), torch.device("cpu"))
-    full = REWARDS["correctness"](texts, ["7", "7"])
-    assert full == [1.0, 1.0]
-    if truncated == "zero":
-        assert scored.rewards[1] == 0.0 and all(v[1] == 0.0 for v in scored.step_reward_parts.values())
-        assert scored.rewards[0] > 0 and scored.advantages[0] > 0 > scored.advantages[1]
-    else:
-        assert scored.rewards[0] == scored.rewards[1] > 0 and scored.advantages.abs().max() == 0

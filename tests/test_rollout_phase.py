@@ -9,11 +9,16 @@ import math
 import pytest
 import torch
 
-from grpo.config import TrainConfig
+from grpo.base_model import load_tokenizer
+from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import Dist
+from grpo.policy import load_policy
 from grpo.rewards import REWARDS
+from grpo.rollout import TransformersBackend
 from grpo.rollout_phase import gather_rewards, sample, sample_seed, score, zero_cut_off
 from grpo.types import Rollout
+
+from .helpers import LORA
 
 CPU = torch.device("cpu")
 
@@ -31,13 +36,6 @@ def test_sample_seeds_are_fixed_and_distinct_in_every_coordinate():
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir):
-    from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig
-    from grpo.policy import load_policy
-    from grpo.rollout import TransformersBackend
-
-    from .helpers import LORA
-
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     tok = load_tokenizer(tiny_model_dir)

@@ -7,7 +7,8 @@
 - ``_keys``, the dotted keys of a params tree (test_config, test_script_apply_preset);
 - ``run``, the ``grpo`` command in this process (test_cli, test_ask);
 - the engine tests' adapter, prompts and steps: ``ENGINE_LORA``, ``ENGINE_PROMPTS``, ``randomise_adapter``,
-  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_adapter, test_gptq);
+  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_adapter, test_engine_gptq,
+  test_engine_dense);
 - ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients.
 """
 

@@ -1,6 +1,6 @@
 """The trainer (``grpo.trainer``) on a tiny random model: gradients reach only LoRA and follow the mask,
-generation micro-batches, updates raise the rewarded completion, micro-batches change memory and not the
-update, and the logged curriculum stage."""
+generation micro-batches, the logged curriculum stage, and the groups without signal left out of the
+update (the passes themselves, micro-batches and the update's direction: tests/test_passes.py)."""
 
 from __future__ import annotations
 
@@ -68,81 +68,6 @@ def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_m
     assert row["completion_len"] == 5 and row["time_optimizer_s"] > 0
 
 
-@pytest.mark.parametrize("quantile", [1.0, 0.2])
-def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantile):
-    """A group with one rewarded and one unrewarded completion (each twice): a few GRPO updates
-    raise the log-likelihood of the rewarded one relative to the other (by 1.7 nats with every
-    token kept, 0.3 with the top 20%, when this was written)."""
-    from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
-    from grpo.loss import group_advantages, loss_normalizer
-
-    torch.manual_seed(0)
-    tok = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    cfg = TrainConfig(output_dir=str(tmp_path), group_size=4, lr=3e-3, warmup_steps=0, entropy_top_quantile=quantile)
-    trainer = GRPOTrainer(model, tok, cfg, [{"question": "q", "answer": "7"}])
-    prompt = tok(["<|im_start|>user\n3+4?<|im_end|>\n<|im_start|>assistant\n"], add_special_tokens=False)["input_ids"][0]
-    good, bad = tok(["#### 7<|im_end|>", "it is 9<|im_end|>"], add_special_tokens=False)["input_ids"]
-    width = max(len(good), len(bad))
-    pad = tok.pad_token_id
-    comps = [good + [pad] * (width - len(good)), bad + [pad] * (width - len(bad))] * 2
-    targets = torch.tensor(comps)  # (4, C): good, bad, good, bad
-    mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in (good, bad, good, bad)])
-    ids = torch.cat([torch.tensor([prompt] * 4), targets], dim=1)
-    attn = torch.cat([torch.ones(4, len(prompt), dtype=torch.long), mask], dim=1)
-    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
-
-    def seq_logp() -> torch.Tensor:
-        with torch.no_grad():
-            hidden = completion_hidden(trainer.passes.body, ids, attn, len(prompt))
-            return (chunked_entropy_logprobs(hidden, trainer.passes.lm_head, targets)[1] * mask).sum(1)
-
-    start = seq_logp()
-    for _ in range(8):
-        trainer.passes.loss_backward(TrainBatch(ids, attn, targets, mask, adv, len(prompt)), loss_normalizer(mask, "dapo"))
-        trainer.updater.optimizer.step()
-        trainer.updater.optimizer.zero_grad()
-    end = seq_logp()
-    assert end[1] < start[1]  # the unrewarded completion is pushed down
-    assert (end[0] - end[1]) - (start[0] - start[1]) > 0.2
-
-
-@pytest.mark.parametrize("mu", [1, 2])
-def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problems, tmp_path, mu):
-    """The same rollouts through micro_batches 1 and 4: the same kept tokens (the entropy threshold
-    is the step's, not each micro-batch's) and the same accumulated LoRA gradients."""
-    from grpo.loss import loss_normalizer
-
-    torch.manual_seed(0)
-    tok = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
-    give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
-    fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
-                  entropy_top_quantile=0.2, mu=mu)
-    one = GRPOTrainer(model, tok, TrainConfig(**fields, micro_batches=1), tiny_problems)
-    four = GRPOTrainer(model, tok, TrainConfig(**fields, micro_batches=4), tiny_problems)
-    prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
-    rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2])  # (N,)
-    batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
-    assert len(four.passes.slices(len(batch))) == 4
-    normalizer = loss_normalizer(batch.mask, "dapo")
-    results = []
-    for trainer in (one, four):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        sums, keep = trainer.passes.accumulate_gradients(batch, normalizer)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((sums, keep, grads))
-    (s1, keep1, g1), (s4, keep4, g4) = results
-    assert torch.equal(keep1, keep4)
-    assert 0 < keep1.sum() < batch.mask.sum()  # the mask really selects
-    assert s1["kept"] == s4["kept"] and s1["loss"] == pytest.approx(s4["loss"], abs=1e-6)
-    for n in g1:
-        torch.testing.assert_close(g4[n], g1[n], rtol=0, atol=1e-5)
-    assert any(g.abs().max() > 1e-4 for g in g1.values())
-
-
 def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_problems, tmp_path):
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
@@ -198,30 +123,6 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     rank = StepRollouts(tiny_problems[1:2], 1, ["1"] * 4, rollout, rewards[4:8].tolist(), rewards, {}, advantages[4:8])
     placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only
     assert len(placeholder) == 4 and placeholder.mask.sum() == 0
-
-
-@pytest.mark.parametrize("truncated", ["zero", "score"])
-def test_a_cut_off_completion_scores_zero_unless_asked(truncated):
-    """Two completions whose last number is the answer; the second was cut off at max_new_tokens
-    (no EOS): under ``zero`` every reward of it is 0 (it never stated its answer), under ``score``
-    its text is scored as the finished one's."""
-    from grpo.distributed import Dist
-    from grpo.rollout_phase import score
-    from grpo.types import Rollout
-
-    texts = ["3 + 4 = 7", "First 3, then 4, and 3 + 4 = 7"]
-    rollout = Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
-                      torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), texts,
-                      finished=torch.tensor([True, False]))
-    cfg = TrainConfig(group_size=2, rewards={"correctness": 1.0, "format_soft": 0.5}, truncated=truncated)
-    scored = score([{"question": "3 + 4?", "answer": "7"}], 0, rollout, cfg, Dist(), torch.device("cpu"))
-    full = REWARDS["correctness"](texts, ["7", "7"])
-    assert full == [1.0, 1.0]
-    if truncated == "zero":
-        assert scored.rewards[1] == 0.0 and all(v[1] == 0.0 for v in scored.step_reward_parts.values())
-        assert scored.rewards[0] > 0 and scored.advantages[0] > 0 > scored.advantages[1]
-    else:
-        assert scored.rewards[0] == scored.rewards[1] > 0 and scored.advantages.abs().max() == 0
 
 
 def _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls, **cfg):

@@ -1,0 +1,102 @@
+"""Which stages ``dvc repro`` would run (``grpo.dvcstatus``, for ``grpo check``): the stages downstream of
+changed ones, the stages reading a changed params key, ``dvc status --json``'s entries in a few words, and
+``describe`` over a real DVC workspace before and after a repro, with a preset's keys and with edits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grpo.dvcfile import Stage
+from grpo.dvcstatus import _why, describe, downstream, dvc_status, flat_keys, stages_reading
+
+GRAPH = {
+    "prepare": Stage(outs=("data/raw",), params=("data",)),
+    "model": Stage(outs=("models/base",), params=("model.name",)),
+    "train": Stage(deps=("data/raw/train.jsonl", "models/base"), outs=("models/adapter",),
+                   params=("train", "model.path")),
+    "evaluate": Stage(deps=("models/adapter", "data"), outs=("metrics/eval.json",), params=("evaluate",)),
+    "report": Stage(deps=("metrics",), outs=("reports/report.md",), params=("report",)),
+}
+
+
+def test_downstream_follows_outputs_into_inputs_in_file_order():
+    """A dep inside an output folder (data/raw/train.jsonl) or a folder holding an output (data,
+    metrics) counts; the changed stages themselves are not repeated; nothing is downstream of report."""
+    assert downstream(GRAPH, {"prepare"}) == ["train", "evaluate", "report"]
+    assert downstream(GRAPH, {"model"}) == ["train", "evaluate", "report"]
+    assert downstream(GRAPH, {"train", "model"}) == ["evaluate", "report"]
+    assert downstream(GRAPH, {"evaluate"}) == ["report"]
+    assert downstream(GRAPH, {"report"}) == []
+
+
+def test_flat_keys_are_section_dot_key_with_values_whole():
+    params = {"train": {"lr": 5e-4, "rewards": {"correctness": 1.0}}, "seed": 3}
+    assert flat_keys(params) == {"train.lr": 5e-4, "train.rewards": {"correctness": 1.0}, "seed": 3}
+
+
+def test_stages_reading_a_key_or_its_whole_section():
+    assert stages_reading(GRAPH, ["train.lr"]) == ["train"]
+    assert stages_reading(GRAPH, ["model.path", "data.train_size"]) == ["prepare", "train"]
+    assert stages_reading(GRAPH, ["model.name"]) == ["model"]
+    assert stages_reading(GRAPH, ["model.dtype", "training.lr"]) == []  # neither a key read nor a section
+
+
+def test_a_stages_status_in_a_few_words():
+    """``dvc status --json`` entries as DVC 3 prints them: code (a .py or a path under src/, tasks/,
+    flows/), params by key, data inputs (three named, then a count), outputs missing or modified, and
+    DVC's own phrases; each said once."""
+    assert _why([{"changed deps": {"src/grpo/trainer.py": "modified", "params.yaml": {"train.lr": "modified",
+                                                                                     "lora.rank": "new"}}}]) \
+        == "code; params lora.rank, train.lr"
+    assert _why([{"changed deps": {f"data/{i}.jsonl": "modified" for i in range(5)}},
+                 {"changed outs": {"a.txt": "deleted"}}]) \
+        == "inputs data/0.jsonl, data/1.jsonl, data/2.jsonl (+2 more); outputs missing"
+    assert _why([{"changed outs": {"a.txt": "modified"}}, "always changed", "always changed"]) \
+        == "outputs modified; always changed"
+    assert _why([{"changed checksum": True}]) == "changed checksum"
+    assert _why([]) == "changed"
+
+
+def _git_dvc_workspace(root) -> None:
+    """Stages a (in.txt, x.y -> a.txt), b (a.txt -> b.txt) and c (z -> c.txt) in a git + DVC repo."""
+    stages = {
+        "a": {"cmd": "cp in.txt a.txt", "deps": ["in.txt"], "params": ["x.y"], "outs": ["a.txt"]},
+        "b": {"cmd": "cp a.txt b.txt", "deps": ["a.txt"], "outs": ["b.txt"]},
+        "c": {"cmd": "echo c > c.txt", "params": ["z"], "outs": ["c.txt"]},
+    }
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (root / "params.yaml").write_text(yaml.safe_dump({"x": {"y": 1}, "z": 2}))
+    (root / "in.txt").write_text("1\n")
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"],
+                [sys.executable, "-m", "dvc", "config", "core.analytics", "false"]):
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+
+
+@pytest.mark.slow
+def test_describe_a_real_workspace(tmp_path_factory):
+    """Through a real ``dvc status``: every stage before a repro, nothing after; a preset's key says
+    which stage reads it (and what follows from it); an edited param, a deleted output and an edited
+    input each in their words; outside a DVC repository the reason in one line."""
+    tmp_path = tmp_path_factory.mktemp("workspace")
+    _git_dvc_workspace(tmp_path)
+    before = describe(tmp_path)
+    assert before[0] == "dvc: `dvc repro` would run 3 of 3 stages:" and [x.split()[0] for x in before[1:]] == \
+        ["a", "b", "c"]
+    subprocess.run([sys.executable, "-m", "dvc", "repro", "-q"], cwd=tmp_path, check=True, capture_output=True)
+    assert describe(tmp_path) == ["dvc: up to date: `dvc repro` would run nothing"]
+    assert describe(tmp_path, ["x.y"]) == ["dvc: `dvc repro` would run 1 of 3 stages:",
+                                           "  a  this file changes x.y",
+                                           "  and, when an input they take from those changes: b"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"x": {"y": 5}, "z": 2}))
+    (tmp_path / "in.txt").write_text("2\n")
+    (tmp_path / "c.txt").unlink()
+    assert describe(tmp_path, ["z"]) == ["dvc: `dvc repro` would run 2 of 3 stages:",
+                                         "  a  params x.y; inputs in.txt",
+                                         "  c  outputs missing; this file changes z",
+                                         "  and, when an input they take from those changes: b"]
+    reason = dvc_status(tmp_path_factory.mktemp("plain"))
+    assert isinstance(reason, str) and reason.startswith("dvc status failed: ") and "\n" not in reason

@@ -135,3 +135,18 @@ def test_the_vllm_source_map_is_the_one_home_of_vllm_line_numbers():
     found = [f"{p.relative_to(REPO)}: {m}" for folder in ("src", "tasks")
              for p in sorted((REPO / folder).rglob("*.py")) for m in cited.findall(p.read_text())]
     assert not found, "\n".join(found)
+
+
+def test_named_tests_exist():
+    """``tests/test_x.py::test_name`` in the docs names a test function of that file (renamed or
+    moved tests leave no stale pointer; the lab notebook's dated entries name what was then)."""
+    named = re.compile(r"(tests/test_\w+\.py)::(test_\w+)")
+    missing = []
+    for path in doc_files():
+        if path.name == "lab-notebook.md":
+            continue
+        for file, name in named.findall(text_of(path)):
+            target = REPO / file
+            if not target.is_file() or f"def {name}(" not in target.read_text():
+                missing.append(f"{path.relative_to(REPO)}: {file}::{name}")
+    assert not missing, "\n".join(missing)

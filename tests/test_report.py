@@ -375,3 +375,13 @@ def test_the_html_fits_a_phone_and_every_figure_fits_1000_px(workspace, tmp_path
     assert "overflow-x:auto" in html  # a wide table scrolls instead of widening the page
     for png in out.glob("*.png"):
         assert Image.open(png).width <= 1000, png.name
+
+
+def test_missing_dvc_outputs_are_named_and_the_rest_is_reported(workspace, tmp_path, figures):
+    root, _ = workspace
+    (root / "data" / "cache" / "train_sorted.jsonl").unlink()
+    (root / "outputs" / "eval" / "final.jsonl").unlink()
+    md = build_report(root, tmp_path / "reports").read_text()
+    assert "4 answers to each of the 8 training prompts" in md  # metrics/sent.json is still there
+    assert "`data/cache/train_sorted.jsonl` is not in this workspace" in md and "sent_entropy.png" not in figures
+    assert "`outputs/eval/final.jsonl` is not in this workspace" in md and "Before training (" not in md

@@ -324,7 +324,8 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     md += _result_section(baseline, final, out)
     md += _training_section(read_step_metrics(metrics / "train" / "plots" / "metrics"), train, final, out)
     md += _sent_section(_jsonl(root / "data/cache/train_sorted.jsonl"), sent, out)
-    md += _examples_section(_jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl"))
+    md += _examples_section(_jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl"),
+                            evaluated=bool(baseline and final))
     md += _run_section(stage_times(metrics / "time", root / DVC_YAML), root / params_path)
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)
@@ -443,11 +444,16 @@ def _training_section(steps: list[dict], train: dict | None, final: dict | None,
     return md
 
 
+def _missing(paths: list[str]) -> str:
+    names = " and ".join(f"`{p}`" for p in paths)
+    return (f"{names} {'is' if len(paths) == 1 else 'are'} not in this workspace (DVC-tracked: `dvc pull`, "
+            "or `dvc repro` makes them).")
+
+
 def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list[str]:
     """The SENT stage's sampling figures and the entropy histogram of the sorted training set."""
-    if not sorted_rows:
+    if not (sorted_rows or sent):
         return []
-    plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
     md = ["## SENT curriculum", ""]
     if sent:
         md += [f"SENT sampled {sent['num_samples']} answers to each of the {sent['rows']} training prompts "
@@ -455,13 +461,18 @@ def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list
                f"ordered the prompts by the semantic entropy of their answers, lowest first. Mean entropy "
                f"{sent['entropy_mean']:.3f} nats; {sent['zero_entropy_frac']:.0%} of the prompts got one "
                f"answer only (entropy 0).", ""]
+    if not sorted_rows:
+        return md + ["The histogram of the entropies: " + _missing(["data/cache/train_sorted.jsonl"]), ""]
+    plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
     return md + ["![semantic entropy histogram](sent_entropy.png)", ""]
 
 
-def _examples_section(before: list[dict], after: list[dict]) -> list[str]:
-    """A few test problems with the baseline's and the final model's completions."""
+def _examples_section(before: list[dict], after: list[dict], evaluated: bool = False) -> list[str]:
+    """A few test problems with the baseline's and the final model's completions (``evaluated``:
+    the evaluations ran, so missing per-problem files are said to be missing)."""
     if not (before and after):
-        return []
+        files = [f"outputs/eval/{n}.jsonl" for n, rows in (("baseline", before), ("final", after)) if not rows]
+        return ["## Example answers before and after training", "", _missing(files), ""] if evaluated else []
     md = ["## Example answers before and after training", ""]
     for b, a in _examples(before, after):
         md += [f"**{b['question']}** (answer {b['answer']})", "",

@@ -445,9 +445,9 @@ def _training_section(steps: list[dict], train: dict | None, final: dict | None,
 
 
 def _missing(paths: list[str]) -> str:
-    names = " and ".join(f"`{p}`" for p in paths)
-    return (f"{names} {'is' if len(paths) == 1 else 'are'} not in this workspace (DVC-tracked: `dvc pull`, "
-            "or `dvc repro` makes them).")
+    names, one = " and ".join(f"`{p}`" for p in paths), len(paths) == 1
+    return (f"{names} {'is' if one else 'are'} not in this workspace (DVC-tracked: `dvc pull` fetches "
+            f"{'it' if one else 'them'}, `dvc repro` makes {'it' if one else 'them'}).")
 
 
 def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list[str]:

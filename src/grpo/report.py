@@ -457,7 +457,8 @@ def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list
     md = ["## SENT curriculum", ""]
     if sent:
         md += [f"SENT sampled {sent['num_samples']} answers to each of the {sent['rows']} training prompts "
-               f"with {sent['backend']} ({sent['generate_s']:.0f} s, {sent['tokens_per_s']:.0f} tokens/s) and "
+               f"with {sent['backend']}{' in ' + sent['dtype'] if sent.get('dtype') else ''} "
+               f"({sent['generate_s']:.0f} s, {sent['tokens_per_s']:.0f} tokens/s) and "
                f"ordered the prompts by the semantic entropy of their answers, lowest first. Mean entropy "
                f"{sent['entropy_mean']:.3f} nats; {sent['zero_entropy_frac']:.0%} of the prompts got one "
                f"answer only (entropy 0).", ""]
@@ -483,7 +484,7 @@ def _examples_section(before: list[dict], after: list[dict], evaluated: bool = F
 
 def _run_section(timings: dict[str, float], params_file: Path) -> list[str]:
     """Device, package versions, wall time per stage and the params of the run."""
-    md = ["## Run", "", f"Device: {describe_device()}", "", "| package | version |", "|---|---|",
+    md = ["## Run", "", f"Machine of the report stage: {describe_device()}", "", "| package | version |", "|---|---|",
           *(f"| {k} | {v} |" for k, v in versions().items()), ""]
     timings = {k: v for k, v in timings.items() if k != "report"}  # its own file: the previous report's
     if timings:

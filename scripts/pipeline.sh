@@ -13,4 +13,5 @@ if ! git rev-parse --git-dir >/dev/null 2>&1; then
   git init -q && git add -A && git -c user.email=grpo@localhost -c user.name=grpo commit -qm "pipeline workspace"
 fi
 dvc repro
-echo "pipeline: done; see reports/report.md, metrics/*.json, and \`dvc exp show\`"
+echo "pipeline: done; see reports/report.html (offline), metrics/headline.json, and"
+echo "  dvc exp show --only-changed --drop '.*/' --keep '.*accuracy'"

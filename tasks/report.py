@@ -1,11 +1,14 @@
-"""Stage ``report``: ``reports/report.md`` + ``report.html`` + PNG plots from the stage outputs."""
+"""Stage ``report``: ``reports/report.md`` + ``report.html`` + PNG plots from the stage outputs, and
+``<train.metrics_dir>/headline.json``, the one declared metrics file (what ``dvc exp show`` lists)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from grpo.config import Params
-from grpo.report import build_report
+from grpo.jsonio import write_json
+from grpo.report import build_report, headline_of
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)
@@ -13,7 +16,9 @@ log = logging.getLogger(__name__)
 
 def report(params: Params) -> None:
     path = build_report(".", "reports")
-    log.info("wrote %s and report.html", path)
+    metrics_dir = Path(params.train.metrics_dir)
+    write_json(metrics_dir / "headline.json", headline_of(metrics_dir))
+    log.info("wrote %s, report.html and %s", path, metrics_dir / "headline.json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,14 @@ def test_metric_and_params_names():
     assert experiments.metric_value(metrics, "metrics/final.json:ci.low") == 0.4
     assert experiments.metric_value(metrics, "metrics/final.json:missing") is None
     assert experiments.metric_value({"m.json": {"error": {"type": "FileNotFoundError"}}}, "m.json:accuracy") is None
+    # the headline file (declared since it exists) and the files declared before it name the same accuracies
+    assert experiments.metric_value(metrics, "metrics/headline.json:test_accuracy_after") == 0.5
+    assert experiments.metric_value(metrics, experiments.METRIC) == 0.5
+    headline = {"metrics/headline.json": {"data": {"test_accuracy_before": 0.2, "test_accuracy_after": 0.7,
+                                                   "val_accuracy": 0.8}}}
+    assert [experiments.metric_value(headline, m) for m in ("metrics/baseline.json:accuracy", "metrics/final.json:accuracy",
+                                                            "metrics/train.json:best_val_accuracy")] == [0.2, 0.7, 0.8]
+    assert experiments.metric_value(headline, "metrics/final.json:n") is None
 
 
 def _tiny_repo(path: Path) -> Path:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 from matplotlib.figure import Figure
 from PIL import Image
 
-from grpo.report import build_report, moving_average, plot_curves, read_step_metrics
+from grpo.report import adapter_in_words, build_report, headline, moving_average, plot_curves, read_step_metrics
 
 
 def trailing_mean(values, window):
@@ -191,23 +192,25 @@ def test_build_report_from_a_workspace(workspace, tmp_path, figures):
     md = md_path.read_text()
     assert md_path == out / "report.md"
 
-    # result table, delta and n
-    for name, m in (("baseline", BASELINE), ("final", FINAL)):
+    # result table, delta and n; the weights, the engine and the format rate in words
+    for name, m in (("before training", BASELINE), ("after training", FINAL)):
         cells = table_row(md, name)
         assert float(cells[1]) == pytest.approx(m["accuracy"], abs=5e-4)
         assert [float(v) for v in re.findall(r"\d\.\d+", cells[2])] == pytest.approx(
             [m["accuracy_ci95_low"], m["accuracy_ci95_high"]], abs=5e-4)
-        assert float(cells[3]) == pytest.approx(m["format_rate"], abs=5e-4)
-        assert int(cells[4]) == m["n"]
-        assert m["weights"] in cells and m["backend"] in cells
-    delta = re.search(r"change\W*([+-]\d+\.\d+)", md)
+        assert int(cells[3]) == m["n"]
+        assert m["weights"] in md
+    assert "by vllm" in md
+    assert "`#### N`" in md and "10% before training, 80% after" in md
+    delta = re.search(r"change of \*\*([+-]\d+\.\d+)", md)
     assert float(delta.group(1)) == pytest.approx(FINAL["accuracy"] - BASELINE["accuracy"], abs=5e-4)
+    assert "| 0.000 |" not in md
 
-    # train summary, SENT summary, params
-    assert int(table_row(md, "steps")[1]) == 12
-    assert float(table_row(md, "final_accuracy")[1]) == pytest.approx(0.4375, rel=1e-3)
-    assert float(table_row(md, "total_time_s")[1]) == pytest.approx(123.456, rel=1e-3)
-    assert "M=4" in md and "0.693" in md and "25%" in md
+    # train summary in words (the last step's rollout accuracy left out), SENT summary, params
+    assert int(table_row(md, "training steps")[1]) == 12
+    assert "final_accuracy" not in md and "0.4375" not in md and "0.438" not in md
+    assert table_row(md, "training time (all steps)")[1] == "123 s"
+    assert "4 answers to each of the 8 training prompts" in md and "0.693" in md and "25%" in md
     assert "loss_type: dapo" in md and "lr: 0.000123" in md
 
     # every linked image exists and is a PNG; the HTML links the same ones
@@ -226,8 +229,8 @@ def test_build_report_from_a_workspace(workspace, tmp_path, figures):
     for pid in shown:
         b, f = next((b, f) for p, b, f in EVAL if p == pid)
         block = md.split(f"**Question {pid}?**", 1)[1].split("**Question", 1)[0]
-        assert re.search(rf"Baseline \({'correct' if b else 'wrong'}\):\n```\nbaseline completion of {pid}", block)
-        assert re.search(rf"Final \({'correct' if f else 'wrong'}\):\n```\nfinal completion of {pid}", block)
+        assert re.search(rf"Before training \({'correct' if b else 'wrong'}\):\n```\nbaseline completion of {pid}", block)
+        assert re.search(rf"After training \({'correct' if f else 'wrong'}\):\n```\nfinal completion of {pid}", block)
     assert "'''python" in md and "```python" not in md  # a fence inside a completion cannot end the block
     assert md.count("```") % 2 == 0
 
@@ -276,7 +279,8 @@ def test_report_plots_validation_and_marks_the_evaluated_adapter(workspace, tmp_
     md = build_report(root, tmp_path / "reports").read_text()
     assert "validation.png" in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert [float(table_row(md, str(s))[1]) for s in (4, 12)] == pytest.approx([0.41, 0.48], abs=5e-4)
-    assert float(table_row(md, "8 (evaluated)")[1]) == pytest.approx(0.55, abs=5e-4)
+    assert float(table_row(md, "8 (the adapter evaluated on test)")[1]) == pytest.approx(0.55, abs=5e-4)
+    assert "best validation accuracy, step 8 (validation 0.550)" in md and "{" not in md.split("## SENT")[0]
 
     (ax,) = figures["validation.png"].axes
     curve = next(ln for ln in ax.get_lines() if ln.get_label() == "validation accuracy")
@@ -291,3 +295,93 @@ def test_report_without_validation_draws_no_validation_plot(workspace, tmp_path,
     root, _ = workspace
     md = build_report(root, tmp_path / "reports").read_text()
     assert "validation" not in md.lower() and "validation.png" not in figures
+
+
+# ---------------------------------------------------------------- header, words, headline -------
+
+def test_header_names_the_date_commit_seeds_and_the_changed_params(workspace, tmp_path):
+    root, _ = workspace
+    md = build_report(root, tmp_path / "r1").read_text()
+    head = md.split("## Result")[0]
+    assert re.search(r"Made \d{4}-\d\d-\d\d \d\d:\d\d UTC \(not in a git repository\)", head)
+    assert "Seeds: data 0, SENT 0, training 0." in head
+    assert table_row(head, "`train.lr`") == ["`train.lr`", "0.000123", "0.0003"]  # loss_type: dapo is the default
+    assert "loss_type" not in head
+
+    for cmd in (["init", "-q"], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run(["git", *cmd], cwd=root, check=True, capture_output=True)
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    (root / "params.yaml").write_text("train:\n  seed: 3\n")
+    head = build_report(root, tmp_path / "r2").read_text().split("## Result")[0]
+    assert f"from commit `{sha}` of 20" in head and "uncommitted" not in head
+    assert "training 3." in head and table_row(head, "`train.seed`")[1:] == ["3", "0"]
+    (root / "src").mkdir()
+    (root / "src" / "x.py").write_text("")
+    assert "with uncommitted changes to the code" in build_report(root, tmp_path / "r3").read_text()
+    (root / "params.yaml").write_text("train: {}\n")
+    assert "none changed" in build_report(root, tmp_path / "r4").read_text()
+
+
+def test_the_kl_panel_is_left_out_when_it_is_zero_at_every_step(workspace, tmp_path, figures):
+    root, steps = workspace
+    write_tsv(root / "metrics" / "train" / "plots" / "metrics" / "kl.tsv", "kl", [0.0] * len(steps))
+    md = build_report(root, tmp_path / "reports").read_text()
+    titles = [ax.get_title() for ax in figures["signals.png"].axes]
+    assert len(titles) == 3 and not any("KL" in t for t in titles)
+    assert "Not drawn: KL to the reference policy: 0 at every step (train.beta is 0" in md
+
+
+def test_a_format_rate_of_zero_is_said_in_words(workspace, tmp_path):
+    root, _ = workspace
+    for name, m in (("baseline", BASELINE), ("final", FINAL)):
+        (root / "metrics" / f"{name}.json").write_text(json.dumps(dict(m, format_rate=0.0)))
+    md = build_report(root, tmp_path / "reports").read_text()
+    assert "Neither model ends its answers with the `#### N` line" in md and "0%" in md
+    assert "0.000" not in md.split("## Result")[1].split("## Training")[0]
+
+
+def test_adapter_in_words():
+    assert adapter_in_words({"adapter": "best validation accuracy", "step": 20, "val_accuracy": 0.835820895522388}) \
+        == "best validation accuracy, step 20 (validation 0.836)"
+    assert adapter_in_words({"adapter": "last step", "step": 40, "val_accuracy": None}) == "last step, step 40 (no validation)"
+    assert adapter_in_words(None) == "not recorded"
+
+
+def test_headline_has_the_test_accuracies_and_the_shipped_adapters_validation_accuracy():
+    final = dict(FINAL, adapter={"adapter": "best validation accuracy", "step": 8, "val_accuracy": 0.55556})
+    assert headline(BASELINE, final, TRAIN) == {"test_accuracy_before": 0.3, "test_accuracy_after": 0.45,
+                                                "val_accuracy": 0.5556}
+    assert headline(None, FINAL, {"adapter": {"val_accuracy": 0.5}}) == {"test_accuracy_after": 0.45, "val_accuracy": 0.5}
+    assert headline(None, None, None) == {}
+
+
+def test_the_report_stage_writes_the_headline_metric(workspace, monkeypatch):
+    from tasks.report import main
+
+    root, _ = workspace
+    monkeypatch.chdir(root)
+    assert main([]) == 0
+    assert json.loads((root / "metrics" / "headline.json").read_text()) == {"test_accuracy_before": 0.3,
+                                                                             "test_accuracy_after": 0.45}
+    assert (root / "reports" / "report.html").exists() and (root / "metrics" / "time" / "report.json").exists()
+
+
+def test_the_html_fits_a_phone_and_every_figure_fits_1000_px(workspace, tmp_path):
+    root, _ = workspace
+    out = tmp_path / "reports"
+    build_report(root, out)
+    html = (out / "report.html").read_text()
+    assert "width=device-width" in html and "img{max-width:100%;height:auto}" in html
+    assert "overflow-x:auto" in html  # a wide table scrolls instead of widening the page
+    for png in out.glob("*.png"):
+        assert Image.open(png).width <= 1000, png.name
+
+
+def test_missing_dvc_outputs_are_named_and_the_rest_is_reported(workspace, tmp_path, figures):
+    root, _ = workspace
+    (root / "data" / "cache" / "train_sorted.jsonl").unlink()
+    (root / "outputs" / "eval" / "final.jsonl").unlink()
+    md = build_report(root, tmp_path / "reports").read_text()
+    assert "4 answers to each of the 8 training prompts" in md  # metrics/sent.json is still there
+    assert "`data/cache/train_sorted.jsonl` is not in this workspace" in md and "sent_entropy.png" not in figures
+    assert "`outputs/eval/final.jsonl` is not in this workspace" in md and "Before training (" not in md

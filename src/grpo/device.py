@@ -131,7 +131,7 @@ def attention_implementation(device: str | torch.device) -> str:
     fused kernels never hold the (N, heads, T, T) attention weights, which eager keeps for backward:
     gigabytes at seed 003's 640 tokens), ``eager`` on CPUs, where the step's attention is small and
     torch's CPU ``scaled_dot_product_attention`` with a padding mask runs slower forward and
-    backward than the plain matmul-softmax-matmul (docs/results.md, the eager-attention entry)."""
+    backward than the plain matmul-softmax-matmul (docs/lab-notebook.md, the eager-attention entry)."""
     return "sdpa" if torch.device(device).type == "cuda" else "eager"
 
 

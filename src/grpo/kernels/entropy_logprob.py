@@ -11,7 +11,7 @@ program reads its row once in BLOCK-sized pieces and writes two floats. ``entrop
 is the reference (and the fallback where Triton cannot run: CPU tensors outside
 ``TRITON_INTERPRET=1``). On CPU tensors the fallback runs a few rows at a time (``by_row_blocks``), so
 its fp32 temporaries stay in the CPU's cache instead of streaming through RAM once per operation
-(docs/results.md, the bf16 entry, has the figures).
+(docs/lab-notebook.md, the bf16 entry, has the figures).
 """
 
 from __future__ import annotations

@@ -1,0 +1,128 @@
+"""`dvc exp show` of this repo's dvc.yaml stays readable: a tiny DVC repo with the real dvc.yaml and
+params.yaml, each stage's command replaced by a script that writes the stage's declared outputs (the
+committed metrics files where the repo has them), runs the pipeline and two experiments; the table of
+the documented command (docs/orchestration.md) then has the headline accuracies and the params that
+differ, and fits 200 columns."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo.dvcfile import read_stages
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+# the command docs/orchestration.md, the README and dvc.yaml's header give
+TABLE = ["exp", "show", "--only-changed", "--drop", ".*/", "--keep", ".*accuracy"]
+HEADLINE = ["test_accuracy_before", "test_accuracy_after", "val_accuracy"]
+
+FAKE_STAGE = '''
+import json, random, shutil, sys
+from pathlib import Path
+import yaml
+
+stage, outs = sys.argv[1], sys.argv[2:]
+params = yaml.safe_load(open("params.yaml"))
+seed, lr = params["train"]["seed"], params["train"]["lr"]
+for out in map(Path, outs):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    committed = Path("committed") / out
+    if out.name == "headline.json":
+        body = {"test_accuracy_before": 0.2844, "test_accuracy_after": round(0.7 + seed / 100 + lr, 4),
+                "val_accuracy": round(0.8 + seed / 100, 4)}
+        out.write_text(json.dumps(body))
+    elif out.parts[:2] == ("metrics", "time"):
+        out.write_text(json.dumps({"seconds": round(random.uniform(1, 100), 2)}))
+    elif committed.is_file():
+        out.write_text(committed.read_text().replace("0.5625", str(0.5 + seed / 10)))
+    elif committed.is_dir():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(committed, out)
+    elif out.suffix:
+        out.write_text(f"{stage} {seed} {lr}\\n")
+    else:  # a directory output (models/base, models/adapter, reports)
+        out.mkdir(exist_ok=True)
+        (out / "file.txt").write_text(f"{stage} {seed} {lr}\\n")
+'''
+
+
+def _dvc(repo: Path, *args: str, columns: int = 200) -> str:
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "COLUMNS": str(columns),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, f"dvc {args}: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """The real dvc.yaml (stage commands faked), params.yaml and the code files the stages depend on,
+    after `dvc repro` and two experiments (train.seed=1; train.lr=0.0005). A plain `dvc exp show`
+    of it still has ~160 columns (every param of params.yaml, the report's dependency, and every
+    dependency's hash: DVC has no setting that hides them), hence the documented command."""
+    repo = tmp_path_factory.mktemp("exp_show") / "repo"
+    repo.mkdir()
+    stages = read_stages(REPO / "dvc.yaml")
+    produced = {o for s in stages.values() for o in s.outs}
+    for dep in {d for s in stages.values() for d in s.deps} - produced:  # code and data no stage writes
+        src, dst = REPO / dep, repo / dep
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() else shutil.copy(src, dst)
+    shutil.copytree(REPO / "metrics", repo / "committed" / "metrics")  # what the fake stages write
+    shutil.copy(REPO / "params.yaml", repo / "params.yaml")
+    (repo / "fake_stage.py").write_text(FAKE_STAGE)
+    spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    for name, stage in spec["stages"].items():
+        stage["cmd"] = f"python fake_stage.py {name} " + " ".join(stages[name].outs)
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    for cmd in (["init", "-q"], ["config", "user.email", "ci@example.com"], ["config", "user.name", "ci"]):
+        _git(repo, *cmd)
+    _dvc(repo, "init", "-q")
+    _dvc(repo, "repro", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "the pipeline")
+    _dvc(repo, "exp", "run", "-q", "-n", "seed-1", "-S", "train.seed=1")
+    _dvc(repo, "exp", "run", "-q", "-n", "lr5e-4", "-S", "train.seed=0", "-S", "train.lr=0.0005")
+    return repo
+
+
+def test_the_only_declared_metrics_are_the_headline(repo):
+    show = json.loads(_dvc(repo, "exp", "show", "--json"))
+    exps = [rev["data"] for b in show for e in [b, *(b.get("experiments") or [])] for rev in (e.get("revs") or [e])
+            if rev.get("data")]
+    assert len(exps) >= 3
+    for data in exps:
+        assert list(data["metrics"]) == ["metrics/headline.json"]
+        assert list(data["metrics"]["metrics/headline.json"]["data"]) == HEADLINE
+
+
+def test_the_documented_table_has_the_headline_and_the_params_that_differ(repo):
+    rows = list(csv.DictReader(io.StringIO(_dvc(repo, *TABLE, "--csv"))))
+    meta = {"Experiment", "rev", "typ", "Created", "parent"}
+    assert [c for c in rows[0] if c not in meta] == [*HEADLINE, "train.seed", "train.lr"]
+    by_name = {r["Experiment"]: r for r in rows if r["Experiment"]}
+    assert [by_name["seed-1"][k] for k in ("train.seed", "train.lr")] == ["1", "0.0003"]
+    assert [by_name["lr5e-4"][k] for k in ("train.seed", "train.lr")] == ["0", "0.0005"]
+    assert float(by_name["seed-1"]["test_accuracy_after"]) == pytest.approx(0.7103)
+
+    table = _dvc(repo, *TABLE, "--no-pager", columns=200)
+    assert "…" not in table  # nothing cut: every header and value is whole
+    assert max(map(len, table.splitlines())) <= 200
+    assert all(h in table for h in (*HEADLINE, "train.seed", "train.lr", "seed-1", "lr5e-4"))

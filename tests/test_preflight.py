@@ -167,6 +167,8 @@ def test_flashinfer_sampler_default_is_off_unless_the_user_set_it(gpu_machine):
 
 @pytest.mark.parametrize(("capability", "archs", "entry"), [
     ((8, 6), ["sm_75", "sm_80", "sm_90"], "sm_80"),  # a cubin runs on later minors of its major
+    ((8, 9), ["sm_80", "sm_86", "sm_90", "compute_90"], "sm_86"),  # the nearest one
+    ((9, 0), ["sm_80", "sm_90", "sm_90a"], "sm_90"),
     ((8, 0), ["sm_86"], None),  # not on earlier ones
     ((9, 0), ["sm_90a"], "sm_90a"),
     ((10, 0), ["sm_90a"], None),  # arch-specific code runs on that card only

@@ -223,7 +223,7 @@ def check_cuda_usable(usable: bool, cuda: str, torch_version: str) -> Check:
     if usable:
         return Check(OK, "cuda", "torch.cuda.is_available()")
     return Check(BLOCKER, "cuda", f"torch {torch_version} (CUDA {cuda}) sees no usable GPU (torch.cuda.is_available() "
-                 "is False): fix the driver line above, check CUDA_VISIBLE_DEVICES and that nvidia-smi lists the card")
+                 "is False): check the driver line above, CUDA_VISIBLE_DEVICES and that nvidia-smi lists the card")
 
 
 def _arch(entry: str) -> tuple[str, tuple[int, int]] | None:
@@ -236,20 +236,25 @@ def _arch(entry: str) -> tuple[str, tuple[int, int]] | None:
 
 
 def covered(capability: tuple[int, int], arch_list: list[str]) -> str | None:
-    """The entry of ``arch_list`` whose code runs on ``capability``, or None: a cubin of the same
-    major version and a minor at most the card's, or PTX (``compute_XY``) of at most the card's."""
+    """The entry of ``arch_list`` whose code runs best on ``capability``, or None: a cubin of the
+    same major version and the highest minor up to the card's (``sm_86`` on an 8.9 card rather
+    than ``sm_80``; ``sm_90a`` only on 9.0), else PTX (``compute_XY``) of the newest version up to
+    the card's, which the driver compiles for it."""
+    cap = tuple(capability)
+    cubins, ptx = [], []
     for entry in arch_list:
         parsed = _arch(entry)
         if parsed is None:
             continue
-        kind, (major, minor) = parsed
-        if kind == "sm" and major == capability[0] and minor <= capability[1]:
-            return entry
-        if kind.startswith("sm_") and (major, minor) == tuple(capability):  # sm_90a: that exact card
-            return entry
-        if kind == "compute" and (major, minor) <= tuple(capability):
-            return entry
-    return None
+        kind, version = parsed
+        if kind == "sm" and version[0] == cap[0] and version <= cap:
+            cubins.append((version, 0, entry))
+        elif kind.startswith("sm_") and version == cap:  # arch-specific code runs on that card only
+            cubins.append((version, -1, entry))
+        elif kind == "compute" and version <= cap:
+            ptx.append((version, 0, entry))
+    best = max(cubins) if cubins else (max(ptx) if ptx else None)
+    return best[2] if best else None
 
 
 def check_capability(name: str, capability: tuple[int, int], arch_list: list[str]) -> Check:

@@ -1,27 +1,27 @@
 """The preflight of a GPU machine (``grpo doctor``): what the first CUDA run needs, one line each.
 
 Nobody has run this project on a GPU yet (docs/gpu-notes.md). The ways a first run is known to die
-late, with a deep traceback, are checked here first, each with its fix:
+late, with a deep traceback, are checked here first, each with its fix. The library lines behind
+each check: docs/gpu-notes.md, vLLM source map: preflight.
 
 * ``driver``: the NVIDIA driver against what the installed torch build's CUDA needs (torch 2.13's
-  wheels are CUDA 13.0 only: driver branch 580 or newer; ``grpo.device.MIN_DRIVER``).
+  wheels are CUDA 13.0 only: driver branch 580 or newer; the table is ``grpo.device.MIN_DRIVER``,
+  from NVIDIA's CUDA toolkit / driver compatibility table). Read from the kernel module, so it
+  works where torch sees no GPU at all.
 * ``cuda``: whether torch sees a usable GPU at all (``torch.cuda.is_available()``).
 * ``capability``: the card's compute capability against ``torch.cuda.get_arch_list()`` and the floor
-  7.5: bitsandbytes 0.50.2's cuda130 library and vLLM 0.32's 4-bit (Marlin) kernels cover 7.5 and
-  up; a GTX 10xx (6.1) passes ``is_available()`` and fails at its first kernel. Below 8.0 compute
-  is fp16 (``grpo.device.cuda_half_dtype``), which has never run: a warning.
+  7.5 (``CAPABILITY_FLOOR``): a GTX 10xx (6.1) passes ``is_available()`` and fails at its first
+  kernel. Below 8.0 compute is fp16 (``grpo.device.cuda_half_dtype``), which has never run: a warning.
 * ``compiler`` and ``python headers``: Triton compiles a small C launcher at the first launch of every
   kernel (the LoRA kernels, the sampler, sm75 attention, the project's own kernel) with ``$CC``, else
-  ``gcc``, else ``clang``, against ``Python.h`` of ``sysconfig.get_paths(scheme)["include"]``
-  (triton 3.7.1, the CUDA torch's pin: ``triton/runtime/build.py:26-39``).
+  ``gcc``, else ``clang``, against ``Python.h`` of ``sysconfig.get_paths(scheme)["include"]``.
 * ``gpu memory``: free memory (``torch.cuda.mem_get_info``) against an estimate in bytes that the
-  caller gives (``grpo check`` prints the step's).
-* ``flashinfer sampler``: vLLM 0.32 turns FlashInfer's top-k/top-p sampler on by default on CUDA
-  (``vllm/envs.py:50,878-882``; the gate, ``vllm/v1/sample/ops/topk_topp_sampler.py:77-135``, does
-  not look for nvcc) and FlashInfer compiles it with nvcc at engine start
-  (``flashinfer/jit/cpp_ext.py:48-64`` in flashinfer-python 0.7.0.post1), which torch's wheels do
-  not ship: vLLM issue 49497. The project sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the user
-  set it (``set_flashinfer_sampler_default``); the line says which.
+  caller gives (``grpo check --device cuda`` prints the step's).
+* ``flashinfer sampler``: vLLM 0.32 turns FlashInfer's top-k/top-p sampler on by default on CUDA and
+  FlashInfer compiles it with nvcc at engine start, which torch's wheels do not ship (vLLM issue
+  49497). Every engine the project starts sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the user set
+  it (``grpo.engine.args.start_environment``); the line says which, and stops a value vLLM cannot
+  read or a sampler that cannot be compiled here.
 
 Each probe of the machine is a small function (``probe_*``) so a test can make it fail; each check
 is a pure function of what the probes found. ``run_preflight(estimate_bytes)`` runs them all and
@@ -49,15 +49,15 @@ OK, WARN, BLOCKER, SKIP = "ok", "warn", "BLOCKER", "skip"
 
 CAPABILITY_FLOOR = (7, 5)
 """The oldest compute capability the CUDA path has kernels for: bitsandbytes 0.50.2's cuda130
-library is built for sm75-sm120, vLLM 0.32's Marlin 4-bit kernels need 7.5 (its
-``quantization/utils/marlin_utils.py:66``) and its wheel's fatbin starts at sm_75
-(/work/shared/reference/gpu-audit/2026-11-25.md, points B and E.4)."""
+library (sm75-sm120), vLLM 0.32's Marlin 4-bit kernels and its wheel's fatbin start at 7.5
+(docs/gpu-notes.md, vLLM source map: preflight)."""
 
 DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
 """Where the NVIDIA kernel module states its version (readable without a CUDA context)."""
 
 FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
-"""vLLM's switch of the FlashInfer top-k/top-p sampler (on by default on CUDA in 0.32)."""
+"""vLLM's switch of the FlashInfer top-k/top-p sampler (on by default on CUDA in 0.32; the project's
+engines set it to 0 unless the user set it: ``grpo.engine.args.start_environment``)."""
 
 WOULD_CHECK = ("the NVIDIA driver against torch's CUDA (13.0 needs 580+), the card's compute capability "
                "against torch.cuda.get_arch_list() and 7.5, a C compiler and Python.h for Triton, free GPU "
@@ -153,8 +153,8 @@ def probe_arch_list() -> list[str]:
 
 
 def probe_compiler(environ: Mapping[str, str]) -> str | None:
-    """The C compiler Triton would use (``$CC``, else gcc, else clang: triton/runtime/build.py:26-33),
-    or None. ``$CC`` counts only where it names an executable."""
+    """The C compiler Triton would use (``$CC``, else gcc, else clang), or None. ``$CC`` counts only
+    where it names an executable."""
     cc = environ.get("CC")
     if cc:
         return shutil.which(cc)
@@ -162,7 +162,8 @@ def probe_compiler(environ: Mapping[str, str]) -> str | None:
 
 
 def probe_python_include() -> Path:
-    """The directory Triton passes as ``-I`` for ``Python.h`` (triton/runtime/build.py:34-39)."""
+    """The directory Triton passes as ``-I`` for ``Python.h`` (the default scheme's, Debian's
+    ``posix_local`` read as ``posix_prefix``)."""
     scheme = sysconfig.get_default_scheme()
     if scheme == "posix_local":  # Debian's scheme; Triton reads posix_prefix's headers
         scheme = "posix_prefix"
@@ -179,7 +180,7 @@ def probe_free_memory() -> tuple[int, int]:
 
 def probe_nvcc(environ: Mapping[str, str]) -> str | None:
     """nvcc where FlashInfer looks for it: ``$CUDA_HOME`` or ``$CUDA_PATH``, else ``which nvcc``, else
-    /usr/local/cuda (flashinfer/jit/cpp_ext.py:48-64)."""
+    /usr/local/cuda."""
     home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
     candidates = [Path(home) / "bin" / "nvcc"] if home else []
     on_path = shutil.which("nvcc")
@@ -306,20 +307,9 @@ def check_memory(free: int, total: int, estimate: int | None) -> Check:
 
 
 def flashinfer_sampler_setting(environ: Mapping[str, str]) -> str | None:
-    """The user's ``VLLM_USE_FLASHINFER_SAMPLER``, or None where unset (the project then sets 0)."""
-    value = environ.get(FLASHINFER_SAMPLER_ENV)
-    return None if value is None or value.strip() == "" else value.strip()
-
-
-def set_flashinfer_sampler_default(environ: os._Environ | dict | None = None) -> str:
-    """Set ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the user set it (call before vLLM is imported);
-    returns ``"0 (set by the project)"`` or ``"<value> (set by you)"`` for the log."""
-    environ = os.environ if environ is None else environ
-    user = flashinfer_sampler_setting(environ)
-    if user is not None:
-        return f"{user} (set by you)"
-    environ[FLASHINFER_SAMPLER_ENV] = "0"
-    return "0 (set by the project)"
+    """The user's ``VLLM_USE_FLASHINFER_SAMPLER``, or None where unset (the project's engines then set
+    0). An empty value counts as set: vLLM reads any value with ``int()``."""
+    return environ.get(FLASHINFER_SAMPLER_ENV)
 
 
 def check_flashinfer(value: str | None, nvcc: str | None, jit_cache: bool) -> Check:
@@ -329,7 +319,7 @@ def check_flashinfer(value: str | None, nvcc: str | None, jit_cache: bool) -> Ch
                      "FlashInfer's top-k/top-p sampler with nvcc at engine start: vllm#49497)")
     try:
         on = bool(int(value))
-    except ValueError:
+    except ValueError:  # vLLM's own int() of it would stop every engine at start
         return Check(BLOCKER, name, f"{FLASHINFER_SAMPLER_ENV}={value!r}: vLLM reads it with int(); set 0 or 1, "
                      "or unset it (the project then sets 0)")
     if not on:

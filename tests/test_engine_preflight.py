@@ -113,6 +113,8 @@ FAILURES = [
      "/usr/local/cuda/bin/nvcc at the first engine start"),
     ("FlashInfer switch not a number", {}, {"VLLM_USE_FLASHINFER_SAMPLER": "yes"}, BLOCKER,
      "flashinfer sampler VLLM_USE_FLASHINFER_SAMPLER='yes': vLLM reads it with int(); set 0 or 1"),
+    ("FlashInfer switch empty", {}, {"VLLM_USE_FLASHINFER_SAMPLER": ""}, BLOCKER,
+     "flashinfer sampler VLLM_USE_FLASHINFER_SAMPLER='': vLLM reads it with int(); set 0 or 1"),
 ]
 
 
@@ -154,12 +156,11 @@ def test_grpo_device_cpu_checks_nothing(gpu_machine):
     assert check.level == SKIP and check.message.startswith("GRPO_DEVICE=cpu: the pipeline runs on the CPU on purpose")
 
 
-def test_flashinfer_sampler_default_is_off_unless_the_user_set_it(gpu_machine):
-    env: dict[str, str] = {}
-    assert preflight.set_flashinfer_sampler_default(env) == "0 (set by the project)" and env == {
-        "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
-    assert preflight.set_flashinfer_sampler_default(env) == "1 (set by you)" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+def test_the_flashinfer_line_says_who_set_the_sampler_off(gpu_machine):
+    """Unset: the project's engines set it to 0 (``grpo.engine.args.start_environment``); 0: the
+    user did."""
+    check = _check(preflight.run_preflight(), "flashinfer sampler")
+    assert check.level == OK and "unset: the project sets it to 0" in check.message
     gpu_machine.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
     check = _check(preflight.run_preflight(), "flashinfer sampler")
     assert check.level == OK and "=0 (set by you)" in check.message

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv and run the whole pipeline with DVC (`dvc repro`) on the embedded default.
+# Set up .venv and run the whole pipeline with DVC (`dvc repro`) on the embedded default; on a machine
+# with nvidia-smi, `grpo doctor` checks it for the GPU run first.
 #   bash scripts/pipeline.sh                        # params.yaml (offline, CPU)
 #   bash scripts/pipeline.sh presets/seed003.yaml   # put a preset's keys over params.yaml first (GPU + internet)
 set -euo pipefail
@@ -11,6 +12,11 @@ if [ $# -ge 1 ]; then
 fi
 if ! git rev-parse --git-dir >/dev/null 2>&1; then
   git init -q && git add -A && git -c user.email=grpo@localhost -c user.name=grpo commit -qm "pipeline workspace"
+fi
+if command -v nvidia-smi >/dev/null 2>&1; then
+  # a GPU machine: stop here with one line (exit 2) if the driver, card, compiler, Python headers or
+  # the FlashInfer sampler setting would fail a stage later (grpo.engine.preflight)
+  python -m grpo.cli doctor
 fi
 dvc repro
 echo "pipeline: done; see reports/report.html (offline), metrics/headline.json, and"

@@ -51,8 +51,7 @@ def test_unknown_key_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1
-    assert lines[0].startswith(f"grpo check: error: {path}: train.learning_rate: unknown key; known keys: ")
+    assert lines == [f"grpo check: error: {path}: train.learning_rate: unknown key; did you mean train.lr?"]
 
 
 def test_a_preset_is_put_over_the_workspace_params(tmp_path):
@@ -144,12 +143,13 @@ def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, cap
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("GRPO_DEVICE", raising=False)
     code, out, err = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100")
-    assert code == 2 and "device: none usable: torch " in out
+    assert code == 2 and "device: estimating for this machine: none usable: torch " in out
     (line,) = err.strip().splitlines()
     assert line.startswith("grpo check: error: torch ") and line.endswith("set GRPO_DEVICE=cpu")
     code, out, _ = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100",
                        "--device", "cuda")
     assert code == 0 and "memory: one training step on cuda" in out
+    assert "device: estimating for cuda (--device); this machine: none usable: torch " in out
 
 
 def test_check_says_what_each_training_process_samples_with(tmp_path, capsys):
@@ -172,3 +172,41 @@ def test_check_says_what_each_training_process_samples_with(tmp_path, capsys):
         else:
             assert line.startswith(f"rollouts: {who}: the decode loop on the policy (transformers)")
     assert uses_engine("auto") == (importlib.util.find_spec("vllm") is not None)
+
+
+def test_check_names_the_device_it_estimates_for_and_this_machine(monkeypatch, capsys):
+    """``--device cuda`` on a CPU machine: the estimate is for CUDA, the machine is named apart."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("GRPO_DEVICE", raising=False)
+    code, out, _ = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100",
+                       "--device", "cuda")
+    (line,) = [x for x in out.splitlines() if x.startswith("device: ")]
+    assert code == 0 and line.startswith("device: estimating for cuda (--device); this machine: CPU: ")
+    assert " cores" in line
+    code, out, _ = run(capsys, "check", "--params", str(REPO / "params.yaml"), "--prompt-tokens", "100")
+    (line,) = [x for x in out.splitlines() if x.startswith("device: ")]
+    assert code == 0 and line.startswith("device: estimating for this machine: CPU: ")
+
+
+def test_version_is_the_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"grpo {version('grpo')}\n"
+    assert cli.package_version() == version("grpo")
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"train": {"lr": "fast"}}, "train.lr: must be a number, got 'fast'"),
+    ({"train": {"lr": "5e-4"}}, "train.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
+    ({"lora": {"lora_alpha": 16}}, "lora.lora_alpha: unknown key; did you mean lora.alpha?"),
+])
+def test_a_bad_params_file_is_one_line_naming_the_field(raw, message, tmp_path, capsys):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code, out, err = run(capsys, "check", "--params", str(path))
+    assert (code, out, err) == (2, "", f"grpo check: error: {path}: {message}\n")

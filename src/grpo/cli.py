@@ -1,11 +1,14 @@
-"""The ``grpo`` command: ``grpo check`` and ``grpo ask`` (also ``python -m grpo.cli``).
+"""The ``grpo`` command: ``grpo check``, ``grpo ask`` and ``grpo doctor`` (also ``python -m grpo.cli``;
+``grpo --version``).
 
 ``grpo check [--params FILE] [--device cpu|cuda] [--gpu-memory GIB]`` validates the params, prints
 the main settings, the device, the stages ``dvc repro`` would run and an estimate of one training
 step's peak memory (``grpo.memory``); on CUDA with engine rollouts, the train engine's arithmetic
 and both phases with it, and for a card of ``GIB`` (else this machine's) whether the step fits and,
 if not, the param to turn. ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
-LoRA adapter, greedily, streaming the text, then prints ``answer: N`` (``grpo.ask``).
+LoRA adapter, greedily, streaming the text, then prints ``answer: N`` (``grpo.ask``). ``grpo doctor
+[--estimate-gib GIB]`` checks what a first run on this machine's GPU needs, one line each (ok / warn /
+BLOCKER, with the fix: ``grpo.engine.preflight``) and exits 2 naming the blocker where one is found.
 
 Params files. The workspace of ``--params FILE`` is the nearest directory at or above FILE that
 holds a ``dvc.yaml`` (else the current directory); relative paths in the params (``model.path``)
@@ -120,7 +123,9 @@ def cmd_check(args) -> int:
 
     print(f"params: {res.label}: valid")
     print("\n".join(settings_lines(p)))
-    print(f"device: {describe_device()}")
+    here = describe_device()
+    print(f"device: estimating for {args.device} (--device); this machine: {here}" if args.device
+          else f"device: estimating for this machine: {here}")
     print("\n".join(dvcstatus.describe(res.root, res.changed)))
 
     device = args.device or default_device()
@@ -206,9 +211,40 @@ def cmd_ask(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------- doctor
+def cmd_doctor(args) -> int:
+    from grpo.engine.preflight import run_preflight
+
+    estimate = int(args.estimate_gib * 2**30) if args.estimate_gib is not None else None
+    report = run_preflight(estimate)
+    print("\n".join(report.lines()))
+    line = report.error_line()
+    if line is not None:
+        print(f"grpo doctor: error: {line}", file=sys.stderr)
+        return 2
+    return 0
+
+
 # ------------------------------------------------------------------------------------- wiring
+def package_version() -> str:
+    """The installed ``grpo`` package's version, else pyproject.toml's (a source tree on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpo")
+    except PackageNotFoundError:
+        import tomllib
+
+        try:
+            return tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO pipeline tools: check params, ask the model.")
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO pipeline tools: check params, ask the model, "
+                                     "check a GPU machine.")
+    parser.add_argument("--version", action="version", version=f"grpo {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate params; settings, device, DVC status, memory estimate")
     check.add_argument("--params", default="params.yaml", help="params file or preset (default: params.yaml)")
@@ -225,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     ask.add_argument("--max-new-tokens", type=int, help="length cap (default: evaluate.max_new_tokens)")
     ask.set_defaults(func=cmd_ask)
+    doctor = sub.add_parser("doctor", help="check this machine for a GPU run: driver, compute capability, compiler, "
+                            "Python headers, free GPU memory, the FlashInfer sampler (one line each)")
+    doctor.add_argument("--estimate-gib", type=float, metavar="GIB",
+                        help="the run's estimated peak GPU memory in GiB (grpo check --device cuda prints it): "
+                        "compared with the card's free memory")
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 
@@ -246,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"grpo {args.command}: error: --{flag.replace('_', '-')}: must be >= 1", file=sys.stderr)
             return 2
-    if getattr(args, "gpu_memory", None) is not None and not args.gpu_memory > 0:
-        print(f"grpo {args.command}: error: --gpu-memory: must be > 0 GiB", file=sys.stderr)
-        return 2
+    for flag in ("gpu_memory", "estimate_gib"):
+        value = getattr(args, flag, None)
+        if value is not None and not value > 0:
+            print(f"grpo {args.command}: error: --{flag.replace('_', '-')}: must be > 0 GiB", file=sys.stderr)
+            return 2
     _quiet()
     try:
         return args.func(args)

@@ -4,7 +4,8 @@ Contract:
 
 * ``load_params(path)`` reads the YAML and returns a ``Params`` record; an unknown key, a value of
   the wrong type or out of range fails with a ``ParamsError`` whose message is one line naming the
-  field (``train.lr: must be > 0, got -1.0``). Building a section directly
+  field (``train.lr: must be > 0, got -1.0``; an unknown key names the nearest known ones:
+  ``train.learning_rate: unknown key; did you mean train.lr?``). Building a section directly
   (``TrainConfig(lr=-1)``) fails the same way.
 * The defaults below are the embedded default run and equal ``params.yaml`` key for key (a test
   enforces it), so a key left out of ``params.yaml`` or of a preset never changes the experiment
@@ -25,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import difflib
 import io
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -426,9 +429,57 @@ def _describe(err: dict) -> str:
              "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
              "too_short": "non-empty"}
     if kind in words:
-        hint = " (YAML reads 5e-4 as text: write 5.0e-4)" if kind == "float_type" and isinstance(value, str) else ""
-        return f"must be {words[kind]}, got {value!r}{hint}"
+        return f"must be {words[kind]}, got {value!r}{_number_as_text_hint(kind, value)}"
     return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {value!r}"
+
+
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _number_as_text_hint(kind: str, value: Any) -> str:
+    """For a number that reached a numeric field as text, how to write it; else nothing (a word
+    like ``"fast"`` gets no hint: the message says what type the field takes)."""
+    if not isinstance(value, str) or kind not in ("float_type", "int_type"):
+        return ""
+    text = value.strip()
+    if kind == "int_type":
+        return f" (quoted: write {text} without quotes)" if re.fullmatch(r"[+-]?\d+", text) else ""
+    if not _DECIMAL.fullmatch(text):
+        return ""
+    mantissa, e, exponent = text.lower().partition("e")
+    if e and "." not in mantissa:  # 5e-4: YAML 1.1 (PyYAML, the stages) needs a dot in the mantissa
+        return f" (YAML reads {text} as text: write {mantissa}.0e{exponent})"
+    return f" (quoted: write {text} without quotes)"
+
+
+ALIASES: dict[str, str] = {
+    # TRL's GRPOConfig / transformers' TrainingArguments names -> this project's train keys
+    "learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens",
+    "max_steps": "steps", "num_iterations": "mu", "gradient_accumulation_steps": "micro_batches",
+    "lr_scheduler_type": "lr_schedule", "scale_rewards": "advantage_scale", "reward_weights": "rewards",
+    "top_entropy_quantile": "entropy_top_quantile", "save_steps": "checkpoint_every", "eval_steps": "eval_every",
+    "use_vllm": "rollout_backend", "vllm_gpu_memory_utilization": "gpu_memory_utilization",
+    "vllm_importance_sampling_correction": "importance_sampling_correction",
+    "vllm_importance_sampling_cap": "importance_sampling_cap", "kl_coef": "beta", "cliprange": "epsilon",
+    "per_device_train_batch_size": "prompts_per_step", "epsilon_low": "epsilon",
+    # peft's LoraConfig names -> the lora keys
+    "r": "rank", "lora_r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    # the model
+    "torch_dtype": "dtype", "model_name": "name", "model_name_or_path": "name", "load_in_4bit": "quantization",
+}
+"""Keys people bring from other tools -> the nearest key here (suggested where the section has it)."""
+
+
+def suggest(name: str, known: list[str] | set[str] | tuple[str, ...], n: int = 3) -> list[str]:
+    """The known names nearest to ``name``: its alias (``ALIASES``), then the closest spellings."""
+    out = [ALIASES[name]] if ALIASES.get(name) in known else []
+    out += [k for k in difflib.get_close_matches(name, sorted(known), n=n, cutoff=0.6) if k not in out]
+    return out[:n]
+
+
+def _did_you_mean(prefix: str, names: list[str]) -> str:
+    names = [f"{prefix}{n}" for n in names]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _one_line(err: ValidationError, section: str) -> str:
@@ -440,8 +491,11 @@ def _one_line(err: ValidationError, section: str) -> str:
     message = f"{loc}: {_describe(first)}"
     if first["type"] == "extra_forbidden":
         cls = SECTIONS.get(section)
+        key = str(first["loc"][-1]) if first["loc"] else ""
         if cls is not None:
-            message += f"; known keys: {', '.join(sorted(cls.model_fields))}"
+            near = suggest(key, set(cls.model_fields))
+            message += (f"; did you mean {_did_you_mean(f'{section}.', near)}?" if near else
+                        f"; {section} has no key like it ({len(cls.model_fields)} keys: docs/configuration.md)")
     return message.replace("\n", " ")
 
 
@@ -452,7 +506,9 @@ def params_from_dict(raw: dict | None) -> Params:
         raise ParamsError(f"params: must be a mapping of sections, got {raw!r}")
     for key in raw:
         if key not in SECTIONS:
-            raise ParamsError(f"{key}: unknown params section; known sections: {', '.join(sorted(SECTIONS))}")
+            near = suggest(str(key), set(SECTIONS))
+            guess = f"did you mean {_did_you_mean('', near)}? " if near else ""
+            raise ParamsError(f"{key}: unknown params section; {guess}(sections: {', '.join(sorted(SECTIONS))})")
     sections = {}
     for name, values in raw.items():
         if not isinstance(values, dict):

@@ -35,18 +35,26 @@ def keep_standard_nf4_layout(model) -> int:
     return len(layers)
 
 
-def dense_weight(layer) -> torch.Tensor:
-    """The dequantised (out_features, in_features) weight of a bitsandbytes ``Linear4bit``.
+def dense_weight(layer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dequantised (out_features, in_features) weight of a bitsandbytes ``Linear4bit``, in
+    ``dtype`` (default: the dtype it was quantised from). bitsandbytes computes the levels times
+    the block scales in fp32 and casts once at the end, so ``dtype=torch.float32`` gives the exact
+    dequantised values whatever the model was loaded in.
 
     Refuses a weight that bitsandbytes has repacked into its CPU-kernel layout, for which
     ``dequantize_4bit`` returns wrong values (``keep_standard_nf4_layout`` prevents the repack).
     """
+    import copy
+
     import bitsandbytes as bnb
 
     state = layer.weight.quant_state
     if getattr(state, "packing_format_for_cpu", False):
         raise RuntimeError("a 4-bit layer was repacked into bitsandbytes' CPU layout, where dequantize_4bit is "
                            "wrong; load models through grpo.policy (keep_standard_nf4_layout) before any forward")
+    if dtype is not None and dtype != state.dtype:
+        state = copy.copy(state)  # the layer's own state keeps its dtype
+        state.dtype = dtype
     return bnb.functional.dequantize_4bit(layer.weight.data, state)
 
 

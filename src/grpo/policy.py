@@ -5,7 +5,8 @@
   optionally turns gradient checkpointing on.
 * The KL reference policy is the same model under ``model.disable_adapter()``: no second copy
   of the weights is ever held in memory.
-* ``export_dense`` writes the policy as trained as plain dense weights for an inference engine.
+* ``export_dense`` writes the policy as trained as plain dense weights for an inference engine,
+  shard by shard in the engine's dtype.
 """
 
 from __future__ import annotations
@@ -90,63 +91,144 @@ def load_base_model(path: str | Path, dtype: str = "auto", device: str | torch.d
     return model.eval()
 
 
-def _dequantize_linears(model: torch.nn.Module) -> None:
-    """Replace every bitsandbytes 4-bit linear of ``model`` by an ``nn.Linear`` holding its
-    dequantised weight (fp32, on the CPU); the 4-bit layers are dropped when this returns."""
+EXPORT_SHARD_BYTES = 1 << 30
+"""Largest safetensors shard ``export_dense`` writes (bytes); a tensor larger than this gets its own."""
+
+
+def _export_plan(model) -> list[tuple[str, torch.nn.Parameter | torch.Tensor, torch.nn.Module | None]]:
+    """``(name, tensor, 4-bit layer or None)`` for every tensor of ``model``'s checkpoint, in module
+    order: parameters once each (a tied head is the embedding's, as ``save_pretrained`` writes it)
+    and persistent buffers; a 4-bit layer's packed weight stands for its dequantised weight."""
     import bitsandbytes as bnb
 
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, bnb.nn.Linear4bit):
-                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense.weight.data = dense_weight(child).float().cpu()
-                if child.bias is not None:
-                    dense.bias.data = child.bias.data.float().cpu()
-                setattr(parent, name, dense)
+    owner = {id(m.weight): m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
+    plan = [(name, p, owner.get(id(p))) for name, p in model.named_parameters()]
+    for name, buf in model.named_buffers():
+        module_name, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(module_name)._non_persistent_buffers_set:
+            plan.append((name, buf, None))
+    return plan
 
 
-def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: str | Path) -> dict:
-    """Write the policy as trained, as plain dense weights that any engine (vLLM) can load.
+def _plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive tensors (by index) grouped into shards of at most ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    return shards
 
-    The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
-    ``nf4``); every 4-bit layer is replaced by a dense ``nn.Linear`` holding its dequantised weight,
-    and the LoRA adapter (if any) is merged into those weights with peft's ``merge_and_unload``.
-    The result computes the same function as the trained 4-bit + LoRA policy, so baseline and
-    final evaluation differ by the adapter only. On CUDA the 4-bit copy is loaded on the GPU (as
-    training quantises it) and its memory is given back to the driver before this returns
-    (``grpo.device.free_cuda_cache``); only the process's CUDA context stays.
-    """
+
+def _write_dense_shards(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: Path, dtype: torch.dtype,
+                        device: str, max_shard_bytes: int) -> list[str]:
+    """Load the base as training does, then write every tensor dense in ``dtype``, one shard at a
+    time (``export_dense``); returns the files written. Every reference to the loaded model dies
+    with this call, so the caller can give the device's cached memory back."""
+    import json
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.float32
     kwargs: dict = {"dtype": dtype}
-    device = default_device()
     if model_cfg.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
-    _dequantize_linears(model)
-    model = model.cpu()
+    keep_standard_nf4_layout(model)
+    plan = _export_plan(model)  # before peft wraps the layers: the checkpoint's own names
+    lora: dict[int, object] = {}  # id(base weight) -> the peft LoRA layer over it
+    if adapter_dir is not None:
+        from peft import PeftModel
+        from peft.tuners.lora.layer import LoraLayer
+
+        wrapped = PeftModel.from_pretrained(model, str(adapter_dir))
+        lora = {id(m.get_base_layer().weight): m for m in wrapped.modules() if isinstance(m, LoraLayer)}
+
+    @torch.no_grad()
+    def dense(tensor, layer) -> torch.Tensor:
+        """The tensor as the engine gets it: fp32 dequantised (4-bit) plus the merged adapter, cast
+        once to ``dtype`` (as peft's merge_and_unload on fp32 weights, then the engine's cast)."""
+        merge = lora.get(id(tensor))
+        if layer is None and merge is None:
+            return tensor.detach().to(dtype).cpu().contiguous()
+        w = dense_weight(layer, torch.float32) if layer is not None else tensor.detach().float()
+        if merge is not None:
+            for name in merge.active_adapters:
+                if name in merge.lora_A:
+                    w = w + merge.get_delta_weight(name).float()
+        return w.to(dtype).cpu().contiguous()
+
+    def shape(tensor, layer) -> tuple[int, ...]:
+        return tuple(layer.weight.quant_state.shape if layer is not None else tensor.shape)
+
+    sizes = [torch.Size(shape(t, layer)).numel() * dtype.itemsize if t.is_floating_point() or layer is not None
+             else t.numel() * t.element_size() for _, t, layer in plan]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for stale in [*out_dir.glob("*.safetensors"), out_dir / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # an older export's shards would be loaded beside these
+    weight_map = {}
+    for file, members in zip(names, shards):
+        tensors = {}
+        for i in members:
+            name, tensor, layer = plan[i]
+            tensors[name] = dense(tensor, layer) if tensor.is_floating_point() or layer is not None else tensor.cpu()
+            weight_map[name] = file
+        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+        del tensors  # only one shard's tensors are ever held
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out_dir)
+    return names
+
+
+def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: str | Path, *,
+                 dtype: torch.dtype | None = None, max_shard_bytes: int = EXPORT_SHARD_BYTES) -> dict:
+    """Write the policy as trained, as plain dense weights that any engine (vLLM) can load.
+
+    The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
+    ``nf4``, on the default device). Tensor by tensor, each 4-bit layer's weight is dequantised in
+    fp32, the LoRA adapter (if any) is merged into it (peft's ``get_delta_weight``, the update
+    ``merge_and_unload`` adds) and the result cast once to ``dtype``: the engine's dtype, by default
+    ``grpo.device.compute_dtype(model.dtype)`` (bf16 or fp16 on CUDA; on CPUs bf16 with native bf16
+    instructions, else fp32). The result computes the same function as the trained 4-bit + LoRA
+    policy, so baseline and final evaluation differ by the adapter only; an engine of that dtype
+    holds the very values it held when this wrote fp32 and the engine cast them.
+
+    Written in Hugging Face's sharded layout (``model-0000i-of-0000n.safetensors`` of at most
+    ``max_shard_bytes`` each plus ``model.safetensors.index.json``; one ``model.safetensors`` where
+    it fits), config, generation config and tokenizer. Only one shard's dense tensors are in memory
+    at a time, beside the 4-bit model (on the GPU on CUDA). On CUDA the 4-bit copy's memory is given
+    back to the driver before this returns (``grpo.device.free_cuda_cache``); only the process's
+    CUDA context stays.
+    """
+    device = default_device()
+    dtype = dtype or compute_dtype(model_cfg.dtype, device)
+    if adapter_dir is not None and not (Path(adapter_dir) / "adapter_config.json").exists():
+        raise ModelConfigError(f"{adapter_dir}: no adapter_config.json (run the train stage first)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = _write_dense_shards(model_cfg, adapter_dir, out_dir, dtype, device, max_shard_bytes)
     # The NF4 copy on the GPU is gone; give its cached blocks back, or the engine that starts next
     # (another process for evaluation) finds them taken: vLLM refuses to start when free memory is
     # below gpu_memory_utilization x total (docs/gpu-notes.md#engine-memory).
     free_cuda_cache(device)
-    model.hf_quantizer = None
-    model.is_loaded_in_4bit = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    how = "dense weights (NF4 dequantised)" if model_cfg.quantization == "nf4" else "dense weights"
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        if not (Path(adapter_dir) / "adapter_config.json").exists():
-            raise ModelConfigError(f"{adapter_dir}: no adapter_config.json (run the train stage first)")
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-        how += " + LoRA merged"
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(model_cfg.path).save_pretrained(out_dir)
-    return {"weights": how, "path": str(out_dir)}
+    how = "dense weights (NF4 dequantised)" if model_cfg.quantization == "nf4" else "dense weights"
+    if adapter_dir is not None:
+        how += " + LoRA merged"
+    return {"weights": how, "path": str(out_dir), "dtype": str(dtype).removeprefix("torch."), "files": files}

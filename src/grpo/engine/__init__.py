@@ -13,6 +13,7 @@
     policy.py    ``PolicyEngine``: the engine that holds the policy during training (start, sync
                  through one of the two strategies, sleep, wake-up, close) and ``policy_rollouts``,
                  the factory of the trainer's rollout backend
+    preflight.py ``grpo doctor``: what a GPU machine needs before the first engine starts
 
 SENT and the evaluations import only ``sampler``, ``args`` and ``bounds`` (their DVC deps say so);
 the training engine's modules are the train stage's alone. Pointers into vLLM's source for each

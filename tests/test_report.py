@@ -385,3 +385,12 @@ def test_missing_dvc_outputs_are_named_and_the_rest_is_reported(workspace, tmp_p
     assert "4 answers to each of the 8 training prompts" in md  # metrics/sent.json is still there
     assert "`data/cache/train_sorted.jsonl` is not in this workspace" in md and "sent_entropy.png" not in figures
     assert "`outputs/eval/final.jsonl` is not in this workspace" in md and "Before training (" not in md
+
+
+def test_the_params_file_is_folded_away_in_the_html(workspace, tmp_path):
+    root, _ = workspace
+    out = tmp_path / "reports"
+    build_report(root, out)
+    html = (out / "report.html").read_text()
+    folded = html.split("<details>", 1)[1].split("</details>", 1)[0]
+    assert "<summary>The params file</summary>" in folded and "lr: 0.000123" in folded and "<pre><code" in folded

@@ -410,7 +410,7 @@ def _train_rows(train: dict) -> list[tuple[str, str]]:
         rows.append((words, fmt[key](v) if key in fmt else f"{v:.3g}" if isinstance(v, float) else str(v)))
     if "logp_mismatch_mean" in train:
         rows.append(("sampler vs trainer log-prob gap per token (mean of the steps; largest)",
-                     f"{train['logp_mismatch_mean']:.3f}; {train.get('logp_mismatch_max', float('nan')):.3f}"))
+                     f"{train['logp_mismatch_mean']:.2g}; {train.get('logp_mismatch_max', float('nan')):.2g}"))
     known = {k for k, _ in TRAIN_ROWS} | SHOWN_ELSEWHERE
     rows += [(k.replace("_", " "), f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in train.items()
              if k not in known]
@@ -491,7 +491,8 @@ def _run_section(timings: dict[str, float], params_file: Path) -> list[str]:
         md += ["| stage | wall time |", "|---|---|", *(f"| {k} | {v:.1f} s |" for k, v in timings.items()),
                f"| these stages together | {sum(timings.values()):.0f} s |", ""]
     if params_file.exists():
-        md += ["The params file:", "", "```yaml", params_file.read_text().strip(), "```", ""]
+        md += ['<details markdown="1"><summary>The params file</summary>', "", "```yaml",
+               params_file.read_text().strip(), "```", "", "</details>", ""]
     return md
 
 
@@ -500,13 +501,14 @@ STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:1em auto;padding:0
          "table{border-collapse:collapse;display:block;overflow-x:auto;max-width:100%;margin:1em 0}"
          "td,th{border:1px solid #ccc;padding:3px 8px}"
          "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
-         "code{overflow-wrap:anywhere}")
+         "code{overflow-wrap:anywhere}summary{cursor:pointer;margin:1em 0}"
+         "details pre{white-space:pre;overflow-x:auto}details code{overflow-wrap:normal}")
 
 
 def to_html(markdown_text: str) -> str:
     import markdown
 
-    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
+    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code", "md_in_html"])
     return ("<!doctype html><html><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
             f"<title>GRPO run report</title><style>{STYLE}</style></head><body>{body}</body></html>\n")

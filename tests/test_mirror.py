@@ -31,7 +31,6 @@ EXCEPTIONS = {
     "test_presets.py": "presets/*.yaml: each preset's switches run two steps on the CPU",
     "test_cuda.py": "the CUDA paths of several modules on a GPU (`pytest -m cuda`, bench/gpu_check.sh)",
     "test_mirror.py": "this layout",
-    "test_dvc_exp_show.py": "dvc.yaml's declared metrics: a plain `dvc exp show` of the real dvc.yaml stays a few columns wide",
     "test_docs.py": "README.md, docs/ and mkdocs.yml: every path and module they name exists; the README's size",
     "test_prefect_yaml.py": "prefect.yaml: the deployment it declares equals flows/schedule.yaml",
 }

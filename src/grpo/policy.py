@@ -123,14 +123,9 @@ def _plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return shards
 
 
-def _write_dense_shards(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: Path, dtype: torch.dtype,
-                        device: str, max_shard_bytes: int) -> list[str]:
-    """Load the base as training does, then write every tensor dense in ``dtype``, one shard at a
-    time (``export_dense``); returns the files written. Every reference to the loaded model dies
-    with this call, so the caller can give the device's cached memory back."""
-    import json
-
-    from safetensors.torch import save_file
+def _load_for_export(model_cfg: ModelConfig, adapter_dir: str | Path | None, dtype: torch.dtype, device: str):
+    """The base loaded as training loads it (NF4 in ``dtype``), its export plan (``_export_plan``),
+    and ``id(base weight) -> the peft LoRA layer over it`` when ``adapter_dir`` is given."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"dtype": dtype}
@@ -140,33 +135,52 @@ def _write_dense_shards(model_cfg: ModelConfig, adapter_dir: str | Path | None, 
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
     keep_standard_nf4_layout(model)
     plan = _export_plan(model)  # before peft wraps the layers: the checkpoint's own names
-    lora: dict[int, object] = {}  # id(base weight) -> the peft LoRA layer over it
+    lora: dict[int, object] = {}
     if adapter_dir is not None:
         from peft import PeftModel
         from peft.tuners.lora.layer import LoraLayer
 
         wrapped = PeftModel.from_pretrained(model, str(adapter_dir))
         lora = {id(m.get_base_layer().weight): m for m in wrapped.modules() if isinstance(m, LoraLayer)}
+    return model, plan, lora
 
-    @torch.no_grad()
-    def dense(tensor, layer) -> torch.Tensor:
-        """The tensor as the engine gets it: fp32 dequantised (4-bit) plus the merged adapter, cast
-        once to ``dtype`` (as peft's merge_and_unload on fp32 weights, then the engine's cast)."""
-        merge = lora.get(id(tensor))
-        if layer is None and merge is None:
-            return tensor.detach().to(dtype).cpu().contiguous()
-        w = dense_weight(layer, torch.float32) if layer is not None else tensor.detach().float()
-        if merge is not None:
-            for name in merge.active_adapters:
-                if name in merge.lora_A:
-                    w = w + merge.get_delta_weight(name).float()
-        return w.to(dtype).cpu().contiguous()
 
-    def shape(tensor, layer) -> tuple[int, ...]:
-        return tuple(layer.weight.quant_state.shape if layer is not None else tensor.shape)
+@torch.no_grad()
+def _dense(tensor, layer, merge, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor as the engine gets it: fp32 dequantised (a 4-bit ``layer``'s weight) plus the
+    merged adapter (``merge``: the peft LoRA layer over it, or None), cast once to ``dtype`` (as
+    peft's merge_and_unload on fp32 weights, then the engine's cast); other tensors as they are."""
+    if not tensor.is_floating_point() and layer is None:
+        return tensor.cpu()
+    if layer is None and merge is None:
+        return tensor.detach().to(dtype).cpu().contiguous()
+    w = dense_weight(layer, torch.float32) if layer is not None else tensor.detach().float()
+    if merge is not None:
+        for name in merge.active_adapters:
+            if name in merge.lora_A:
+                w = w + merge.get_delta_weight(name).float()
+    return w.to(dtype).cpu().contiguous()
 
-    sizes = [torch.Size(shape(t, layer)).numel() * dtype.itemsize if t.is_floating_point() or layer is not None
-             else t.numel() * t.element_size() for _, t, layer in plan]
+
+def _export_bytes(tensor, layer, dtype: torch.dtype) -> int:
+    """Bytes of the tensor in the export (a 4-bit layer's weight at its dequantised shape)."""
+    if not tensor.is_floating_point() and layer is None:
+        return tensor.numel() * tensor.element_size()
+    shape = layer.weight.quant_state.shape if layer is not None else tensor.shape
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _write_dense_shards(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir: Path, dtype: torch.dtype,
+                        device: str, max_shard_bytes: int) -> list[str]:
+    """Load the base as training does, then write every tensor dense in ``dtype``, one shard at a
+    time (``export_dense``); returns the files written. Every reference to the loaded model dies
+    with this call, so the caller can give the device's cached memory back."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model, plan, lora = _load_for_export(model_cfg, adapter_dir, dtype, device)
+    sizes = [_export_bytes(t, layer, dtype) for _, t, layer in plan]
     shards = _plan_shards(sizes, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -174,11 +188,8 @@ def _write_dense_shards(model_cfg: ModelConfig, adapter_dir: str | Path | None, 
         stale.unlink(missing_ok=True)  # an older export's shards would be loaded beside these
     weight_map = {}
     for file, members in zip(names, shards):
-        tensors = {}
-        for i in members:
-            name, tensor, layer = plan[i]
-            tensors[name] = dense(tensor, layer) if tensor.is_floating_point() or layer is not None else tensor.cpu()
-            weight_map[name] = file
+        tensors = {plan[i][0]: _dense(plan[i][1], plan[i][2], lora.get(id(plan[i][1])), dtype) for i in members}
+        weight_map.update(dict.fromkeys(tensors, file))
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         del tensors  # only one shard's tensors are ever held
     if len(shards) > 1:

@@ -91,6 +91,29 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class NonFiniteGuard:
+    """Counts the steps in a row whose update was skipped for a non-finite loss, log-prob or
+    gradient norm (``update_skipped`` in the row); ``limit`` of them stop training with one line
+    naming the steps and the last checkpoint (a skipped step writes none)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def check(self, row: dict, last_checkpoint: Callable[[], object]) -> None:
+        if not row.get("update_skipped"):
+            self.count = 0
+            return
+        self.count += 1
+        step = row["step"]
+        log.warning("step %d: a non-finite loss, log-prob or gradient norm; the update was not applied "
+                    "(%d in a row)", step, self.count)
+        if self.count >= self.limit:
+            raise StageStop(f"train: steps {step - self.count + 1}-{step}: {self.count} updates in a row not applied "
+                            f"(a non-finite loss, log-prob or gradient norm; train.max_nonfinite_steps {self.limit}); "
+                            f"the last good checkpoint: {last_checkpoint() or 'none (train.checkpoint_every)'}; "
+                            "fp16 overflows: try model.dtype float32 or bf16")
+
+
 class GRPOTrainer:
     """Composes the phases of a step into optimizer steps over ``problems`` (module docstring)."""
 
@@ -113,7 +136,7 @@ class GRPOTrainer:
         self.passes = PolicyPasses(model, cfg, self.dist, self.updater)
         self.run = RunDir(cfg.output_dir, cfg.keep_best)
         self.step = 0
-        self.nonfinite = 0  # steps in a row whose update was skipped
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
         self.history: list[dict] = []
         self.last_samples: list[dict] = []  # the last step's completions, every rank's
 
@@ -232,22 +255,6 @@ class GRPOTrainer:
             row["update_skipped"] = 1
         return row
 
-    def check_finite(self, row: dict) -> None:
-        """Count steps in a row whose update was skipped for a non-finite value; stop after
-        ``max_nonfinite_steps`` of them with one line naming the step and the last checkpoint."""
-        if not row.get("update_skipped"):
-            self.nonfinite = 0
-            return
-        self.nonfinite += 1
-        log.warning("step %d: a non-finite loss, log-prob or gradient norm; the update was not applied "
-                    "(%d in a row)", self.step, self.nonfinite)
-        if self.nonfinite >= self.cfg.max_nonfinite_steps:
-            last = self.run.latest_checkpoint()
-            raise StageStop(f"train: steps {self.step - self.nonfinite + 1}-{self.step}: {self.nonfinite} updates in a "
-                            f"row not applied (a non-finite loss, log-prob or gradient norm; train.max_nonfinite_steps "
-                            f"{self.cfg.max_nonfinite_steps}); the last good checkpoint: "
-                            f"{last or 'none (train.checkpoint_every)'}; fp16 overflows: try model.dtype float32 or bf16")
-
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
         """Greedy accuracy of the current policy on the validation problems, through the rollout
@@ -323,5 +330,5 @@ class GRPOTrainer:
                         self.save_checkpoint()
                     bar.update(1)
                     bar.set_postfix({k: "-" if row[k] is None else f"{row[k]:.3f}" for k in ("reward_mean", "accuracy")})
-                self.check_finite(row)  # logged first; every rank stops alike
+                self.guard.check(row, self.run.latest_checkpoint)  # logged first; every rank stops alike
         return self.history

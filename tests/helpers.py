@@ -166,3 +166,13 @@ def tiny_engine_policy(model_dir):
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=str(model_dir), dtype="float32")
     return model_cfg, load_policy(model_cfg, LoraConfig(**ENGINE_LORA), default_device()), load_tokenizer(model_dir)
+
+
+def git_dvc_init(path: Path, message: str = "tiny") -> Path:
+    """Make ``path`` a git repository with DVC initialised (analytics off) and everything in it
+    committed: what `dvc exp run` needs (a commit to attach experiments to)."""
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
+                [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+                ["git", "add", "-A"], ["git", "commit", "-qm", message]):
+        subprocess.run(cmd, cwd=path, check=True, capture_output=True)
+    return path

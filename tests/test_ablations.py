@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import yaml
 from grpo import ablations
 from grpo.ablations import Grid, exp_name, load_grid, paired, plan, queue_args
 from grpo.experiments import Run, exp_show, parse_runs
+
+from .helpers import git_dvc_init
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,10 +96,7 @@ def _tiny_repo(path: Path, seeds) -> Path:
     stages = {"train": {"cmd": STAGE, "params": ["train"],
                         "metrics": [{"metrics/final.json": {"cache": False}}, {"metrics/train.json": {"cache": False}}]}}
     (path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
-                [sys.executable, "-m", "dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "tiny"]):
-        subprocess.run(cmd, cwd=path, check=True, capture_output=True)
-    return path
+    return git_dvc_init(path)
 
 
 @pytest.mark.slow

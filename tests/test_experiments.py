@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import yaml
 
 from grpo import experiments
 from grpo.experiments import comparison, exp_show, group_runs, parse_runs, queue_commands, summarize, t975
+
+from .helpers import git_dvc_init
 
 # accuracy = lr * 10 + seed * lr: each group of seeds has its own mean and spread
 STAGE_CMD = ("python -c \"import json, os, yaml; p = yaml.safe_load(open('params.yaml'))['train']; "
@@ -102,10 +103,7 @@ def _tiny_repo(path: Path) -> Path:
     stages = {"final_eval": {"cmd": STAGE_CMD, "params": ["train"],
                              "metrics": [{"metrics/final.json": {"cache": False}}]}}
     (path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
-                [sys.executable, "-m", "dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "tiny"]):
-        subprocess.run(cmd, cwd=path, check=True, capture_output=True)
-    return path
+    return git_dvc_init(path)
 
 
 @pytest.mark.slow

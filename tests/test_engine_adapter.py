@@ -87,7 +87,7 @@ def test_after_each_sync_the_adapter_engine_decodes_and_scores_as_the_policy(eng
         gap = (engine_out.logprobs - policy_out.logprobs).abs() * policy_out.completion_mask
         assert float(gap.max()) < LOGP_TOLERANCE, f"sync {sync}: log-prob gap {float(gap.max()):.2e}"
     assert len(set(engine_out.texts)) > 1  # the prompts lead to different completions
-    assert backend._engine().llm_engine.list_loras() == {3}  # one adapter held: the last sync's
+    assert backend.sampler.engine().llm_engine.list_loras() == {3}  # one adapter held: the last sync's
 
 
 @pytest.mark.slow
@@ -95,9 +95,9 @@ def test_after_each_sync_the_adapter_engine_decodes_and_scores_as_the_policy(eng
 @needs_vllm
 def test_steps_with_adapter_engine_rollouts_learn_and_log_the_gap(engine, tiny_problems, tmp_path, monkeypatch):
     model, tok, backend = engine
-    syncs = backend.syncs
+    syncs = backend.strategy.syncs
     train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch)
-    assert backend.syncs == syncs + 3  # one sync per step
+    assert backend.strategy.syncs == syncs + 3  # one sync per step
 
 
 @pytest.mark.slow

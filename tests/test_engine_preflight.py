@@ -12,6 +12,8 @@ from grpo.engine.preflight import BLOCKER, OK, SKIP, WARN
 from .conftest import REPO
 from .helpers import run
 
+pytestmark = pytest.mark.usefixtures("quiet_cli_env")  # grpo.cli.main sets TQDM_DISABLE and friends
+
 GIB = 2**30
 ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
 

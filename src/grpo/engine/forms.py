@@ -18,7 +18,7 @@ prints it. Nothing here imports torch or vLLM.
 
 from __future__ import annotations
 
-FORMS = ("dense", "adapter")
+FORMS = ("dense", "adapter", "nf4")
 GPTQ_GROUP_SIZES = (64, 32)
 """Weights per scale of the adapter engine's 4-bit base, in order of preference (``grpo.engine.gptq``)."""
 

@@ -97,7 +97,7 @@ def make_strategy(form: str, model, engine_dir: Path, dtype: torch.dtype):
         from grpo.engine.dense import DenseSync
 
         return DenseSync(model, dtype)
-    if form == "adapter":
+    if form in ("adapter", "nf4"):
         from grpo.engine.adapter import AdapterSync
 
         return AdapterSync(model, engine_dir)
@@ -154,22 +154,32 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
         seed += dist.rank  # independent sampling streams per rank
     base_form = base_form or adapter_base(device)
     torch_dtype = compute_dtype(dtype, device)
-    if base is not None and (processes == 1 or dist.local_rank == 0):
+    if form == "nf4":
+        from grpo.engine import nf4
+
+        if processes == 1 or dist.local_rank == 0:
+            nf4.write_engine_folder(policy, tokenizer, engine_dir, torch_dtype)
+    elif base is not None and (processes == 1 or dist.local_rank == 0):
         write_engine_base(base, engine_dir, form, base_form, torch_dtype)
     if processes > 1:
         dist.barrier()  # the engine's base is written before any rank's engine reads it
     lora_rank = None
-    if form == "adapter":
+    if form in ("adapter", "nf4"):
         from grpo.engine.adapter import policy_lora_rank
 
         lora_rank = policy_lora_rank(policy)
     start_environment(device, in_process=True)
     args = engine_args(engine_dir, section or VLLMEngineConfig(), device=device, seed=seed, dtype=torch_dtype,
-                       bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager, processes=processes,
-                       lora_rank=lora_rank)
-    sampler = VLLMSampler(args, tokenizer, progress=False, **lengths)
+                       bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager or form == "nf4",
+                       processes=processes, lora_rank=lora_rank)
+    if form == "nf4":
+        nf4.register()
+        with nf4.sharing(policy):
+            sampler = VLLMSampler(args, tokenizer, progress=False, **lengths)
+    else:
+        sampler = VLLMSampler(args, tokenizer, progress=False, **lengths)
     strategy = make_strategy(form, policy, engine_dir, torch_dtype)
-    return PolicyEngine(sampler, strategy, device, base_form if form == "adapter" else "dense")
+    return PolicyEngine(sampler, strategy, device, {"adapter": base_form, "nf4": "nf4"}.get(form, "dense"))
 
 
 def local_engines(processes: int) -> int:

@@ -201,8 +201,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
                               seed=cfg.seed, dtype=params.model.dtype, dist=dist)
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     rollouts = rollouts_per_process(weights_form is not None, dist.world_size, weights_form)
-    base = f"; the adapter's base: {backend.base_form}" if weights_form == "adapter" else ""
-    log.info("rollouts: %s (rank %d of %d)%s", rollouts, dist.rank, dist.world_size, base)
+    log.info("rollouts: %s (rank %d of %d)", rollouts, dist.rank, dist.world_size)
     trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
                           val_problems=val_problems, dist=dist)
     try:

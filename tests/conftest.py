@@ -34,14 +34,16 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
         proc.wait()
 
 
-def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Path:
-    """A 2-layer random Llama (hidden 64 by default) saved with the character tokenizer at ``path``."""
+def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                         vocab: int | None = None) -> Path:
+    """A 2-layer random Llama (hidden 64 by default) saved with the character tokenizer at ``path``
+    (``vocab``: its vocabulary padded with filler tokens to that size)."""
     from transformers import LlamaConfig
 
     from grpo.synthetic import char_tokenizer, random_model_dir
 
     cfg = LlamaConfig(
-        vocab_size=len(char_tokenizer()),
+        vocab_size=vocab or len(char_tokenizer()),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=2,

@@ -108,20 +108,20 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     assert "grpo.synthetic architecture 'qwen2-1.5b'" in model and f"models/base holds {tiny_model_dir}" in model
     assert "hidden 1536" in model and "28 layers" in model
     # both phases with the engine, its arithmetic and the verdict for the card
-    assert "engine: train.engine_weights auto -> adapter (auto: dense needs 3.95 GiB > the budget 2.40 GiB)" in out
+    assert "engine: train.engine_weights auto -> nf4 (auto: dense needs 3.95 GiB > the budget 0.96 GiB)" in out
     assert any(line.startswith("KV cache of one step") and "10,240 tokens (16 completions x 640" in line
                and "x 28 KiB/token (2 x 28 layers x 2 kv heads x 128 x 2 B)" in line for line in lines)
-    assert any(line.startswith("budget") and "train.gpu_memory_utilization 0.3 x 8.00 GiB" in line for line in lines)
+    assert any(line.startswith("budget") and "train.gpu_memory_utilization 0.12 x 8.00 GiB" in line for line in lines)
     assert any(line.startswith("vLLM engine, awake") and "generate" in line for line in lines)
     assert any(line.startswith("vLLM engine, asleep") and "train" in line for line in lines)
     peak = next(line for line in lines if line.startswith("peak"))
-    assert "(generation)" in peak and float(peak.split()[1]) <= 4.0  # seed 003's goal with the adapter engine
+    assert "(generation)" in peak and float(peak.split()[1]) <= 2.6  # seed 003 with the nf4 engine: 2.52 on 8 GiB
     assert "card 8.00 GiB: fits: peak" in out
     code, out, err = run(capsys, "check", "--params", str(tmp_path / "presets" / "seed003.yaml"), "--device", "cuda",
-                         "--prompt-tokens", "128", "--gpu-memory", "6")
+                         "--prompt-tokens", "128", "--gpu-memory", "4.1")
     assert code == 0, err
-    assert "card 6.00 GiB: does not fit: the engine's budget 1.80 GiB < its needs 2.20 GiB (adapter); turn " \
-           "train.gpu_memory_utilization: between 0.37 and 0.65" in out
+    assert "card 4.10 GiB: does not fit: the engine's budget 503.8 MiB < its needs 714.6 MiB (nf4); turn " \
+           "train.gpu_memory_utilization: between 0.18 and 0.49" in out
     code, out, err = run(capsys, "check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda")
     assert code == 0, err
     model = next(line for line in out.splitlines() if line.strip().startswith("model: "))

@@ -1,25 +1,26 @@
-"""grpo.engine.forms: the ``auto`` weights form decided once from the dense engine's needs, the
-adapter form's base per device, and the one line of what each training process runs."""
+"""grpo.engine.forms: the ``auto`` weights form decided once from the dense engine's needs, and the
+one line of what each training process runs."""
 
 from __future__ import annotations
 
-from grpo.engine.forms import adapter_base, choose_form, rollouts_per_process
+from grpo.engine.forms import choose_form, rollouts_per_process
 
 GIB = 2**30
 
 
-def test_auto_is_dense_where_it_fits_else_adapter_and_dense_on_a_cpu():
+def test_auto_is_dense_where_it_fits_else_nf4_and_dense_on_a_cpu():
     assert choose_form("auto", "cuda", 3 * GIB, 4 * GIB, 0.5) == ("dense", "auto: dense needs 3.00 GiB <= the budget 4.00 GiB")
-    assert choose_form("auto", "cuda", 5 * GIB, 4 * GIB, 0.5)[0] == "adapter"
-    assert choose_form("auto", "cuda:1", 5 * GIB, 4 * GIB, 0.5)[0] == "adapter"
+    assert choose_form("auto", "cuda", 5 * GIB, 4 * GIB, 0.5)[0] == "nf4"
+    assert choose_form("auto", "cuda:1", 5 * GIB, 4 * GIB, 0.5)[0] == "nf4"
     form, why = choose_form("auto", "cuda", 3 * GIB, None, 0.5)
     assert form == "dense" and "cards from 6.00 GiB" in why
     assert choose_form("auto", "cpu", None, None, 0.5)[0] == "dense"
-    assert choose_form("adapter", "cpu", None, None, 0.5) == ("adapter", "train.engine_weights")
+    assert choose_form("nf4", "cpu", None, None, 0.5) == ("nf4", "train.engine_weights")
 
 
-def test_the_adapter_base_is_int4_on_cuda_only():
-    assert [adapter_base(d) for d in ("cuda", "cuda:3", "cpu")] == ["int4", "int4", "dense"]
+def test_auto_never_picks_nf4_without_a_4bit_base():
+    form, why = choose_form("auto", "cuda", 5 * GIB, 4 * GIB, 0.5, nf4_base=False)
+    assert form == "dense" and "model.quantization none" in why
 
 
 def test_what_each_process_runs():

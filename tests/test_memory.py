@@ -128,12 +128,9 @@ def test_engine_terms_of_the_tiny_model_by_hand(tiny_model_dir):
     assert memory.kv_bytes_per_token(shapes, 2) == 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x B
     # vLLM's LoRA buffers: rank 4 -> max_lora_rank 8; (in + out) of q, k, v, o, gate, up, down = 1024 per layer
     assert memory.engine_lora_bytes(shapes, 4, 2) == 8 * 2 * 1024 * 2
-    # a 64 -> 128 linear in 4 bits: 4096 bytes packed, one group of 64 inputs per output row: 128 fp16
-    # scales and 128 4-bit zeros
-    assert memory.int4_layer_bytes(memory.Linear("x", 64, 128, True)) == 4096 + 256 + 64
-    dense = memory.engine_weight_bytes(shapes, "dense", "cuda", 2)
-    assert dense == shapes.total_params * 2 == memory.engine_weight_bytes(shapes, "adapter", "cpu", 2)
-    assert memory.engine_weight_bytes(shapes, "adapter", "cuda", 2) < dense
+    # the nf4 engine holds the norms only: 2 per layer and the final one
+    assert memory.engine_weight_bytes(shapes, "dense", 2) == shapes.total_params * 2
+    assert memory.engine_weight_bytes(shapes, "nf4", 2) == (2 * shapes.layers + 1) * shapes.hidden * 2
     # one call of 8 completions of 20 + 7 tokens: 2 blocks of 16 each; at least one max_model_len sequence
     assert memory.engine_step_tokens(8, 20, 7, 256) == 8 * 32
     assert memory.engine_step_tokens(2, 20, 7, 1024) == 1024
@@ -143,23 +140,25 @@ def test_engine_terms_of_the_tiny_model_by_hand(tiny_model_dir):
 
 def test_auto_engine_weights_are_dense_where_they_fit_the_budget():
     """Seed 003 (KV 28 KiB a token, 16 completions x 640 tokens a step): the dense engine needs about
-    3.95 GiB, so at gpu_memory_utilization 0.3 of 8 GiB (2.4 GiB) auto holds the 4-bit base, at 0.6
+    3.95 GiB, so at gpu_memory_utilization 0.12 of 8 GiB (0.96 GiB) auto picks the nf4 engine, at 0.6
     (4.8 GiB) the dense one; a CPU and an unknown card get dense; an explicit choice stays."""
     params = _preset("seed003")
     shapes = memory.resolve_shapes(params.model, REPO)
     card = 8 * 2**30
     assert memory.kv_bytes_per_token(shapes, 2) == 28 * 1024
     plan = memory.engine_plan(params, shapes, "cuda", 128, card)
-    assert (plan.form, plan.seqs, plan.step_tokens) == ("adapter", 16, 16 * 640)
-    assert plan.why.startswith("auto: dense needs 3.9") and "> the budget 2.40 GiB" in plan.why
-    assert plan.need < plan.budget == math.ceil(0.3 * card)
+    assert (plan.form, plan.seqs, plan.step_tokens) == ("nf4", 16, 16 * 640)
+    assert plan.why.startswith("auto: dense needs 3.9") and "> the budget 0.96 GiB" in plan.why
+    assert plan.need < plan.budget == math.ceil(0.12 * card)
     roomy = params.model_copy(update={"train": params.train.model_copy(update={"gpu_memory_utilization": 0.6})})
     assert memory.choose_engine_form(roomy, shapes, "cuda", 128, card)[0] == "dense"
     assert memory.choose_engine_form(params, shapes, "cpu", 128, None)[0] == "dense"
     form, why = memory.choose_engine_form(params, shapes, "cuda", 128, None)
-    assert form == "dense" and "no card given" in why and "on cards from 13.1" in why
+    assert form == "dense" and "no card given" in why and "on cards from 32.9" in why
     dense = params.model_copy(update={"train": params.train.model_copy(update={"engine_weights": "dense"})})
     assert memory.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
+    unquantized = params.model_copy(update={"model": params.model.model_copy(update={"quantization": "none"})})
+    assert memory.choose_engine_form(unquantized, shapes, "cuda", 128, card)[0] == "dense"
 
 
 def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
@@ -170,18 +169,16 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
         card = int(gib * 2**30)
         plan = memory.engine_plan(p, shapes, "cuda", 128, card)
         est = memory.estimate(p, shapes, "cuda", 128, engine=plan)
-        return memory.verdict(p, est, card, plan, memory.engine_needs(p, shapes, "cuda", 128, "adapter", card))
+        return memory.verdict(p, est, card, plan, memory.engine_needs(p, shapes, "cuda", 128, "nf4", card))
 
-    assert " fits: peak 3.96 GiB (generation)" in verdict(8)
-    # 0.3 x 6 GiB = 1.8 GiB < the adapter engine's 2.20: more of the card, which has room for it
-    assert "budget 1.80 GiB < its needs 2.20 GiB (adapter); turn train.gpu_memory_utilization: between 0.37 " \
-           "and 0.65" in verdict(6)
-    # 4.1 GiB: beside the policy the engine has room for its weights and overhead and part of a step's KV cache
-    assert "turn train.generation_batch_size: at most 6 completions per call" in verdict(4.1)
-    # 3 GiB: the engine's weights and overhead alone do not fit beside the policy
-    assert verdict(3).endswith("turn train.rollout_backend: transformers (the decode loop: no engine)")
-    # a dense engine at 0.75 of 5.5 GiB is not free beside the policy, nor would its needs be; the 4-bit one's are
+    assert " fits: peak 2.52 GiB (generation)" in verdict(8)
+    # 0.12 x 4.1 GiB = 0.49 GiB < the nf4 engine's 0.70: more of the card, which has room for it
+    assert "budget 503.8 MiB < its needs 714.6 MiB (nf4); turn train.gpu_memory_utilization: between 0.18 " \
+           "and 0.49" in verdict(4.1)
+    # 2.5 GiB: the engine's weights and overhead alone do not fit beside the policy
+    assert verdict(2.5).endswith("turn train.rollout_backend: transformers (the decode loop: no engine)")
+    # a dense engine at 0.75 of 5.5 GiB is not free beside the policy, nor would its needs be; the nf4 one's are
     dense = params.model_copy(update={"train": params.train.model_copy(
         update={"engine_weights": "dense", "gpu_memory_utilization": 0.75})})
     assert "is not free at its start" in verdict(5.5, dense)
-    assert verdict(5.5, dense).endswith("turn train.engine_weights: adapter (needs 2.20 GiB)")
+    assert verdict(5.5, dense).endswith("turn train.engine_weights: nf4 (needs 714.6 MiB)")

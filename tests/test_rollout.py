@@ -111,7 +111,7 @@ def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
         saved_model_sampler("vlm", tok, tiny_model_dir)
     with pytest.raises(TypeError, match="need engine_dir"):
         policy_rollouts("vllm", tok, model)
-    with pytest.raises(ValueError, match="engine_weights: must be one of dense, adapter"):
+    with pytest.raises(ValueError, match="engine_weights: must be one of dense, nf4"):
         policy_rollouts("vllm", tok, model, engine_dir="x", form="auto")
 
 

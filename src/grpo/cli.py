@@ -160,8 +160,8 @@ def cmd_check(args) -> int:
         print("\n".join(f"  {line}" for line in memory.format_engine(plan, shapes)))
     print("\n".join(memory.format_table(est)))
     if card is not None and device == "cuda":
-        adapter = memory.engine_needs(p, shapes, device, prompt, "adapter", card) if plan is not None else None
-        print(f"  {memory.verdict(p, est, card, plan, adapter)}")
+        shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if plan is not None else None
+        print(f"  {memory.verdict(p, est, card, plan, shared)}")
     for line in memory.measured_for(p, shapes, device, prompt):
         print(f"  {line}")
     return 0

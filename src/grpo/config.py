@@ -263,13 +263,14 @@ class TrainConfig(VLLMEngineConfig):
     the engine's overhead. Raised to the step's completions per generation call where below it
     (vLLM needs a token per running sequence) and capped at those completions x ``max_model_len``
     (``grpo.engine.bounds.step_limits``); the engine's ``max_num_seqs`` is those completions."""
-    engine_weights: Literal["auto", "dense", "adapter"] = "auto"
-    """The base model the train engine holds: ``dense`` (the 4-bit base dequantised to the
-    compute dtype, the policy's adapter merged into the adapted layers each step), ``adapter``
-    (a 4-bit base on CUDA, the dense base on CPUs, the policy's adapter sent as a LoRA adapter each
-    step through vLLM's LoRA support, ``grpo.engine.adapter``) or ``auto``
-    (``grpo.engine.forms.choose_form``: dense where its weights, overhead and the KV cache of
-    one step fit ``gpu_memory_utilization`` of the card, else adapter; dense on CPUs). ``grpo check
+    engine_weights: Literal["auto", "dense", "nf4"] = "auto"
+    """How the train engine holds the policy: ``dense`` (its own copy of the base, the 4-bit base
+    dequantised to the compute dtype, the policy's adapter merged into the adapted layers each
+    step: ``grpo.engine.dense``), ``nf4`` (no copy: the trainer's own 4-bit layers, embedding and
+    head computed through a vLLM quantization method of ours, the policy's adapter sent as a LoRA
+    adapter each step: ``grpo.engine.nf4``; needs ``model.quantization: nf4``) or ``auto``
+    (``grpo.engine.forms.choose_form``: dense where its weights, overhead and the KV cache of one
+    step fit ``gpu_memory_utilization`` of the card, else nf4; dense on CPUs). ``grpo check
     --device cuda --gpu-memory GIB`` shows the arithmetic; the chosen form is logged and written to
     ``metrics/train.json``."""
     importance_sampling_correction: bool = True
@@ -338,6 +339,13 @@ class TrainConfig(VLLMEngineConfig):
     backend (0: never)."""
     eval_max_new_tokens: Positive = 64
     """Length cap of the validation completions."""
+    max_logp_gap: PositiveFloat = 0.1
+    """Bound on the mean |engine log-prob - policy log-prob| per completion token of a step
+    (``logp_mismatch_mean``, measured where the engine returns log-probs): above it the step logs a
+    warning (an engine that samples from another model than the one trained: a broken sync, an
+    adapter lost in a wake-up); ``max_logp_gap_steps`` such steps in a row stop the stage."""
+    max_logp_gap_steps: Positive = 3
+    """Steps in a row above ``max_logp_gap`` before the stage stops with one line."""
     max_nonfinite_steps: Positive = 3
     """A step whose loss, log-probs or gradient norm is not finite applies no update (parameters and
     optimizer state unchanged; logged and counted as ``update_skipped``); this many such steps in a

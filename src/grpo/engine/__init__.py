@@ -5,11 +5,12 @@
     bounds.py    the step's generation calls and what bounds the engine for them (sequences,
                  batched tokens, a CPU engine's KV cache); pure arithmetic
     sampler.py   ``VLLMSampler``: samples a model saved in Hugging Face format (SENT, evaluation)
-    forms.py     how the policy reaches the train engine (``dense`` | ``adapter``), chosen once
+    forms.py     how the policy reaches the train engine (``dense`` | ``nf4``), chosen once
                  (``choose_form``), and which backend each training process runs
     dense.py     the ``dense`` sync: merged ``W + s B A`` written into the engine's layers
-    adapter.py   the ``adapter`` sync: the policy's LoRA adapter loaded under a new id each step
-    gptq.py      the adapter engine's 4-bit GPTQ base on CUDA
+    nf4.py       the ``nf4`` engine: a vLLM quantization method computing with the trainer's own
+                 4-bit layers, embedding and head (shared, not copied)
+    adapter.py   the ``nf4`` engine's sync: the policy's LoRA adapter loaded under a new id each step
     policy.py    ``PolicyEngine``: the engine that holds the policy during training (start, sync
                  through one of the two strategies, sleep, wake-up, close) and ``policy_rollouts``,
                  the factory of the trainer's rollout backend

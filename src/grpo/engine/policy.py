@@ -2,22 +2,21 @@
 
 ``PolicyEngine`` is a ``grpo.rollout.RolloutBackend`` that owns one vLLM engine (a
 ``VLLMSampler``) and one sync strategy, the weights form (``grpo.engine.forms``): ``DenseSync``
-(merged weights written in) or ``AdapterSync`` (a LoRA adapter loaded). ``sync(model)`` wakes the
+(merged weights written in) or, for the ``nf4`` engine, ``AdapterSync`` (a LoRA adapter loaded). ``sync(model)`` wakes the
 engine and pushes the policy through the strategy; ``generate`` wakes it and samples; ``sleep``
 frees its GPU memory for the update (CUDA: the engine starts in vLLM's sleep mode); ``close``
 shuts it down.
 
 ``policy_rollouts`` is where the trainer's backend is made: the decode loop on the policy
 (``transformers``, or ``auto`` without vLLM), or a ``PolicyEngine``. For the engine it writes the
-base the engine starts from (``grpo.policy.export_dense``, and for the adapter form on CUDA the
-4-bit GPTQ rewrite) into ``engine_dir``, builds the engine's arguments with
-``grpo.engine.args.engine_args`` and starts it in this process.
+folder the engine starts from into ``engine_dir`` (``write_engine_folder``), builds the engine's
+arguments with ``grpo.engine.args.engine_args`` and starts it in this process (``start_sampler``).
 
 Data parallel (``dist`` active): every rank calls it and holds its own engine, which joins the
 trainer's process group as vLLM's ``external_launcher`` executor and is seeded ``seed + rank``;
 every rank holds the same policy after the gradient all-reduce, so no weights travel between
 processes. On a CPU ``check_engine_memory`` first refuses N shares of RAM that do not fit; local
-rank 0 alone writes the engine's base and every rank waits for it (a barrier) before reading it.
+rank 0 alone writes the engine's folder and every rank waits for it (a barrier) before reading it.
 The vLLM lines each of these rests on: docs/gpu-notes.md#placement-of-the-training-engines,
 #sleep-and-wake-up and #cpu-memory.
 """
@@ -34,7 +33,7 @@ from grpo.config import ModelConfig, ParamsError, VLLMEngineConfig
 from grpo.device import compute_dtype, default_device, free_cuda_cache
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
-from grpo.engine.forms import FORMS, adapter_base
+from grpo.engine.forms import FORMS
 from grpo.engine.sampler import VLLMSampler
 from grpo.rollout import RolloutBackend, TransformersBackend, uses_engine
 
@@ -44,14 +43,13 @@ log = logging.getLogger(__name__)
 class PolicyEngine(RolloutBackend):
     """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``.
 
-    ``weights_form``: the strategy's form; ``base_form``: what the engine's base folder holds
-    (``dense`` or ``int4``); ``synced_layers``: how many layers the last sync moved."""
+    ``weights_form``: the strategy's form; ``synced_layers``: how many layers the last sync moved."""
 
     name = "vllm"
 
-    def __init__(self, sampler: VLLMSampler, strategy, device: str, base_form: str = "dense"):
+    def __init__(self, sampler: VLLMSampler, strategy, device: str):
         self.sampler, self.strategy, self.device = sampler, strategy, device
-        self.weights_form, self.base_form = strategy.form, base_form
+        self.weights_form = strategy.form
         self.asleep = False
         self.synced_layers = 0
 
@@ -92,33 +90,48 @@ class PolicyEngine(RolloutBackend):
 
 
 def make_strategy(form: str, model, engine_dir: Path, dtype: torch.dtype):
-    """The sync strategy of the weights ``form`` (``dense`` or ``adapter``)."""
+    """The sync strategy of the weights ``form`` (``dense`` or ``nf4``)."""
     if form == "dense":
         from grpo.engine.dense import DenseSync
 
         return DenseSync(model, dtype)
-    if form in ("adapter", "nf4"):
+    if form == "nf4":
         from grpo.engine.adapter import AdapterSync
 
         return AdapterSync(model, engine_dir)
     raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
 
 
-def write_engine_base(base: ModelConfig, engine_dir: Path, form: str, base_form: str, dtype: torch.dtype) -> None:
-    """The folder the engine starts from: the dense export of ``base`` and, for an int4 adapter
-    base, its 4-bit GPTQ rewrite."""
-    from grpo.policy import export_dense
+def write_engine_folder(form: str, policy, tokenizer, base: ModelConfig | None, engine_dir: Path,
+                        dtype: torch.dtype) -> None:
+    """The folder the engine starts from: for ``dense`` the dense export of ``base`` (nothing
+    written without ``base``: the folder is already there); for ``nf4`` the policy's config,
+    tokenizer and norms (``grpo.engine.nf4.write_engine_folder``)."""
+    if form == "nf4":
+        from grpo.engine import nf4
 
-    export_dense(base, None, engine_dir)
-    if form == "adapter" and base_form == "int4":
-        from grpo.engine.gptq import export_gptq
+        nf4.write_engine_folder(policy, tokenizer, engine_dir, dtype)
+    elif base is not None:
+        from grpo.policy import export_dense
 
-        export_gptq(engine_dir, dtype)
+        export_dense(base, None, engine_dir)
+
+
+def start_sampler(form: str, args: dict, tokenizer, policy, **lengths) -> VLLMSampler:
+    """Start the engine of ``args`` in this process; an ``nf4`` engine inside
+    ``grpo.engine.nf4.sharing(policy)``, its method registered first."""
+    if form != "nf4":
+        return VLLMSampler(args, tokenizer, progress=False, **lengths)
+    from grpo.engine import nf4
+
+    nf4.register()
+    with nf4.sharing(policy):
+        return VLLMSampler(args, tokenizer, progress=False, **lengths)
 
 
 def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig | None = None,
                     engine_dir: str | Path | None = None, base: ModelConfig | None = None, form: str = "dense",
-                    base_form: str | None = None, bounds: Bounds | None = None, seed: int = 0, dtype: str = "auto",
+                    bounds: Bounds | None = None, seed: int = 0, dtype: str = "auto",
                     enforce_eager: bool = True, dist=None, max_prompt_tokens: int | None = None,
                     min_new_tokens: int = 0) -> RolloutBackend:
     """The trainer's rollout backend for ``policy`` (the peft policy in training).
@@ -126,11 +139,11 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     ``choice``: ``vllm``, ``transformers`` or ``auto``. The decode loop samples the policy itself
     (its 4-bit layers dequantised once per call on the CPU), without log-probs. The engine:
     ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when ``None``),
-    ``engine_dir`` (its base folder, written from ``base`` when given, else already there),
-    ``form`` (``dense`` | ``adapter``), ``base_form`` (the adapter form's base: ``dense`` | ``int4``;
-    ``None``: ``adapter_base`` of the device), ``bounds`` (``grpo.engine.bounds.train_bounds``;
-    default: a saved model's), ``seed`` (+ rank), ``dtype``, ``enforce_eager``, ``dist`` (this
-    process's ``grpo.distributed.Dist``; ``None``: one process)."""
+    ``engine_dir`` (its folder: for ``dense`` written from ``base`` when given, else already
+    there), ``form`` (``dense`` | ``nf4``), ``bounds`` (``grpo.engine.bounds.train_bounds``;
+    default: a saved model's), ``seed`` (+ rank), ``dtype``, ``enforce_eager`` (always for
+    ``nf4``: bitsandbytes' calls are not captured), ``dist`` (this process's
+    ``grpo.distributed.Dist``; ``None``: one process)."""
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
     if choice not in ("vllm", "transformers", "auto"):
         raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
@@ -144,27 +157,19 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
         raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
     if form not in FORMS:
         raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
-    if base_form not in (None, "dense", "int4"):
-        raise ValueError(f"engine_base: must be dense or int4; got {base_form!r}")
     device, engine_dir = default_device(), Path(engine_dir)
     processes = dist.world_size if dist is not None and dist.active else 1
     if processes > 1:
         if device == "cpu":
             check_engine_memory((section or VLLMEngineConfig()).gpu_memory_utilization, local_engines(processes))
         seed += dist.rank  # independent sampling streams per rank
-    base_form = base_form or adapter_base(device)
     torch_dtype = compute_dtype(dtype, device)
-    if form == "nf4":
-        from grpo.engine import nf4
-
-        if processes == 1 or dist.local_rank == 0:
-            nf4.write_engine_folder(policy, tokenizer, engine_dir, torch_dtype)
-    elif base is not None and (processes == 1 or dist.local_rank == 0):
-        write_engine_base(base, engine_dir, form, base_form, torch_dtype)
+    if processes == 1 or dist.local_rank == 0:
+        write_engine_folder(form, policy, tokenizer, base, engine_dir, torch_dtype)
     if processes > 1:
-        dist.barrier()  # the engine's base is written before any rank's engine reads it
+        dist.barrier()  # the engine's folder is written before any rank's engine reads it
     lora_rank = None
-    if form in ("adapter", "nf4"):
+    if form == "nf4":
         from grpo.engine.adapter import policy_lora_rank
 
         lora_rank = policy_lora_rank(policy)
@@ -172,14 +177,8 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     args = engine_args(engine_dir, section or VLLMEngineConfig(), device=device, seed=seed, dtype=torch_dtype,
                        bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager or form == "nf4",
                        processes=processes, lora_rank=lora_rank)
-    if form == "nf4":
-        nf4.register()
-        with nf4.sharing(policy):
-            sampler = VLLMSampler(args, tokenizer, progress=False, **lengths)
-    else:
-        sampler = VLLMSampler(args, tokenizer, progress=False, **lengths)
-    strategy = make_strategy(form, policy, engine_dir, torch_dtype)
-    return PolicyEngine(sampler, strategy, device, {"adapter": base_form, "nf4": "nf4"}.get(form, "dense"))
+    sampler = start_sampler(form, args, tokenizer, policy, **lengths)
+    return PolicyEngine(sampler, make_strategy(form, policy, engine_dir, torch_dtype), device)
 
 
 def local_engines(processes: int) -> int:

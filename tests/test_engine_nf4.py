@@ -178,3 +178,29 @@ def test_sharing_needs_a_4bit_policy_and_the_engine_in_its_process(tiny_model_di
         with pytest.raises(KeyError, match="no 4-bit module 'model.layers.0.self_attn.qkv'"):
             nf4._trainer_module("model.layers.0.self_attn.qkv")
     assert nf4._TRAINER is None
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@needs_vllm
+def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, tiny_problems, tmp_path, monkeypatch):
+    """The engine keeps the adapter of its last sync while the policy learns (the failure of an
+    adapter lost in a wake-up): the per-step log-prob gap grows past ``max_logp_gap`` and the stage
+    stops after ``max_logp_gap_steps`` such steps in a row, with one line."""
+    from grpo.config import StageStop, TrainConfig
+    from grpo.rewards import REWARDS
+    from grpo.trainer import GRPOTrainer
+
+    model, tok, backend = engine
+    backend.sync(model)
+    monkeypatch.setattr(backend.strategy, "push", lambda sampler, policy: 0)  # syncs from here on do nothing
+    monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, prompts_per_step=2, group_size=4, max_new_tokens=8,
+                      checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0, eval_every=0, warmup_steps=0,
+                      lr=5e-2, max_logp_gap=MEAN_GAP, max_logp_gap_steps=2)
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, backend=backend)
+    with pytest.raises(StageStop) as err:
+        trainer.train(progress=False)
+    line, gaps = str(err.value), [r["logp_mismatch_mean"] for r in trainer.history]
+    assert "\n" not in line and "above train.max_logp_gap 0.0001 2 steps in a row" in line
+    assert gaps[0] <= MEAN_GAP < min(gaps[-2:]) and len(gaps) < cfg.steps  # step 1 sampled the synced policy

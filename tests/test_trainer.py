@@ -183,3 +183,18 @@ def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, t
     assert line.split("the last good checkpoint: ")[1].startswith(str(tmp_path / "checkpoints" / "step_000002"))
     assert [r.get("update_skipped", 0) for r in trainer.history] == [0, 0, 1, 1]  # logged, then stopped
     assert (tmp_path / "steps.jsonl").read_text().count("update_skipped") == 2
+
+
+def test_the_engine_gap_guard_warns_then_stops_after_steps_in_a_row(caplog):
+    """Rows as the trainer logs them: a gap above the bound warns, one at or below it (or none: the
+    decode loop measures none) resets the count, the limit stops with one line naming the steps."""
+    from grpo.config import StageStop
+    from grpo.trainer import EngineGapGuard
+
+    guard = EngineGapGuard(bound=0.1, limit=2)
+    with caplog.at_level("WARNING", logger="grpo.trainer"):
+        for step, gap in enumerate([0.05, 0.3, 0.1, None, 0.2], start=1):
+            guard.check({"step": step, "logp_mismatch_mean": gap})
+    assert [m.split(":")[0] for m in caplog.messages] == ["step 2", "step 5"] and guard.count == 1
+    with pytest.raises(StageStop, match=r"^train: steps 5-6: the engine's log-probs 1.26 nats/token"):
+        guard.check({"step": 6, "logp_mismatch_mean": 1.26})

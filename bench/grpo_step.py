@@ -131,9 +131,9 @@ def _memory_fields(device: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- our step
-def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
+def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "dense") -> dict:
     """Our ``train_step`` with rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
-    synced every step, in the form ``args.engine_weights``: ``grpo.engine.policy.policy_rollouts``) or
+    synced every step, in the weights ``form``: ``grpo.engine.policy.policy_rollouts``) or
     ``transformers`` (the project's decode loop)."""
     import torch
 
@@ -162,7 +162,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
         bounds = train_bounds(cfg.model_copy(update={"max_model_len": engine.max_model_len}), model.config, device,
                               compute_dtype("auto", device).itemsize)
         backend = policy_rollouts(rollout, tok, model, section=engine, engine_dir=workdir / "engine",
-                                  base=ModelConfig(path=model_dir), form=args.engine_weights, bounds=bounds, **lengths)
+                                  base=ModelConfig(path=model_dir), form=form, bounds=bounds, **lengths)
         trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted
@@ -187,7 +187,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers") -> dict:
                 **_memory_fields(device),
             })
         backend.close()
-    return {"impl": f"ours-{rollout}", "device": device, "steps": steps}
+    return {"impl": f"ours-{rollout}", "form": form if rollout == "vllm" else None, "device": device, "steps": steps}
 
 
 # ---------------------------------------------------------------------------- TRL's step
@@ -327,14 +327,14 @@ def summarise(result: dict) -> dict:
 
 
 def print_speed(rows: dict[str, dict]) -> None:
-    print(f"\n{'impl':<10} {'median step s':>13} " + " ".join(f"{p:>9}" for p in PHASES)
+    print(f"\n{'impl':<17} {'median step s':>13} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'reward':>7} {'length':>7} {'updated':>7} {'peak MB':>8}  steps (s)")
     for name, s in rows.items():
         length = s.get("completion_len", float("nan"))  # mean completion tokens: the update follows it
-        print(f"{name:<10} {s['step_s']:13.2f} " + " ".join(f"{s[p]:9.2f}" for p in PHASES)
+        print(f"{name:<17} {s['step_s']:13.2f} " + " ".join(f"{s[p]:9.2f}" for p in PHASES)
               + f" {s['reward_mean']:7.3f} {length:7.1f} {s.get('updated', 1.0):7.2f} {s['peak_mb']:8.0f}"
               + f"  {s['step_times']}")
-    for other in ("trl", "trl-tuned", "ours-transformers"):
+    for other in ("trl", "trl-tuned", "ours-transformers", "ours-dense", "ours-nf4"):
         if "ours" in rows and other in rows:
             print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}")
     if "ours" in rows and "ours-transformers" in rows:
@@ -369,9 +369,9 @@ def main() -> None:
                     help="who samples our rollouts: a vLLM engine holding the policy, our decode loop, or both "
                          "in one run (default: both where vLLM is installed)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of GPU memory / RAM")
-    ap.add_argument("--engine-weights", choices=["dense", "adapter"], default="dense",
-                    help="the vLLM engine's form (train.engine_weights): merged weights, or the base (4-bit on "
-                         "CUDA) + the policy's LoRA adapter")
+    ap.add_argument("--engine-weights", nargs="+", choices=["dense", "nf4"], default=["dense"],
+                    help="the vLLM engine's forms (train.engine_weights), each measured in the same run: "
+                         "merged dense weights, or the trainer's own 4-bit weights + the policy's LoRA adapter")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -382,7 +382,8 @@ def main() -> None:
         if spec["impl"].startswith("trl"):
             result = run_trl(args, tuned=spec["impl"] == "trl-tuned")
         else:
-            result = run_ours(args, spec.get("overrides", {}), spec.get("rollout", "transformers"))
+            result = run_ours(args, spec.get("overrides", {}), spec.get("rollout", "transformers"),
+                              spec.get("form", args.engine_weights[0]))
         print(json.dumps(result))
         return
 
@@ -394,9 +395,11 @@ def main() -> None:
     t0 = time.perf_counter()
     speed = {}
     rollouts = ["vllm", "transformers"] if args.rollout == "both" else [args.rollout]
-    for rollout in [] if args.no_ours else rollouts:
-        name = "ours" if rollout == rollouts[0] else f"ours-{rollout}"  # "ours": the first, the one ablated
-        results[name] = _worker(args, {"impl": "ours", "rollout": rollout})
+    runs = [(r, f) for r in rollouts for f in (args.engine_weights if r == "vllm" else [None])]
+    for i, (rollout, form) in enumerate([] if args.no_ours else runs):
+        # "ours": the first, the one ablated; then ours-<form> (other engine forms), ours-transformers
+        name = "ours" if i == 0 else f"ours-{form or rollout}"
+        results[name] = _worker(args, {"impl": "ours", "rollout": rollout, "form": form})
         speed[name] = summarise(results[name])
     for impl in ("trl", "trl-tuned") if args.trl and args.trl_tuned else ("trl",) if args.trl else ():
         try:
@@ -413,7 +416,7 @@ def main() -> None:
         variants.append(("all savings off", {k: v for o in SAVINGS.values() for k, v in o.items()}))
         for label, overrides in variants:
             print(f"  running {label} ...", flush=True)
-            spec = {"impl": "ours", "overrides": overrides, "label": label, "rollout": rollouts[0]}
+            spec = {"impl": "ours", "overrides": overrides, "label": label, "rollout": runs[0][0], "form": runs[0][1]}
             table.append((label, summarise(_worker(args, spec))))
         unit = "peak allocated MB" if results["ours"]["device"] == "cuda" else "peak RSS MB"
         print(f"\n{'configuration':<68} {unit:>18} {'reserved MB':>12} {'step s':>8}")

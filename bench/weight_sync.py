@@ -1,8 +1,8 @@
-"""The train engine's forms, measured: merged dense weights against the policy's LoRA adapter on
-the same dense base and on a 4-bit base.
+"""The train engine's forms, measured: merged dense weights against the trainer's own 4-bit
+weights with the policy's LoRA adapter.
 
     python bench/weight_sync.py [--model models/base] [--prompts 32] [--group 8] [--new-tokens 64] [--rounds 3]
-                                [--ways dense adapter adapter-int4] [--dtype auto] [--json FILE]
+                                [--ways dense nf4] [--dtype auto] [--json FILE]
 
 Each way is the engine ``grpo.engine.policy.policy_rollouts`` builds for the train stage (``train.engine_weights``), in a
 fresh process, started from the NF4 base as training loads it; the policy's LoRA adapter (r16 /
@@ -13,17 +13,19 @@ at most ``new-tokens``; timed), the mean |engine log-prob - policy log-prob| ove
 decode of the prompts compared with the policy's own NF4 + LoRA decode (exactness).
 
 * ``dense``: ``DenseSync`` (``W + s B A`` written into the engine's fused layers).
-* ``adapter``: ``AdapterSync`` on the dense base (the adapter saved, loaded under a new id).
-* ``adapter-int4``: the same on the 4-bit GPTQ base (``grpo.engine.gptq``; needs a bf16/fp16 engine dtype).
+* ``nf4``: the engine computes with the policy's own ``Linear4bit`` modules (``grpo.engine.nf4``);
+  ``AdapterSync`` (the adapter saved, loaded under a new id).
 
-Prints engine start, median sync time, median sampling speed, the log-prob gap and the exact-match
-count of each way; ``--json`` writes them.
+Prints engine start, median sync time, median sampling speed, the log-prob gap (mean and largest
+round), the exact-match count of each way and the process's peak resident set (``ru_maxrss``:
+policy, engine and all); ``--json`` writes them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,8 +34,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WAYS = {"dense": ("dense", None), "adapter": ("adapter", "dense"), "adapter-int4": ("adapter", "int4")}
-"""Way -> (``form``, ``base_form``) for ``policy_rollouts``."""
+WAYS = ("dense", "nf4")
+"""The ``form`` of ``policy_rollouts``."""
 
 
 def run(args, way: str) -> dict:
@@ -49,7 +51,7 @@ def run(args, way: str) -> dict:
     from grpo.rollout import TransformersBackend
 
     torch.manual_seed(0)
-    model_cfg = ModelConfig(path=args.model)
+    model_cfg = ModelConfig(path=args.model, dtype=args.dtype)
     model = load_policy(model_cfg, LoraConfig(rank=16, alpha=32))
     tok = load_tokenizer(args.model)
     prompts = [build_prompt(tok, r["question"], DEFAULT_SYSTEM_PROMPT) for r in read_jsonl(args.data)[: args.prompts]]
@@ -57,13 +59,12 @@ def run(args, way: str) -> dict:
     scorer = TransformersBackend(model, tok)  # teacher-forced log-probs of the policy
     sampling = dict(max_new_tokens=args.new_tokens, temperature=1.0)
     greedy = dict(max_new_tokens=args.new_tokens, temperature=0.0)
-    weights, base = WAYS[way]
     out: dict = {"way": way, "sync_s": [], "tok_s": [], "logp_gap_mean": [], "exact": [], "prompts": len(prompts)}
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
-        t0 = time.perf_counter()  # export (and 4-bit rewrite) + engine start
+        t0 = time.perf_counter()  # the engine's folder written + engine start
         backend = policy_rollouts("vllm", tok, model, section=engine, engine_dir=Path(tmp) / "engine", base=model_cfg,
-                                  dtype=args.dtype, form=weights, base_form=base)
+                                  dtype=args.dtype, form=way)
         out["engine_start_s"] = time.perf_counter() - t0
         for rnd in range(args.rounds):
             gen = torch.Generator().manual_seed(rnd)
@@ -84,6 +85,7 @@ def run(args, way: str) -> dict:
             texts = backend.generate(prompts, 1, **greedy).texts
             out["exact"].append(sum(a == b for a, b in zip(texts, reference)))
         backend.close()
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
@@ -96,9 +98,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS))
-    ap.add_argument("--dtype", default="auto", help="engine dtype (model.dtype); adapter-int4 needs bf16 or fp16")
-    ap.add_argument("--way", choices=list(WAYS), help=argparse.SUPPRESS)  # one way, in this process
+    ap.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    ap.add_argument("--dtype", default="auto", help="compute dtype of the policy and the engine (model.dtype)")
+    ap.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # one way, in this process
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -113,12 +115,12 @@ def main() -> None:
             continue
         results[way] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"{args.prompts} prompts x G={args.group}, <= {args.new_tokens} new tokens, {args.rounds} rounds")
-    print(f"{'way':<13} {'export+start s':>14} {'sync s (median)':>16} {'sampling tok/s (median)':>24} "
-          f"{'|logp gap| mean':>16}  greedy = policy")
+    print(f"{'way':<6} {'folder+start s':>14} {'sync s (median)':>16} {'sampling tok/s (median)':>24} "
+          f"{'|logp gap| mean':>16} {'worst round':>12} {'peak RSS MB':>12}  greedy = policy")
     for way, r in results.items():
-        print(f"{way:<13} {r['engine_start_s']:14.1f} {statistics.median(r['sync_s']):16.3f} "
-              f"{statistics.median(r['tok_s']):24.1f} {statistics.mean(r['logp_gap_mean']):16.5f}  "
-              f"{r['exact']} of {r['prompts']} per round")
+        print(f"{way:<6} {r['engine_start_s']:14.1f} {statistics.median(r['sync_s']):16.3f} "
+              f"{statistics.median(r['tok_s']):24.1f} {statistics.mean(r['logp_gap_mean']):16.6f} "
+              f"{max(r['logp_gap_mean']):12.6f} {r['peak_rss_mb']:12.0f}  {r['exact']} of {r['prompts']} per round")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

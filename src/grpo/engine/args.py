@@ -56,7 +56,7 @@ def engine_args(model_dir: str, section, *, device: str, seed: int, dtype: str, 
     """``LLM`` keywords of one engine (module docstring). ``section``: the stage's engine params
     (``gpu_memory_utilization``, ``max_model_len``); ``dtype``: vLLM's name (``bfloat16``, ...);
     ``processes``: ``None`` for a saved model's sampler, else the training processes (the policy's
-    engine); ``lora_rank``: the policy's LoRA rank for the adapter form."""
+    engine); ``lora_rank``: the policy's LoRA rank for the nf4 form."""
     args = {"model": str(model_dir), "tokenizer": str(model_dir), "seed": seed, "dtype": dtype,
             "gpu_memory_utilization": section.gpu_memory_utilization, "max_model_len": section.max_model_len,
             "enforce_eager": enforce_eager, **bounds.llm_kwargs()}

@@ -10,9 +10,10 @@ Two weights forms (``train.engine_weights``):
 
 ``choose_form`` resolves ``auto``: ``dense`` where the dense engine's needs fit its budget
 (``gpu_memory_utilization x card``), else ``nf4``; ``dense`` on a CPU, where the card is unknown
-and where the base is not 4-bit. The dense engine is the faster of the two on CUDA (its GEMMs read
-16-bit weights; the ``nf4`` engine dequantises every 4-bit layer at every forward:
-docs/gpu-notes.md#the-nf4-engine); both are exact. The estimate (``grpo.memory.engine_plan``) and
+and where the base is not 4-bit. The dense engine is expected to be the faster of the two on CUDA
+(one GEMM per merged layer; the ``nf4`` engine makes one bitsandbytes call per 4-bit layer and
+dequantises whole layers for long prefills; not measured: docs/gpu-notes.md#the-nf4-engine); both
+are exact. The estimate (``grpo.memory.engine_plan``) and
 the train stage (``grpo.memory.form_here``) both compute the dense engine's needs and ask this
 function. ``rollouts_per_process`` is the one rule of which backend each training process runs;
 the train stage logs it and ``grpo check`` prints it. Nothing here imports torch or vLLM.

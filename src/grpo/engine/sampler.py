@@ -33,7 +33,7 @@ class VLLMSampler(RolloutBackend):
     """Sampling on a vLLM engine started with ``llm_args`` (``grpo.engine.args.engine_args``).
 
     ``lora_request``: the ``vllm.lora.request.LoRARequest`` every generation call carries (``None``:
-    the weights alone; the adapter form sets it at each sync). ``max_prompt_tokens``: keep the last
+    the weights alone; the nf4 form sets it at each sync). ``max_prompt_tokens``: keep the last
     this many prompt tokens; ``min_new_tokens``: no EOS before this many tokens."""
 
     name = "vllm"

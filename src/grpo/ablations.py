@@ -9,8 +9,9 @@ Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --qu
 train.seed=s -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
 run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queues only the
 experiments that have no result and are not waiting in the queue (failed ones are removed from
-the queue and queued again), then runs the queue with one worker (``dvc exp run --run-all
---jobs 1``): a second call after a finished run queues nothing and runs nothing.
+the queue and queued again; tasks left "running" by a worker that died are removed first:
+``clear_stale``), then runs the queue with one worker (``dvc exp run --run-all --jobs 1``): a
+second call after a finished run queues nothing and runs nothing.
 
 ``compare`` pairs each variant with the reference on the seeds both finished: the difference
 ``d_s = metric(v, s) - metric(reference, s)`` per seed, its mean and a 95% t-interval
@@ -270,8 +271,29 @@ def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:
 
 
 # ---------------------------------------------------------------- commands
+def stale_tasks(status: str) -> list[str]:
+    """The tasks ``dvc queue status`` (its text) lists as running while no worker is active: a queue
+    whose worker died (killed, or the machine stopped) leaves them so, and ``plan`` would take them
+    as still waiting."""
+    if "Worker status: 0 active" not in status:
+        return []
+    return [line.split()[0] for line in status.splitlines() if line.split()[-1:] == ["Running"]]
+
+
+def clear_stale(root: Path) -> list[str]:
+    """Kill and remove ``stale_tasks`` from the queue (their experiments are then queued again)."""
+    stale = stale_tasks(dvc(root, ["queue", "status"]).stdout)
+    if stale:
+        print(f"ablations: {', '.join(stale)}: left running by a queue that stopped; removed, to be queued again",
+              flush=True)
+        dvc(root, ["queue", "kill", *stale])
+        dvc(root, ["queue", "remove", *stale])
+    return stale
+
+
 def _run(args: argparse.Namespace) -> int:
     root, grid = Path(args.root), load_grid(Path(args.root) / args.grid)
+    clear_stale(root)
     todo = plan(grid, read_runs(root, TEST))
     print(f"ablations: {len(todo.done)} finished, {len(todo.waiting)} waiting in the queue, "
           f"{len(todo.queue)} to queue ({len(todo.failed)} of them failed before)", flush=True)

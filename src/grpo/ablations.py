@@ -1,7 +1,7 @@
 """Ablations: a declared grid of variants run as DVC experiments over seeds, compared in pairs.
 
-    python -m grpo.ablations run      [--grid experiments/ablations.yaml]   # queue what is missing, run it
-    python -m grpo.ablations compare  [--grid ...] [--out-dir outputs/ablations]
+    python -m grpo.ablations run      [--grid experiments/ablations.yaml] [--out-dir outputs/ablations]
+    python -m grpo.ablations compare  [--grid ...] [--out-dir ...]   # the comparison alone
 
 The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: name -> params overrides
 (``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued.
@@ -11,7 +11,8 @@ run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queu
 experiments that have no result and are not waiting in the queue (failed ones are removed from
 the queue and queued again; tasks left "running" by a worker that died are removed first:
 ``clear_stale``), then runs the queue with one worker (``dvc exp run --run-all --jobs 1``): a
-second call after a finished run queues nothing and runs nothing.
+second call after a finished run queues nothing and runs nothing. Once every experiment has a
+result, ``run`` compares them (below), so one command does the whole grid.
 
 ``compare`` pairs each variant with the reference on the seeds both finished: the difference
 ``d_s = metric(v, s) - metric(reference, s)`` per seed, its mean and a 95% t-interval
@@ -312,8 +313,8 @@ def _run(args: argparse.Namespace) -> int:
         names = [exp_name(v, s) for v, s in left.queue] + left.waiting
         print(f"ablations: error: not finished: {', '.join(names)}; see `dvc queue status`", file=sys.stderr)
         return 1
-    print(f"ablations: all {len(left.done)} experiments finished; compare: python -m grpo.ablations compare")
-    return 0
+    print(f"ablations: all {len(left.done)} experiments finished", flush=True)
+    return _compare(args)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -339,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", default=".", help="the DVC workspace (default: .)")
     common.add_argument("--grid", default=GRID, help=f"the grid file, relative to --root (default: {GRID})")
-    sub.add_parser("run", parents=[common], help="queue the grid's missing experiments and run them, one at a time")
-    c = sub.add_parser("compare", parents=[common], help="paired differences to the reference, table and plot")
-    c.add_argument("--out-dir", default=OUT_DIR, help=f"relative to --root (default: {OUT_DIR})")
+    common.add_argument("--out-dir", default=OUT_DIR, help=f"the comparison's folder, relative to --root (default: {OUT_DIR})")
+    sub.add_parser("run", parents=[common], help="queue the grid's missing experiments, run them one at a time, compare")
+    sub.add_parser("compare", parents=[common], help="paired differences to the reference, table and plot")
     args = parser.parse_args(argv)
     try:
         return _run(args) if args.command == "run" else _compare(args)

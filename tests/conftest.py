@@ -67,6 +67,37 @@ def tiny_vllm_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def model_dtype() -> str:
+    """The dtype (its name) the cuda-marked tests load models and start engines in here:
+    ``helpers.model_test_dtype`` of the default device and its card (fp32 on a CPU)."""
+    from grpo.device import cuda_capability, default_device
+
+    from .helpers import model_test_dtype
+
+    return model_test_dtype(default_device(), cuda_capability())
+
+
+@pytest.fixture(scope="session")
+def auto_dtype() -> str:
+    """``auto``: the dtype setting of the cuda-marked tests that run the product's own choice (on
+    CUDA the card's 16-bit dtype); what it resolves to is ``helpers.auto_test_dtype``."""
+    return "auto"
+
+
+@pytest.fixture(scope="session")
+def half_dtype():
+    """The torch dtype of the kernel tests' 16-bit inputs here: ``helpers.half_test_dtype`` (the
+    card's, bf16 on a CPU)."""
+    import torch
+
+    from grpo.device import cuda_capability
+
+    from .helpers import half_test_dtype
+
+    return getattr(torch, half_test_dtype("cuda" if torch.cuda.is_available() else "cpu", cuda_capability()))
+
+
+@pytest.fixture(scope="session")
 def tiny_problems() -> list[dict]:
     return [
         {"id": f"p{i}", "question": f"What is {a} + {b}?", "answer": str(a + b), "solution": ""}

@@ -8,6 +8,10 @@
 - ``run``, the ``grpo`` command in this process (test_cli, test_ask);
 - the engine tests' adapter, prompts and steps: ``ENGINE_LORA``, ``ENGINE_PROMPTS``, ``randomise_adapter``,
   ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_nf4, test_engine_dense);
+- the dtypes of the cuda-marked tests and their bounds: ``model_test_dtype``, ``auto_test_dtype``,
+  ``half_test_dtype``, ``DTYPE_FIXTURES`` (the rules of conftest.py's ``model_dtype``, ``auto_dtype`` and
+  ``half_dtype``), ``LogpGap``, ``logp_gap``, ``engine_gap_to_policy`` (the engine tests, test_cuda,
+  test_evaluate, test_engine_sampler, test_kernels);
 - ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients.
 """
 
@@ -17,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -97,6 +102,83 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def model_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
+    """The dtype (its name) the cuda-marked tests load models and start engines in on ``device``:
+    ``float32`` on a CPU (engine and policy then agree to ``FP32_GAP``); on CUDA the card's 16-bit
+    dtype, ``grpo.device.cuda_half_dtype(capability)``: fp16 below 8.0, where vLLM refuses bf16, and
+    bf16 from 8.0. Never fp32 on CUDA: vLLM's LoRA kernels (the nf4 engine) take fp16 and bf16 only."""
+    from grpo.device import cuda_half_dtype
+
+    if device != "cuda":
+        return "float32"
+    return str(cuda_half_dtype(capability)).removeprefix("torch.")
+
+
+def auto_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
+    """The dtype (its name) the cuda-marked tests that run the product's ``auto`` (``model.dtype``,
+    the saved-model sampler) get on ``device``: ``grpo.device.sampling_dtype("auto", ...)``, on CUDA
+    the card's 16-bit dtype as ``model_test_dtype``'s."""
+    from grpo.device import sampling_dtype
+
+    return sampling_dtype("auto", device, capability)
+
+
+def half_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
+    """The dtype (its name) of the 16-bit inputs of the kernel tests, on any ``device``: the card's
+    16-bit dtype (``grpo.device.cuda_half_dtype``), bf16 where there is no card (``capability`` None)."""
+    from grpo.device import cuda_half_dtype
+
+    return str(cuda_half_dtype(capability)).removeprefix("torch.")
+
+
+DTYPE_FIXTURES = {"model_dtype": model_test_dtype, "auto_dtype": auto_test_dtype, "half_dtype": half_test_dtype}
+"""Fixture of conftest.py -> the rule (device, capability) -> dtype name of what the tests that
+take it run in: every cuda-marked test that loads a model or starts an engine takes one
+(tests/test_cuda.py lists them per card)."""
+
+
+@dataclass(frozen=True)
+class LogpGap:
+    """What an engine test holds an engine to against the policy it samples: |engine log-prob -
+    policy log-prob| in nats per completion token, the policy teacher-forced on the engine's tokens."""
+
+    mean: float
+    """Largest mean over one call's completion tokens."""
+    max: float
+    """Largest gap of any one token."""
+    greedy_equal: bool
+    """Whether the engine's greedy decode must equal the policy's own, token for token."""
+
+
+FP32_GAP = LogpGap(mean=1e-4, max=1e-3, greedy_equal=True)
+"""Both sides in fp32 (issue 31's bounds): the pipeline's engine measured 1e-5 mean and 8e-5 at
+most per token (docs/lab-notebook.md), and greedy decodes agree."""
+HALF_GAP = LogpGap(mean=0.05, max=0.5, greedy_equal=False)
+"""Both sides in fp16 or bf16: rounding alone puts them about 0.02 nats per token apart (the dense
+engine in bf16 on SmolLM2-135M: 0.024 mean, docs/lab-notebook.md 2026-11-24), so the mean bound is
+twice that and half the train stage's guard (``train.max_logp_gap`` 0.1); single tokens stray
+further. Rounding also flips near-ties of the tiny random model's flat distributions, so greedy
+decodes may part (the same run: equal for 1 of 2 prompts): the gap on the engine's tokens is the check."""
+
+
+def logp_gap(dtype: str) -> LogpGap:
+    """The bounds of an engine test run in ``dtype`` (a name, as ``model_test_dtype`` gives)."""
+    return FP32_GAP if dtype == "float32" else HALF_GAP
+
+
+def engine_gap_to_policy(rollout, model, tok) -> tuple[float, float]:
+    """``(mean, max)`` over ``rollout``'s completion tokens of |its log-prob - the policy's|: the
+    policy ``model`` teacher-forced on the same tokens (as ``TransformersBackend`` scores its own),
+    so ``rollout`` (an engine's, with log-probs) need not be the policy's own decode."""
+    from grpo.rollout import TransformersBackend
+
+    device = next(model.parameters()).device
+    tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    own = TransformersBackend(model, tok)._teacher_forced_logprobs(*(t.to(device) for t in tensors), 1)  # (N, C)
+    gap = (rollout.logprobs - own.cpu()).abs()[rollout.completion_mask.bool()]  # (valid tokens,)
+    return float(gap.mean()), float(gap.max())
+
+
 ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 """The adapter of the engine tests (tests/test_engine_policy.py, test_engine_nf4.py)."""
 ENGINE_PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
@@ -113,11 +195,11 @@ def randomise_adapter(model, std: float, seed: int) -> None:
             p.data = torch.randn(p.shape, generator=gen) * std
 
 
-def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch, **cfg) -> list[dict]:
+def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch, gap: LogpGap, **cfg) -> list[dict]:
     """Three GRPO steps on ``backend``'s rollouts (a length reward, a small random adapter first,
     ``cfg`` over the defaults here), checking what every engine form must show: one row per step,
-    LoRA weights that moved, and in each row an engine/trainer log-prob gap below 1e-3 and
-    importance weights of 1 (fp32 on both sides). Returns the rows (engine tests)."""
+    LoRA weights that moved, and in each row an engine/trainer log-prob gap below ``gap.max`` and
+    importance weights of 1 within it. Returns the rows (engine tests)."""
     import pytest
     import torch
 
@@ -137,8 +219,8 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
     for r in rows:
-        assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 1e-3
-        assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < gap.max
+        assert r["is_weight_mean"] == pytest.approx(1.0, abs=gap.max)
     return rows
 
 
@@ -152,9 +234,10 @@ def give_adapter_a_say(model, std: float) -> None:
             torch.nn.init.normal_(p, std=std)
 
 
-def tiny_engine_policy(model_dir):
-    """``(model_cfg, policy, tokenizer)`` of the engine tests: the tiny model in fp32 with
-    ``ENGINE_LORA``, on the default device, after ``torch.manual_seed(0)``."""
+def tiny_engine_policy(model_dir, dtype: str = "float32"):
+    """``(model_cfg, policy, tokenizer)`` of the engine tests: the tiny model in ``dtype`` (the
+    cuda-marked tests: the ``model_dtype`` fixture) with ``ENGINE_LORA``, on the default device,
+    after ``torch.manual_seed(0)``."""
     import torch
 
     from grpo.base_model import load_tokenizer
@@ -163,7 +246,7 @@ def tiny_engine_policy(model_dir):
     from grpo.policy import load_policy
 
     torch.manual_seed(0)
-    model_cfg = ModelConfig(path=str(model_dir), dtype="float32")
+    model_cfg = ModelConfig(path=str(model_dir), dtype=dtype)
     return model_cfg, load_policy(model_cfg, LoraConfig(**ENGINE_LORA), default_device()), load_tokenizer(model_dir)
 
 

@@ -112,3 +112,26 @@ def test_free_cuda_cache_only_on_cuda(monkeypatch):
     device.free_cuda_cache("cuda")
     device.free_cuda_cache(torch.device("cuda", 0))
     assert calls == ["empty_cache"] * 2
+
+
+def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads(tmp_path):
+    """A tiny random Qwen2 in fp16 (what ``auto`` gives on a pre-Ampere card): the training base
+    refuses with one line naming the param and the way out; bf16, fp32 and a Llama in fp16 load."""
+    import pytest
+    from transformers import LlamaConfig, Qwen2Config
+
+    from grpo.config import ModelConfig, ModelConfigError
+    from grpo.policy import load_training_base
+    from grpo.synthetic import char_tokenizer, random_model_dir
+
+    small = dict(vocab_size=len(char_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2)
+    qwen = random_model_dir(tmp_path / "qwen2", Qwen2Config(**small))
+    llama = random_model_dir(tmp_path / "llama", LlamaConfig(**small))
+    assert device.model_type(qwen) == "qwen2" and device.model_type("Qwen/Qwen2.5-1.5B-Instruct") is None
+    with pytest.raises(ModelConfigError, match=r"^model.dtype: fp16 .* refused .*QwenLM/Qwen3 issue 826.*float32") as err:
+        load_training_base(ModelConfig(path=str(qwen), dtype="float16", quantization="none"))
+    assert "\n" not in str(err.value)
+    assert load_training_base(ModelConfig(path=str(qwen), dtype="float32", quantization="none")) is not None
+    assert load_training_base(ModelConfig(path=str(llama), dtype="float16", quantization="none")) is not None
+    device.refuse_half_overflow(qwen, torch.bfloat16)  # bf16 (Ampere and newer): no refusal

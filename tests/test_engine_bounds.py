@@ -1,12 +1,23 @@
-"""grpo.engine.bounds: a step's generation calls, the train engine's bounds for them, and a CPU
-engine's KV cache against the bytes a real transformers KV cache of those sequences holds."""
+"""grpo.engine.bounds: a step's generation calls, the train engine's bounds for them, a saved
+model's sampler bounded to its stage's call, and a CPU engine's KV cache against the bytes a real
+transformers KV cache of those sequences holds."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.config import TrainConfig
-from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds, cpu_kv_bytes, generation_calls, step_limits, train_bounds
+from grpo.config import EvaluateConfig, SentConfig, TrainConfig, VLLMEngineConfig
+from grpo.engine.bounds import (
+    CPU_BLOCK_SIZE,
+    SAVED_MODEL_SEQS,
+    Bounds,
+    cpu_kv_bytes,
+    generation_calls,
+    saved_model_bounds,
+    saved_model_seqs,
+    step_limits,
+    train_bounds,
+)
 
 
 @pytest.mark.parametrize(("n", "g", "size", "expected"), [
@@ -66,3 +77,26 @@ def test_train_bounds_size_the_engine_to_the_step_and_only_on_a_cpu_its_kv_cache
     assert cpu.kv_cache_memory_bytes == cpu_kv_bytes(config, 32, 100, 2) and cuda.kv_cache_memory_bytes is None
     assert cuda.llm_kwargs() == {"max_num_seqs": 32, "max_num_batched_tokens": 2048}
     assert Bounds(256).llm_kwargs() == {"max_num_seqs": 256}
+
+
+@pytest.mark.parametrize(("prompts", "samples", "expected"), [
+    (64, 8, 256),    # the embedded default's SENT: 512 sequences, vLLM's 256 in flight as before
+    (64, 1, 64),     # the embedded default's evaluation: a call never has more than 64 in flight
+    (32, 8, 256),    # exactly vLLM's default
+    (3, 8, 24),
+    (1, 1, 1),
+    (1000, 1, 256),  # never above vLLM's default
+])
+def test_a_saved_model_sampler_is_bounded_to_its_call_and_never_above_vllms_default(prompts, samples, expected):
+    assert SAVED_MODEL_SEQS == 256
+    assert saved_model_seqs(prompts, samples) == expected
+
+
+def test_saved_model_bounds_read_the_stages_call_and_leave_the_tokens_to_vllm():
+    """SENT: ``batch_prompts x num_samples``; evaluation: ``batch_prompts x 1``; a bare engine
+    section (no call size): vLLM's default. ``max_num_batched_tokens`` is never set (vLLM's default)."""
+    assert saved_model_bounds(SentConfig()) == Bounds(256)  # 64 x 8
+    assert saved_model_bounds(SentConfig(batch_prompts=4, num_samples=8)) == Bounds(32)
+    assert saved_model_bounds(EvaluateConfig()) == Bounds(64)
+    assert saved_model_bounds(EvaluateConfig(batch_prompts=5)).llm_kwargs() == {"max_num_seqs": 5}
+    assert saved_model_bounds(VLLMEngineConfig()) == Bounds(SAVED_MODEL_SEQS)

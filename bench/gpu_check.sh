@@ -6,7 +6,20 @@
 # loop with each memory saving switched off in turn. Figures go to OUT_DIR/gpu_check.json (+ a table).
 #
 #   bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,engine,step] [--no-ablate]
+#   bash bench/gpu_check.sh --preset seed003 [OUT_DIR] [--wheels DIR] [--dry-run] [--model DIR]
 #   bash bench/gpu_check.sh --fetch-wheels DIR     # on a machine with the package registry
+#
+# --preset NAME (presets/NAME.yaml, or a preset file) runs that preset instead, in small, with its
+# real model (downloaded once to GPU_CHECK_MODELS where models/base does not hold it; offline, carry
+# it and pass --model DIR) and its real call sizes: one SENT engine start and call (batch_prompts x
+# num_samples), two training steps (prompts_per_step x group_size completions through the train
+# engine), one evaluation engine start and call, each phase in a fresh process, and writes one JSON,
+# OUT_DIR/gpu_check_NAME.json (OUT_DIR default: gpu_check_NAME; its keys: bench/gpu_check_preset.py's
+# SCHEMA): versions, driver, capability, mem_get_info and peak allocated per phase, the kernels,
+# attention backend and sampler vLLM chose, the log-prob gap, NaN flags and step times. It needs
+# vLLM. --dry-run runs the same on a CPU (or a GPU) with the embedded default's model
+# (models/base; --model DIR or GPU_CHECK_MODEL for another) and short completions: the same keys
+# with CPU values, a check of the script, not of a card.
 #
 # Made for a GPU machine without network whose Python has torch, transformers, peft, accelerate,
 # safetensors, tokenizers, numpy, triton, tqdm and pytest, but maybe not bitsandbytes, pydantic or
@@ -41,23 +54,37 @@ REQUIRED=(torch transformers peft accelerate safetensors tokenizers numpy triton
 
 say() { echo "gpu_check: $*"; }
 fail() { local code=$1; shift; echo "gpu_check: $*" >&2; exit "$code"; }
-usage() { fail 2 "usage: bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,engine,step] [--no-ablate] | --fetch-wheels DIR"; }
+usage() { fail 2 "usage: bash bench/gpu_check.sh OUT_DIR [--wheels DIR] [--steps N] [--phases tests,kernel,engine,step] [--no-ablate] | --preset NAME [OUT_DIR] [--wheels DIR] [--dry-run] [--model DIR] | --fetch-wheels DIR"; }
 
 # ------------------------------------------------------------------ arguments
-OUT="" WHEELS="" STEPS=1 PHASES="tests,kernel,engine,step" ABLATE=1 FETCH=""
+OUT="" WHEELS="" STEPS=1 PHASES="tests,kernel,engine,step" ABLATE=1 FETCH="" PRESET="" DRY=0 MODEL="" PHASE_ARGS=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --preset) [ $# -ge 2 ] || usage; PRESET=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    --model) [ $# -ge 2 ] || usage; MODEL=$2; shift 2 ;;
     --wheels) [ $# -ge 2 ] || usage; WHEELS=$2; shift 2 ;;
-    --steps) [ $# -ge 2 ] || usage; STEPS=$2; shift 2 ;;
-    --phases) [ $# -ge 2 ] || usage; PHASES=$2; shift 2 ;;
-    --no-ablate) ABLATE=0; shift ;;
+    --steps) [ $# -ge 2 ] || usage; STEPS=$2; PHASE_ARGS=1; shift 2 ;;
+    --phases) [ $# -ge 2 ] || usage; PHASES=$2; PHASE_ARGS=1; shift 2 ;;
+    --no-ablate) ABLATE=0; PHASE_ARGS=1; shift ;;
     --fetch-wheels) [ $# -ge 2 ] || usage; FETCH=$2; shift 2 ;;
-    -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUT" ] || usage; OUT=$1; shift ;;
   esac
 done
 case "$STEPS" in ''|*[!0-9]*|0) fail 2 "--steps: a positive integer, got '$STEPS'" ;; esac
+if [ -n "$PRESET" ]; then
+  [ "$PHASE_ARGS" -eq 0 ] || fail 2 "--preset runs its own phases (sent, train, evaluate): no --phases, --steps or --no-ablate"
+  if [ -f "$REPO/presets/$PRESET.yaml" ]; then PRESET_FILE=$REPO/presets/$PRESET.yaml
+  elif [ -f "$PRESET" ]; then PRESET_FILE=$(cd "$(dirname "$PRESET")" && pwd)/$(basename "$PRESET")
+  else fail 2 "--preset: no presets/$PRESET.yaml and no file $PRESET (presets: $(cd "$REPO/presets" && ls -- *.yaml | sed 's/\.yaml$//' | paste -sd, -))"
+  fi
+  OUT=${OUT:-gpu_check_$(basename "$PRESET_FILE" .yaml)}
+  if [ -n "$MODEL" ] && [ -d "$MODEL" ]; then MODEL=$(cd "$MODEL" && pwd); fi  # relative to the caller's directory
+elif [ "$DRY" -eq 1 ] || [ -n "$MODEL" ]; then
+  fail 2 "--dry-run and --model go with --preset NAME"
+fi
 for phase in ${PHASES//,/ }; do
   case "$phase" in tests|kernel|engine|step) ;; *) fail 2 "--phases: unknown phase '$phase' (tests, kernel, engine, step)" ;; esac
 done
@@ -85,7 +112,7 @@ fi
 command -v "$PY" >/dev/null 2>&1 || fail 3 "no Python interpreter '$PY'; set PYTHON to one that has torch"
 
 rc=0
-line=$("$PY" -W ignore - 2>/dev/null <<'PY'
+line=$(GPU_CHECK_DRY_RUN=$DRY GPU_CHECK_PRESET=$PRESET "$PY" -W ignore - 2>/dev/null <<'PY'
 import os
 import sys
 try:
@@ -100,8 +127,12 @@ except Exception:
 if not ok and os.environ.get("GPU_CHECK_CPU") == "1":
     print(f"none (GPU_CHECK_CPU=1: toy sizes on the CPU), torch {torch.__version__}")
     sys.exit(0)
+if not ok and os.environ.get("GPU_CHECK_DRY_RUN") == "1":
+    print(f"none (--dry-run: CPU values), torch {torch.__version__}")
+    sys.exit(0)
 if not ok:
-    print("no CUDA device (torch.cuda.is_available() is False); run this on a GPU machine")
+    dry = "; --dry-run checks the script on the CPU" if os.environ.get("GPU_CHECK_PRESET") else ""
+    print(f"no CUDA device (torch.cuda.is_available() is False); run this on a GPU machine{dry}")
     sys.exit(3)
 print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 PY
@@ -112,8 +143,10 @@ say "CUDA device: $line"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then WHEELS=$(cd "$WHEELS" && pwd); fi  # relative to the caller's directory
-: >"$OUT/phases.txt"
-: >"$OUT/not_checked.txt"
+if [ -z "$PRESET" ]; then
+  : >"$OUT/phases.txt"
+  : >"$OUT/not_checked.txt"
+fi
 cd "$REPO"
 
 # ------------------------------------------------------------------ carried wheels
@@ -158,6 +191,17 @@ if [ "${#still[@]}" -gt 0 ]; then
     fi
   done
   exit 4
+fi
+
+# ------------------------------------------------------------------ --preset: its own phases and JSON
+if [ -n "$PRESET" ]; then
+  preset_args=(--preset "$PRESET_FILE" --out "$OUT")
+  [ "$DRY" -eq 1 ] && preset_args+=(--dry-run)
+  [ -n "$MODEL" ] && preset_args+=(--model "$MODEL")
+  code=0
+  "$PY" bench/gpu_check_preset.py "${preset_args[@]}" 2>&1 | tee "$OUT/gpu_check_$(basename "$PRESET_FILE" .yaml).log" ||
+    code=${PIPESTATUS[0]}
+  exit "$code"
 fi
 
 # ------------------------------------------------------------------ versions and library imports

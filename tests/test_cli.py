@@ -132,14 +132,14 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
 @pytest.mark.parametrize(("gib", "fits"), [("24", True), ("1", False)])
 def test_check_for_a_card_prints_the_saved_model_engines_and_a_verdict_per_stage(gib, fits, capsys):
     """``--device cuda --gpu-memory GIB``: SENT's and the evaluations' engines bounded to one call
-    (seed 003: 64 prompts x 8 samples -> vLLM's 256; 64 x 1 greedy -> 64), then one verdict line a
+    (seed 003: 16 prompts x 8 samples -> 128; 64 x 1 greedy -> 64), then one verdict line a
     stage: sent, the evaluations, train."""
     code, out, err = run(capsys, "check", "--params", str(REPO / "presets/seed003.yaml"), "--device", "cuda",
                          "--prompt-tokens", "128", "--gpu-memory", gib)
     assert code == 0, err
     lines = out.splitlines()
     assert "memory: the saved-model engines on cuda, one generation call each, estimated" in lines
-    assert any(line.startswith("  sent: the base in bfloat16; max_num_seqs 256 (sent.batch_prompts 64 x num_samples 8")
+    assert any(line.startswith("  sent: the base in bfloat16; max_num_seqs 128 (sent.batch_prompts 16 x num_samples 8")
                for line in lines)
     assert any(line.startswith("  baseline_eval, final_eval: the policy exported dense in bfloat16; max_num_seqs 64 ")
                for line in lines)

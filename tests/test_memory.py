@@ -215,16 +215,21 @@ def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
 
 
 def test_the_saved_model_verdicts_of_seed003_name_the_knob():
-    """Seed 003 on a card that reports 7.6 GiB (dense 1.5B in bf16: 3.31 GiB): SENT's 256 sequences
-    of 640 tokens leave its 0.6 share no KV room; the evaluation's 64 do not fit 0.6 but do a larger
-    share; on 24 GiB both fit."""
-    params = _preset("seed003")
-    shapes = memory.resolve_shapes(params.model, REPO)
+    """Seed 003 on a card that reports 7.6 GiB (dense 1.5B in bf16: 3.31 GiB): the preset's SENT (16
+    prompts x 8) and evaluation engines fit at 0.85 of the card; at the earlier 0.6 share SENT's 256
+    sequences of 640 tokens have no KV room and the evaluation's 64 do not fit; on 24 GiB both fit."""
+    shipped = _preset("seed003")
+    shapes = memory.resolve_shapes(shipped.model, REPO)
+    earlier = shipped.model_copy(update={
+        "sent": shipped.sent.model_copy(update={"batch_prompts": 64, "gpu_memory_utilization": 0.6}),
+        "evaluate": shipped.evaluate.model_copy(update={"gpu_memory_utilization": 0.6})})
 
-    def verdict(section: str, gib: float) -> str:
+    def verdict(section: str, gib: float, params=earlier) -> str:
         plan = memory.saved_model_needs(params, shapes, "cuda", section, 128, int(gib * 2**30))
         return memory.saved_model_verdict(params, shapes, "cuda", plan, 128)
 
+    assert verdict("sent", 7.6, shipped).startswith("card 7.60 GiB: fits: ")
+    assert verdict("evaluate", 7.6, shipped).startswith("card 7.60 GiB: fits: ")
     sent = verdict("sent", 7.6)
     assert sent.startswith("card 7.60 GiB: does not fit: ") and "256 sequences x 640 tokens" in sent
     assert "(the engine does not start); turn sent.batch_prompts: at most " in sent

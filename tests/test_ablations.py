@@ -83,6 +83,20 @@ def test_paired_difference_and_interval_on_hand_made_numbers():
     assert ablations.detectable(0.02, 3) == pytest.approx(half)
 
 
+def test_the_table_has_a_test_and_a_validation_part_each_with_its_seeds():
+    grid = Grid("default", (0, 1, 2), {"default": {}, "g4": {"train.group_size": 4}})
+    runs = lambda vals: [Run(f"{v}-seed-{s}", "x", "success", {}, a) for v, per in vals.items()  # noqa: E731
+                         for s, a in per.items()]
+    test = {"default": {0: 0.70, 1: 0.80, 2: 0.75}, "g4": {0: 0.75, 1: 0.83, 2: 0.82}}
+    val = {"default": {0: 0.60, 1: 0.61, 2: 0.62}, "g4": {0: 0.50, 1: 0.52, 2: 0.51}}
+    text = ablations.markdown(grid, ablations.rows(grid, runs(test), runs(val)))
+    test_part, val_part = text.split("Validation accuracy")
+    assert "| g4 | `train.group_size=4` | 0.750 | 0.830 | 0.820 | 0.800 | +0.050 [" in test_part
+    assert "| better |" in test_part
+    assert "| g4 | `train.group_size=4` | 0.500 | 0.520 | 0.510 | 0.510 | -0.100 [" in val_part
+    assert "| worse |" in val_part and "| **default** |" in val_part
+
+
 STAGE = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('params.yaml'))['train']; "
          "os.makedirs('metrics', exist_ok=True); "
          "acc = 0.5 + (0.1 if t['order'] == 'shuffled' else 0) + 0.01 * t['seed'] * (2 if t['order'] == 'shuffled' else 1); "

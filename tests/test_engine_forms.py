@@ -26,3 +26,13 @@ def test_auto_never_picks_nf4_without_a_4bit_base():
 def test_what_each_process_runs():
     assert rollouts_per_process(True, 2, "dense") == "each of 2 processes: a vLLM engine of its own holding the policy (dense weights)"
     assert rollouts_per_process(False, 1, None) == "the process: the decode loop on the policy (transformers)"
+
+
+def test_a_form_outside_the_list_fails_naming_the_param():
+    import pytest
+
+    from grpo.engine.forms import check_form
+
+    assert check_form("nf4") == "nf4"
+    with pytest.raises(ValueError, match=r"engine_weights: must be one of dense, nf4 .*got 'auto'"):
+        check_form("auto")

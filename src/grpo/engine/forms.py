@@ -24,6 +24,14 @@ from __future__ import annotations
 FORMS = ("dense", "nf4")
 
 
+def check_form(form: str) -> str:
+    """``form`` if it is one of ``FORMS``, else ``ValueError`` naming the param (``auto`` is
+    resolved by ``choose_form`` before an engine is built)."""
+    if form not in FORMS:
+        raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
+    return form
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 

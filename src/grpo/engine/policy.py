@@ -33,7 +33,7 @@ from grpo.config import ModelConfig, ParamsError, VLLMEngineConfig
 from grpo.device import compute_dtype, default_device, free_cuda_cache
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
-from grpo.engine.forms import FORMS
+from grpo.engine.forms import check_form
 from grpo.engine.sampler import VLLMSampler
 from grpo.rollout import RolloutBackend, TransformersBackend, uses_engine
 
@@ -91,15 +91,13 @@ class PolicyEngine(RolloutBackend):
 
 def make_strategy(form: str, model, engine_dir: Path, dtype: torch.dtype):
     """The sync strategy of the weights ``form`` (``dense`` or ``nf4``)."""
-    if form == "dense":
+    if check_form(form) == "dense":
         from grpo.engine.dense import DenseSync
 
         return DenseSync(model, dtype)
-    if form == "nf4":
-        from grpo.engine.adapter import AdapterSync
+    from grpo.engine.adapter import AdapterSync
 
-        return AdapterSync(model, engine_dir)
-    raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
+    return AdapterSync(model, engine_dir)
 
 
 def write_engine_folder(form: str, policy, tokenizer, base: ModelConfig | None, engine_dir: Path,
@@ -155,8 +153,7 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
         return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
     if engine_dir is None:
         raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
-    if form not in FORMS:
-        raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
+    check_form(form)  # before the engine's folder is written
     device, engine_dir = default_device(), Path(engine_dir)
     processes = dist.world_size if dist is not None and dist.active else 1
     if processes > 1:

@@ -16,7 +16,7 @@ fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   # a GPU machine: stop here with one line (exit 2) if the driver, card, compiler, Python headers or
   # the FlashInfer sampler setting would fail a stage later (grpo.engine.preflight)
-  python -m grpo.cli doctor
+  python -m grpo.cli doctor --params params.yaml
 fi
 dvc repro
 echo "pipeline: done; see reports/report.html (offline), metrics/headline.json, and"

@@ -257,10 +257,36 @@ def cmd_ask(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- doctor
+def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
+    """What each stage needs free on a card of ``card`` bytes when it starts: a saved-model engine
+    (SENT, the evaluations) its ``gpu_memory_utilization x card``, below which vLLM refuses to
+    start; the train stage the estimated peak of one step (``grpo check``'s). Empty where the
+    model's shapes are unknown."""
+    from grpo import memory
+    from grpo.rollout import uses_engine
+
+    shapes = memory.resolve_shapes(p.model, root)
+    if isinstance(shapes, str):
+        return {}
+    needs = {", ".join(stages): int(getattr(p, section).gpu_memory_utilization * card)
+             for section, stages in memory.SAVED_MODEL_STAGES if uses_engine(getattr(p, section).backend)}
+    found = memory.longest_prompt_tokens(p, root)
+    prompt = found[0] if found else DEFAULT_PROMPT_TOKENS
+    plan = memory.engine_plan(p, shapes, "cuda", prompt, card) if uses_engine(p.train.rollout_backend) else None
+    needs["train"] = memory.estimate(p, shapes, "cuda", prompt, engine=plan).peak
+    return needs
+
+
 def cmd_doctor(args) -> int:
     from grpo.engine.preflight import run_preflight
 
-    estimate = int(args.estimate_gib * 2**30) if args.estimate_gib is not None else None
+    if args.estimate_gib is not None:
+        estimate = int(args.estimate_gib * 2**30)
+    elif args.params is not None:
+        res = resolve_params(args.params)
+        estimate = lambda total: max(stage_needs(res.params, res.root, total).values(), default=None)  # noqa: E731
+    else:
+        estimate = None
     report = run_preflight(estimate)
     print("\n".join(report.lines()))
     line = report.error_line()
@@ -312,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--estimate-gib", type=float, metavar="GIB",
                         help="the run's estimated peak GPU memory in GiB (grpo check --device cuda prints it): "
                         "compared with the card's free memory")
+    doctor.add_argument("--params", metavar="FILE", help="without --estimate-gib: compare free memory with the "
+                        "largest need of this params file's stages on this card (what scripts/pipeline.sh does)")
     doctor.set_defaults(func=cmd_doctor)
     return parser
 

@@ -39,7 +39,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -336,9 +336,11 @@ def check_flashinfer(value: str | None, nvcc: str | None, jit_cache: bool) -> Ch
 
 
 # ------------------------------------------------------------------------------------- the run
-def run_preflight(estimate_bytes: int | None = None, environ: Mapping[str, str] | None = None) -> Preflight:
-    """Every check of this machine for the CUDA path, in order; ``estimate_bytes``: the step's
-    estimated peak GPU memory to compare free memory with (None: none given). On a CPU build of
+def run_preflight(estimate_bytes: int | Callable[[int], int | None] | None = None,
+                  environ: Mapping[str, str] | None = None) -> Preflight:
+    """Every check of this machine for the CUDA path, in order; ``estimate_bytes``: the run's
+    estimated peak GPU memory to compare free memory with, or a function of the card's total
+    memory giving it (the engines' budgets are shares of the card), or None: none given. On a CPU build of
     torch, or with ``GRPO_DEVICE=cpu``, nothing is checked and the one line says so."""
     from grpo.device import DEVICE_ENV
 
@@ -365,7 +367,8 @@ def run_preflight(estimate_bytes: int | None = None, environ: Mapping[str, str] 
     add(check_compiler(probe_compiler(environ), environ))
     add(check_python_headers(probe_python_include()))
     if usable:
-        add(check_memory(*probe_free_memory(), estimate_bytes))
+        free, total = probe_free_memory()
+        add(check_memory(free, total, estimate_bytes(total) if callable(estimate_bytes) else estimate_bytes))
     else:
         add(Check(SKIP, "gpu memory", "no usable GPU to ask"))
     add(check_flashinfer(flashinfer_sampler_setting(environ), probe_nvcc(environ), probe_flashinfer_jit_cache()))

@@ -534,7 +534,8 @@ def evaluate_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dic
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
     texts, tokens, finite = [], 0, True
     t0 = time.perf_counter()
-    with saved_model_sampler("vllm", tokenizer, export["path"], cfg) as sampler:
+    with saved_model_sampler("vllm", tokenizer, export["path"], cfg, dtype=params.model.dtype,
+                             dtype_key="model.dtype") as sampler:
         rec.engine_up(sampler.engine(), t0)
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, progress=False,
                                            max_new_tokens=cfg.max_new_tokens, temperature=0.0):

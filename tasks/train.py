@@ -245,9 +245,10 @@ def train_summary(history: list[dict], backend: str, processes: int, selection: 
         best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
         summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
                        best_val_step=best["step"])
-    if "logp_mismatch_mean" in history[-1]:
-        summary["logp_mismatch_mean"] = sum(r["logp_mismatch_mean"] for r in history) / len(history)
-        summary["logp_mismatch_max"] = max(r["logp_mismatch_max"] for r in history)
+    gaps = [r for r in history if r.get("logp_mismatch_mean") is not None]  # None: a step not applied
+    if gaps:
+        summary["logp_mismatch_mean"] = sum(r["logp_mismatch_mean"] for r in gaps) / len(gaps)
+        summary["logp_mismatch_max"] = max(r["logp_mismatch_max"] for r in gaps)
     return summary
 
 

@@ -49,6 +49,7 @@ def test_repo_params_yaml_is_valid():
         ({"data": {"source": "jsonl"}}, "data.path"),
         ({"data": {"operators": ["+", "^"]}}, "data.operators"),
         ({"sent": {"gpu_memory_utilization": 1.5}}, "sent.gpu_memory_utilization"),
+        ({"train": {"engine_weights": "nf4"}, "model": {"quantization": "none"}}, "train.engine_weights"),
     ],
 )
 def test_bad_values_name_the_field(raw, field):

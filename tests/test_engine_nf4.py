@@ -155,7 +155,11 @@ def test_the_engine_folder_holds_the_method_and_the_norms_alone(nf4_model_dir, t
     from safetensors.torch import load_file
 
     _, model, tok = tiny_engine_policy(nf4_model_dir)
+    stale = [tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model.safetensors.index.json"]
+    for path in stale:  # a dense engine's export left in the folder: vLLM would read it instead
+        path.write_text("{}")
     names = nf4.write_engine_folder(model, tok, tmp_path, torch.float32)
+    assert not any(path.exists() for path in stale)
     assert names and all("norm" in n for n in names)  # 2 per layer x 2 layers + the final norm
     assert len(names) == 5 and sorted(load_file(tmp_path / "model.safetensors")) == names
     config = json.loads((tmp_path / "config.json").read_text())

@@ -177,7 +177,8 @@ def cmd_check(args) -> int:
             continue
         saved_plan, saved_prompt = saved[section]
         print(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
-    shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if plan is not None else None
+    nf4_base = plan is not None and p.model.quantization == "nf4"  # the nf4 form needs the 4-bit base
+    shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if nf4_base else None
     print(f"  train: {memory.verdict(p, est, card, plan, shared)}")
     return 0
 
@@ -258,10 +259,12 @@ def cmd_ask(args) -> int:
 
 # ------------------------------------------------------------------------------------- doctor
 def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
-    """What each stage needs free on a card of ``card`` bytes when it starts: a saved-model engine
-    (SENT, the evaluations) its ``gpu_memory_utilization x card``, below which vLLM refuses to
-    start; the train stage the estimated peak of one step (``grpo check``'s). Empty where the
-    model's shapes are unknown."""
+    """What each stage needs free on a card of ``card`` bytes, as this process measures free memory
+    (its own CUDA context already taken): a saved-model engine (SENT, the evaluations) its
+    ``gpu_memory_utilization x card``, below which vLLM refuses to start, plus the CUDA contexts
+    beside it beyond one (``grpo.memory.saved_model_contexts``, as ``grpo check``'s verdict); the
+    train stage the estimated peak of one step (``grpo check``'s). Empty where the model's shapes
+    are unknown."""
     from grpo import memory
     from grpo.rollout import uses_engine
 
@@ -269,6 +272,7 @@ def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
     if isinstance(shapes, str):
         return {}
     needs = {", ".join(stages): int(getattr(p, section).gpu_memory_utilization * card)
+             + (memory.saved_model_contexts(section) - 1) * memory.CUDA_CONTEXT
              for section, stages in memory.SAVED_MODEL_STAGES if uses_engine(getattr(p, section).backend)}
     found = memory.longest_prompt_tokens(p, root)
     prompt = found[0] if found else DEFAULT_PROMPT_TOKENS

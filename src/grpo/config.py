@@ -413,6 +413,13 @@ class Params(BaseModel):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
+    def check_across_sections(self) -> Params:
+        """The rules that tie two sections together; ``ParamsError`` naming the key."""
+        if self.train.engine_weights == "nf4" and self.model.quantization != "nf4":
+            raise ParamsError("train.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "
+                              f"{self.model.quantization}; set model.quantization: nf4, or engine_weights dense or auto")
+        return self
+
 
 SECTIONS: dict[str, type[Section]] = {
     name: field.default_factory for name, field in Params.model_fields.items()  # type: ignore[misc]
@@ -522,7 +529,7 @@ def params_from_dict(raw: dict | None) -> Params:
         if not isinstance(values, dict):
             raise ParamsError(f"{name}: must be a mapping, got {values!r}")
         sections[name] = SECTIONS[name](**values)
-    return Params(**sections)
+    return Params(**sections).check_across_sections()
 
 
 def overlay_params(base: dict, overrides: dict | None) -> dict:

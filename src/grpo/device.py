@@ -44,6 +44,9 @@ residual: the overflow is in the residual stream of every layer, which both tran
 add in the compute dtype, so a fix would patch two model implementations we do not own
 (docs/gpu-notes.md#fp16-on-pre-ampere-cards)."""
 
+TRAIN_FP32 = " with train.rollout_backend: transformers (vLLM's LoRA kernels take fp16 and bf16 only)"
+"""What fp32 training needs besides ``model.dtype: float32``: the decode loop for rollouts."""
+
 BF16_CAPABILITY = (8, 0)
 """The oldest compute capability vLLM runs bf16 on, checked at engine start
 (docs/gpu-notes.md#dtypes)."""
@@ -164,12 +167,12 @@ def model_type(model_dir: str | Path) -> str | None:
 def refuse_half_overflow(model_dir: str | Path, dtype: torch.dtype, key: str = "model.dtype") -> None:
     """Raise ``ModelConfigError`` (one line naming ``key``) when ``dtype`` is fp16 and the model in
     ``model_dir`` is of a family that overflows in fp16 (``HALF_OVERFLOW``): fp16 is what ``auto``
-    gives below compute capability 8.0 (T4, V100, RTX 20xx). The way out it names: float32 compute
-    (4-bit weights stay 4-bit) with the decode loop for rollouts, since vLLM's LoRA kernels take
-    fp16/bf16 only, or a card with bf16."""
+    gives below compute capability 8.0 (T4, V100, RTX 20xx). The way out it names: ``key`` set to
+    float32 (for ``model.dtype`` the 4-bit weights stay 4-bit, and rollouts need the decode loop:
+    ``TRAIN_FP32``), or a card with bf16."""
     kind = model_type(model_dir)
     if dtype == torch.float16 and kind in HALF_OVERFLOW:
         raise ModelConfigError(
             f"{key}: fp16 (this card has no bf16) refused for {model_dir} ({kind}): {HALF_OVERFLOW[kind]}; "
-            "set model.dtype: float32 with train.rollout_backend: transformers, or use a card of compute "
-            "capability 8.0 or newer (bf16)")
+            f"set {key}: float32{TRAIN_FP32 if key == 'model.dtype' else ''}, or use a card of compute capability "
+            "8.0 or newer (bf16)")

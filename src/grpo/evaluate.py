@@ -64,7 +64,8 @@ def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tu
     tokenizer = load_tokenizer(export["path"])
     prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
     completions = []
-    with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg) as sampler:  # closed after
+    with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg, dtype=params.model.dtype,
+                             dtype_key="model.dtype") as sampler:  # closed after
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
                                            max_new_tokens=cfg.max_new_tokens, temperature=0.0):
             completions += roll.texts

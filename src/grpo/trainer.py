@@ -138,7 +138,7 @@ class EngineGapGuard:
             raise StageStop(f"train: steps {step - self.count + 1}-{step}: the engine's log-probs {gap:.3g} nats/token "
                             f"from the policy's, above train.max_logp_gap {self.bound:g} {self.count} steps in a row: "
                             "the engine does not hold the policy (a sync or wake-up lost it); "
-                            "try train.engine_weights dense, or report it with bench/gpu_check.sh's file")
+                            "try the other train.engine_weights form, or report it with bench/gpu_check.sh's file")
 
 
 class GRPOTrainer:

@@ -58,7 +58,8 @@ class AdapterSync:
             sampler.lora_request = None
         self.syncs += 1
         request = LoRARequest(f"policy-{self.syncs}", self.syncs, str(self.adapter_dir))
-        engine.add_lora(request)
+        if not engine.add_lora(request) or request.lora_int_id not in engine.list_loras():
+            raise RuntimeError(f"nf4 engine: the adapter of sync {self.syncs} did not load ({self.adapter_dir})")
         sampler.lora_request = request
         return self.adapted_layers
 

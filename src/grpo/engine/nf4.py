@@ -192,11 +192,14 @@ def register() -> None:
 def write_engine_folder(policy, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> list[str]:
     """The folder an ``nf4`` engine starts from: the policy's config naming ``METHOD`` as its
     quantization, its generation config and tokenizer, and one safetensors file of the tensors the
-    engine does not share (the norms), in ``dtype``. Returns the tensors' names."""
+    engine does not share (the norms), in ``dtype``. Weights files already there (a dense
+    engine's export, which vLLM would read instead) are removed first. Returns the tensors' names."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob("*.safetensors"), *out_dir.glob("*.safetensors.index.json")]:
+        stale.unlink()
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     shared = trainer_modules(policy)
     owned = {id(p) for m in shared.values() for p in m.parameters()}

@@ -96,9 +96,10 @@ class VLLMSampler(RolloutBackend):
 
 
 def shows_progress(asked: bool, environ=os.environ) -> bool:
-    """vLLM's progress bar, unless asked not to or tqdm is disabled (``TQDM_DISABLE``): vLLM 0.32
-    divides by the bar's elapsed time, which a disabled tqdm leaves at 0 (a ZeroDivisionError)."""
-    return asked and environ.get("TQDM_DISABLE", "").strip().lower() in ("", "0", "false")
+    """vLLM's progress bar, unless asked not to or tqdm is disabled: vLLM 0.32 divides by the
+    bar's elapsed time, which a disabled tqdm leaves at 0 (a ZeroDivisionError). tqdm reads
+    ``TQDM_DISABLE`` as ``bool(value)``: any non-empty value, "0" included, disables it."""
+    return asked and not environ.get("TQDM_DISABLE")
 
 
 def to_rollout(outs, ids: list[list[int]], num_samples: int, tok) -> Rollout:
@@ -145,7 +146,8 @@ def _call_seed(seeds: list[int] | None):
 
 def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: VLLMEngineConfig | None = None, *,
                         seed: int = 0, dtype: str = "auto", enforce_eager: bool = True,
-                        max_prompt_tokens: int | None = None, min_new_tokens: int = 0) -> RolloutBackend:
+                        max_prompt_tokens: int | None = None, min_new_tokens: int = 0,
+                        dtype_key: str = "sent.dtype") -> RolloutBackend:
     """The sampler of a model saved in Hugging Face format (SENT, evaluation), with log-probs.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the decode
@@ -153,11 +155,12 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
     the calling stage's engine params ``section`` (its defaults when ``None``), bounded to the
     stage's generation call (``grpo.engine.bounds.saved_model_bounds``); transformers: the
     model loaded in ``dtype`` on the default device (after ``torch.manual_seed(seed)``), sampled by
-    the decode loop. ``max_prompt_tokens`` and ``min_new_tokens`` apply to both."""
+    the decode loop. ``max_prompt_tokens`` and ``min_new_tokens`` apply to both. ``dtype_key``: the
+    param that set ``dtype``, named by the fp16 refusal (``grpo.device.refuse_half_overflow``)."""
     if choice not in ("vllm", "transformers", "auto"):
         raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
-    refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key="dtype")
+    refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key=dtype_key)
     if uses_engine(choice):
         device = default_device()
         start_environment(device, in_process=False)

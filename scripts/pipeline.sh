@@ -20,4 +20,4 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 dvc repro
 echo "pipeline: done; see reports/report.html (offline), metrics/headline.json, and"
-echo "  dvc exp show --only-changed --drop '.*/' --keep '.*accuracy'"
+echo "  python -m grpo.experiments table   (experiments: accuracies and what each changed)"

@@ -157,3 +157,36 @@ def test_seed_sweep_through_the_dvc_queue_and_its_comparison(tmp_path, monkeypat
     assert "`train.l*`" in table
     pooled = group_runs(runs, ["train.seed", "train.l*"])
     assert len(pooled) == 1 and pooled[0].summary.n == 6
+
+
+def _show_entry(name, params, after, state="success"):
+    data = {"params": {"params.yaml": {"data": params}},
+            "metrics": {"metrics/headline.json": {"data": {"test_accuracy_before": 0.3, "test_accuracy_after": after,
+                                                           "val_accuracy": after and after - 0.01}}}}
+    return {"name": name, "executor": {"state": state}, "revs": [{"rev": name * 3, "data": data}]}
+
+
+def test_the_narrow_table_lists_the_commit_and_finished_experiments_with_what_each_changed():
+    """``python -m grpo.experiments table`` on a hand-made ``dvc exp show --json``: the workspace
+    and unfinished experiments are left out; the changed column names only the params that differ
+    from the commit's, by their last key where it is unique."""
+    from grpo.experiments import narrow_table, table_rows
+
+    base = {"train": {"order": "curriculum", "seed": 0, "beta": 0.0}, "sent": {"seed": 0}}
+    show = [{"rev": "workspace", "data": {}, "experiments": []},
+            {"rev": "abc1234", "name": "main", "data": _show_entry("main", base, 0.7)["revs"][0]["data"],
+             "experiments": [
+                 _show_entry("shuffled-seed-1", {"train": {**base["train"], "order": "shuffled", "seed": 1},
+                                                 "sent": {"seed": 0}}, 0.52),
+                 _show_entry("kl-seed-0", {"train": {**base["train"], "beta": 0.04}, "sent": {"seed": 0}}, 0.75),
+                 _show_entry("g4-seed-0", base, None, state="queued")]}]
+    lines = narrow_table(table_rows(show)).splitlines()
+    assert lines[0].split() == ["experiment", "test", "before", "test", "after", "val", "changed"]
+    assert [line.split()[0] for line in lines[1:]] == ["main", "shuffled-seed-1", "kl-seed-0"]
+    assert lines[2].endswith("0.5200  0.5100  order=shuffled seed=1")
+    assert lines[3].endswith("beta=0.04") and lines[1].rstrip().endswith("0.6900")
+    assert max(len(line) for line in lines) < 80
+    from grpo.experiments import short_keys
+
+    assert short_keys(["sent.seed", "train.seed", "train.beta"]) == {
+        "sent.seed": "sent.seed", "train.seed": "train.seed", "train.beta": "beta"}

@@ -6,6 +6,7 @@ seeds and summarises a metric per set of params across them.
 
     python -m grpo.experiments queue --name lr5e-4 --seeds 0 1 2 -S train.lr=5e-4 [--run --jobs 1]
     python -m grpo.experiments compare [--metric metrics/headline.json:test_accuracy_after] [--ignore 'train.wandb_*']
+    python -m grpo.experiments table   # the experiments of HEAD: accuracies and what each changed, narrow
 
 ``queue`` runs, per seed N, ``dvc exp run --queue -S train.seed=N [-S <extra> ...] -n <name>-seed-N``;
 with ``--run`` it then runs ``dvc exp run --run-all --jobs J``, which starts J queue workers (as
@@ -18,6 +19,12 @@ the params that tell the groups apart, n, the seeds, the mean, a 95% t-interval 
 (mean +- t(0.975, n - 1) s / sqrt(n), s the sample standard deviation; none for n = 1), min and
 max. The same table goes to ``--out`` as markdown. The workspace and commit rows of ``dvc exp
 show`` are not experiments and are left out.
+
+``table`` is ``dvc exp show`` made narrow: one row for the commit and one per finished
+experiment, with the test accuracy before and after training, the validation accuracy
+(``HEADLINE``) and the params the experiment changed from the commit's, as ``key=value`` in one
+column (section names left out where the key alone is unique). ``dvc exp show`` gives every
+changed param a column of its own, which outgrows 200 columns after a few ablations.
 
 DVC runs in subprocesses (the library never imports it), with this interpreter's directory first
 on ``PATH``: queue workers start ``dvc`` from ``PATH`` and the stages run ``python``.
@@ -46,6 +53,10 @@ SAME_METRIC = {"metrics/final.json:accuracy": "metrics/headline.json:test_accura
                "metrics/baseline.json:accuracy": "metrics/headline.json:test_accuracy_before",
                "metrics/train.json:best_val_accuracy": "metrics/headline.json:val_accuracy"}
 SAME_METRIC |= {new: old for old, new in SAME_METRIC.items()}
+HEADLINE = (("test before", "metrics/headline.json:test_accuracy_before"),
+            ("test after", "metrics/headline.json:test_accuracy_after"),
+            ("val", "metrics/headline.json:val_accuracy"))
+"""The columns of ``table``: header -> metric."""
 # Not under reports/: that directory is the report stage's output, and a file DVC did not write
 # there would mark the stage changed (and be deleted when it re-runs).
 OUT = "outputs/seeds.md"
@@ -277,6 +288,65 @@ def read_runs(root: Path, metric: str = METRIC, all_commits: bool = False) -> li
     return parse_runs(exp_show(root, all_commits), metric)
 
 
+@dataclass(frozen=True)
+class Row:
+    """One line of ``table``: an experiment (or the commit), its headline metrics, what it changed."""
+
+    name: str
+    metrics: tuple[float | None, ...]  # in HEADLINE's order
+    params: dict[str, object]
+
+
+def table_rows(show: list[dict]) -> list[Row]:
+    """The commit of ``dvc exp show --json`` (its first baseline after the workspace) and its
+    finished experiments, newest first as DVC lists them; queued, running and failed ones are left
+    out."""
+    out = []
+    for baseline in show or []:
+        if baseline.get("rev") == "workspace":
+            continue
+        data = baseline.get("data") or {}
+        out.append(Row(baseline.get("name") or baseline.get("rev", "")[:7],
+                       tuple(metric_value(data.get("metrics"), m) for _, m in HEADLINE), flat_params(data.get("params"))))
+        for exp in baseline.get("experiments") or []:
+            if (exp.get("executor") or {}).get("state") not in (None, "success"):
+                continue
+            for rev in (exp.get("revs") or [])[:1]:
+                data = rev.get("data") or {}
+                out.append(Row(exp.get("name") or rev.get("rev", "")[:7],
+                               tuple(metric_value(data.get("metrics"), m) for _, m in HEADLINE),
+                               flat_params(data.get("params"))))
+        break
+    return out
+
+
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """``train.order`` -> ``order`` where no other key ends the same; else the whole key."""
+    leaves = [k.rpartition(".")[2] for k in keys]
+    return {k: leaf if leaves.count(leaf) == 1 else k for k, leaf in zip(keys, leaves, strict=True)}
+
+
+def narrow_table(rows: list[Row], ignore: list[str] | None = None) -> str:
+    """``table``'s text: aligned columns; the last one lists each row's params that differ from the
+    first row's (the commit), ``--ignore`` patterns left out."""
+    if not rows:
+        return "no experiments\n"
+    base = rows[0].params
+    keys = sorted({k for r in rows for k, v in r.params.items() if base.get(k) != v and not _ignored(k, ignore or [])})
+    names = short_keys(keys)
+    head = ["experiment", *(h for h, _ in HEADLINE), "changed"]
+    body = [[r.name, *(_fmt(m) for m in r.metrics),
+             " ".join(f"{names[k]}={_value(r.params.get(k))}" for k in keys if r.params.get(k) != base.get(k))]
+            for r in rows]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head) - 1)]
+    return "".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                   + "  " + row[-1] + "\n" for row in [head, *body])
+
+
+def _value(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _queue(args: argparse.Namespace) -> int:
     root = Path(args.root)
     commands = queue_commands(args.name, args.seeds, args.set, args.seed_key)
@@ -334,8 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--prefix", default="", help="only experiments whose name starts with this")
     c.add_argument("--all-commits", action="store_true", help="experiments of every commit, not only HEAD's")
     c.add_argument("--out", default=OUT, help=f"markdown file, relative to --root (default: {OUT})")
+    t = sub.add_parser("table", help="the experiments of HEAD, narrow: accuracies and the params each changed")
+    t.add_argument("--root", default=".", help="the DVC workspace (default: .)")
+    t.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                   help="params left out of the changed column (fnmatch pattern, repeatable)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "table":
+            print(narrow_table(table_rows(exp_show(Path(args.root))), args.ignore), end="")
+            return 0
         return _queue(args) if args.command == "queue" else _compare(args)
     except (ValueError, RuntimeError) as err:
         print(f"experiments: error: {err}", file=sys.stderr)

@@ -179,18 +179,17 @@ def signal_panels(steps: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
 
 @_styled
 def plot_signals(steps: list[dict], out: Path, panels: list[tuple[str, str]] | None = None) -> None:
-    """One small panel per ``(key, title)`` of ``panels`` (default: ``signal_panels``), two a row
-    (an odd last one takes the whole row), so the figure stays as wide as the others."""
+    """One panel per ``(key, title)`` of ``panels`` (default: ``signal_panels``), one below the
+    other at the width of the other figures, so that on a phone each panel is as wide as the
+    screen (side by side, their labels came out too small to read there)."""
     panels = signal_panels(steps)[0] if panels is None else panels
-    rows = max(1, math.ceil(len(panels) / 2))
-    fig = plt.figure(figsize=(7, 2.6 * rows))
-    grid = fig.add_gridspec(rows, 2)
+    fig, axes = plt.subplots(max(1, len(panels)), 1, figsize=(6, 1.9 * max(1, len(panels))), sharex=True,
+                             squeeze=False)
     x = [r["step"] for r in steps]
-    for i, (key, title) in enumerate(panels):
-        ax = fig.add_subplot(grid[i // 2, :] if i == len(panels) - 1 and i % 2 == 0 else grid[i // 2, i % 2])
+    for ax, (key, title) in zip(axes[:, 0], panels, strict=False):
         ax.plot(x, [r.get(key, float("nan")) for r in steps])
         ax.set_title(title, fontsize="medium")
-        ax.set_xlabel("step")
+    axes[-1, 0].set_xlabel("step")
     _save(fig, out)
 
 

@@ -91,10 +91,10 @@ def test_the_table_has_a_test_and_a_validation_part_each_with_its_seeds():
     val = {"default": {0: 0.60, 1: 0.61, 2: 0.62}, "g4": {0: 0.50, 1: 0.52, 2: 0.51}}
     text = ablations.markdown(grid, ablations.rows(grid, runs(test), runs(val)))
     test_part, val_part = text.split("Validation accuracy")
-    assert "| g4 | `train.group_size=4` | 0.750 | 0.830 | 0.820 | 0.800 | +0.050 [" in test_part
-    assert "| better |" in test_part
-    assert "| g4 | `train.group_size=4` | 0.500 | 0.520 | 0.510 | 0.510 | -0.100 [" in val_part
-    assert "| worse |" in val_part and "| **default** |" in val_part
+    assert "| g4 (`group_size=4`) | 0.750 | 0.830 | 0.820 | 0.800 | +0.050 [" in test_part
+    assert "]: better |" in test_part
+    assert "| g4 (`group_size=4`) | 0.500 | 0.520 | 0.510 | 0.510 | -0.100 [" in val_part
+    assert "]: worse |" in val_part and "| **default** (params.yaml) |" in val_part
 
 
 STAGE = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('params.yaml'))['train']; "

@@ -217,19 +217,21 @@ def _interval(p: Paired) -> str:
 
 
 def _split_table(grid: Grid, table: list[Row], split: str) -> list[str]:
-    """One split's table: per variant its changes, the metric per seed, the mean, the paired
-    difference to the reference with its 95% interval, the verdict."""
+    """One split's table: per variant (with what it changes, keys without their section) the
+    metric per seed, the mean, and the paired difference to the reference with its 95% interval
+    and verdict in one cell: six columns, narrow enough for a docs page."""
     seeds, ref_name = grid.seeds, grid.reference
-    head = ["variant", "changes"] + [f"seed {s}" for s in seeds] + ["mean", f"- {ref_name} [95%]", "verdict"]
+    head = ["variant"] + [f"seed {s}" for s in seeds] + ["mean", f"minus {ref_name} [95%]"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         values, pair = (r.test, r.test_paired) if split == "test" else (r.validation, r.validation_paired)
-        changes = ", ".join(f"`{k}={_value(v)}`" for k, v in r.overrides.items()) or "(params.yaml)"
+        changes = ", ".join(f"`{k.rpartition('.')[2]}={_value(v)}`" for k, v in r.overrides.items())
         ref = r.variant == ref_name
+        name = f"**{r.variant}** (params.yaml)" if ref else f"{r.variant} ({changes})"
         lines.append("| " + " | ".join(
-            [f"**{r.variant}**" if ref else r.variant, changes] + [_f(values.get(s)) for s in seeds]
+            [name] + [_f(values.get(s)) for s in seeds]
             + [_f(statistics.fmean(values.values()) if values else None),
-               "reference" if ref else _interval(pair), "" if ref else pair.verdict]) + " |")
+               "reference" if ref else f"{_interval(pair)}: {pair.verdict}"]) + " |")
     return lines
 
 

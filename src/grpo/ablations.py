@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo.experiments import SEED_KEY, Run, dvc, read_runs, t975
+from grpo.experiments import SEED_KEY, Run, cli_value, dvc, read_runs, t975
 
 GRID = "experiments/ablations.yaml"
 OUT_DIR = "outputs/ablations"
@@ -106,13 +106,9 @@ def exp_name(variant: str, seed: int) -> str:
     return f"{variant}-seed-{seed}"
 
 
-def _value(value: object) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def queue_args(grid: Grid, variant: str, seed: int) -> list[str]:
     """The ``dvc`` arguments that queue ``variant`` with ``seed``."""
-    sets = [arg for key, value in grid.variants[variant].items() for arg in ("-S", f"{key}={_value(value)}")]
+    sets = [arg for key, value in grid.variants[variant].items() for arg in ("-S", f"{key}={cli_value(value)}")]
     return ["exp", "run", "--queue", "-S", f"{SEED_KEY}={seed}", *sets, "-n", exp_name(variant, seed)]
 
 
@@ -225,7 +221,7 @@ def _split_table(grid: Grid, table: list[Row], split: str) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         values, pair = (r.test, r.test_paired) if split == "test" else (r.validation, r.validation_paired)
-        changes = ", ".join(f"`{k.rpartition('.')[2]}={_value(v)}`" for k, v in r.overrides.items())
+        changes = ", ".join(f"`{k.rpartition('.')[2]}={cli_value(v)}`" for k, v in r.overrides.items())
         ref = r.variant == ref_name
         name = f"**{r.variant}** (params.yaml)" if ref else f"{r.variant} ({changes})"
         lines.append("| " + " | ".join(

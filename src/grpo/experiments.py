@@ -336,14 +336,15 @@ def narrow_table(rows: list[Row], ignore: list[str] | None = None) -> str:
     names = short_keys(keys)
     head = ["experiment", *(h for h, _ in HEADLINE), "changed"]
     body = [[r.name, *(_fmt(m) for m in r.metrics),
-             " ".join(f"{names[k]}={_value(r.params.get(k))}" for k in keys if r.params.get(k) != base.get(k))]
+             " ".join(f"{names[k]}={cli_value(r.params.get(k))}" for k in keys if r.params.get(k) != base.get(k))]
             for r in rows]
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head) - 1)]
     return "".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                    + "  " + row[-1] + "\n" for row in [head, *body])
 
 
-def _value(value: object) -> str:
+def cli_value(value: object) -> str:
+    """A params value as ``dvc exp run -S key=VALUE`` writes it: text as it is, else JSON."""
     return value if isinstance(value, str) else json.dumps(value)
 
 

@@ -85,7 +85,7 @@ SCRATCH = ("engine", "eval_weights")  # model copies a phase writes into the wor
 
 # ------------------------------------------------------------------------------------- the schema
 # Every key of the file, once. A leaf is "TYPE: what it holds"; TYPE is str, int, number, bool or
-# list[str], with "?" where null is allowed. A dict is an object with exactly these keys; a list
+# list[str] or object (any JSON object), with "?" where null is allowed. A dict is an object with exactly these keys; a list
 # holding one dict is a list of such objects.
 ENGINE = {
     "model_runner": "str?: vLLM's model runner class (module.Class): V1 or V2",
@@ -198,7 +198,7 @@ SCHEMA = {
     },
 }
 
-_TYPES = {"str": (str,), "int": (int,), "number": (int, float), "bool": (bool,)}
+_TYPES = {"str": (str,), "int": (int,), "number": (int, float), "bool": (bool,), "object": (dict,)}
 
 
 def _leaf_errors(value, spec: str, where: str) -> list[str]:

@@ -1,0 +1,450 @@
+"""The GPU check for a machine without network and without vLLM: everything but the engine, in one
+command of at most 9 minutes, at seed 003's real shapes.
+
+Two steps:
+
+    python bench/device_check.py pack [DIR]          # here, with the package registry (default DIR .device-wheels)
+    python3 bench/device_check.py run [OUT] --wheels DIR [--budget-s 540]   # there (OUT default: $OUT)
+    python bench/device_check.py run OUT --dry-run   # the same phases on this CPU, at toy sizes
+    python bench/device_check.py validate OUT/device_check.json
+
+``pack`` downloads the wheels the GPU image lacks (bitsandbytes, pydantic and its three helpers,
+for CPython 3.12 on manylinux x86-64, at the versions this environment runs), cuts bitsandbytes'
+wheel to its Python files and the CUDA 13.0 and CPU libraries (the image's torch is cu130), checks
+that the folder is under ``CARRY_LIMIT_MIB`` and prints the command to run there.
+
+``run`` runs the phases below, most valuable first, each a child process under its own time limit
+(``PHASES``: at most its own seconds, and never past ``--budget-s`` for the whole run). After each
+phase it rewrites ``OUT/device_check.json`` (keys: ``SCHEMA`` below, the one home of the format),
+so a run cut short still leaves what it measured; every phase's output goes to ``OUT/device_check.log``
+under a header line, and the tests' JUnit XML to ``OUT/pytest.xml`` (three files: a device call
+brings back at most eight).
+
+1. ``probe``: Python, torch, the driver, the card and its compute capability, the C compiler and
+   ``Python.h`` that Triton needs; installs the carried wheels into a ``--target`` folder; ``grpo
+   doctor --params presets/seed003.yaml`` on the real card.
+2. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
+   JUnit XML.
+3. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
+   CUDA's peak allocated / reserved and free memory against ``grpo check``'s estimate.
+4. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
+5. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
+   (``bench/nf4_rows.py``).
+6. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``).
+
+``--dry-run`` runs the same plumbing on a CPU: toy sizes, Triton under ``TRITON_INTERPRET=1``, no
+wheels; it checks the script and the JSON, not a card. Exit 0 when every phase passed, 1 when one
+failed or ran out of time (the JSON says which), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+import device_update  # noqa: E402  (each phase script holds its part of the schema)
+import nan_guard  # noqa: E402
+import nf4_rows  # noqa: E402
+from gpu_check_preset import blank, schema_errors  # noqa: E402  (the schema checker the preset check uses)
+
+SCHEMA_VERSION = "device_check/1"
+CARRY_LIMIT_MIB = 48
+"""The packed wheels' ceiling: a device call carries 64 MiB in all, the repository's tracked files
+(about 2 MiB) and its untracked ones included."""
+CARRIED = ("bitsandbytes", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+"""Distributions the GPU image lacks (its Python has torch, triton, transformers, peft, accelerate,
+numpy, pytest, pyyaml, safetensors, tokenizers): fetched at the versions installed here."""
+BNB_KEEP = ("libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so")
+"""bitsandbytes' native libraries kept in the cut wheel: the image's torch is built for CUDA 13.0."""
+NO_VLLM_TESTS = ("tests/test_kernels.py", "tests/test_cuda.py")
+"""The cuda-marked test files whose tests need no vLLM (the other cuda-marked files start engines)."""
+SEED003 = "presets/seed003.yaml"
+LOG = "device_check.log"
+
+PHASES = {  # name -> (seconds at most, what it checks)
+    "probe": (90, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
+    "tests": (150, "pytest -m cuda on the test files that need no vLLM"),
+    "update": (150, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
+    "nan_guard": (75, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
+    "nf4_rows": (60, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
+    "step": (180, "one GRPO step through the decode loop at seed 003's call sizes"),
+}
+PHASE = {
+    "status": "str: passed | failed | timed out | skipped",
+    "rc": "int?: the child's exit code (null: killed at its limit or not run)",
+    "seconds": "number?: wall seconds", "limit_s": "number?: its time limit",
+    "what": "str: what the phase checks",
+    "why": "str?: why it was skipped or failed, one line",
+}
+SCHEMA = {
+    "schema": f"str: this file's format ({SCHEMA_VERSION})",
+    "dry_run": "bool: --dry-run (CPU, toy sizes: checks the script, not a card)",
+    "commit": "str?: the repository's git commit (+dirty when the tree has changes); null without git",
+    "started": "str: UTC start time, ISO 8601",
+    "wall_s": "number: seconds so far",
+    "budget_s": "number: the run's time limit",
+    "ok": "bool: every phase run passed",
+    "finished": "bool: the run reached its end (false while it runs or when cut off)",
+    "carried": "list[str]: the wheels installed from --wheels",
+    "probe": {
+        "python": "str: the Python version", "executable": "str: its path", "torch": "str: torch's version",
+        "torch_cuda": "str?: the CUDA torch was built for", "device": "str: the card's name, or cpu",
+        "capability": "str?: its compute capability", "memory_gib": "number?: its memory",
+        "driver": "str?: the NVIDIA driver", "cc": "str?: the C compiler Triton would use, its first line",
+        "python_h": "str?: Python.h, where found", "triton": "str?: triton's version",
+        "transformers": "str?: its version", "peft": "str?: its version", "bitsandbytes": "str?: its version",
+        "pydantic": "str?: its version", "doctor": "list[str]: grpo doctor's lines", "doctor_rc": "int?: its exit code",
+    },
+    "tests": {"passed": "int?: tests passed", "failed": "int?: failed or errors", "skipped": "int?: skipped",
+              "failures": "list[str]: the failed tests' ids", "junit": "str?: the JUnit XML, in OUT"},
+    "update": device_update.SCHEMA,
+    "nan_guard": nan_guard.SCHEMA,
+    "nf4_rows": nf4_rows.SCHEMA,
+    "step": "object?: bench/grpo_step.py's JSON (config, ours: its steps and phases)",
+    "phases": {name: PHASE for name in PHASES},
+}
+
+
+# ------------------------------------------------------------------------------------- pack (here)
+def installed_version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def download(dists: tuple[str, ...], dest: Path) -> list[Path]:
+    """The wheels of ``dists`` at this environment's versions for CPython 3.12, manylinux x86-64."""
+    specs = [f"{d}=={installed_version(d)}" for d in dists]
+    platforms = [a for n in (17, 24, 27, 28, 34) for a in ("--platform", f"manylinux_2_{n}_x86_64")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(dest), *specs],
+                   check=True)
+    return sorted(dest.glob("*.whl"))
+
+
+def record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def cut_wheel(wheel: Path, keep_native: tuple[str, ...]) -> None:
+    """Rewrite ``wheel`` in place without the native libraries not named in ``keep_native`` (its
+    RECORD rewritten to match, so pip installs it as any wheel)."""
+    out = wheel.with_suffix(".cut")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        record_name = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
+        lines = []
+        for name in src.namelist():
+            if name == record_name or (name.endswith(".so") and Path(name).name not in keep_native):
+                continue
+            data = src.read(name)
+            dst.writestr(name, data)
+            lines.append(record_line(name, data))
+        dst.writestr(record_name, "\n".join(lines + [f"{record_name},,"]) + "\n")
+    out.replace(wheel)
+
+
+def folder_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def cmd_pack(args) -> int:
+    dest = Path(args.dir)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    wheels = download(CARRIED, dest)
+    for wheel in wheels:
+        if wheel.name.startswith("bitsandbytes-"):
+            cut_wheel(wheel, BNB_KEEP)
+    size = folder_mib(dest)
+    for wheel in wheels:
+        print(f"  {wheel.stat().st_size / 2**20:6.2f} MiB  {wheel.name}")
+    if size > CARRY_LIMIT_MIB:
+        print(f"device_check: {dest} holds {size:.1f} MiB, over the {CARRY_LIMIT_MIB} MiB a device call may carry "
+              "beside the repository", file=sys.stderr)
+        return 1
+    print(f"device_check: {dest}: {len(wheels)} wheels, {size:.1f} MiB (limit {CARRY_LIMIT_MIB} MiB)")
+    print(f"there: python3 bench/device_check.py run \"$OUT\" --wheels {args.dir}   (carry {args.dir})")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- run (there)
+def git_commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+        return head + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+class Run:
+    """One check: the report, the environment the children get, the time left."""
+
+    def __init__(self, out: Path, budget_s: float, dry_run: bool, site: Path):
+        self.out, self.budget_s, self.dry_run, self.site = out, budget_s, dry_run, site
+        self.t0 = time.monotonic()
+        self.report = blank(SCHEMA)
+        self.report.update(schema=SCHEMA_VERSION, dry_run=dry_run, commit=git_commit(), budget_s=budget_s,
+                           started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                           ok=True, finished=False)
+        for name, (_, what) in PHASES.items():
+            self.report["phases"][name].update(status="skipped", what=what, why="not reached")
+        path = os.pathsep.join([str(REPO / "src"), str(REPO), str(site)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
+        self.env = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "PYTHONUNBUFFERED": "1",
+                    "TQDM_DISABLE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+        if dry_run:
+            self.env.update(TRITON_INTERPRET="1", GRPO_DEVICE="cpu")
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def save(self) -> None:
+        self.report["wall_s"] = round(time.monotonic() - self.t0, 1)
+        tmp = self.out / "device_check.json.tmp"
+        tmp.write_text(json.dumps(self.report, indent=1) + "\n")
+        tmp.replace(self.out / "device_check.json")
+
+    def child(self, name: str, argv: list[str], limit: float) -> tuple[int | None, str]:
+        """Run ``argv`` in its own process group, its output appended to ``OUT/LOG`` under a header
+        line; killed (the whole group) at ``limit`` seconds. Returns (exit code or None when
+        killed, its output)."""
+        log = self.out / LOG
+        print(f"device_check: {name}: {' '.join(argv)} (at most {limit:.0f} s)", flush=True)
+        with open(log, "ab") as fh:
+            fh.write(f"\n===== {name}: {' '.join(argv)}\n".encode())
+            fh.flush()
+            start = fh.tell()
+            proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=max(limit, 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = None
+        with open(log, "rb") as fh:
+            fh.seek(start)
+            text = fh.read().decode(errors="replace")
+        sys.stdout.write("".join(f"  {line}\n" for line in text.splitlines()[-12:]))
+        return rc, text
+
+    def phase(self, name: str, body) -> None:
+        """Run phase ``name`` (``body(limit)`` returns (status, why)) and record it."""
+        limit = min(PHASES[name][0], self.left() - 5)
+        row = self.report["phases"][name]
+        if limit < 10:
+            row.update(status="skipped", why=f"the run's budget ({self.budget_s:.0f} s) is spent")
+            self.save()
+            return
+        t0 = time.monotonic()
+        try:
+            status, rc, why = body(limit)
+        except Exception as err:  # a broken phase is recorded, and the next one runs
+            status, rc, why = "failed", None, f"{type(err).__name__}: {err}"
+        row.update(status=status, rc=rc, why=why, seconds=round(time.monotonic() - t0, 1), limit_s=round(limit))
+        if status != "passed":
+            self.report["ok"] = False
+        print(f"device_check: {name}: {status}{f' ({why})' if why else ''} in {row['seconds']} s", flush=True)
+        self.save()
+
+    def script(self, name: str, argv: list[str], limit: float):
+        """A phase that is one bench script writing its JSON (``--json``), kept in the report under
+        ``name`` (one file back from the machine instead of one per phase)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / f"{name}.json"
+            rc, text = self.child(name, [sys.executable, *argv, "--json", str(result)], limit)
+            if result.exists():
+                self.report[name] = json.loads(result.read_text())
+        return outcome(rc, text)
+
+
+def outcome(rc: int | None, text: str) -> tuple[str, int | None, str | None]:
+    """(status, rc, why) of a child: why is its last non-empty line when it did not pass."""
+    if rc is None:
+        return "timed out", None, "killed at its time limit"
+    if rc == 0:
+        return "passed", 0, None
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "failed", rc, (lines[-1][:300] if lines else f"exit {rc}")
+
+
+# ---- the phases
+PROBE = r"""
+import importlib.metadata as md, json, platform, shutil, subprocess, sys, sysconfig
+from pathlib import Path
+import torch
+def ver(d):
+    try:
+        return md.version(d)
+    except md.PackageNotFoundError:
+        return None
+cuda = torch.cuda.is_available()
+cc = None
+for name in ("cc", "gcc", "clang"):
+    if shutil.which(name):
+        cc = subprocess.run([name, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+        break
+header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+driver = Path("/proc/driver/nvidia/version")
+print(json.dumps({
+    "python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
+    "torch_cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
+    "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2) if cuda else None,
+    "driver": driver.read_text().split("Kernel Module")[1].split()[0] if driver.exists() else None,
+    "cc": cc, "python_h": str(header) if header.exists() else None,
+    **{d: ver(d) for d in ("triton", "transformers", "peft", "bitsandbytes", "pydantic")}}))
+"""
+
+
+def install_wheels(run: Run, wheels: Path | None, limit: float) -> list[str]:
+    """Install the carried wheels into ``run.site`` (pip --target, no index, no dependencies)."""
+    found = sorted(wheels.glob("*.whl")) if wheels else []
+    if not found:
+        return []
+    rc, text = run.child("probe", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                                   "--no-compile", "--upgrade", "--target", str(run.site), *map(str, found)], limit)
+    if rc != 0:
+        raise RuntimeError(f"pip could not install the wheels of {wheels} (exit {rc})")
+    return [w.name for w in found]
+
+
+def phase_probe(run: Run, wheels: Path | None):
+    def body(limit):
+        run.report["carried"] = install_wheels(run, wheels, limit / 2)
+        rc, text = run.child("probe", [sys.executable, "-c", PROBE], limit / 4)
+        if rc != 0:
+            return outcome(rc, text)
+        probe = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+        rc_doc, doc = run.child("probe", [sys.executable, "-m", "grpo.cli", "doctor", "--params", SEED003], limit / 4)
+        lines = [line for line in doc.split("grpo.cli doctor", 1)[-1].splitlines()[1:] if line.strip()]
+        run.report["probe"] = {**probe, "doctor": lines, "doctor_rc": rc_doc}
+        if rc_doc is None:
+            return "timed out", None, "grpo doctor was killed at its time limit"
+        return "passed", 0, None  # doctor's verdict is recorded, not a failure of the probe
+    run.phase("probe", body)
+
+
+def junit_counts(path: Path) -> dict:
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failures = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
+                if c.find("failure") is not None or c.find("error") is not None]
+    failed = count["failures"] + count["errors"]
+    return {"passed": count["tests"] - failed - count["skipped"], "failed": failed, "skipped": count["skipped"],
+            "failures": failures}
+
+
+def phase_tests(run: Run):
+    def body(limit):
+        junit = run.out / "pytest.xml"
+        rc, text = run.child("tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                                       "-o", "addopts=-ra", "--junitxml", str(junit), *NO_VLLM_TESTS], limit)
+        if junit.exists():
+            run.report["tests"] = {**junit_counts(junit), "junit": junit.name}
+        return outcome(rc, text)
+    run.phase("tests", body)
+
+
+def problems_file() -> Path:
+    """Arithmetic prompts for the step phase (no reasoning-gym, no data set)."""
+    path = Path(tempfile.gettempdir()) / "device_check_problems.jsonl"
+    rows = [{"id": f"g{i}", "question": f"What is {i % 89 + 7} + {i % 13 + 3}?", "answer": str(i % 89 + 7 + i % 13 + 3),
+             "solution": ""} for i in range(64)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_all(run: Run, wheels: Path | None) -> None:
+    toy = ["--dry-run"] if run.dry_run else []
+    phase_probe(run, wheels)
+    phase_tests(run)
+    run.phase("update", lambda limit: run.script("update", ["bench/device_update.py", "--params", SEED003, *toy], limit))
+    run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"], limit))
+    run.phase("nf4_rows", lambda limit: run.script("nf4_rows", ["bench/nf4_rows.py", *toy], limit))
+    shape = (["--arch", "toy", "--prompts", "2", "--group", "2", "--prompt-tokens", "24", "--new-tokens", "4",
+              "--micro-batches", "2"] if run.dry_run else
+             ["--arch", "qwen2-1.5b", "--prompts", "2", "--group", "8", "--prompt-tokens", "128", "--new-tokens", "512",
+              "--micro-batches", "8"])
+    run.phase("step", lambda limit: run.script(
+        "step", ["bench/grpo_step.py", *shape, "--fixed-length", "--gradient-checkpointing", "--steps", "1",
+                 "--rollout", "transformers", "--data", str(problems_file())], limit))
+
+
+def cmd_run(args) -> int:
+    out = Path(args.out or os.environ.get("OUT") or "")
+    if not str(out) or str(out) == ".":
+        print("device_check: name the output folder (run OUT) or set $OUT", file=sys.stderr)
+        return 2
+    wheels = Path(args.wheels).resolve() if args.wheels else None
+    if wheels is not None and not wheels.is_dir():
+        print(f"device_check: --wheels {args.wheels}: no such folder (make it with: python bench/device_check.py "
+              "pack)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    site = Path(tempfile.mkdtemp(prefix="device-check-site-"))
+    run = Run(out.resolve(), args.budget_s, args.dry_run, site)
+    run.save()
+    try:
+        run_all(run, wheels)
+    finally:
+        run.report["finished"] = True
+        run.save()
+        shutil.rmtree(site, ignore_errors=True)
+    for name, row in run.report["phases"].items():
+        print(f"  {name:<10} {row['status']:<10} {row['seconds'] or 0:>6} s  {row['why'] or ''}")
+    print(f"device_check: {'ok' if run.report['ok'] else 'FAILED'}: {out / 'device_check.json'}")
+    return 0 if run.report["ok"] else 1
+
+
+def cmd_validate(args) -> int:
+    errors = schema_errors(json.loads(Path(args.file).read_text()), SCHEMA)
+    for e in errors:
+        print(f"{args.file}: {e}")
+    if not errors:
+        print(f"{args.file}: conforms to {SCHEMA_VERSION}")
+    return 1 if errors else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    pack = sub.add_parser("pack", help="download and cut the wheels to carry (here, with the package registry)")
+    pack.add_argument("dir", nargs="?", default=".device-wheels")
+    pack.set_defaults(func=cmd_pack)
+    run = sub.add_parser("run", help="run the phases (there)")
+    run.add_argument("out", nargs="?", help="output folder (default: $OUT)")
+    run.add_argument("--wheels", help="the folder that pack made")
+    run.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit (default 540)")
+    run.add_argument("--dry-run", action="store_true", help="on this CPU at toy sizes: checks the script")
+    run.set_defaults(func=cmd_run)
+    val = sub.add_parser("validate", help="check a device_check.json against SCHEMA")
+    val.add_argument("file")
+    val.set_defaults(func=cmd_validate)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -206,7 +206,7 @@ class Run:
                            started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            ok=True, finished=False)
         for name, (_, what) in PHASES.items():
-            self.report["phases"][name].update(status="skipped", what=what, why="not reached")
+            self.report["phases"][name].update(status="skipped", what=what, why="not reached or not asked for")
         path = os.pathsep.join([str(REPO / "src"), str(REPO), str(site)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
         self.env = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "PYTHONUNBUFFERED": "1",
                     "TQDM_DISABLE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -288,7 +288,7 @@ def outcome(rc: int | None, text: str) -> tuple[str, int | None, str | None]:
 
 # ---- the phases
 PROBE = r"""
-import importlib.metadata as md, json, platform, shutil, subprocess, sys, sysconfig
+import importlib.metadata as md, json, platform, re, shutil, subprocess, sys, sysconfig
 from pathlib import Path
 import torch
 def ver(d):
@@ -309,7 +309,7 @@ print(json.dumps({
     "torch_cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
     "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
     "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2) if cuda else None,
-    "driver": driver.read_text().split("Kernel Module")[1].split()[0] if driver.exists() else None,
+    "driver": (re.findall(r"\s(\d+\.\d+(?:\.\d+)?)\s", driver.read_text()) or [None])[0] if driver.exists() else None,
     "cc": cc, "python_h": str(header) if header.exists() else None,
     **{d: ver(d) for d in ("triton", "transformers", "peft", "bitsandbytes", "pydantic")}}))
 """
@@ -376,13 +376,21 @@ def problems_file() -> Path:
     return path
 
 
-def run_all(run: Run, wheels: Path | None) -> None:
+def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
+    """The phases of ``only`` in ``PHASES`` order (the probe always: it installs the wheels)."""
     toy = ["--dry-run"] if run.dry_run else []
     phase_probe(run, wheels)
-    phase_tests(run)
-    run.phase("update", lambda limit: run.script("update", ["bench/device_update.py", "--params", SEED003, *toy], limit))
-    run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"], limit))
-    run.phase("nf4_rows", lambda limit: run.script("nf4_rows", ["bench/nf4_rows.py", *toy], limit))
+    if "tests" in only:
+        phase_tests(run)
+    if "update" in only:
+        run.phase("update", lambda limit: run.script("update", ["bench/device_update.py", "--params", SEED003, *toy],
+                                                     limit))
+    if "nan_guard" in only:
+        run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"], limit))
+    if "nf4_rows" in only:
+        run.phase("nf4_rows", lambda limit: run.script("nf4_rows", ["bench/nf4_rows.py", *toy], limit))
+    if "step" not in only:
+        return
     shape = (["--arch", "toy", "--prompts", "2", "--group", "2", "--prompt-tokens", "24", "--new-tokens", "4",
               "--micro-batches", "2"] if run.dry_run else
              ["--arch", "qwen2-1.5b", "--prompts", "2", "--group", "8", "--prompt-tokens", "128", "--new-tokens", "512",
@@ -402,12 +410,17 @@ def cmd_run(args) -> int:
         print(f"device_check: --wheels {args.wheels}: no such folder (make it with: python bench/device_check.py "
               "pack)", file=sys.stderr)
         return 2
+    only = set(args.phases.split(",")) if args.phases else set(PHASES)
+    if only - set(PHASES):
+        print(f"device_check: --phases: unknown {', '.join(sorted(only - set(PHASES)))} (phases: {', '.join(PHASES)})",
+              file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     site = Path(tempfile.mkdtemp(prefix="device-check-site-"))
     run = Run(out.resolve(), args.budget_s, args.dry_run, site)
     run.save()
     try:
-        run_all(run, wheels)
+        run_all(run, wheels, only)
     finally:
         run.report["finished"] = True
         run.save()
@@ -438,6 +451,7 @@ def main(argv=None) -> int:
     run.add_argument("--wheels", help="the folder that pack made")
     run.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit (default 540)")
     run.add_argument("--dry-run", action="store_true", help="on this CPU at toy sizes: checks the script")
+    run.add_argument("--phases", help=f"comma-separated, of {','.join(PHASES)} (default: all; the probe always runs)")
     run.set_defaults(func=cmd_run)
     val = sub.add_parser("validate", help="check a device_check.json against SCHEMA")
     val.add_argument("file")

@@ -31,7 +31,8 @@ SCHEMA = {
     "completion_tokens": "int?: completion length", "micro_batches": "int?: train.micro_batches",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
-    "peak_reserved_gib": "number?: torch.cuda.max_memory_reserved over the second step",
+    "reserved_after_load_gib": "number?: CUDA reserved after the load, before torch.cuda.empty_cache()",
+    "peak_reserved_gib": "number?: torch.cuda.max_memory_reserved over the second step (the cache emptied after the load)",
     "free_gib": "number?: torch.cuda.mem_get_info's free after the second step",
     "total_gib": "number?: torch.cuda.mem_get_info's total",
     "estimate_gib": "number?: grpo check's training figure for these params (grpo.memory.estimate)",
@@ -97,8 +98,10 @@ def measure(args) -> dict:
         from grpo.base_model import load_tokenizer
 
         tok = load_tokenizer(tok_dir)
-        if cuda:
+        if cuda:  # what loading left cached (the bf16 weights before quantisation) is not the step's
             torch.cuda.synchronize()
+            out["reserved_after_load_gib"] = torch.cuda.memory_reserved() / GiB
+            torch.cuda.empty_cache()
             out["resident_gib"] = torch.cuda.memory_allocated() / GiB
         trainer, batch_of = make_trainer(model, tok, p, args.prompt_tokens, str(Path(tmp) / "run"), torch)
         for _step in (1, 2):  # the second step is measured (AdamW has moments then)
@@ -131,7 +134,7 @@ def main(argv=None) -> dict:
     out = measure(args)
     print(f"{args.params}: {out['model']} (random weights), {out['dtype']}, {out['rows']} rows x "
           f"({out['prompt_tokens']} + {out['completion_tokens']}) tokens, {out['micro_batches']} micro-batches")
-    for key in ("resident_gib", "peak_allocated_gib", "peak_reserved_gib", "free_gib", "total_gib", "estimate_gib",
+    for key in ("reserved_after_load_gib", "resident_gib", "peak_allocated_gib", "peak_reserved_gib", "free_gib", "total_gib", "estimate_gib",
                 "ratio", "step_s"):
         print(f"  {key:<20} {out[key]}")
     if args.json:

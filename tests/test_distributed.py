@@ -247,6 +247,44 @@ def _stage_in_training(tmp: Path, model_dir: Path, problems: list[dict], env: di
     return proc, params, ranks
 
 
+def _late_worker(rank: int, port: int, out: str) -> None:
+    """Rank 1 is 3 s late at start-up and again after ``start_steps(1.0)``; each rank writes what
+    its collectives did."""
+    from grpo.distributed import CollectiveTimeout
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    dist = init_from_env("cpu", timeout_s=1.0)
+    seen = []
+    try:
+        if rank == 1:
+            time.sleep(3)  # loading a model, say
+        seen.append(f"start-up: {dist.all_reduce(torch.ones(1)).item():g}")
+        dist.start_steps(1.0)
+        if rank == 1:
+            time.sleep(3)  # hangs mid-run
+        try:
+            seen.append(f"step: {dist.all_reduce(torch.ones(1)).item():g}")
+        except CollectiveTimeout as err:
+            seen.append(f"step: {err}")
+    finally:
+        Path(out, f"rank{rank}.txt").write_text("\n".join(seen))
+        os._exit(0)  # a rank whose peer timed out cannot leave the group cleanly
+
+
+@pytest.mark.slow
+def test_start_up_waits_for_a_late_rank_and_a_step_times_out_on_it(tmp_path):
+    """Two real gloo processes with ``dist_timeout_s`` 1 s: rank 1 is 3 s late before the first
+    step and its start-up collective still completes; 3 s late after ``start_steps``, rank 0's
+    collective times out with one line naming it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_late_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    rank0 = (tmp_path / "rank0.txt").read_text().splitlines()
+    assert rank0[0] == "start-up: 2"
+    assert rank0[1].startswith("step: rank 0: all_reduce timed out after ") and "other 1 process(es)" in rank0[1]
+
+
 @pytest.mark.slow
 def test_a_rank_that_dies_takes_the_stage_down_with_its_rank_named(tiny_model_dir, tiny_problems, tmp_path):
     """kill -9 of rank 1 mid-run: the launcher stops rank 0, the stage exits non-zero within
@@ -272,7 +310,10 @@ def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny
     """Rank 1 stops mid-run without dying (a ``sitecustomize`` of the stage's processes makes it
     sleep on SIGUSR1; the stage's code is unchanged): rank 0's next collective times out after
     ``train.dist_timeout_s`` (2 s), and the stage exits with ``TIMEOUT_EXIT_CODE`` within seconds,
-    its last line naming the hung rank and the timeout, no traceback, and no process left.
+    its last line naming the hung rank and the timeout, no traceback, and no process left. The 2 s
+    bound starts with the first step (``Dist.start_steps``): start-up waits under
+    ``STARTUP_TIMEOUT_S``, so a slow machine cannot time out before the hang (the test would then
+    fail at ``_stage_in_training``, which waits for the first logged step).
     (A rank frozen by SIGSTOP ignores the launcher's SIGTERM: it goes after torch's 30 s grace.)"""
     import psutil
 

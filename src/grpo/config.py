@@ -372,8 +372,10 @@ class TrainConfig(VLLMEngineConfig):
     (one GPU each). With engine rollouts each process holds its own engine: on a CPU that is
     ``num_processes`` shares of ``gpu_memory_utilization`` of the RAM (checked before launching)."""
     dist_timeout_s: PositiveFloat = 600.0
-    """With several processes: a collective that waits longer than this for another rank fails
-    and takes the stage down (a rank that hangs, or a rank of another machine that is gone)."""
+    """With several processes, from the first training step on: a collective that waits longer
+    than this for another rank fails and takes the stage down (a rank that hangs, or a rank of
+    another machine that is gone). Start-up (loading, an engine's start, resuming) is bounded by
+    ``grpo.distributed.STARTUP_TIMEOUT_S`` instead: ranks reach the first step at different times."""
     deepspeed_config: str = ""
     """A DeepSpeed JSON (e.g. ``configs/accelerate/ds_zero2_offload.json``: ZeRO-2, AdamW state
     offloaded to CPU memory): the LoRA update runs through a DeepSpeed engine (``grpo.zero``) instead

@@ -8,10 +8,14 @@ Contract:
 * ``init_from_env(device_type, timeout_s)`` reads the variables torch.distributed's launcher
   (``torchrun`` / ``python -m torch.distributed.run``, ``accelerate launch``) sets in each worker
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins the
-  process group: gloo on CPUs, NCCL on CUDA (one GPU per process: ``cuda:LOCAL_RANK``). Every
-  collective fails after ``timeout_s`` instead of waiting forever for a rank that is gone or hangs:
-  it raises ``CollectiveTimeout`` (one line naming this rank and the collective); a stage that
-  ends on it exits with ``TIMEOUT_EXIT_CODE`` so its launcher can tell a timeout from a crash.
+  process group: gloo on CPUs, NCCL on CUDA (one GPU per process: ``cuda:LOCAL_RANK``). Start-up
+  (loading the model, starting an engine, resuming: ranks finish these at different times, by
+  minutes on a large model) waits up to ``STARTUP_TIMEOUT_S``; ``Dist.start_steps(timeout_s)``, called
+  once before the first training step, lowers the bound to ``timeout_s`` (``train.dist_timeout_s``)
+  for every later collective. Then a collective fails after ``timeout_s`` instead of waiting forever
+  for a rank that is gone or hangs: it raises ``CollectiveTimeout`` (one line naming this rank and
+  the collective); a stage that ends on it exits with ``TIMEOUT_EXIT_CODE`` so its launcher can
+  tell a timeout from a crash.
   (Measured with gloo, rank 1 asleep: every collective below gives up after the timeout, +0.1 s.)
 * ``launched()`` says whether this process is such a worker (``WORLD_SIZE`` is set);
   ``writes_outputs()`` is the one rule for which process writes a stage's outputs (rank 0).
@@ -44,6 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 from torch._utils import _unflatten_dense_tensors
+from torch.distributed.distributed_c10d import _set_pg_timeout  # public since torch 2.2 in all but name
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +205,25 @@ class Dist:
         if self.active:
             tdist.barrier()
 
+    def start_steps(self, timeout_s: float) -> None:
+        """Once every rank is here (a barrier under the start-up bound), bound every later
+        collective by ``timeout_s``: from the first training step on, a rank that waits longer
+        than that waits for one that hangs or is gone, not for one that is still loading."""
+        if not self.active:
+            return
+        self.barrier()
+        _set_pg_timeout(timedelta(seconds=timeout_s))
+
+
+STARTUP_TIMEOUT_S = 1800.0
+"""How long a collective before the first training step waits for the other ranks (torch's own
+default for gloo): loading a base, starting an engine or resuming can keep one rank minutes behind
+another, and ``train.dist_timeout_s`` is meant for a rank that hangs mid-run."""
+
 
 def init_from_env(device_type: str, timeout_s: float) -> Dist:
-    """Join the process group of a launched run (``Dist()`` when not launched or alone).
+    """Join the process group of a launched run (``Dist()`` when not launched or alone), its
+    collectives bounded by ``STARTUP_TIMEOUT_S`` (at least ``timeout_s``) until ``Dist.start_steps``.
 
     ``device_type``: ``cpu`` (gloo) or ``cuda`` (NCCL; selects ``cuda:LOCAL_RANK`` first).
     """
@@ -214,8 +235,10 @@ def init_from_env(device_type: str, timeout_s: float) -> Dist:
     backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local)
-    tdist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    log.info("rank %d of %d (%s, collective timeout %.0f s)", rank, world, backend, timeout_s)
+    startup = max(timeout_s, STARTUP_TIMEOUT_S)
+    tdist.init_process_group(backend=backend, timeout=timedelta(seconds=startup))
+    log.info("rank %d of %d (%s, collective timeout %.0f s from the first step, %.0f s before)", rank, world, backend,
+             timeout_s, startup)
     return Dist(rank, world, local)
 
 

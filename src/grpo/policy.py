@@ -30,7 +30,8 @@ def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:
 def load_training_base(model_cfg: ModelConfig, device: str | torch.device = "cpu"):
     """The frozen base as training uses it: 4-bit NF4 (bitsandbytes) when ``model.quantization`` is
     ``nf4``, else dense, in ``model.dtype`` on ``device`` with ``grpo.device.attention_implementation``;
-    no adapter yet."""
+    no adapter yet. On CUDA the blocks the load leaves cached (the 16-bit weights before they were
+    quantised) go back to the driver, so that an engine started next finds them free."""
     from transformers import AutoModelForCausalLM
 
     dtype = compute_dtype(model_cfg.dtype, device)
@@ -43,6 +44,7 @@ def load_training_base(model_cfg: ModelConfig, device: str | torch.device = "cpu
     if model_cfg.quantization != "nf4":
         model.to(device)
     keep_standard_nf4_layout(model)
+    free_cuda_cache(device)
     return model
 
 

@@ -338,6 +338,7 @@ class GRPOTrainer:
         calls the callbacks."""
         main = self.dist.is_main
         self.resume()
+        self.dist.start_steps(self.cfg.dist_timeout_s)  # start-up is over: a long wait now means a hung rank
         from tqdm import tqdm
 
         with tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step",

@@ -5,6 +5,11 @@
 #   bash scripts/pipeline.sh presets/seed003.yaml   # put a preset's keys over params.yaml first (GPU + internet)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v git >/dev/null 2>&1; then
+  # DVC keeps experiments and the lock file's history in git; the workspace must be a repository
+  echo "pipeline: error: git is not installed; install it (Debian/Ubuntu: apt-get install git)" >&2
+  exit 1
+fi
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"   # dvc.yaml runs `python -m tasks.<stage>` with this venv
 if [ $# -ge 1 ]; then

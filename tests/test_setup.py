@@ -1,0 +1,146 @@
+"""The set-up scripts on a machine that has only a public index (issue 38).
+
+``scripts/install_torch.sh`` runs in a fresh virtual environment with this workplace's pip sources
+switched off (``PIP_CONFIG_FILE=/dev/null``, no ``PIP_FIND_LINKS``). Two local ``file://`` simple
+indexes (PEP 503 layout) stand in for the internet: an empty one for the public index, which lacks
+``+cpu`` builds, and one listing the machine's local ``torch-X+cpu`` wheel for PyTorch's CPU index
+(``TORCH_CPU_INDEX``). The fallback must install that build from the stand-in; without it, the script
+must stop with one line naming the index and the variable. The other tests check the one-line refusals
+of setup.sh (an interpreter without its venv module, or of an unsupported version) and of
+pipeline.sh (no git).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from .conftest import REPO
+
+PIN = next(d.split("==", 1)[1] for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+           if d.startswith("torch=="))
+CPU_BUILD = f"{PIN}+cpu"
+
+
+def _local_cpu_wheel() -> Path | None:
+    """The local ``torch-X+cpu`` wheel for this interpreter in a PIP_FIND_LINKS folder, if any."""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    for folder in os.environ.get("PIP_FIND_LINKS", "").split():
+        found = sorted(Path(folder).glob(f"torch-{CPU_BUILD}-{tag}-{tag}-*.whl"))
+        if found:
+            return found[0]
+    return None
+
+
+def _simple_index(root: Path, wheel: Path | None) -> str:
+    """A PEP 503 simple index at ``root``: ``torch/index.html`` links ``wheel`` (none: no torch)."""
+    (root / "torch").mkdir(parents=True)
+    link = "" if wheel is None else f'<a href="file://{quote(str(wheel))}">{wheel.name}</a>'
+    (root / "torch" / "index.html").write_text(f"<!DOCTYPE html><html><body>{link}</body></html>\n")
+    return root.as_uri()
+
+
+def _public_only_env(public_index: str, cpu_index: str) -> dict[str, str]:
+    """This process's environment without the workplace's pip sources: ``public_index`` as the only
+    index, ``cpu_index`` as TORCH_CPU_INDEX."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE="/dev/null", PIP_INDEX_URL=public_index, PIP_DISABLE_PIP_VERSION_CHECK="1",
+               TORCH_CPU_INDEX=cpu_index)
+    return env
+
+
+def _installed_torch(python: Path) -> str:
+    code = "import importlib.metadata as m\ntry: print(m.version('torch'))\nexcept m.PackageNotFoundError: print('')"
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the CPU build is chosen on machines without a GPU")
+def test_torch_step_takes_the_cpu_build_from_the_cpu_index_else_stops_in_one_line(tmp_path):
+    wheel = _local_cpu_wheel()
+    if wheel is None:
+        pytest.skip(f"no local torch-{CPU_BUILD} wheel for this Python in PIP_FIND_LINKS")
+    public = _simple_index(tmp_path / "public", None)
+    python = tmp_path / "venv" / "bin" / "python"
+    venv.create(tmp_path / "venv", with_pip=True)
+
+    # no source offers the CPU build: one line, no resolver output, nothing installed
+    missing = _simple_index(tmp_path / "no-cpu-builds", None)
+    proc = subprocess.run(["bash", "scripts/install_torch.sh", str(python)], cwd=REPO, capture_output=True, text=True,
+                          env=_public_only_env(public, missing), timeout=300)
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 1, out
+    assert len(out.splitlines()) == 1, out
+    assert f"TORCH_CPU_INDEX={missing}" in out and f"torch=={CPU_BUILD}" in out, out
+    assert "Traceback" not in out and "ResolutionImpossible" not in out
+    assert _installed_torch(python) == ""
+
+    # the stand-in for PyTorch's CPU index offers it: installed from there
+    cpu = _simple_index(tmp_path / "cpu", wheel)
+    proc = subprocess.run(["bash", "scripts/install_torch.sh", str(python)], cwd=REPO, capture_output=True, text=True,
+                          env=_public_only_env(public, cpu), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == f"torch: {CPU_BUILD} from {cpu}"
+    assert _installed_torch(python) == CPU_BUILD
+
+    # a second run does nothing
+    proc = subprocess.run(["bash", "scripts/install_torch.sh", str(python)], cwd=REPO, capture_output=True, text=True,
+                          env=_public_only_env(public, missing), timeout=300)
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"torch: {CPU_BUILD} already installed")
+
+
+def _fake_python(path: Path, version_ok: bool, has_ensurepip: bool) -> Path:
+    """An executable that answers setup.sh's two probes: the version check and ``import ensurepip``."""
+    path.write_text("#!/bin/sh\n"
+                    'case "$*" in\n'
+                    f"  *ensurepip*) exit {0 if has_ensurepip else 1} ;;\n"
+                    f"  *version_info*) exit {0 if version_ok else 1} ;;\n"
+                    "esac\n"
+                    "exit 3\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _copy_of_setup(root: Path) -> Path:
+    """setup.sh in an empty project folder (no .venv), so that it reaches its checks."""
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "setup.sh", root / "scripts" / "setup.sh")
+    return root / "scripts" / "setup.sh"
+
+
+@pytest.mark.parametrize("version_ok, expected", [
+    (True, "setup: error: {py} has no venv module; install it (Debian/Ubuntu: apt-get install python3.12-venv)"),
+    (False, "setup: error: PYTHON={py} is not Python 3.11, 3.12 or 3.13; install one"),
+])
+def test_setup_names_the_missing_python_piece_in_one_line(tmp_path, version_ok, expected):
+    (tmp_path / "bin").mkdir()
+    py = _fake_python(tmp_path / "bin" / "python3.12", version_ok, has_ensurepip=False)
+    script = _copy_of_setup(tmp_path / "project")
+    env = {**os.environ, "PYTHON": str(py)}
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 1, out
+    assert len(out.splitlines()) == 1, out
+    assert out.startswith(expected.format(py=py)), out
+    assert not (tmp_path / "project" / ".venv").exists()
+
+
+def test_pipeline_without_git_names_git_in_one_line(tmp_path):
+    bin_dir = tmp_path / "bin"  # PATH holds only what the script needs before its check
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    proc = subprocess.run([str(bin_dir / "bash"), "scripts/pipeline.sh"], cwd=REPO, capture_output=True, text=True,
+                          env={"PATH": str(bin_dir), "HOME": str(tmp_path)}, timeout=60)
+    out = (proc.stdout + proc.stderr).strip()
+    assert (proc.returncode, out) == (1, "pipeline: error: git is not installed; install it "
+                                         "(Debian/Ubuntu: apt-get install git)")

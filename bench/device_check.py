@@ -14,7 +14,7 @@ wheel to its Python files and the CUDA 13.0 and CPU libraries (the image's torch
 that the folder is under ``CARRY_LIMIT_MIB`` and prints the command to run there.
 
 ``run`` runs the phases below, most valuable first, each a child process under its own time limit
-(``PHASES``: at most its own seconds, and never past ``--budget-s`` for the whole run). After each
+(``PHASES``, or ``--limit PHASE=SECONDS``, and never past ``--budget-s`` for the whole run). After each
 phase it rewrites ``OUT/device_check.json`` (keys: ``SCHEMA`` below, the one home of the format),
 so a run cut short still leaves what it measured; every phase's output goes to ``OUT/device_check.log``
 under a header line, and the tests' JUnit XML to ``OUT/pytest.xml`` (three files: a device call
@@ -198,8 +198,8 @@ def git_commit() -> str | None:
 class Run:
     """One check: the report, the environment the children get, the time left."""
 
-    def __init__(self, out: Path, budget_s: float, dry_run: bool, site: Path):
-        self.out, self.budget_s, self.dry_run, self.site = out, budget_s, dry_run, site
+    def __init__(self, out: Path, budget_s: float, dry_run: bool, site: Path, limits: dict[str, float]):
+        self.out, self.budget_s, self.dry_run, self.site, self.limits = out, budget_s, dry_run, site, limits
         self.t0 = time.monotonic()
         self.report = blank(SCHEMA)
         self.report.update(schema=SCHEMA_VERSION, dry_run=dry_run, commit=git_commit(), budget_s=budget_s,
@@ -248,9 +248,9 @@ class Run:
 
     def phase(self, name: str, body) -> None:
         """Run phase ``name`` (``body(limit)`` returns (status, why)) and record it."""
-        limit = min(PHASES[name][0], self.left() - 5)
+        limit = min(self.limits.get(name, PHASES[name][0]), self.left() - 5)
         row = self.report["phases"][name]
-        if limit < 10:
+        if self.left() - 5 < 10:
             row.update(status="skipped", why=f"the run's budget ({self.budget_s:.0f} s) is spent")
             self.save()
             return
@@ -400,6 +400,18 @@ def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
                  "--rollout", "transformers", "--data", str(problems_file())], limit))
 
 
+def parse_limits(items: list[str]) -> dict[str, float] | None:
+    """``--limit PHASE=SECONDS`` items as a dict; None when one is malformed."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            return None
+    return out
+
+
 def cmd_run(args) -> int:
     out = Path(args.out or os.environ.get("OUT") or "")
     if not str(out) or str(out) == ".":
@@ -411,13 +423,15 @@ def cmd_run(args) -> int:
               "pack)", file=sys.stderr)
         return 2
     only = set(args.phases.split(",")) if args.phases else set(PHASES)
-    if only - set(PHASES):
-        print(f"device_check: --phases: unknown {', '.join(sorted(only - set(PHASES)))} (phases: {', '.join(PHASES)})",
-              file=sys.stderr)
+    limits = parse_limits(args.limit)
+    unknown = (only | set(limits or {})) - set(PHASES)
+    if unknown or limits is None:
+        what = f"unknown {', '.join(sorted(unknown))}" if unknown else "give PHASE=SECONDS"
+        print(f"device_check: --phases/--limit: {what} (phases: {', '.join(PHASES)})", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     site = Path(tempfile.mkdtemp(prefix="device-check-site-"))
-    run = Run(out.resolve(), args.budget_s, args.dry_run, site)
+    run = Run(out.resolve(), args.budget_s, args.dry_run, site, limits)
     run.save()
     try:
         run_all(run, wheels, only)
@@ -452,6 +466,8 @@ def main(argv=None) -> int:
     run.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit (default 540)")
     run.add_argument("--dry-run", action="store_true", help="on this CPU at toy sizes: checks the script")
     run.add_argument("--phases", help=f"comma-separated, of {','.join(PHASES)} (default: all; the probe always runs)")
+    run.add_argument("--limit", action="append", default=[], metavar="PHASE=SECONDS",
+                     help="a phase's own time limit instead of PHASES' (repeatable)")
     run.set_defaults(func=cmd_run)
     val = sub.add_parser("validate", help="check a device_check.json against SCHEMA")
     val.add_argument("file")

@@ -128,7 +128,11 @@ def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads
                  num_attention_heads=4, num_key_value_heads=2)
     qwen = random_model_dir(tmp_path / "qwen2", Qwen2Config(**small))
     llama = random_model_dir(tmp_path / "llama", LlamaConfig(**small))
-    assert device.model_type(qwen) == "qwen2" and device.model_type("Qwen/Qwen2.5-1.5B-Instruct") is None
+    assert device.model_type(qwen) == "qwen2" and device.model_type("someone/unknown-model") is None
+    # a hub id or a folder not prepared yet: the architecture known for the name
+    assert device.model_type("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B") == "qwen2"
+    with pytest.raises(ModelConfigError, match=r"^model.dtype: fp16 .* refused for deepseek-ai/DeepSeek-R1-Distill"):
+        device.refuse_half_overflow("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", torch.float16)
     with pytest.raises(ModelConfigError, match=r"^model.dtype: fp16 .* refused .*QwenLM/Qwen3 issue 826.*float32") as err:
         load_training_base(ModelConfig(path=str(qwen), dtype="float16", quantization="none"))
     assert "\n" not in str(err.value)

@@ -235,10 +235,13 @@ class _RecordingSampler:
     """Stands in for ``VLLMSampler``: its engine is the recording ``vllm.LLM``."""
 
     def __init__(self, calls: list[str]):
-        self.llm = _RecordingLLM(calls)
+        self.llm, self.calls = _RecordingLLM(calls), calls
 
     def engine(self):
         return self.llm
+
+    def close(self):
+        self.calls.append("close")
 
 
 def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
@@ -247,6 +250,7 @@ def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
 
     strategy = object.__new__(DenseSync)
     strategy.weights = _NoWeights()
+    strategy.close = lambda: calls.append("strategy.close")
     return PolicyEngine(_RecordingSampler(calls), strategy, device)
 
 
@@ -272,3 +276,28 @@ def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
     backend.sleep()
     backend.sync(None)
     assert calls == ["apply_model", "reset_prefix_cache"] * 2
+
+
+def test_an_engine_asleep_on_cuda_is_woken_before_it_is_closed(monkeypatch):
+    """Closed asleep (the trainer sleeps the engine after every step's rollouts, and the stage
+    closes it after the last), the engine is woken first, so that vLLM's shutdown frees only
+    mapped memory; closed awake, or on the CPU, it is closed at once. A second close does nothing
+    more than the first."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    backend = _policy_backend("cuda", calls)
+    backend.sync(None)
+    backend.sleep()
+    calls.clear()
+    backend.close()
+    assert calls == ["empty_cache", "wake_up", "close", "strategy.close"]
+    calls.clear()
+    backend.close()
+    assert calls == ["close", "strategy.close"]
+    calls.clear()
+    backend = _policy_backend("cpu", calls)
+    backend.sync(None)
+    backend.sleep()
+    calls.clear()
+    backend.close()
+    assert calls == ["close", "strategy.close"]

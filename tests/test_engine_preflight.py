@@ -94,12 +94,13 @@ FAILURES = [
      "capability         Tesla T4 (compute capability 7.5, torch has sm_75): fp16 compute (bf16 needs 8.0)"),
     ("no C compiler", {"probe_compiler": lambda environ: None}, {}, BLOCKER,
      "compiler           no C compiler (Triton builds its kernel launchers with $CC, gcc or clang at the first "
-     "kernel launch): install gcc (apt-get install gcc) or set CC"),
+     "kernel launch, and vLLM compiles two sampler helpers with Inductor in the training process even with "
+     "enforce_eager): install gcc (apt-get install gcc) or set CC"),
     ("CC names nothing", {"probe_compiler": lambda environ: None}, {"CC": "/opt/none/cc"}, BLOCKER,
      "compiler           CC=/opt/none/cc is not an executable"),
     ("no Python.h", {"probe_python_include": lambda: REPO / "no-such-include"}, {}, BLOCKER,
-     f"python headers     no Python.h in {REPO / 'no-such-include'} (Triton compiles its launchers against it): "
-     "install the headers of Python"),
+     f"python headers     no Python.h in {REPO / 'no-such-include'} (Triton compiles its launchers against it, "
+     "and Inductor vLLM's sampler helpers): install the headers of Python"),
     ("too little free memory", {"probe_free_memory": lambda: (5 * GIB, 24 * GIB)}, {}, BLOCKER,
      "gpu memory         5.00 GiB free of 24.00 GiB < the estimate 18.00 GiB: stop what else holds the card "
      "(nvidia-smi lists it)"),

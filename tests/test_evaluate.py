@@ -23,8 +23,9 @@ def test_two_evaluations_in_one_process(tiny_vllm_model_dir, auto_dtype, tiny_pr
     memory on node 0 ... is less than ..." or finds no room for a KV cache. ``evaluate`` closes its
     engine, so both run, and the process's own memory (RSS: other processes do not move it) is each
     time back to well under half of the way to the reservation. On CUDA (``pytest -m cuda``) the
-    engine runs in worker processes and refuses to start while free GPU memory is below its
-    reservation: ``export_dense`` loads the 4-bit base on the GPU, so it must give PyTorch's cached
+    engine runs in worker processes unless an in-process engine (the policy's, in an earlier
+    test of the session) has frozen vLLM's environment cache, and refuses to start while free GPU
+    memory is below its reservation: ``export_dense`` loads the 4-bit base on the GPU, so it must give PyTorch's cached
     blocks back before the engine starts; PyTorch holds (almost) nothing after each evaluation. The
     model and the engine in ``auto`` (on CUDA the card's 16-bit dtype; the engine always takes it)."""
     pytest.importorskip("vllm")

@@ -162,11 +162,32 @@ def test_a_non_finite_step_applies_no_update_and_training_goes_on(tiny_model_dir
     (_, after1, m1), (_, after2, m2), (_, after3, _), _ = snapshots
     assert all(torch.equal(after1[n], after2[n]) for n in after1)  # step 2 changed no weight
     assert all(torch.equal(a, b) for a, b in zip(m1, m2))  # nor the optimizer state
+    assert rows[2]["lr"] == rows[1]["lr"] != rows[0]["lr"]  # the skipped step did not advance the LR schedule
     assert any(not torch.equal(after2[n], after3[n]) for n in after2)  # step 3 did
     assert all(torch.isfinite(p).all() for p in after3.values())
     assert any("step 2: a non-finite loss, log-prob or gradient norm; the update was not applied" in m
                for m in caplog.messages)
     json.dumps(rows, allow_nan=False)  # the step log stays valid JSON
+
+
+def test_with_mu_2_a_non_finite_second_update_undoes_the_first(tiny_model_dir, tiny_problems, tmp_path,
+                                                                 monkeypatch, caplog):
+    """mu = 2, and the step's second inner update is found non-finite (the detector made to say
+    so on its second call): the first inner update, already applied, is undone, so the step's
+    row says what holds: no update, LoRA weights and AdamW state as before the step."""
+    trainer, model = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(), steps=2, mu=2)
+    trainer.train_step()  # a normal step: AdamW has moments
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    moments = [s["exp_avg"].clone() for s in trainer.updater.optimizer.state.values()]
+    verdicts = iter([True, False])
+    real = trainer.finite_everywhere
+    monkeypatch.setattr(trainer, "finite_everywhere", lambda sums: real(sums) and next(verdicts))
+    with caplog.at_level("WARNING", logger="grpo.trainer"):
+        row = trainer.train_step()
+    assert row["update_skipped"] == 1
+    assert all(torch.equal(p, lora[n]) for n, p in model.named_parameters() if p.requires_grad)
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, trainer.updater.optimizer.state.values()))
+    assert any("step 2: inner update 2 of mu 2 was not applied: the 1 before it are undone" in m for m in caplog.messages)
 
 
 def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):

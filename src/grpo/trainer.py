@@ -40,6 +40,7 @@ truncates the step log and samples to it, so the resumed run repeats and skips n
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import math
@@ -61,7 +62,7 @@ from grpo.rewards import REWARDS
 from grpo.rollout import RolloutBackend, TransformersBackend
 from grpo.run_dir import RunDir
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
-from grpo.updater import make_updater
+from grpo.updater import AdamWUpdater, make_updater
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +227,15 @@ class GRPOTrainer:
         """``mu`` optimizer steps on ``batch`` (the update's rows; ``policy_entropy``: their (n, C)
         entropies of the no-grad pass, when phase 2 ran it; ``normalizer``: the whole step's loss
         normaliser; ``step_mask``: the (N, C) mask of all this rank's completions, for the counts),
-        then one step of the LR schedule; the optimizer's times go to ``timer``."""
+        then one step of the LR schedule; the optimizer's times go to ``timer``.
+
+        All or nothing: when an inner update is not applied (non-finite), the step's earlier inner
+        updates are undone too (LoRA weights and optimizer state as before the step; under
+        DeepSpeed, whose partitioned state is not copied here, they stand), and the LR schedule
+        does not advance, as for a step whose only update was skipped."""
         self.model.train()
         updates, applied = [], True
+        before = self.update_state() if self.cfg.mu > 1 and isinstance(self.updater, AdamWUpdater) else None
         for _ in range(self.cfg.mu):
             sums, _kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update
@@ -240,10 +247,26 @@ class GRPOTrainer:
             timer.add("time_allreduce_s", result.allreduce_s)
             if not result.applied:
                 break  # the rest of the step would repeat the same update
-        self.scheduler.step()
+        if applied:
+            self.scheduler.step()
+        elif before is not None and len(updates) > 1:
+            self.restore_update_state(before)
+            log.warning("step %d: inner update %d of mu %d was not applied: the %d before it are undone", self.step + 1,
+                        len(updates), self.cfg.mu, len(updates) - 1)
         counts = {"n_valid": float(batch.mask.sum()), "n_rows": float((batch.mask.sum(1) > 0).sum()),
                   "n_valid_step": float(step_mask.sum()), "n_rows_step": float(step_mask.shape[0])}
         return UpdateStats({**metrics.over_mu(updates), **counts}, result.grad_norm, applied=applied)
+
+    def update_state(self) -> tuple[list[torch.Tensor], dict]:
+        """A copy of what an update changes: the trainable weights and the optimizer's state."""
+        return [p.detach().clone() for p in self.params], copy.deepcopy(self.updater.state_dict())
+
+    def restore_update_state(self, state: tuple[list[torch.Tensor], dict]) -> None:
+        weights, optimizer = state
+        with torch.no_grad():
+            for p, w in zip(self.params, weights):
+                p.copy_(w)
+        self.updater.load_state_dict(optimizer)
 
     def finite_everywhere(self, sums: metrics.Sums) -> bool:
         """Whether every rank's update statistics (loss, log-prob gap, entropy, ...) are finite: one

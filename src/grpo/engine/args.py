@@ -41,7 +41,9 @@ def start_environment(device: str, in_process: bool) -> None:
     wheels do not ship: docs/gpu-notes.md#flashinfer-sampler); on a CPU compute on every core this
     process may run on (vLLM's CPU default binds one core and reserves the rest) and keep the engine
     in this process; with ``in_process`` (the policy's engine) keep it in this process on any
-    device. A variable the user set wins."""
+    device. A variable the user set wins. The variables stay set, and an engine core started in
+    this process freezes vLLM's environment cache (vllm/v1/engine/core.py, ``enable_envs_cache``):
+    after the first in-process engine, every later engine of the process runs in it too."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if device == "cpu":
         cpus = sorted(os.sched_getaffinity(0))

@@ -21,8 +21,13 @@ method of ours registered with vLLM (``register``; vLLM's out-of-tree API,
 
 vLLM's LoRA layers run over any method's ``apply`` and add ``s (x A^T) B^T`` as peft does, so the
 policy reaches the engine as a LoRA adapter, synced by ``grpo.engine.adapter.AdapterSync``.
-Exactness: the engine's linear layers are the trainer's, bit for bit; what differs is vLLM's
-attention and its LoRA kernels against peft's (tests/test_engine_nf4.py measures the gap).
+Exactness: the engine's linear layers hold the trainer's weights and call the same bitsandbytes
+op; what differs is vLLM's attention and its LoRA kernels against peft's (tests/test_engine_nf4.py
+measures the gap), and on CUDA the numerics of that op by row count: bitsandbytes picks its NF4
+kernel by the rows of the call (vllm-free bench/nf4_rows.py measures the rows of a decode step
+against the same rows of a long forward; bitsandbytes/backends/cuda/ops.py, docs/gpu-notes.md),
+so the engine's short decode steps and the trainer's long forwards round differently. The gap
+stays small and ``train.max_logp_gap`` bounds it.
 
 Sleep mode (CUDA): vLLM's sleep offloads and restores only what was allocated inside its memory
 pool during the engine's start; the shared tensors were allocated by the trainer before it, so

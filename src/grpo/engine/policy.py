@@ -83,7 +83,13 @@ class PolicyEngine(RolloutBackend):
             self.asleep = False
 
     def close(self) -> None:
-        """Shut the engine down (asleep or not) and release what the strategy holds; idempotent."""
+        """Shut the engine down (asleep or not) and release what the strategy holds; idempotent.
+        An engine asleep on CUDA is woken first: vLLM's shutdown frees every allocation of its
+        pool, and one that sleep already released is then unmapped twice, which leaves the C
+        allocator's error set for the next engine of the process (vllm/device_allocator/cumem.py,
+        docs/gpu-notes.md#sleep-and-wake-up)."""
+        if self.asleep:
+            self.wake_up()
         self.sampler.close()
         self.strategy.close()
         self.asleep = False

@@ -14,7 +14,10 @@ each check: docs/gpu-notes.md, vLLM source map: preflight.
   kernel. Below 8.0 compute is fp16 (``grpo.device.cuda_half_dtype``), which has never run: a warning.
 * ``compiler`` and ``python headers``: Triton compiles a small C launcher at the first launch of every
   kernel (the LoRA kernels, the sampler, sm75 attention, the project's own kernel) with ``$CC``, else
-  ``gcc``, else ``clang``, against ``Python.h`` of ``sysconfig.get_paths(scheme)["include"]``.
+  ``gcc``, else ``clang``, against ``Python.h`` of ``sysconfig.get_paths(scheme)["include"]``; vLLM
+  compiles two sampler helpers with Inductor (``torch.compile``) in the process that holds the
+  engine, the training process included, even with ``enforce_eager`` (docs/gpu-notes.md, vLLM
+  source map: preflight).
 * ``gpu memory``: free memory (``torch.cuda.mem_get_info``) against an estimate in bytes that the
   caller gives (``grpo check --device cuda`` prints the step's).
 * ``flashinfer sampler``: vLLM 0.32 turns FlashInfer's top-k/top-p sampler on by default on CUDA and
@@ -281,15 +284,16 @@ def check_compiler(cc: str | None, environ: Mapping[str, str]) -> Check:
             return Check(BLOCKER, "compiler", f"CC={environ['CC']} is not an executable: Triton builds its kernel "
                          "launchers with $CC; point CC at gcc or clang, or unset it")
         return Check(BLOCKER, "compiler", "no C compiler (Triton builds its kernel launchers with $CC, gcc or clang at "
-                     "the first kernel launch): install gcc (apt-get install gcc) or set CC")
-    return Check(OK, "compiler", f"{cc} (Triton's launcher builds)")
+                     "the first kernel launch, and vLLM compiles two sampler helpers with Inductor in the training "
+                     "process even with enforce_eager): install gcc (apt-get install gcc) or set CC")
+    return Check(OK, "compiler", f"{cc} (Triton's launchers; vLLM's Inductor-compiled sampler helpers)")
 
 
 def check_python_headers(include: Path) -> Check:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     if not (include / "Python.h").is_file():
         return Check(BLOCKER, "python headers", f"no Python.h in {include} (Triton compiles its launchers against "
-                     f"it): install the headers of Python {version} (apt-get install python{version}-dev)")
+                     f"it, and Inductor vLLM's sampler helpers): install the headers of Python {version} (apt-get install python{version}-dev)")
     return Check(OK, "python headers", f"{include / 'Python.h'} (Python {sys.version.split()[0]})")
 
 

@@ -81,8 +81,11 @@ class VLLMSampler(RolloutBackend):
         global torch generator, so the call is seeded instead with ``seeds[0]`` (in a forked RNG
         state: the caller's stream is untouched). A step's samples then follow from its seeds
         alone, as the decode loop's do: a run resumed from a checkpoint samples what the
-        uninterrupted run sampled. An engine in another process (CUDA's default) ignores them and
-        draws from its own stream, seeded once at start."""
+        uninterrupted run sampled. On CUDA the seeds are not used: vLLM's worker reseeds the
+        process's RNGs with the engine's seed at start (vllm/v1/worker/gpu_worker.py) and its
+        sampler draws from the default CUDA generator (vllm/v1/sample/ops/topk_topp_sampler.py),
+        so a run resumed from a checkpoint samples other completions than the uninterrupted run
+        (its steps still follow the same prompts and the same update rule; docs/gpu-notes.md#cuda-sampling-rng)."""
         from vllm import SamplingParams, TokensPrompt
 
         tok = self.tokenizer

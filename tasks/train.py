@@ -2,7 +2,10 @@
 
 Outputs: ``models/adapter/`` (PEFT format), ``metrics/train.json`` (summary),
 ``metrics/train/`` (dvclive per-step metrics for ``dvc plots``), ``outputs/train/`` (checkpoints
-and the per-step log; persistent, so a restarted stage resumes).
+and the per-step log; persistent, so a restarted stage resumes). The adapter and the summary are
+replaced only once a run has completed (``RunDir.ship``, ``grpo.jsonio.write_json``): a run that
+fails or is interrupted leaves the last completed run's in place; Ctrl-C ends the stage with one
+line saying so and naming the checkpoint a rerun resumes from (exit code 130).
 
 With ``train.num_processes`` N > 1 the stage launches N copies of itself on this machine through
 torch.distributed's launcher (``elastic_launch``, what ``torchrun --standalone`` runs), waits for
@@ -51,6 +54,7 @@ from grpo.jsonio import read_jsonl, write_json
 from grpo.memory import form_here
 from grpo.policy import load_policy
 from grpo.rollout import uses_engine
+from grpo.run_dir import RunDir
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage
 
@@ -166,8 +170,24 @@ def train(params: Params, argv: list[str] = ()) -> None:
     dist = init_from_env(device, cfg.dist_timeout_s)
     try:
         _train(params, dist, device)
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted_line(params)) from None
     finally:
         shutdown(dist)
+
+
+class Interrupted(Exception):
+    """The stage was interrupted (Ctrl-C); the message is one line saying what was kept."""
+
+
+def interrupted_line(params: Params) -> str:
+    """What an interrupted run left: the shipped adapter and summary untouched, and the newest
+    checkpoint the next run resumes from (when the params and data keep their fingerprint)."""
+    cfg = params.train
+    ckpt = RunDir(cfg.output_dir, cfg.keep_best).latest_checkpoint()
+    resume = f"rerun to resume from {ckpt}" if ckpt else f"no checkpoint yet in {cfg.output_dir}: a rerun starts at step 0"
+    return (f"interrupted; {cfg.adapter_dir} and {Path(cfg.metrics_dir) / 'train.json'} are unchanged (the last "
+            f"completed run's, if any); {resume}")
 
 
 def _train(params: Params, dist: Dist, device: str) -> None:
@@ -183,9 +203,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     if not Path(params.model.path, "config.json").exists():
         raise FileNotFoundError(f"model.path: {params.model.path} has no config.json; run prepare_model first")
     adapter_dir, summary_path = Path(cfg.adapter_dir), Path(cfg.metrics_dir) / "train.json"
-    if dist.is_main:
-        shutil.rmtree(adapter_dir, ignore_errors=True)  # never leave a stale adapter that looks complete
-        summary_path.unlink(missing_ok=True)
+    if dist.is_main:  # the shipped adapter and summary stay until new ones replace them (RunDir.ship)
         reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
     torch.manual_seed(cfg.seed)
     if dist.active and device == "cuda":
@@ -256,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         return run_stage("train", functools.partial(train, argv=argv), argv, writes=writes_outputs())
+    except Interrupted as err:
+        print(f"train: {err}", file=sys.stderr)
+        return 130  # the shell's code for a command ended by SIGINT
     except LaunchFailed as err:
         print(f"train: error: {err}", file=sys.stderr)
         return err.code

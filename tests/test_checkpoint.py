@@ -162,8 +162,13 @@ def test_fingerprint_resets_output_dir_when_params_or_data_change(tiny_model_dir
     assert run(checkpoint_every=5, metrics_dir=str(tmp_path / "elsewhere"))  # placement and logging only
     assert not run(lr=1e-3)  # another run
     assert not run()  # and back
+    before = checkpoint.fingerprint(params_from_dict(raw))
     write_jsonl(tmp_path / "train.jsonl", tiny_problems[:-1])
     assert not run()  # other data
+    moved = sorted((tmp_path / "out.previous").iterdir())  # three runs moved aside (none deleted), the newest kept
+    assert len(moved) == checkpoint.PREVIOUS_RUNS_KEPT and all((p / "kept").exists() for p in moved)
+    assert moved[-1].name.endswith("_" + before)
+    assert run(lr=2e-3) is False and sorted((tmp_path / "out.previous").iterdir())[:-1] == moved[1:]  # the oldest went
 
 
 # ---------------------------------------------------------------------------- save / read

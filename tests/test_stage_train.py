@@ -104,3 +104,57 @@ def test_the_summary_leaves_out_the_gap_of_steps_not_applied():
                {**row, "step": 3, "logp_mismatch_mean": 0.04, "logp_mismatch_max": 0.5}]
     summary = train_summary(history, "vllm", 1, {"step": 3})
     assert summary["logp_mismatch_mean"] == pytest.approx(0.03) and summary["logp_mismatch_max"] == 0.5
+
+
+def _files(folder) -> dict:
+    """``{relative path: bytes}`` of every file under ``folder``."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_shipped_adapter_and_summary(tiny_model_dir, tiny_problems, tmp_path):
+    """A completed run ships an adapter and a summary; a second run interrupted by Ctrl-C (SIGINT)
+    mid-training leaves both byte for byte, and says so in one line naming the checkpoint to resume from."""
+    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    adapter, summary = _files(tmp_path / "adapter"), (tmp_path / "metrics" / "train.json").read_bytes()
+
+    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=500))
+    second = tmp_path / "out" / "checkpoints" / "step_000004"
+    deadline = time.time() + 300
+    while not second.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert second.exists(), "the second run's checkpoint never appeared"
+    proc.send_signal(signal.SIGINT)
+    err, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    ckpt = max((tmp_path / "out" / "checkpoints").glob("step_*"))
+    assert err.splitlines()[-1] == (
+        f"train: interrupted; {tmp_path / 'adapter'} and {tmp_path / 'metrics' / 'train.json'} are unchanged (the "
+        f"last completed run's, if any); rerun to resume from {ckpt}")
+    assert _files(tmp_path / "adapter") == adapter
+    assert (tmp_path / "metrics" / "train.json").read_bytes() == summary
+
+
+@pytest.mark.slow
+def test_a_changed_setting_moves_the_earlier_run_aside(tiny_model_dir, tiny_problems, tmp_path):
+    """A run, then ``train.steps`` changed and a second run: it starts afresh, and the first run's
+    checkpoints and step log are where its one warning line says, unchanged."""
+    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2, checkpoint_every=1))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    first = _files(tmp_path / "out")
+
+    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=3, checkpoint_every=1))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    warnings = [line for line in out.splitlines() if "params or data changed" in line]
+    assert len(warnings) == 1, out
+    moved = next((tmp_path / "out.previous").iterdir())
+    assert warnings[0] == (
+        f"[train] WARNING params or data changed since the run in {tmp_path / 'out'}: starting afresh; the earlier "
+        f"run is now {moved} (to continue it, put back its params and data and that folder in place of "
+        f"{tmp_path / 'out'})")
+    assert _files(moved) == first and "checkpoints/step_000002/adapter.safetensors" in first
+    assert [r["step"] for r in _steps(tmp_path)] == [1, 2, 3]

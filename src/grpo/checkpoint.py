@@ -30,12 +30,15 @@ Contract:
   warns and returns ``None``: the run starts afresh from step 0.
 - ``restore`` puts a read checkpoint into the model, optimizer, scheduler and RNGs; an intact
   checkpoint of other settings (adapter names or shapes) is a ``CheckpointMismatch``, not damage.
-- ``reset_if_changed`` clears ``output_dir`` when the params that shape training or the training
-  data differ from the ``fingerprint`` stored there: a checkpoint of another run is never continued.
+- ``reset_if_changed`` moves ``output_dir`` aside to ``<output_dir>.previous/`` (the
+  ``PREVIOUS_RUNS_KEPT`` newest are kept) when the params that shape training or the training data
+  differ from the ``fingerprint`` stored there: a checkpoint of another run is never continued, and
+  never deleted at once.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -59,6 +62,8 @@ REQUIRED = (ADAPTER, STATE)
 DAMAGED = "damaged"
 KEEP = 2
 FINGERPRINT = "fingerprint"
+PREVIOUS_RUNS_KEPT = 3  # runs moved aside by reset_if_changed that are kept in <output_dir>.previous
+_PREVIOUS_RUN = re.compile(r"\d{8}-\d{6}\.\d{6}_\w+")
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 # train params that only place outputs, log, or spread the same update over processes (per-prompt
 # sampling seeds: 1 or N processes take the same steps): changing them continues the same run
@@ -362,16 +367,44 @@ def fingerprint(params) -> str:
     return digest.hexdigest()[:16]
 
 
-def reset_if_changed(params) -> None:
-    """Resume only a run with the same fingerprint; otherwise clear ``output_dir`` (a checkpoint
-    of other params or data must never be continued). Leaves ``output_dir`` stamped."""
+def previous_runs(out: Path) -> Path:
+    """Where ``reset_if_changed`` moves the runs of ``out`` aside: ``<out>.previous`` beside it."""
+    return out.with_name(out.name + ".previous")
+
+
+def reset_if_changed(params) -> Path | None:
+    """Resume only a run with the same fingerprint; otherwise move ``output_dir`` aside (a
+    checkpoint of other params or data must never be continued, nor deleted) and start afresh.
+    Leaves ``output_dir`` stamped. Returns where the earlier run went, or None.
+
+    The earlier run goes to ``<output_dir>.previous/<time moved>_<its fingerprint>`` (one warning
+    line naming it and how to restore it: its params and data back, and that folder renamed to
+    ``output_dir`` in place of the new run's); of the runs there, the ``PREVIOUS_RUNS_KEPT`` most recently moved are kept
+    and older ones deleted."""
     out = Path(params.train.output_dir)
     stamp = out / FINGERPRINT
     current = fingerprint(params)
+    moved = None
     if out.exists() and (not stamp.exists() or stamp.read_text().strip() != current):
-        log.info("params or data changed since the checkpoints in %s were written: starting afresh", out)
-        shutil.rmtree(out)
+        moved = _move_aside(out, stamp.read_text().strip() if stamp.exists() else "")
+        log.warning("params or data changed since the run in %s: starting afresh; the earlier run is now %s (to "
+                    "continue it, put back its params and data and that folder in place of %s)", out, moved, out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = stamp.with_name(FINGERPRINT + ".tmp")
     tmp.write_text(current + "\n")
     tmp.replace(stamp)
+    return moved
+
+
+def _move_aside(out: Path, stamp: str) -> Path:
+    """Rename ``out`` into ``previous_runs(out)`` under a name that sorts by the time of the move;
+    then delete all but the ``PREVIOUS_RUNS_KEPT`` newest runs there. Returns the new path."""
+    parent = previous_runs(out)
+    parent.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now()
+    dest = parent / f"{now:%Y%m%d-%H%M%S.%f}_{stamp if re.fullmatch(r'[0-9a-f]{1,64}', stamp) else 'unstamped'}"
+    out.rename(dest)
+    runs = sorted(p for p in parent.iterdir() if _PREVIOUS_RUN.fullmatch(p.name))
+    for old in runs[:-PREVIOUS_RUNS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest

@@ -121,10 +121,18 @@ def _sort_set_fields(file: Path, config) -> None:
 
 
 def _replace(dest: Path, fill) -> None:
-    """``fill(tmp)`` writes a directory beside ``dest``, which then replaces ``dest`` by a rename: a
-    crash leaves the old directory or the new one, never a half-written one under ``dest``."""
-    tmp = dest.with_name(dest.name + ".tmp")
+    """``fill(tmp)`` writes a directory beside ``dest`` (``<dest>.tmp``), which then takes the place
+    of ``dest`` by two renames (``dest`` to ``<dest>.old``, the new one to ``dest``), and only then
+    is the old one deleted: until the new directory is complete ``dest`` is untouched, and a crash
+    leaves the old directory or the new one, never a half-written one under ``dest``. A crash
+    between the two renames leaves the old one as ``<dest>.old``; the next call puts it back first."""
+    tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
+    if old.exists() and not dest.exists():
+        old.rename(dest)  # an earlier swap stopped between its renames
     shutil.rmtree(tmp, ignore_errors=True)
     fill(tmp)
-    shutil.rmtree(dest, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
     tmp.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)

@@ -11,22 +11,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import yaml
-
-from grpo.config import ParamsError, write_params
+from grpo.config import ParamsError, read_params_yaml, write_params
 
 
 def apply_preset(preset: Path, params: Path) -> None:
-    try:
-        overrides = yaml.safe_load(preset.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ParamsError(f"not valid YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(overrides, dict):
-        raise ParamsError(f"must be a mapping of sections, got {overrides!r}")
+    """Put ``preset`` over ``params``; a bad one raises ``ParamsError``, one line naming ``preset``."""
+    overrides = read_params_yaml(preset)  # its errors name the file (and the line)
     for section, fields in overrides.items():  # sections of keys, as `grpo check --params` reads a preset
         if not isinstance(fields, dict):
-            raise ParamsError(f"{section}: must be a mapping, got {fields!r}")
-    write_params(params, overrides)
+            raise ParamsError(f"{preset}: {section}: must be a mapping, got {fields!r}")
+    try:
+        write_params(params, overrides)
+    except ParamsError as err:
+        raise ParamsError(f"{preset}: {err}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +38,7 @@ def main(argv: list[str]) -> int:
     try:
         apply_preset(preset, params)
     except ParamsError as err:
-        print(f"apply_preset: error: {preset}: {err}", file=sys.stderr)
+        print(f"apply_preset: error: {err}", file=sys.stderr)
         return 2
     print(f"apply_preset: params.yaml <- {preset}")
     return 0

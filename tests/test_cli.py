@@ -231,3 +231,20 @@ def test_a_bad_params_file_is_one_line_naming_the_field(raw, message, tmp_path, 
     path.write_text(yaml.safe_dump(raw))
     code, out, err = run(capsys, "check", "--params", str(path))
     assert (code, out, err) == (2, "", f"grpo check: error: {path}: {message}\n")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("train:\n  steps: 5\n  lr: 0.001\n  steps: 7\n", "4: duplicate key 'steps' (first at line 2); a mapping takes "
+                                                     "each key once"),
+    ("train:\n  steps: 5\n lr: [0.001\n", "3: not valid YAML (while parsing a block mapping: expected <block end>, "
+                                           "but found '<block mapping start>', column 2)"),
+])
+def test_a_repeated_key_or_bad_yaml_exits_2_with_one_line(text, message, tmp_path):
+    """The real ``grpo`` command: the line names the file, the line and the key."""
+    path = tmp_path / "preset.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [f"grpo check: error: {path}:{message}"]
+    assert path.read_text() == text

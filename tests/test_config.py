@@ -12,6 +12,7 @@ from grpo.config import (
     load_params,
     overlay_params,
     params_from_dict,
+    read_params_yaml,
     reading_params,
     write_params,
 )
@@ -150,3 +151,39 @@ def test_write_params_keeps_comments_writes_floats_yaml11_reads_and_refuses_a_ba
     with pytest.raises(ParamsError) as err:
         write_params(target, {"train.lr": "fast"})
     assert str(err.value).startswith("train.lr: must be a number") and target.read_text() == text
+
+
+def test_a_repeated_key_is_one_line_naming_it_and_both_lines(tmp_path):
+    """PyYAML would keep the last ``steps`` silently; the params reader refuses it. A merge key
+    (``<<``) and the same key in two sections are not repeats."""
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  steps: 5\n  lr: 0.001\n  steps: 7\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}:4: duplicate key 'steps' (first at line 2); a mapping takes each key once"
+    path.write_text("a: &x {k: 1, j: 0}\nb:\n  <<: *x\n  k: 2\nc: {k: 3}\n")
+    assert read_params_yaml(path) == {"a": {"k": 1, "j": 0}, "b": {"k": 2, "j": 0}, "c": {"k": 3}}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("train:\n  steps: 5\n lr: [0.001\n", "3: not valid YAML (while parsing a block mapping: expected <block end>, "
+                                           "but found '<block mapping start>', column 2)"),
+    ("train: {steps: 5\n", "2: not valid YAML (while parsing a flow mapping: expected ',' or '}', but got "
+                           "'<stream end>', column 1)"),
+    ("- 1\n", " must be a mapping of sections, got [1]"),
+])
+def test_a_yaml_error_is_one_line_with_its_line(text, message, tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}:{message}"
+
+
+def test_write_params_refuses_a_repeated_key_in_its_file(tmp_path):
+    path = tmp_path / "params.yaml"
+    text = "train:\n  steps: 5\n  steps: 7\n"
+    path.write_text(text)
+    with pytest.raises(ParamsError, match=r"params.yaml:3: duplicate key 'steps' \(first at line 2\)"):
+        write_params(path, {"train": {"lr": 0.1}})
+    assert path.read_text() == text

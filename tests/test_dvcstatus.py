@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from grpo.dvcfile import Stage
-from grpo.dvcstatus import _why, describe, downstream, dvc_status, flat_keys, stages_reading
+from grpo.dvcstatus import _why, describe, downstream, dvc_error_line, dvc_status, flat_keys, stages_reading
 
 GRAPH = {
     "prepare": Stage(outs=("data/raw",), params=("data",)),
@@ -100,3 +100,34 @@ def test_describe_a_real_workspace(tmp_path_factory):
                                          "  and, when an input they take from those changes: b"]
     reason = dvc_status(tmp_path_factory.mktemp("plain"))
     assert isinstance(reason, str) and reason.startswith("dvc status failed: ") and "\n" not in reason
+
+
+def test_dvcs_error_is_its_message_and_the_yaml_problem_not_the_help_link():
+    """DVC's output for a params file with a repeated key (its last line: a link)."""
+    lines = ["ERROR: unable to read: 'params.yaml', YAML file structure is corrupted: while constructing a mapping",
+             '  in "<unicode string>", line 2, column 3', 'found duplicate key "steps" with value "2" (original '
+             'value: "1")', '  in "<unicode string>", line 3, column 3', "To suppress this check see:",
+             "    https://yaml.dev/doc/ruamel.yaml/api/#Duplicate_keys"]
+    assert dvc_error_line(lines) == ("unable to read: 'params.yaml', YAML file structure is corrupted: while "
+                                     'constructing a mapping at line 2, column 3 found duplicate key "steps" with '
+                                     'value "2" (original value: "1") at line 3, column 3')
+
+
+@pytest.mark.slow
+def test_a_file_dvc_refuses_is_one_line_with_dvcs_reason(tmp_path):
+    """Through a real ``dvc status``: a repeated key in dvc.yaml or params.yaml, and dvc.yaml that
+    is not YAML, each one line saying what and where."""
+    _git_dvc_workspace(tmp_path)
+    dvc_yaml = (tmp_path / "dvc.yaml").read_text()
+    (tmp_path / "dvc.yaml").write_text(dvc_yaml.replace("  a:\n", "  a:\n    cmd: echo twice\n"))
+    (line,) = describe(tmp_path)
+    assert line.startswith("dvc: dvc status failed: './dvc.yaml' is invalid.") and \
+        'Found duplicate key "cmd" with value "cp in.txt a.txt" (original value: "echo twice")' in line
+    (tmp_path / "dvc.yaml").write_text(dvc_yaml)
+    (tmp_path / "params.yaml").write_text("x:\n  y: 1\n  y: 2\nz: 2\n")
+    (line,) = describe(tmp_path)
+    assert line.startswith("dvc: dvc status failed: unable to read: 'params.yaml'") and \
+        'found duplicate key "y"' in line and "http" not in line
+    (tmp_path / "dvc.yaml").write_text("stages: [\n")
+    assert describe(tmp_path) == [f"dvc: {tmp_path / 'dvc.yaml'}:2: not valid YAML (while parsing a flow node: "
+                                  "expected the node content, but found '<stream end>', column 1): no stage status"]

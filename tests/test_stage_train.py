@@ -92,6 +92,22 @@ def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("steps: 5\n  lr: 0.001\n  steps: 7\n", "4: duplicate key 'steps' (first at line 2); a mapping takes each key once"),
+    ("steps: 5\n lr: [0.001\n", "3: not valid YAML (while parsing a block mapping: expected <block end>, but "
+                                "found '<block mapping start>', column 2)"),
+])
+def test_a_repeated_key_or_bad_yaml_in_the_params_exits_2_with_one_line(text, message, tmp_path):
+    """The stage reads its params with the same reader as ``grpo check``: one line, exit 2, nothing written."""
+    path = tmp_path / "params.yaml"
+    path.write_text(f"train:\n  {text}")
+    proc = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(path)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [f"train: error: {path}:{message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
 def test_the_summary_leaves_out_the_gap_of_steps_not_applied():
     """A step whose update was not applied (a non-finite value) logs no gap (None): the summary's
     mean and largest gap come from the other steps, and the run does not fail at its end."""

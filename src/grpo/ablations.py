@@ -33,8 +33,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from grpo.experiments import SEED_KEY, Run, cli_value, dvc, read_runs, t975
 
 GRID = "experiments/ablations.yaml"
@@ -81,7 +79,9 @@ def check_overrides(name: str, overrides: dict[str, object], params: dict) -> No
 def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     """The grid in ``path``; every variant's overrides validated over ``params_path`` (params.yaml
     beside the grid's repository by default) so that a typo fails here, not an hour into a queue."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    from grpo.config import read_params_yaml
+
+    raw = read_params_yaml(path)  # a repeated key or bad YAML: one line naming the file and line
     variants = raw.get("variants") or {}
     if not isinstance(variants, dict) or not variants:
         raise ValueError(f"{path}: 'variants' must map variant names to params overrides")
@@ -94,7 +94,7 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
         raise ValueError(f"{path}: 'seeds' must be a list of distinct integers")
     grid = Grid(reference=reference, seeds=tuple(seeds),
                 variants={name: dict(over or {}) for name, over in variants.items()})
-    params = yaml.safe_load(Path(params_path or Path(path).resolve().parent.parent / "params.yaml").read_text())
+    params = read_params_yaml(params_path or Path(path).resolve().parent.parent / "params.yaml")
     for name, overrides in grid.variants.items():
         if SEED_KEY in overrides:
             raise ValueError(f"variant {name!r}: {SEED_KEY} is set per experiment by the grid's seeds")

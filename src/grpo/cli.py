@@ -29,9 +29,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, overlay_params, params_from_dict
+from grpo.config import (
+    DeviceError,
+    ModelConfigError,
+    Params,
+    ParamsError,
+    overlay_params,
+    params_from_dict,
+    read_params_yaml,
+)
 from grpo.dvcfile import find_root
 from grpo.engine.bounds import SAVED_MODEL_SEQS
 
@@ -52,16 +58,6 @@ def workspace_root(path: Path) -> Path:
     return find_root(path.resolve().parent) or Path.cwd()
 
 
-def _read_yaml(path: Path) -> dict:
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ParamsError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
-    if raw is not None and not isinstance(raw, dict):
-        raise ParamsError(f"{path}: must be a mapping of sections, got {raw!r}")
-    return raw or {}
-
-
 def resolve_params(path: str | Path) -> Resolved:
     """Validated params of ``path`` (a preset put over its workspace's ``params.yaml``, see above)."""
     path = Path(path)
@@ -69,14 +65,14 @@ def resolve_params(path: str | Path) -> Resolved:
         raise ParamsError(f"{path}: params file not found")
     root = workspace_root(path)
     base_path = root / "params.yaml"
-    raw = _read_yaml(path)
+    raw = read_params_yaml(path)
     try:
         alone = params_from_dict(raw)  # the file's own keys and values, over the defaults
     except ParamsError as err:
         raise ParamsError(f"{path}: {err}") from None
     if not base_path.is_file() or base_path.resolve() == path.resolve():
         return Resolved(alone, root, str(path))
-    base = _read_yaml(base_path)
+    base = read_params_yaml(base_path)
     try:
         params = params_from_dict(overlay_params(base, raw))
         before = params_from_dict(base)

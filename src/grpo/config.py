@@ -2,6 +2,10 @@
 
 Contract:
 
+* Every params file is read by ``read_params_yaml`` (``UniqueKeyLoader``): bad YAML, a key that a
+  mapping repeats (PyYAML would keep the last silently) or a document that is not a mapping is a
+  ``ParamsError`` of one line naming the file and line (``params.yaml:7: duplicate key 'steps'
+  (first at line 3); ...``).
 * ``load_params(path)`` reads the YAML and returns a ``Params`` record; an unknown key, a value of
   the wrong type or out of range fails with a ``ParamsError`` whose message is one line naming the
   field (``train.lr: must be > 0, got -1.0``; an unknown key names the nearest known ones:
@@ -589,8 +593,7 @@ def write_params(path: str | Path, overrides: dict | None) -> Params:
     from ruamel.yaml.error import YAMLError
 
     path = Path(path)
-    if not path.exists():
-        raise ParamsError(f"{path}: params file not found")
+    read_params_yaml(path)  # its one-line errors (ruamel's would span lines); ruamel also refuses repeated keys
     rt = YAML()
     rt.representer.add_representer(float, _float_yaml11)
     try:
@@ -606,13 +609,59 @@ def write_params(path: str | Path, overrides: dict | None) -> Params:
     return params
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate ``params.yaml``."""
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A YAML mapping names one key twice (``key``; ``first``, ``again``: 1-based line numbers)."""
+
+    def __init__(self, key, first: int, again: yaml.Mark):
+        super().__init__(problem=f"duplicate key {key!r}", problem_mark=again)
+        self.key, self.first, self.again = key, first, again.line + 1
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping that repeats a key raises ``DuplicateKey``
+    (PyYAML keeps the last value silently). Merge keys (``<<``) are not repeats."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise DuplicateKey(key, seen[key], key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_error_line(path: Path, err: yaml.YAMLError) -> str:
+    """One line for a YAML file PyYAML refuses: ``FILE:LINE: what``, where it can tell the line."""
+    if isinstance(err, DuplicateKey):
+        return (f"{path}:{err.again}: duplicate key {err.key!r} (first at line {err.first}); a mapping takes each "
+                "key once")
+    mark = getattr(err, "problem_mark", None)
+    what = " ".join(": ".join(x for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x).split())
+    if mark is None:
+        return f"{path}: not valid YAML ({' '.join(str(err).split())})"
+    return f"{path}:{mark.line + 1}: not valid YAML ({what or 'unreadable'}, column {mark.column + 1})"
+
+
+def read_params_yaml(path: str | Path) -> dict:
+    """The mapping in the params file ``path`` (``{}`` when empty), read by ``UniqueKeyLoader``: every
+    reader of params goes through here. A missing file, a YAML error, a repeated key or a
+    document that is not a mapping raises ``ParamsError``, one line naming the file (and the line)."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise ParamsError(f"{path}: params file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
-        raise ParamsError(f"{path}: not valid YAML ({err})") from err
-    return params_from_dict(raw)
+        raise ParamsError(yaml_error_line(path, err)) from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ParamsError(f"{path}: must be a mapping of sections, got {raw!r}")
+    return raw or {}
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read (``read_params_yaml``) and validate ``params.yaml``."""
+    return params_from_dict(read_params_yaml(path))

@@ -10,10 +10,14 @@ it: the stages reading a key it changes would run once it is put over ``params.y
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from grpo.config import yaml_error_line
 from grpo.dvcfile import DVC_DIR, DVC_YAML, Stage, read_stages
 
 
@@ -53,6 +57,19 @@ def stages_reading(graph: dict[str, Stage], keys: list[str]) -> list[str]:
             if any(k == p or k.startswith(p + ".") for k in keys for p in stage.params)]
 
 
+_DVC_NOISE = re.compile(r"https?://\S+|To suppress this check see:|Having any troubles\?.*|^\s*\d*\s*│.*|^\s*\d+\s*$")
+
+
+def dvc_error_line(lines: list[str]) -> str:
+    """DVC's error message (``lines``: its output) as one line: the message and the YAML problem it
+    quotes (``found duplicate key "steps" ... line 3``), without the code excerpts, help links and
+    hints that follow it (its last line is often such a link)."""
+    start = next((i for i, x in enumerate(lines) if x.startswith("ERROR:")), 0)
+    kept = [_DVC_NOISE.sub("", x).strip() for x in lines[start:]]
+    text = " ".join(x for x in kept if x).removeprefix("ERROR:").strip()
+    return text.replace(' in "<unicode string>",', " at")
+
+
 def dvc_status(root: Path, timeout: float = 120) -> dict | str:
     """``dvc status --json`` of ``root`` as a mapping, or a one-line reason why there is none."""
     try:
@@ -64,7 +81,7 @@ def dvc_status(root: Path, timeout: float = 120) -> dict | str:
         lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
         if any("No module named dvc" in x for x in lines):
             return "DVC is not installed"
-        return "dvc status failed: " + (lines[-1].strip() if lines else f"exit code {proc.returncode}")
+        return "dvc status failed: " + (dvc_error_line(lines) or f"exit code {proc.returncode}")
     try:
         return json.loads(proc.stdout or "{}")
     except json.JSONDecodeError:
@@ -103,7 +120,10 @@ def describe(root: Path, changed_params: list[str] | None = None) -> list[str]:
     """Lines saying which stages ``dvc repro`` would run in ``root`` (one line when it cannot tell)."""
     if not (root / DVC_DIR).is_dir() or not (root / DVC_YAML).is_file():
         return [f"dvc: {root} is not a DVC workspace (it needs a .dvc folder and a dvc.yaml): no stage status"]
-    graph = read_stages(root / DVC_YAML)
+    try:
+        graph = read_stages(root / DVC_YAML)
+    except yaml.YAMLError as err:
+        return [f"dvc: {yaml_error_line(root / DVC_YAML, err)}: no stage status"]
     status = dvc_status(root)
     if isinstance(status, str):
         lines = [f"dvc: {status}: no stage status"]

@@ -93,10 +93,13 @@ def _trainer_module(name: str) -> torch.nn.Module:
 
 
 def _vllm_classes():
-    """The method classes, defined on first use so that importing this module needs no vLLM."""
-    from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
-    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    """The method classes, defined on first use so that importing this module needs no vLLM: the
+    config class, which hands each layer a ``SharedLinearMethod`` or ``SharedEmbeddingMethod``."""
+    return _config_class(_linear_method_class(), _embedding_method_class())
+
+
+def _linear_method_class():
+    from vllm.model_executor.layers.linear import LinearMethodBase
     from vllm.model_executor.utils import set_weight_attrs
 
     class SharedLinearMethod(LinearMethodBase):
@@ -128,6 +131,13 @@ def _vllm_classes():
             out = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
             return out if bias is None else out + bias
 
+    return SharedLinearMethod
+
+
+def _embedding_method_class():
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.utils import set_weight_attrs
+
     class SharedEmbeddingMethod(QuantizeMethodBase):
         """An embedding or LM head whose weight is the trainer's tensor ``module.weight``."""
 
@@ -151,6 +161,14 @@ def _vllm_classes():
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             return F.linear(x, layer.weight, bias)
+
+    return SharedEmbeddingMethod
+
+
+def _config_class(SharedLinearMethod, SharedEmbeddingMethod):  # noqa: N803 (classes)
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     class SharedNF4Config(QuantizationConfig):
         """vLLM's view of the form: which method each layer gets."""

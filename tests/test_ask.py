@@ -82,3 +82,55 @@ def test_ask_names_a_missing_model_or_adapter(tmp_path, tiny_params, capsys):
     code, out, err = run(capsys, "ask", "1 + 1?", "--params", str(tiny_params), "--adapter", str(tmp_path / "none"))
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith(f"grpo ask: error: --adapter: {tmp_path / 'none'}: ")
+
+
+def _saved_adapter(model_dir, out, **lora):
+    from grpo.config import LoraConfig, ModelConfig
+    from grpo.policy import load_policy
+
+    load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**lora), "cpu").save_pretrained(out)
+    return out
+
+
+def _ask_cli(params, adapter):
+    """The real ``grpo`` command, in a process of its own."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "grpo.cli", "ask", "1 + 1?", "--params", str(params), "--adapter",
+                           str(adapter)], capture_output=True, text=True, timeout=300)
+
+
+def test_an_adapter_that_does_not_fit_the_base_is_one_line_naming_both(adapter_dir, tiny_model_dir, tiny_params,
+                                                                        tmp_path):
+    """A rank-8 adapter's weights under a rank-r config (two adapters mixed in one folder), and a
+    real adapter of a base of another width: each refused before loading, in one line naming the
+    adapter and the base; the adapter's files are left as they were."""
+    import json
+    import shutil
+
+    from grpo.config import LoraConfig
+
+    from .conftest import build_tiny_model_dir
+
+    mixed = _saved_adapter(tiny_model_dir, tmp_path / "mixed", rank=8)
+    shutil.copy(adapter_dir / "adapter_config.json", mixed / "adapter_config.json")
+    before = {p.name: p.read_bytes() for p in mixed.iterdir()}
+    rank = LoraConfig().rank
+    targets = ", ".join(sorted(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"]))
+    proc = _ask_cli(tiny_params, mixed)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"grpo ask: error: {mixed} (rank {rank} on {targets}, trained on {tiny_model_dir}): its "
+                           "weights have rank 8 (base_model.model.model.layers.")
+    assert line.endswith(f"its adapter_config.json says {rank}: the files come from two adapters; train it again")
+    assert {p.name: p.read_bytes() for p in mixed.iterdir()} == before
+
+    narrow = build_tiny_model_dir(tmp_path / "narrow", hidden=32)
+    other = _saved_adapter(narrow, tmp_path / "other")
+    proc = _ask_cli(tiny_params, other)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [
+        f"grpo ask: error: {other} (rank {rank} on {targets}, trained on {narrow}) does not fit the base "
+        f"{tiny_model_dir}: model.layers.0.self_attn.{targets.split(', ')[0]} has 64 input features there, 32 in the "
+        "adapter"]

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import torch
@@ -126,6 +128,67 @@ def _plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return shards
 
 
+_LORA_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """``{name: shape}`` of the tensors in safetensors ``files`` (headers only, no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as fh:
+            shapes.update({k: list(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    return shapes
+
+
+def _adapter_config(adapter_dir: Path) -> dict:
+    """The adapter's adapter_config.json; ``ModelConfigError`` when missing or not JSON."""
+    file = adapter_dir / "adapter_config.json"
+    if not file.is_file():
+        raise ModelConfigError(f"{adapter_dir}: no adapter_config.json (run the train stage first)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelConfigError(f"{file}: not JSON ({err})") from None
+
+
+def check_adapter(adapter_dir: str | Path, base_path: str | Path) -> None:
+    """Refuse, before anything is loaded, a LoRA adapter that does not fit the base at ``base_path``,
+    with a ``ModelConfigError`` of one line naming the adapter (its rank, target modules and the
+    base it was trained on) and the base: weights of another rank than its config's ``r``, a
+    target module the base has none of, or a LoRA matrix whose width is not that of the base
+    weight it adds to (another base). Reads only adapter_config.json and the safetensors headers
+    (the base's too; a base without safetensors files is checked no further than its config)."""
+    adapter_dir, base_path = Path(adapter_dir), Path(base_path)
+    cfg = _adapter_config(adapter_dir)
+    rank, targets = cfg.get("r"), sorted(cfg.get("target_modules") or [])
+    who = f"{adapter_dir} (rank {rank} on {', '.join(targets)}, trained on {cfg.get('base_model_name_or_path')})"
+    weights = sorted(adapter_dir.glob("*.safetensors"))
+    if not weights:
+        raise ModelConfigError(f"{who}: no adapter_model.safetensors")
+    base = _tensor_shapes(sorted(base_path.glob("*.safetensors")))
+    leaves = {name.rsplit(".", 2)[-2] for name in base if name.endswith(".weight") and "." in name}
+    missing = [t for t in targets if base and t not in leaves]
+    if missing:
+        raise ModelConfigError(f"{who} does not fit the base {base_path}: it has no module named {', '.join(missing)}")
+    for name, shape in _tensor_shapes(weights).items():
+        match = _LORA_TENSOR.fullmatch(name)
+        if match is None or len(shape) != 2:
+            continue
+        module, which = match.groups()
+        r = shape[0] if which == "A" else shape[1]  # lora_A: [r, in], lora_B: [out, r]
+        if r != rank and not cfg.get("rank_pattern"):
+            raise ModelConfigError(f"{who}: its weights have rank {r} ({name}), its adapter_config.json says "
+                                   f"{rank}: the files come from two adapters; train it again")
+        target = base.get(f"{module}.weight")
+        width = shape[1] if which == "A" else shape[0]
+        if target is not None and width != target[1 if which == "A" else 0]:
+            side = "input" if which == "A" else "output"
+            raise ModelConfigError(f"{who} does not fit the base {base_path}: {module} has {target[1 if which == 'A' else 0]} "
+                                   f"{side} features there, {width} in the adapter")
+
+
 def _load_for_export(model_cfg: ModelConfig, adapter_dir: str | Path | None, dtype: torch.dtype, device: str):
     """The base loaded as training loads it (NF4 in ``dtype``), its export plan (``_export_plan``),
     and ``id(base weight) -> the peft LoRA layer over it`` when ``adapter_dir`` is given."""
@@ -178,8 +241,6 @@ def _write_dense_shards(model_cfg: ModelConfig, adapter_dir: str | Path | None, 
     """Load the base as training does, then write every tensor dense in ``dtype``, one shard at a
     time (``export_dense``); returns the files written. Every reference to the loaded model dies
     with this call, so the caller can give the device's cached memory back."""
-    import json
-
     from safetensors.torch import save_file
 
     model, plan, lora = _load_for_export(model_cfg, adapter_dir, dtype, device)
@@ -212,7 +273,7 @@ def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir
                  dtype: torch.dtype | None = None, max_shard_bytes: int = EXPORT_SHARD_BYTES) -> dict:
     """Write the policy as trained, as plain dense weights that any engine (vLLM) can load.
 
-    The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
+    An adapter is checked against the base first (``check_adapter``). The base is loaded exactly as training loads it (4-bit NF4 when ``model.quantization`` is
     ``nf4``, on the default device). Tensor by tensor, each 4-bit layer's weight is dequantised in
     fp32, the LoRA adapter (if any) is merged into it (peft's ``get_delta_weight``, the update
     ``merge_and_unload`` adds) and the result cast once to ``dtype``: the engine's dtype, by default
@@ -230,8 +291,8 @@ def export_dense(model_cfg: ModelConfig, adapter_dir: str | Path | None, out_dir
     """
     device = default_device()
     dtype = dtype or compute_dtype(model_cfg.dtype, device)
-    if adapter_dir is not None and not (Path(adapter_dir) / "adapter_config.json").exists():
-        raise ModelConfigError(f"{adapter_dir}: no adapter_config.json (run the train stage first)")
+    if adapter_dir is not None:
+        check_adapter(adapter_dir, model_cfg.path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _write_dense_shards(model_cfg, adapter_dir, out_dir, dtype, device, max_shard_bytes)

@@ -25,8 +25,10 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 
 # the command docs/orchestration.md, the README and dvc.yaml's header give
-TABLE = ["exp", "show", "--only-changed", "--drop", ".*/", "--keep", ".*accuracy"]
+TABLE = ["exp", "show", "--only-changed", "--drop", ".*/|[a-z_]+$", "--keep", ".*accuracy"]
 HEADLINE = ["test_accuracy_before", "test_accuracy_after", "val_accuracy"]
+HEADLINE_COLUMNS = ["test_accuracy_before", "test_accuracy_after", "metrics/headline.json:val_accuracy"]
+SUMMARY_ACCURACIES = ["accuracy", "metrics/train/metrics.json:val_accuracy"]  # dvclive's: the last step's
 
 FAKE_STAGE = '''
 import json, random, shutil, sys
@@ -43,6 +45,9 @@ for out in map(Path, outs):
         body = {"test_accuracy_before": 0.2844, "test_accuracy_after": round(0.7 + seed / 100 + lr, 4),
                 "val_accuracy": round(0.8 + seed / 100, 4)}
         out.write_text(json.dumps(body))
+    elif out.as_posix() == "metrics/train/metrics.json":  # dvclive's summary: every value differs per experiment
+        body = json.loads(committed.read_text())
+        out.write_text(json.dumps({k: round(v + seed + lr, 6) for k, v in body.items()}))
     elif out.parts[:2] == ("metrics", "time"):
         out.write_text(json.dumps({"seconds": round(random.uniform(1, 100), 2)}))
     elif committed.is_file():
@@ -103,20 +108,22 @@ def repo(tmp_path_factory) -> Path:
     return repo
 
 
-def test_the_only_declared_metrics_are_the_headline(repo):
+def test_the_declared_metrics_are_the_headline_and_dvclives_summary(repo):
     show = json.loads(_dvc(repo, "exp", "show", "--json"))
     exps = [rev["data"] for b in show for e in [b, *(b.get("experiments") or [])] for rev in (e.get("revs") or [e])
             if rev.get("data")]
     assert len(exps) >= 3
     for data in exps:
-        assert list(data["metrics"]) == ["metrics/headline.json"]
+        assert sorted(data["metrics"]) == ["metrics/headline.json", "metrics/train/metrics.json"]
         assert list(data["metrics"]["metrics/headline.json"]["data"]) == HEADLINE
 
 
 def test_the_documented_table_has_the_headline_and_the_params_that_differ(repo):
     rows = list(csv.DictReader(io.StringIO(_dvc(repo, *TABLE, "--csv"))))
     meta = {"Experiment", "rev", "typ", "Created", "parent"}
-    assert [c for c in rows[0] if c not in meta] == [*HEADLINE, "train.seed", "train.lr"]
+    # the accuracies of both declared metrics files (the one key they share named with its file), then
+    # the params that differ; none of dvclive's other statistics, though every one differs
+    assert [c for c in rows[0] if c not in meta] == [*SUMMARY_ACCURACIES, *HEADLINE_COLUMNS, "train.seed", "train.lr"]
     by_name = {r["Experiment"]: r for r in rows if r["Experiment"]}
     assert [by_name["seed-1"][k] for k in ("train.seed", "train.lr")] == ["1", "0.0003"]
     assert [by_name["lr5e-4"][k] for k in ("train.seed", "train.lr")] == ["0", "0.0005"]
@@ -125,4 +132,4 @@ def test_the_documented_table_has_the_headline_and_the_params_that_differ(repo):
     table = _dvc(repo, *TABLE, "--no-pager", columns=200)
     assert "…" not in table  # nothing cut: every header and value is whole
     assert max(map(len, table.splitlines())) <= 200
-    assert all(h in table for h in (*HEADLINE, "train.seed", "train.lr", "seed-1", "lr5e-4"))
+    assert all(h in table for h in (*HEADLINE_COLUMNS, *SUMMARY_ACCURACIES, "train.seed", "train.lr", "seed-1", "lr5e-4"))

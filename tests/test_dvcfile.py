@@ -18,7 +18,7 @@ def test_the_repos_stages_in_file_order_with_what_each_reads_and_writes():
     assert train.params == ("train", "lora", "model.path", "model.quantization", "model.dtype",
                             "model.gradient_checkpointing") and not train.all_params
     assert train.outs == ("models/adapter", "metrics/train.json", "metrics/time/train.json",
-                          "metrics/train/plots/metrics")  # outs, then metrics, then plots
+                          "metrics/train/metrics.json", "metrics/train/plots/metrics")  # outs, metrics, plots
     assert train.uncached == train.outs[1:]
     assert stages["report"].all_params and stages["report"].params == ()  # `- params.yaml:`: the whole file
     assert not any(s.templated for s in stages.values())

@@ -85,7 +85,7 @@ class VLLMSampler(RolloutBackend):
         process's RNGs with the engine's seed at start (vllm/v1/worker/gpu_worker.py) and its
         sampler draws from the default CUDA generator (vllm/v1/sample/ops/topk_topp_sampler.py),
         so a run resumed from a checkpoint samples other completions than the uninterrupted run
-        (its steps still follow the same prompts and the same update rule; docs/gpu-notes.md#cuda-sampling-rng)."""
+        (its steps still follow the same prompts and the same update rule; docs/gpu-notes.md#cuda-findings-of-the-nf4-engines-read)."""
         from vllm import SamplingParams, TokensPrompt
 
         tok = self.tokenizer

@@ -55,7 +55,8 @@ import time
 from pathlib import Path
 
 from flows.workspace import WorkspaceBusy, check_no_dvc_run, dvc_stages, find_dvc_run, workspace_lock
-from grpo.config import ParamsError
+from grpo.config import DeviceError, ParamsError
+from grpo.engine.preflight import require_ready_gpu
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
 SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take no workspace slot
@@ -223,6 +224,7 @@ def _pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, exper
     # the workspace's Prefect slot first (deployment runs only), so a second deployment run waits there for the
     # first instead of failing on the lock; the lock is re-entrant: main() already holds it, a deployment takes it here
     with workspace_slot(root), workspace_lock(root):
+        require_ready_gpu()  # grpo doctor's blockers (a CPU machine: nothing), before any stage starts
         if overrides:
             apply_overrides(root / "params.yaml", overrides)
             logger.info("params overridden: %s", overrides)
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
             os.environ.setdefault(EPHEMERAL_TIMEOUT, str(EPHEMERAL_TIMEOUT_S))
             results = _prefect_objects()["pipeline"](str(root), overrides or None, args.name, args.stages)
-    except (WorkspaceBusy, ParamsError) as err:
+    except (WorkspaceBusy, ParamsError, DeviceError) as err:
         print(f"flow: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from grpo.config import DeviceError
 from grpo.engine import preflight
 from grpo.engine.preflight import BLOCKER, OK, SKIP, WARN
 
@@ -230,3 +231,17 @@ def test_with_params_free_memory_is_held_to_the_largest_stage_need_on_this_card(
     (line,) = [x for x in out.splitlines() if "gpu memory" in x]
     assert line.startswith(f"{level:<7} gpu memory         {free_gib:.2f} GiB free of 7.60 GiB")
     assert "the estimate 6.96 GiB" in line and code == (2 if level == BLOCKER else 0)
+
+
+def test_the_flows_gpu_check_stops_on_a_blocker_in_one_line_and_checks_once(gpu_machine):
+    """``require_ready_gpu`` (the Prefect flow's first call): a CUDA machine without a C compiler
+    stops with one ``DeviceError`` line naming the check; once a machine passed, it is not probed again."""
+    gpu_machine.setattr(preflight, "_READY", False)
+    gpu_machine.setattr(preflight, "probe_compiler", lambda environ: None)
+    with pytest.raises(DeviceError) as err:
+        preflight.require_ready_gpu()
+    assert str(err.value).startswith("GPU preflight: compiler: no C compiler") and "\n" not in str(err.value)
+    gpu_machine.setattr(preflight, "probe_compiler", lambda environ: "/usr/bin/gcc")
+    preflight.require_ready_gpu()
+    gpu_machine.setattr(preflight, "probe_compiler", lambda environ: None)
+    preflight.require_ready_gpu()  # passed once in this process: not probed again

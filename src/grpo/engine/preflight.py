@@ -340,6 +340,21 @@ def check_flashinfer(value: str | None, nvcc: str | None, jit_cache: bool) -> Ch
 
 
 # ------------------------------------------------------------------------------------- the run
+_READY = False
+"""Whether ``require_ready_gpu`` passed in this process (it checks once)."""
+
+
+def require_ready_gpu() -> None:
+    """Before the pipeline's first stage (the Prefect flow calls it; ``scripts/pipeline.sh`` runs
+    ``grpo doctor``): ``run_preflight``'s blockers as one ``DeviceError`` line, checked once per
+    process. Nothing on a CPU build or with ``GRPO_DEVICE=cpu``. The stages themselves do not call
+    it: the preflight changes no output, so it is no DVC dependency of theirs."""
+    global _READY
+    if not _READY:
+        run_preflight().raise_for_blockers()
+        _READY = True
+
+
 def run_preflight(estimate_bytes: int | Callable[[int], int | None] | None = None,
                   environ: Mapping[str, str] | None = None) -> Preflight:
     """Every check of this machine for the CUDA path, in order; ``estimate_bytes``: the run's

@@ -4,8 +4,16 @@ import json
 
 import pytest
 
-from grpo.config import DataConfig, ParamsError
-from grpo.data import load_gsm8k, load_user_jsonl, prepare_splits, split_disjoint
+from grpo.config import DEFAULT_SYSTEM_PROMPT, DataConfig, EvaluateConfig, ParamsError
+from grpo.data import (
+    build_prompt,
+    load_gsm8k,
+    load_user_jsonl,
+    prepare_splits,
+    prompts_that_fit,
+    skipped_line,
+    split_disjoint,
+)
 from grpo.jsonio import DataError
 
 
@@ -26,7 +34,7 @@ def test_splits_share_no_question():
     assert [r["question"] for r in te] == ["d", "e"] and dropped == 1
 
 
-def test_user_jsonl_rejects_and_counts_bad_rows(tmp_path):
+def test_user_jsonl_rejects_bad_rows_saying_why(tmp_path):
     path = tmp_path / "mine.jsonl"
     lines = [
         json.dumps({"question": "What is 2+2?", "answer": "4"}),
@@ -40,7 +48,11 @@ def test_user_jsonl_rejects_and_counts_bad_rows(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     rows, rejected = load_user_jsonl(path)
     assert [r["answer"] for r in rows] == ["4", "1000"] and rows[1]["solution"] == "count"
-    assert rejected == 4
+    assert rejected == ["line 3: no answer", "line 4: empty question", "line 5: answer 'seven' is not a number",
+                        "line 6: not JSON"]
+    assert skipped_line(path, rejected) == (f"{path}: 4 rows skipped: line 3: no answer; line 4: empty question; "
+                                            "line 5: answer 'seven' is not a number; and 1 more")
+    assert skipped_line(path, rejected[3:]) == f"{path}: 1 row skipped: line 6: not JSON"
 
 
 def test_user_jsonl_missing_or_empty_fails_naming_the_file(tmp_path):
@@ -86,3 +98,26 @@ def test_gsm8k_offline_fails_with_one_clear_line(monkeypatch):
         load_gsm8k("train", 4)
     msg = str(err.value)
     assert "\n" not in msg and "openai/gsm8k" in msg and "gsm_symbolic, arithmetic or jsonl" in msg
+
+
+def test_prompts_that_do_not_fit_max_model_len_are_skipped_with_one_warning(caplog):
+    """A 100 kB question (and one just over the budget) is skipped with one WARNING naming the file,
+    the row and the key; the rows that fit keep their order and prompts; none fitting is a DataError."""
+    from grpo.synthetic import char_tokenizer
+
+    tok = char_tokenizer()
+    short = len(tok(build_prompt(tok, "", DEFAULT_SYSTEM_PROMPT), add_special_tokens=False)["input_ids"])
+    cfg = EvaluateConfig(max_model_len=short + 40, max_new_tokens=10)  # room for a 30-character question
+    rows = [{"id": "a", "question": "1 + 1?"}, {"id": "huge", "question": "7 " * 50_000},
+            {"id": "b", "question": "x" * 30}, {"id": "c", "question": "x" * 31}]
+    with caplog.at_level("WARNING", logger="grpo.data"):
+        kept, prompts = prompts_that_fit(tok, rows, DEFAULT_SYSTEM_PROMPT, cfg, "data/raw/test.jsonl")
+    assert [r["id"] for r in kept] == ["a", "b"]
+    assert prompts == [build_prompt(tok, r["question"], DEFAULT_SYSTEM_PROMPT) for r in kept]
+    budget = f"+ 10 new > evaluate.max_model_len {cfg.max_model_len}"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data/raw/test.jsonl: 2 rows skipped: id 'huge': prompt of {short + 100_000} tokens {budget}; "
+        f"id 'c': prompt of {short + 31} tokens {budget}"]
+    with pytest.raises(DataError, match=r"^evaluate.max_model_len: no prompt of data/raw/test.jsonl fits; "
+                                        r"data/raw/test.jsonl: 1 row skipped: id 'huge'"):
+        prompts_that_fit(tok, rows[1:2], DEFAULT_SYSTEM_PROMPT, cfg, "data/raw/test.jsonl")

@@ -40,6 +40,14 @@ def test_a_bad_file_fails_naming_the_file_and_line(tmp_path, content, message):
         read_jsonl(path)
 
 
+def test_bytes_that_are_not_utf8_fail_naming_the_file_line_and_byte(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "1"}\n\n{"question": "\xe9t\xe9", "answer": "2"}\n')
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert str(err.value) == f"{path}:3: not UTF-8 text (byte 0xe9 at byte 15 of the line); save the file as UTF-8"
+
+
 def test_a_missing_file_fails_naming_it(tmp_path):
     with pytest.raises(DataError, match=r"nope\.jsonl: data file not found"):
         read_jsonl(tmp_path / "nope.jsonl")

@@ -28,3 +28,45 @@ def test_prepare_data_stage_reports_offline_gsm8k_as_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("prepare_data: error: data.source=gsm8k")
     assert not (tmp_path / "raw" / "train.jsonl").exists()
+
+
+def _prepare(tmp_path, lines: list[bytes]):
+    """prepare_data on a jsonl source of ``lines``: (exit code, stderr lines)."""
+    (tmp_path / "mine.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    params = tmp_path / "params.yaml"
+    params.write_text(f"data: {{source: jsonl, path: {tmp_path}/mine.jsonl, train_size: 8, test_size: 2, val_size: 0, "
+                      f"out_dir: {tmp_path}/raw}}\ntrain: {{metrics_dir: {tmp_path}/metrics}}\n")
+    proc = subprocess.run([sys.executable, "-m", "tasks.prepare_data", "--params", str(params)],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr.splitlines()
+
+
+def _good(i: int) -> bytes:
+    return json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}).encode()
+
+
+def test_a_data_file_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
+    """A Latin-1 byte on line 3: exit 2, one line naming the file, the line and the byte; nothing written."""
+    code, err = _prepare(tmp_path, [_good(0), _good(1), b'{"question": "Combien co\xfbte 2 + 2 ?", "answer": "4"}', _good(3)])
+    assert code == 2
+    assert err == [f"prepare_data: error: {tmp_path}/mine.jsonl:3: not UTF-8 text (byte 0xfb at byte 25 of the line); "
+                   "save the file as UTF-8"]
+    assert not (tmp_path / "raw").exists() and not (tmp_path / "metrics").exists()
+
+
+def test_rejected_rows_are_one_warning_with_their_lines_and_reasons(tmp_path):
+    """Rows without an answer, with a word for an answer, with an empty question, or that are not
+    JSON: one WARNING naming the file, the count and the first three lines with their reasons; the
+    valid rows are all written and stats.json counts the rejected ones."""
+    bad = [b'{"question": "No answer?"}', b'{"question": "Word?", "answer": "abc"}', b'{"question": " ", "answer": "3"}',
+           b"not json {"]
+    code, err = _prepare(tmp_path, [_good(0), _good(1), _good(2), bad[0], *map(_good, range(3, 7)), bad[1],
+                                    _good(7), _good(8), bad[2], bad[3], _good(9)])
+    assert code == 0, err
+    warnings = [x for x in err if " WARNING " in x]
+    assert warnings == [f"[prepare_data] WARNING {tmp_path}/mine.jsonl: 4 rows skipped: line 4: no answer; line 9: "
+                        "answer 'abc' is not a number; line 12: empty question; and 1 more"]
+    rows = [json.loads(x) for name in ("train.jsonl", "test.jsonl")
+            for x in (tmp_path / "raw" / name).read_text().splitlines()]
+    assert len(rows) == 10
+    assert json.loads((tmp_path / "raw" / "stats.json").read_text())["rejected_rows"] == 4

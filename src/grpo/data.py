@@ -9,11 +9,14 @@ evaluation all call it.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
-from grpo.jsonio import DataError
+from grpo.jsonio import DataError, text_lines
 from grpo.rewards import extract_answer
+
+log = logging.getLogger(__name__)
 
 
 def generate_arithmetic(
@@ -90,33 +93,58 @@ def load_gsm8k(split: str, n: int) -> list[dict]:
     return rows
 
 
-def load_user_jsonl(path: str | Path) -> tuple[list[dict], int]:
-    """Valid rows of a user's JSONL file and the number rejected. A row is valid when it is a JSON
-    object with a non-empty ``question`` and an ``answer`` from which a number can be read
-    (``"42"``, ``"#### 1,000"``); ``id`` and ``solution`` are kept when present."""
+def _row_problem(item) -> str | None:
+    """Why a parsed JSONL row is not a problem row (None when it is one)."""
+    if not isinstance(item, dict):
+        return "not a JSON object"
+    question = item.get("question")
+    if not isinstance(question, str) or not question.strip():
+        return "no question" if question is None else "empty question"
+    if "answer" not in item:
+        return "no answer"
+    if extract_answer(str(item["answer"])) is None:
+        return f"answer {str(item['answer'])[:20]!r} is not a number"
+    return None
+
+
+def load_user_jsonl(path: str | Path) -> tuple[list[dict], list[str]]:
+    """Valid rows of a user's JSONL file and why each other row was rejected (``"line 4: no
+    answer"``, in file order). A row is valid when it is a JSON object with a non-empty
+    ``question`` and an ``answer`` from which a number can be read (``"42"``, ``"#### 1,000"``);
+    ``id`` and ``solution`` are kept when present. Bytes that are not UTF-8 are a ``DataError``
+    (``grpo.jsonio.text_lines``)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data.path: {path}: file not found")
-    rows, rejected = [], 0
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError:
-                rejected += 1
-                continue
-            question = item.get("question") if isinstance(item, dict) else None
-            answer = extract_answer(str(item.get("answer", ""))) if isinstance(item, dict) else None
-            if not isinstance(question, str) or not question.strip() or answer is None:
-                rejected += 1
-                continue
-            rows.append({"id": str(item.get("id", f"jsonl-{lineno}")), "question": question, "answer": answer,
-                         "solution": str(item.get("solution", ""))})
+    rows, rejected = [], []
+    for lineno, line in text_lines(path):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            rejected.append(f"line {lineno}: not JSON")
+            continue
+        problem = _row_problem(item)
+        if problem:
+            rejected.append(f"line {lineno}: {problem}")
+            continue
+        rows.append({"id": str(item.get("id", f"jsonl-{lineno}")), "question": item["question"],
+                     "answer": extract_answer(str(item["answer"])), "solution": str(item.get("solution", ""))})
     if not rows:
-        raise DataError(f"data.path: {path}: no valid rows ({rejected} rejected: each needs a question and a numeric answer)")
+        raise DataError(f"data.path: {path}: no valid rows ({len(rejected)} rejected: each needs a question and a "
+                        f"numeric answer; {'; '.join(rejected[:SHOWN])})")
     return rows, rejected
+
+
+SHOWN = 3
+"""How many skipped rows a warning names (the rest are counted)."""
+
+
+def skipped_line(path: str | Path, reasons: list[str]) -> str:
+    """One line saying how many rows of ``path`` were skipped and why the first ``SHOWN`` were
+    (``"x.jsonl: 3 rows skipped: line 4: no answer; line 9: not JSON; ..."``)."""
+    more = f"; and {len(reasons) - SHOWN} more" if len(reasons) > SHOWN else ""
+    rows = "row" if len(reasons) == 1 else "rows"
+    return f"{path}: {len(reasons)} {rows} skipped: {'; '.join(reasons[:SHOWN])}{more}"
 
 
 def unseen(rows: list[dict], seen: set[str]) -> list[dict]:
@@ -156,7 +184,7 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
     takes it from the hub's train split after the training rows, ``jsonl`` from the rows after
     the test and train rows.
     """
-    rejected = 0
+    rejected: list[str] = []
     if cfg.source == "arithmetic":
         kw = dict(min_terms=cfg.min_terms, max_terms=cfg.max_terms, min_digits=cfg.min_digits,
                   max_digits=cfg.max_digits, operators=tuple(cfg.operators))
@@ -173,6 +201,8 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
         train, val, test = pool[: cfg.train_size], pool[cfg.train_size:], load_gsm8k("test", cfg.test_size)
     elif cfg.source == "jsonl":
         rows, rejected = load_user_jsonl(cfg.path)
+        if rejected:
+            log.warning(skipped_line(cfg.path, rejected))
         if len(rows) <= cfg.test_size:
             raise DataError(f"data.test_size: {cfg.path} has {len(rows)} valid rows, not more than test_size={cfg.test_size}")
         order = list(range(len(rows)))
@@ -190,7 +220,7 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
     val = unseen(val, {r["question"] for r in train + test})
     stats = {"source": cfg.source, "train": len(train), "test": len(test), "val": len(val),
              "train_duplicates_dropped": n_train - len(train), "test_dropped_shared_with_train": dropped,
-             "val_dropped_seen_or_repeated": n_val - len(val), "rejected_rows": rejected}
+             "val_dropped_seen_or_repeated": n_val - len(val), "rejected_rows": len(rejected)}
     return train, test, val, stats
 
 
@@ -201,3 +231,30 @@ def build_prompt(tokenizer, question: str, system_prompt: str) -> str:
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return f"{system_prompt}\n\nQuestion: {question}\nAnswer:"
+
+
+def prompts_that_fit(tokenizer, rows: list[dict], system_prompt: str, section, source: str | Path,
+                     ) -> tuple[list[dict], list[str]]:
+    """The rows whose prompt (``build_prompt``) plus ``section.max_new_tokens`` fits the engine's
+    ``section.max_model_len`` tokens, and their prompts. The others are skipped with one WARNING
+    (``skipped_line``: ``source``, each row's id and prompt length); when none fits, a
+    ``DataError`` naming the key. A prompt of no more UTF-8 bytes than the budget fits without
+    being tokenized (a tokenizer makes at most one token of each byte)."""
+    budget = section.max_model_len - section.max_new_tokens
+    kept, prompts, skipped = [], [], []
+    for row in rows:
+        prompt = build_prompt(tokenizer, row["question"], system_prompt)
+        if len(prompt.encode()) > budget:
+            n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            if n > budget:
+                skipped.append(f"id {row.get('id')!r}: prompt of {n} tokens + {section.max_new_tokens} new > "
+                               f"{section.SECTION}.max_model_len {section.max_model_len}")
+                continue
+        kept.append(row)
+        prompts.append(prompt)
+    if skipped and not kept:
+        raise DataError(f"{section.SECTION}.max_model_len: no prompt of {source} fits; "
+                        + skipped_line(source, skipped))
+    if skipped:
+        log.warning(skipped_line(source, skipped))
+    return kept, prompts

@@ -2,17 +2,34 @@
 
 ``write_json`` / ``write_jsonl`` write to a temporary file and rename it, so a crash never leaves
 a half-written file under the final name. ``read_jsonl`` reads problem rows and fails with a
-``DataError`` naming the file and line.
+``DataError`` naming the file and line; ``text_lines`` is the one reader of a data file's lines
+(bytes that are not UTF-8 are such an error too).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 
 class DataError(ValueError):
     """Bad or missing data; the message names the file or field."""
+
+
+def text_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each non-blank line of the UTF-8 file ``path`` (numbered from 1,
+    blank lines counted). A line that is not UTF-8 raises ``DataError`` naming the file, the line
+    and the first bad byte."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1} "
+                                "of the line); save the file as UTF-8") from None
+            if line.strip():
+                yield lineno, line
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -21,17 +38,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.exists():
         raise DataError(f"{path}: data file not found")
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-                raise DataError(f"{path}:{lineno}: a row needs 'question' and 'answer'")
-            rows.append(row)
+    for lineno, line in text_lines(path):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
+        if not isinstance(row, dict) or "question" not in row or "answer" not in row:
+            raise DataError(f"{path}:{lineno}: a row needs 'question' and 'answer'")
+        rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows

@@ -15,10 +15,14 @@ log = logging.getLogger(__name__)
 
 
 def run_eval(params: Params, name: str, adapter_dir: str | None) -> dict:
-    """Evaluate, write ``metrics/<name>.json`` and ``outputs/eval/<name>.jsonl`` (per problem)."""
+    """Evaluate, write ``metrics/<name>.json`` and ``outputs/eval/<name>.jsonl`` (per problem). The
+    work folder ``outputs/eval/<name>_work`` (the exported weights) is gone when this returns or
+    raises."""
     work = Path("outputs/eval") / f"{name}_work"
-    metrics, per_problem = evaluate(params, adapter_dir, work)
-    shutil.rmtree(work, ignore_errors=True)  # the exported weights are a temporary copy
+    try:
+        metrics, per_problem = evaluate(params, adapter_dir, work)
+    finally:  # the exported weights are a temporary copy, removed whether the evaluation ends or fails
+        shutil.rmtree(work, ignore_errors=True)
     selection = Path(adapter_dir or "", "selection.json")
     if adapter_dir and selection.exists():  # which of the run's adapters the train stage wrote
         metrics["adapter"] = json.loads(selection.read_text())

@@ -11,9 +11,9 @@ import logging
 import time
 from pathlib import Path
 
-from grpo.base_model import load_tokenizer
+from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.config import Params
-from grpo.data import build_prompt
+from grpo.data import prompts_that_fit
 from grpo.device import default_device, sampling_dtype
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
@@ -27,8 +27,9 @@ def sent(params: Params) -> dict:
     cfg = params.sent
     t0 = time.perf_counter()
     rows = read_jsonl(cfg.data_path)
+    check_model_dir(params.model.path)
     tokenizer = load_tokenizer(params.model.path)
-    prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
+    rows, prompts = prompts_that_fit(tokenizer, rows, params.train.system_prompt, cfg, cfg.data_path)
     dtype = sampling_dtype(cfg.dtype, default_device())
     with saved_model_sampler(cfg.backend, tokenizer, params.model.path, cfg, seed=cfg.seed, dtype=dtype,
                              enforce_eager=cfg.enforce_eager) as sampler:  # the engine is closed after sampling

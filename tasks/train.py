@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from grpo.base_model import load_tokenizer
+from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.checkpoint import reset_if_changed
 from grpo.config import Params, ParamsError
+from grpo.data import prompts_that_fit
 from grpo.device import compute_dtype, default_device
 from grpo.distributed import (
     LAUNCHER_PID,
@@ -200,8 +201,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
                           f"{ds_file} (the trainer reads the JSON from the param; without it the run is plain "
                           "data parallelism)")
     problems = read_jsonl(cfg.data_path)
-    if not Path(params.model.path, "config.json").exists():
-        raise FileNotFoundError(f"model.path: {params.model.path} has no config.json; run prepare_model first")
+    check_model_dir(params.model.path)
     adapter_dir, summary_path = Path(cfg.adapter_dir), Path(cfg.metrics_dir) / "train.json"
     if dist.is_main:  # the shipped adapter and summary stay until new ones replace them (RunDir.ship)
         reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
@@ -209,6 +209,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     if dist.active and device == "cuda":
         device = f"cuda:{dist.local_rank}"
     tokenizer = load_tokenizer(params.model.path)
+    problems, _ = prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg, cfg.data_path)
     model = load_policy(params.model, params.lora, device)
     callbacks, closers = _loggers(params) if dist.is_main else ([], [])
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None

@@ -78,10 +78,38 @@ def test_ask_names_a_missing_model_or_adapter(tmp_path, tiny_params, capsys):
     code, out, err = run(capsys, "ask", "1 + 1?", "--params", str(path))
     assert code == 2 and out == ""
     assert err.splitlines() == [f"grpo ask: error: model.path: {tmp_path / 'no-model'}: no model there (no "
-                                "config.json; run `dvc repro prepare_model` first)"]
+                                "such folder); run `dvc repro prepare_model` first"]
     code, out, err = run(capsys, "ask", "1 + 1?", "--params", str(tiny_params), "--adapter", str(tmp_path / "none"))
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith(f"grpo ask: error: --adapter: {tmp_path / 'none'}: ")
+
+
+@pytest.mark.parametrize("files", [[], ["config.json"]], ids=["empty", "no-weights"])
+def test_ask_names_an_empty_model_folder(tmp_path, capsys, files):
+    """A model folder that is empty, or has a config but no weights: one line naming the folder and
+    what it lacks."""
+    model = tmp_path / "base"
+    model.mkdir()
+    for name in files:
+        (model / name).write_text("{}")
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(model)}}))
+    code, out, err = run(capsys, "ask", "1 + 1?", "--params", str(path))
+    lacks = "no weights: no *.safetensors or pytorch_model*.bin" if files else "no config.json"
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [f"grpo ask: error: model.path: {model}: no model there ({lacks}); run `dvc repro "
+                                "prepare_model` first"]
+
+
+@pytest.mark.parametrize("question", ["", "  \n "])
+def test_ask_refuses_an_empty_question_before_loading_anything(question, monkeypatch, capsys):
+    """An empty or blank question is one line and exit 2; neither the params nor the model is read."""
+    from grpo import cli
+
+    monkeypatch.setattr(cli, "resolve_params", lambda *a: pytest.fail("params read for an empty question"))
+    code, out, err = run(capsys, "ask", question, "--params", "/nonexistent/params.yaml")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == ['grpo ask: error: the question is empty; ask one, e.g. grpo ask "What is 2 + 3?"']
 
 
 def _saved_adapter(model_dir, out, **lora):

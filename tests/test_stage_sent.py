@@ -12,7 +12,7 @@ from grpo.jsonio import write_jsonl
 from tests.conftest import REPO
 
 
-def _run_sent(tmp_path, model_dir, problems, backend):
+def _run_sent(tmp_path, model_dir, problems, backend, code=0):
     write_jsonl(tmp_path / "train.jsonl", problems)
     params = {
         "model": {"path": str(model_dir)},
@@ -24,7 +24,9 @@ def _run_sent(tmp_path, model_dir, problems, backend):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     proc = subprocess.run([sys.executable, "-m", "tasks.sent", "--params", str(tmp_path / "params.yaml")],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
+    if code:
+        return proc.stderr
     rows = [json.loads(line) for line in (tmp_path / f"sorted_{backend}.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / f"metrics_{backend}" / "sent.json").read_text())
     return rows, summary, proc.stderr
@@ -56,3 +58,31 @@ def test_sent_stage_transformers_fallback(tmp_path, tiny_model_dir, tiny_problem
     rows, summary, log = _run_sent(tmp_path, tiny_model_dir, tiny_problems, "transformers")
     assert summary["backend"] == "transformers"
     _check_sorted_rows(rows, tiny_problems)
+
+
+@pytest.mark.parametrize("files", [[], ["config.json", "tokenizer.json"]], ids=["empty", "no-weights"])
+def test_sent_stage_names_an_empty_model_folder(tmp_path, tiny_problems, files):
+    """A model folder without config.json, or without weights: exit 2 and one line naming the folder,
+    what it lacks and the stage to run; no output written."""
+    model = tmp_path / "base"
+    model.mkdir()
+    for name in files:
+        (model / name).write_text("{}")
+    err = _run_sent(tmp_path, model, tiny_problems, "transformers", code=2)
+    lacks = "no weights: no *.safetensors or pytorch_model*.bin" if files else "no config.json"
+    assert err.splitlines() == [f"sent: error: model.path: {model}: no model there ({lacks}); run `dvc repro "
+                                "prepare_model` first"]
+    assert not (tmp_path / "sorted_transformers.jsonl").exists() and not (tmp_path / "metrics_transformers").exists()
+
+
+@pytest.mark.slow
+def test_sent_stage_skips_a_question_longer_than_max_model_len(tmp_path, tiny_model_dir, tiny_problems):
+    """A 5 MB question is skipped with one warning naming the file, the row and sent.max_model_len;
+    the other rows are scored as without it."""
+    huge = {"id": "huge", "question": "1 + " * 1_250_000 + "1?", "answer": "1250001", "solution": ""}
+    rows, summary, log = _run_sent(tmp_path, tiny_model_dir, [*tiny_problems, huge], "transformers")
+    _check_sorted_rows(rows, tiny_problems)
+    assert summary["rows"] == len(tiny_problems)
+    (warning,) = [x for x in log.splitlines() if " WARNING " in x]
+    assert warning.startswith(f"[sent] WARNING {tmp_path / 'train.jsonl'}: 1 row skipped: id 'huge': prompt of ")
+    assert warning.endswith(" tokens + 8 new > sent.max_model_len 256")

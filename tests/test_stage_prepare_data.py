@@ -1,5 +1,6 @@
-"""The prepare_data stage (``python -m tasks.prepare_data``): byte-identical outputs across runs, and an
-offline gsm8k source reported in one line."""
+"""The prepare_data stage (``python -m tasks.prepare_data``): byte-identical outputs across runs; an
+offline gsm8k source and a data file that is not UTF-8 reported in one line; a user's rejected rows
+in one warning; the stage time of a run of another params file kept out of the workspace's."""
 
 import json
 import subprocess

@@ -7,6 +7,7 @@ plotted data back from the matplotlib artists instead of looking at pixels.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -218,8 +219,10 @@ def test_build_report_from_a_workspace(workspace, tmp_path, figures):
     assert set(links) == {"accuracy.png", "curves.png", "signals.png", "sent_entropy.png"}
     for name in links:
         assert Image.open(out / name).format == "PNG"
-    html = (out / "report.html").read_text()
-    assert set(re.findall(r'<img[^>]*src="([^"]+)"', html)) == set(links)
+    html = (out / "report.html").read_text()  # one file: the same PNGs inlined
+    inlined = re.findall(r'<img[^>]*src="data:image/png;base64,([^"]+)"', html)
+    assert sorted(base64.b64decode(d) for d in inlined) == sorted((out / n).read_bytes() for n in links)
+    assert len(re.findall(r"<img", html)) == len(links)
     assert html.count("<table>") >= 3
 
     # examples: pairs by id, the fixed problems first, labels match each side's correctness
@@ -394,3 +397,14 @@ def test_the_params_file_is_folded_away_in_the_html(workspace, tmp_path):
     html = (out / "report.html").read_text()
     folded = html.split("<details>", 1)[1].split("</details>", 1)[0]
     assert "<summary>The params file</summary>" in folded and "lr: 0.000123" in folded and "<pre><code" in folded
+
+
+def test_inline_images_inlines_existing_pngs_and_keeps_other_links(tmp_path):
+    from grpo.report import inline_images
+
+    png = b"\x89PNG fake"
+    (tmp_path / "a.png").write_bytes(png)
+    text = "x ![one](a.png) y ![two](missing.png) [a link](a.png)\n"
+    encoded = base64.b64encode(png).decode()
+    assert inline_images(text, tmp_path) == (f"x ![one](data:image/png;base64,{encoded}) y "
+                                             "![two](missing.png) [a link](a.png)\n")

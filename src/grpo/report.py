@@ -1,5 +1,5 @@
-"""The run report: ``reports/report.md`` and ``reports/report.html`` with PNG plots, and the headline
-metric that ``dvc exp show`` lists.
+"""The run report: ``reports/report.md`` with PNG plots beside it, ``reports/report.html`` (one file: the
+same text with the plots inlined as ``data:`` URIs), and the headline metric that ``dvc exp show`` lists.
 
 Reads the stage outputs of the contract (metrics/*.json, the trainer's per-step log, the SENT
 cache, per-problem evaluation outputs) and writes, in plain words: a header (date, git commit,
@@ -15,11 +15,13 @@ the stage (a report of a partial run is still useful). The HTML scales its figur
 
 from __future__ import annotations
 
+import base64
 import datetime
 import functools
 import importlib.metadata
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -328,8 +330,24 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     md += _run_section(stage_times(metrics / "time", root / DVC_YAML), root / params_path)
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)
-    (out / "report.html").write_text(to_html(text))
+    (out / "report.html").write_text(to_html(inline_images(text, out)))
     return out / "report.md"
+
+
+_PNG_LINK = re.compile(r"(!\[[^\]]*\]\()([^()\s]+\.png)(\))")
+
+
+def inline_images(markdown_text: str, base: str | Path) -> str:
+    """``markdown_text`` with each image link ``![alt](<name>.png)`` to a file under ``base`` replaced by a
+    base64 ``data:image/png`` URI, so the text renders as one file (the HTML report, Prefect's markdown
+    artifact); a link whose file is missing is kept as it is."""
+    def inline(match: re.Match) -> str:
+        path = Path(base) / match.group(2)
+        if not path.is_file():
+            return match.group(0)
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+        return f"{match.group(1)}data:image/png;base64,{data}{match.group(3)}"
+    return _PNG_LINK.sub(inline, markdown_text)
 
 
 def adapter_in_words(selection: dict | None) -> str:

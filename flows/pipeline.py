@@ -14,7 +14,7 @@ touch the network (``prepare_data`` may download GSM8K, ``prepare_model`` a hub 
 wheel) are retried. With overrides, the params are set in ``params.yaml`` (comments kept; a
 value the stages would refuse stops the flow before any stage, writing nothing), the stages run, and
 ``dvc exp save`` records the result as a named experiment. The report is published
-as a markdown artifact, the metrics and the stage table as table artifacts, and ``main()`` prints
+as a markdown artifact, the metrics and the stage table as table artifacts, and ``main()`` (``flows/launch.py``) prints
 one ``stage status seconds`` line per stage.
 
 One DVC run at a time per workspace (``flows/workspace.py``). Before Prefect is even imported,
@@ -37,14 +37,28 @@ hand takes no slot and still fails at once on a busy workspace, and a deployment
 a hand-started run there fails as before. ``GRPO_WORKSPACE_SLOT=off`` in the run's environment, or
 the limit disabled on the server (``prefect gcl disable``), skips the slot.
 
-Prefect is imported on first use of ``pipeline``/``run_stage`` (the module ``__getattr__`` below
-builds the flow and the task), so ``from flows.pipeline import pipeline`` and the deployment
-entrypoint ``flows/pipeline.py:pipeline`` get the Prefect flow as before.
+A stage that runs longer than the flow's ``stage_timeout_s`` (default ``flows.launch.STAGE_TIMEOUT_S``;
+``--stage-timeout`` on the command line, ``stage_timeout_s`` in a deployment's parameters) is stopped,
+its ``dvc repro`` and every process under it (``flows/process.py``), and fails its task and the flow
+with one line, ``stage <name> (dvc repro --single-item <name>) timed out after <N> s: ...``; the flow
+then lets go of the workspace lock and slot, so the next run gets the workspace. The task has Prefect's
+own timeout too (the stage's plus ``TASK_SLACK_S``), a backstop over DVC's status check. A timed-out
+stage is not retried.
+
+``pipeline`` (the flow, entrypoint ``flows/pipeline.py:pipeline``) and ``run_stage`` (its task) are
+decorated at module level. ``python -m flows.pipeline`` runs ``flows.launch.main`` before this module's
+imports, so a refused run answers before Prefect is imported.
 """
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # `python -m flows.pipeline`: the command line answers a busy workspace before Prefect loads
+    from flows.launch import main
+
+    raise SystemExit(main())
+
+# the imports follow the command line's early exit above
+# ruff: noqa: E402
 import contextlib
 import hashlib
 import json
@@ -54,28 +68,23 @@ import sys
 import time
 from pathlib import Path
 
-from flows.workspace import WorkspaceBusy, check_no_dvc_run, dvc_stages, find_dvc_run, workspace_lock
-from grpo.config import DeviceError, ParamsError
+from prefect import flow, get_run_logger, task
+
+from flows.launch import STAGE_TIMEOUT_S, select_stages, stages_of
+from flows.process import StageTimeout, run_logged
+from flows.workspace import WorkspaceBusy, check_no_dvc_run, find_dvc_run, workspace_lock
+from grpo.config import ParamsError
 from grpo.engine.preflight import require_ready_gpu
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
 SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take no workspace slot
+# The Prefect task's own timeout is the stage's plus this: a backstop over DVC's status check and the
+# stop of the stage's processes, which the stage's timeout does not cover.
+TASK_SLACK_S = 120.0
 
 
 def _dvc() -> list[str]:
     return [sys.executable, "-m", "dvc"]
-
-
-def stages_of(workdir: str | Path) -> list[str]:
-    """The workspace's stages in ``dvc.yaml``'s order."""
-    return dvc_stages(Path(workdir).resolve())
-
-
-def _select(known: list[str], wanted: list[str] | None) -> list[str]:
-    unknown = [s for s in (wanted or []) if s not in known]
-    if unknown:
-        raise ValueError(f"stages: unknown {', '.join(unknown)}; dvc.yaml has: {', '.join(known)}")
-    return [s for s in known if not wanted or s in wanted]
 
 
 def stage_changed(root: Path, stage: str) -> bool:
@@ -86,10 +95,14 @@ def stage_changed(root: Path, stage: str) -> bool:
         return bool(repo.status(targets=[f"{root / 'dvc.yaml'}:{stage}"]))
 
 
-def _run_stage(stage: str, workdir: str) -> dict:
-    """Skip ``stage`` if DVC finds it unchanged, else ``dvc repro --single-item <stage>`` with its output logged."""
-    from prefect import get_run_logger
+@task(name="dvc-stage", task_run_name="{stage}", timeout_seconds=STAGE_TIMEOUT_S + TASK_SLACK_S)
+def run_stage(stage: str, workdir: str, timeout_s: float = STAGE_TIMEOUT_S) -> dict:
+    """Skip ``stage`` if DVC finds it unchanged, else ``dvc repro --single-item <stage>`` with its output logged.
 
+    A run past ``timeout_s`` seconds stops that ``dvc repro`` and every process under it and raises
+    ``StageTimeout`` (one line naming the stage and the timeout); a failed ``dvc repro`` raises
+    ``WorkspaceBusy`` when another DVC run is the likely cause, else ``RuntimeError`` with its last lines.
+    """
     logger = get_run_logger()
     root = Path(workdir)
     t0 = time.perf_counter()
@@ -103,15 +116,12 @@ def _run_stage(stage: str, workdir: str) -> dict:
     if not changed:
         logger.info("stage %s: unchanged since dvc.lock (dvc status), skipped", stage)
         return {"stage": stage, "status": "skipped", "seconds": round(time.perf_counter() - t0, 1)}
-    proc = subprocess.Popen([*_dvc(), "repro", "--single-item", stage], cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
-    lines = []
-    for line in proc.stdout:
-        line = line.rstrip()
-        lines.append(line)
-        if line and "\r" not in line:
-            logger.info(line)
-    code = proc.wait()
+    try:
+        code, lines = run_logged([*_dvc(), "repro", "--single-item", stage], root, timeout_s, logger.info,
+                                 what=f"stage {stage} (dvc repro --single-item {stage})")
+    except StageTimeout as err:
+        raise StageTimeout(f"{err}; the limit is the flow's stage_timeout_s (python -m flows.pipeline "
+                           "--stage-timeout SECONDS)") from None
     if code != 0:
         other = find_dvc_run(root)  # a DVC run started beside the flow is the likely cause: name it
         if other is not None:
@@ -121,8 +131,9 @@ def _run_stage(stage: str, workdir: str) -> dict:
 
 
 def _retry_unless_busy(task, task_run, state) -> bool:
-    """Retry a failed network stage, but not one that failed because another DVC run holds the workspace."""
-    return not isinstance(getattr(state, "data", None), WorkspaceBusy)
+    """Retry a failed network stage, but not one that failed because another DVC run holds the workspace,
+    nor one that ran past its timeout (a retry would hold the workspace that long again)."""
+    return not isinstance(getattr(state, "data", None), (WorkspaceBusy, StageTimeout))
 
 
 def slot_name(workdir: str | Path) -> str:
@@ -149,7 +160,6 @@ def workspace_slot(root: Path):
     if run is None:
         yield None
         return
-    from prefect import get_run_logger
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
@@ -196,11 +206,16 @@ def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
 
 
 def _publish(workdir: Path, results: list[dict]) -> None:
+    """The report (its PNGs inlined: the artifact is one piece of markdown), the accuracies and the stage
+    table as Prefect artifacts of the flow run."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from grpo.report import inline_images
 
     report = workdir / "reports" / "report.md"
     if report.exists():
-        create_markdown_artifact(report.read_text(), key="grpo-report", description="GRPO run report")
+        create_markdown_artifact(inline_images(report.read_text(), report.parent), key="grpo-report",
+                                 description="GRPO run report")
     rows = []
     for name in ("baseline", "final"):
         path = workdir / "metrics" / f"{name}.json"
@@ -213,14 +228,17 @@ def _publish(workdir: Path, results: list[dict]) -> None:
     create_table_artifact(results, key="grpo-stages", description="Stages run or skipped by DVC")
 
 
-def _pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experiment_name: str | None = None,
-              stages: list[str] | None = None) -> list[dict]:
-    """Run the DVC stages in dvc.yaml's order as Prefect tasks; with ``overrides``, record a DVC experiment."""
-    from prefect import get_run_logger
+@flow(name="grpo-pipeline", log_prints=True)
+def pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experiment_name: str | None = None,
+             stages: list[str] | None = None, stage_timeout_s: float = STAGE_TIMEOUT_S) -> list[dict]:
+    """Run the DVC stages in dvc.yaml's order as Prefect tasks; with ``overrides``, record a DVC experiment.
 
+    Each stage's ``dvc repro`` is stopped, its processes with it, after ``stage_timeout_s`` seconds; the
+    flow then fails with the ``StageTimeout`` line and lets go of the workspace (its lock and slot).
+    """
     logger = get_run_logger()
     root = Path(workdir).resolve()
-    selected = _select(stages_of(root), stages)
+    selected = select_stages(stages_of(root), stages)
     # the workspace's Prefect slot first (deployment runs only), so a second deployment run waits there for the
     # first instead of failing on the lock; the lock is re-entrant: main() already holds it, a deployment takes it here
     with workspace_slot(root), workspace_lock(root):
@@ -228,90 +246,16 @@ def _pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, exper
         if overrides:
             apply_overrides(root / "params.yaml", overrides)
             logger.info("params overridden: %s", overrides)
-        run_stage = _prefect_objects()["run_stage"]
         results = []
         for stage in selected:
             check_no_dvc_run(root)  # a `dvc repro` started beside the flow since the last stage
-            runner = run_stage
+            runner = run_stage.with_options(timeout_seconds=stage_timeout_s + TASK_SLACK_S)
             if stage in NETWORK_STAGES:
-                runner = run_stage.with_options(retries=2, retry_delay_seconds=10,
-                                                retry_condition_fn=_retry_unless_busy)
-            results.append(runner(stage, str(root)))
+                runner = runner.with_options(retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_unless_busy)
+            results.append(runner(stage, str(root), stage_timeout_s))
         if overrides or experiment_name:
             cmd = [*_dvc(), "exp", "save", "--force"] + (["--name", experiment_name] if experiment_name else [])
             subprocess.run(cmd, cwd=root, check=True)
             logger.info("recorded as DVC experiment %s", experiment_name or "(auto-named)")
         _publish(root, results)
     return results
-
-
-# `_run_stage` and `_pipeline` become the Prefect task `run_stage` and flow `pipeline` on first use,
-# through the module __getattr__ below: importing Prefect takes seconds, and a refused run must not
-# wait for it. Their names are the public ones, so a deployment's entrypoint is `flows/pipeline.py:pipeline`.
-_run_stage.__name__ = _run_stage.__qualname__ = "run_stage"
-_pipeline.__name__ = _pipeline.__qualname__ = "pipeline"
-_BUILT: dict = {}
-
-
-def _prefect_objects() -> dict:
-    if not _BUILT:
-        from prefect import flow, task
-
-        _BUILT["run_stage"] = task(name="dvc-stage", task_run_name="{stage}")(_run_stage)
-        _BUILT["pipeline"] = flow(name="grpo-pipeline", log_prints=True)(_pipeline)
-    return _BUILT
-
-
-def __getattr__(name: str):
-    if name in ("run_stage", "pipeline"):
-        return _prefect_objects()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# Without PREFECT_API_URL the flow starts Prefect's temporary ("ephemeral") server, which Prefect
-# waits 20 s for by default (prefect/settings/models/server/ephemeral.py); a busy 2-core machine can
-# take longer, so the flow waits this long unless the user set the variable.
-EPHEMERAL_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
-EPHEMERAL_TIMEOUT_S = 120
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description="Run the DVC pipeline as a Prefect flow.")
-    ap.add_argument("--workdir", default=".")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a param (repeatable), e.g. --set train.lr=5e-4; the run becomes a DVC experiment")
-    ap.add_argument("--name", help="experiment name (with --set)")
-    ap.add_argument("--stages", nargs="*", help="run only these stages of dvc.yaml (default: all)")
-    args = ap.parse_args(argv)
-    bad = [s for s in args.sets if "=" not in s]
-    if bad:
-        ap.error(f"--set {bad[0]}: expected KEY=VALUE")
-    overrides = dict(s.split("=", 1) for s in args.sets)
-    root = Path(args.workdir).resolve()
-    try:
-        _select(stages_of(root), args.stages)
-    except ValueError as err:
-        print(f"flow: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
-            os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-            os.environ.setdefault(EPHEMERAL_TIMEOUT, str(EPHEMERAL_TIMEOUT_S))
-            results = _prefect_objects()["pipeline"](str(root), overrides or None, args.name, args.stages)
-    except (WorkspaceBusy, ParamsError, DeviceError) as err:
-        print(f"flow: error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        if "ephemeral Prefect API server" not in str(err):
-            raise
-        print(f"flow: error: Prefect's temporary server did not answer within {os.environ[EPHEMERAL_TIMEOUT]} s "
-              f"({EPHEMERAL_TIMEOUT}); retry, or start a server (`prefect server start`) and set PREFECT_API_URL "
-              "(docs/orchestration.md)", file=sys.stderr)
-        return 1
-    for r in results:
-        print(f"{r['stage']:14} {r['status']:8} {r['seconds']:7.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,11 +1,21 @@
-"""``flows.pipeline``: the name of a workspace's Prefect concurrency slot (the flow run end to end:
-tests/test_pipeline.py, tests/test_flow_workspace.py; the slot held on a work pool: tests/test_flow_deploy.py)."""
+"""``flows.pipeline``: the name of a workspace's Prefect concurrency slot, the temporary server that does
+not start, and a stage past its timeout in a real flow run (the flow run end to end: tests/test_pipeline.py,
+tests/test_flow_workspace.py; the slot held on a work pool: tests/test_flow_deploy.py)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import yaml
 
 from flows.pipeline import slot_name
+
+from .conftest import REPO, make_dvc_workspace
 
 
 def test_slot_name_is_per_workspace_path(tmp_path):
@@ -18,11 +28,6 @@ def test_slot_name_is_per_workspace_path(tmp_path):
 def test_a_temporary_server_that_does_not_start_is_one_line(tmp_path):
     """Prefect's temporary server given no time to start (the timeout the flow otherwise raises to
     fit a busy machine): the flow ends with one line saying what to do, exit code 1, no traceback."""
-    import subprocess
-    import sys
-
-    from .conftest import REPO, make_dvc_workspace
-
     ws = make_dvc_workspace(tmp_path / "ws", {})
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
@@ -34,3 +39,79 @@ def test_a_temporary_server_that_does_not_start_is_one_line(tmp_path):
     assert len(errors) == 1, proc.stderr[-2000:]  # Prefect's own INFO lines about the server may surround it
     assert errors[0].startswith("flow: error: Prefect's temporary server did not answer within 0 s"), errors
     assert "Traceback" not in proc.stderr
+
+
+def _hang_workspace(ws):
+    """A git + DVC repo with one stage ``hang`` that, while ``hang.flag`` exists, records its shell's PID and
+    its workers' (one in a session of its own) and sleeps; else it writes ``out.txt`` at once."""
+    cmd = ("if [ -e hang.flag ]; then echo $$ > pids; sleep 600 & echo $! >> pids; setsid sleep 600 & "
+           "echo $! >> pids; echo hanging; wait; fi; echo done > out.txt")
+    ws.mkdir()
+    (ws / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"hang": {"cmd": cmd, "outs": ["out.txt"]}}}))
+    (ws / "hang.flag").touch()
+    for argv in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"], ["git", "config", "user.name", "ci"],
+                 [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+                 ["git", "add", "dvc.yaml", ".dvc"], ["git", "commit", "-qm", "hang"]):
+        subprocess.run(argv, cwd=ws, check=True, capture_output=True)
+    return ws
+
+
+@pytest.mark.slow
+def test_a_stage_past_its_timeout_fails_the_run_stops_its_processes_and_frees_the_workspace(tmp_path):
+    """A real flow run (Prefect's temporary server) whose stage hangs past ``--stage-timeout 5``: the run fails
+    with one line naming the stage and the timeout, no process of the stage is left, and a next run gets the
+    workspace at once and runs the stage."""
+    ws = _hang_workspace(tmp_path / "ws")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "DVC_NO_ANALYTICS": "1",
+           "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+    env.pop("PREFECT_API_URL", None)
+
+    def flow() -> tuple[subprocess.CompletedProcess, float]:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--workdir", str(ws), "--stage-timeout", "5"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return proc, time.monotonic() - t0
+
+    first, wall = flow()
+    assert first.returncode == 1, first.stderr[-3000:]
+    errors = [ln for ln in first.stderr.splitlines() if ln.startswith("flow: error:")]
+    assert len(errors) == 1, first.stderr[-3000:]  # Prefect's own lines about its server may follow it
+    line = errors[0]
+    assert line.startswith("flow: error: stage hang (dvc repro --single-item hang) timed out after 5 s: stopped it "
+                           "and its "), line
+    # the flow run's final state, as Prefect logs it
+    assert ("Finished in state Failed(\"Flow run encountered an exception: StageTimeout: " + line[len("flow: error: "):]
+            in first.stderr), first.stderr[-3000:]
+    pids = [int(p) for p in (ws / "pids").read_text().split()]
+    left = [p for p in psutil.process_iter(["pid", "cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and (p.info["pid"] in pids or "sleep 600" in " ".join(
+                p.info["cmdline"] or []) or "--single-item hang" in " ".join(p.info["cmdline"] or []))]
+    assert len(pids) == 3 and not left, left
+    assert not (ws / ".dvc/tmp/grpo-flow.lock").exists() and not (ws / "out.txt").exists()
+    print(f"\nfirst run failed after {wall:.1f} s: {line}")
+
+    (ws / "hang.flag").unlink()
+    second, wall = flow()
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.split()[:2] == ["hang", "ran"], second.stdout
+    assert (ws / "out.txt").read_text() == "done\n"
+    print(f"second run: {second.stdout.strip()} ({wall:.1f} s)")
+
+
+def test_the_report_artifact_is_one_piece_of_markdown(tmp_path, monkeypatch):
+    """``_publish`` hands Prefect the report with its PNGs inlined (``data:`` URIs), the rest of the text as is."""
+    import prefect.artifacts
+
+    from flows.pipeline import _publish
+
+    made: dict[str, str] = {}
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, key, **_: made.__setitem__(key, md))
+    monkeypatch.setattr(prefect.artifacts, "create_table_artifact", lambda rows, key, **_: made.__setitem__(key, rows))
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "curves.png").write_bytes(b"\x89PNG curves")
+    (tmp_path / "reports" / "report.md").write_text("# GRPO run report\n\n![curves](curves.png)\n\nThe end.\n")
+    _publish(tmp_path, [{"stage": "report", "status": "ran", "seconds": 1.0}])
+    assert made["grpo-report"] == ("# GRPO run report\n\n![curves](data:image/png;base64,iVBORyBjdXJ2ZXM=)\n\n"
+                                   "The end.\n")
+    assert made["grpo-stages"] == [{"stage": "report", "status": "ran", "seconds": 1.0}]

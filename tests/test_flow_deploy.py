@@ -6,6 +6,8 @@ created by the server's scheduler, executed by the serving process, and complete
 
 A process work pool and a real worker on a real local Prefect server: two runs of the same workspace
 queue on its Prefect concurrency slot; a run without the slot, at the same moment, fails as busy.
+A run whose stage waits past its ``stage_timeout_s`` fails with the timeout's line and frees the slot
+for the next run.
 
 The workspace is a git + DVC repo with one ``always_changed`` stage that appends ``<flow run id> start
 <time>`` to a log outside the workspace, waits until the test opens a gate (a file), then appends
@@ -29,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -268,3 +271,24 @@ def test_runs_of_one_workspace_queue_on_its_slot_and_fail_busy_without_it(pool_s
           f" ({gap:.2f} s after the first's end)\nsecond took the slot {took[second][0] - stamps[first]['end']:.2f} s"
           f" after the first's stage ended, having waited {waited:.1f} s (logged that it was waiting: {said});"
           f" both completed {wall:.1f} s after creation\nthird (no slot) FAILED: {busy[:300]}")
+
+
+def test_a_run_past_its_stage_timeout_fails_and_frees_the_slot(pool_setup):
+    """A deployment run with ``stage_timeout_s: 3`` whose stage waits on the closed gate: it fails with the
+    timeout's line, its stage's processes are gone, the workspace's slot is free, and the next run completes."""
+    api, worker, gate, ws = (pool_setup[k] for k in ("api", "worker", "gate", "ws"))
+    gate.unlink(missing_ok=True)
+    dep = pool_setup["by_flows_deploy"]["id"]
+    hung = _post(api, f"/deployments/{dep}/create_flow_run", {"parameters": {"stage_timeout_s": 3}}).json()["id"]
+    assert _wait_final(api, [hung], worker)[hung]["state"]["type"] == "FAILED"
+    line = _wait_log(api, hung, "timed out after 3 s", worker)[1]
+    assert "stage stamp (dvc repro --single-item stamp) timed out after 3 s: stopped it and its " in line, line
+    left = [p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+            and str(gate) in " ".join(p.info["cmdline"] or [])]
+    assert not left, left  # the stage's shell, waiting on the gate, is gone
+    limit = _post(api, f"/v2/concurrency_limits/{slot_name(ws)}", None, tries=3, method="GET").json()
+    assert limit["active_slots"] == 0, limit
+    gate.touch()
+    after = _post(api, f"/deployments/{dep}/create_flow_run", {}).json()["id"]
+    assert _wait_final(api, [after], worker)[after]["state"]["type"] == "COMPLETED"
+    print(f"\nthe hung run: {line[:300]}")

@@ -108,3 +108,38 @@ def test_unknown_params_key_is_one_clear_line(workspace, tmp_path):
     proc = _sh(workspace, sys.executable, "-m", "tasks.train", "--params", str(bad), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("train: error: train.learning_rate: unknown key")
+
+
+def test_ctrl_c_in_a_repro_of_train_keeps_the_shipped_adapter_and_final_eval_runs(workspace):
+    """After the committed run: a longer run of train through `dvc repro`, Ctrl-C (SIGINT to the
+    process group, as a terminal sends it) once its first step is logged. The shipped adapter is
+    the committed run's byte for byte (DVC leaves a persist output in place; the stage swaps a new
+    adapter in only when a run completes), and final_eval runs on it."""
+    import hashlib
+    import shutil
+    import signal
+    import time
+
+    import yaml
+
+    _sh(workspace, "git", "checkout", "-q", "--", ".")
+    _sh(workspace, sys.executable, "-m", "dvc", "checkout", "-q", check=False)
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    adapter, out_dir = workspace / params["train"]["adapter_dir"], workspace / params["train"]["output_dir"]
+    digest = lambda: {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in adapter.iterdir()}  # noqa: E731
+    before = digest()
+    params["train"]["steps"] = 500
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.rmtree(out_dir)  # scratch space: the step log below is then the new run's
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "train"], cwd=workspace, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log, deadline = out_dir / "steps.jsonl", time.time() + 300
+    while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]  # DVC dies of the signal too (its own output may be lost with it)
+    assert digest() == before
+    _sh(workspace, "git", "checkout", "-q", "--", "params.yaml")
+    _sh(workspace, sys.executable, "-m", "tasks.final_eval")

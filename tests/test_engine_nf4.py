@@ -30,7 +30,14 @@ from grpo.rollout import TransformersBackend
 from .conftest import REPO, build_tiny_model_dir
 from .helpers import ENGINE_LORA as LORA
 from .helpers import ENGINE_PROMPTS as PROMPTS
-from .helpers import engine_gap_to_policy, logp_gap, randomise_adapter, tiny_engine_policy, train_on_engine_rollouts
+from .helpers import (
+    ENGINE_RAM,
+    engine_gap_to_policy,
+    logp_gap,
+    randomise_adapter,
+    tiny_engine_policy,
+    train_on_engine_rollouts,
+)
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -50,7 +57,7 @@ def engine(nf4_model_dir, tmp_path_factory, model_dtype):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     _, model, tok = tiny_engine_policy(nf4_model_dir, model_dtype)
-    with policy_rollouts("vllm", tok, model, section=VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+    with policy_rollouts("vllm", tok, model, section=VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256),
                          engine_dir=tmp_path_factory.mktemp("engine"), dtype=model_dtype, form="nf4") as backend:
         assert isinstance(backend, PolicyEngine) and backend.weights_form == "nf4"
         yield model, tok, backend
@@ -139,7 +146,7 @@ def test_the_stage_names_the_nf4_engine(nf4_model_dir, model_dtype, tiny_problem
                   "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 2,
                   "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "checkpoint_every": 0,
                   "eval_every": 0, "rollout_backend": "vllm", "engine_weights": "nf4",
-                  "gpu_memory_utilization": 0.1, "max_model_len": 256, "wandb_mode": "disabled"},
+                  "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256, "wandb_mode": "disabled"},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     out = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")], cwd=REPO,

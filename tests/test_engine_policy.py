@@ -36,12 +36,12 @@ from grpo.types import TrainBatch
 from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
 from .helpers import ENGINE_PROMPTS as PROMPTS
-from .helpers import engine_gap_to_policy, logp_gap, tiny_engine_policy, train_on_engine_rollouts
+from .helpers import ENGINE_RAM, engine_gap_to_policy, logp_gap, tiny_engine_policy, train_on_engine_rollouts
 from .helpers import randomise_adapter as _randomise_adapter
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
-STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memory_utilization=0.1,
+STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memory_utilization=ENGINE_RAM,
                    max_num_batched_tokens=40)
 """The engine fixture's step: 8 completions; 40 tokens an iteration, below max_model_len (chunked prefill)."""
 
@@ -177,7 +177,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, mo
                   "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"),
                   "metrics_dir": str(tmp_path / "metrics"), "steps": 6, "prompts_per_step": 2, "group_size": 2,
                   "max_new_tokens": 6, "checkpoint_every": 2, "eval_every": 3, "rollout_backend": "vllm",
-                  "gpu_memory_utilization": 0.1, "max_model_len": 256, "wandb_mode": "disabled"},
+                  "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256, "wandb_mode": "disabled"},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     cmd = [sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")]

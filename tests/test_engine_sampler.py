@@ -13,6 +13,8 @@ from grpo.base_model import load_tokenizer
 from grpo.config import VLLMEngineConfig
 from grpo.engine.sampler import saved_model_sampler
 
+from .helpers import ENGINE_RAM
+
 
 @pytest.mark.slow
 @pytest.mark.cuda
@@ -23,7 +25,7 @@ def test_a_closed_engine_is_gone(tiny_vllm_model_dir, auto_dtype):
     In ``auto`` (``pytest -m cuda``: the card's 16-bit dtype)."""
     tok = load_tokenizer(tiny_vllm_model_dir)
     with saved_model_sampler("vllm", tok, tiny_vllm_model_dir,
-                             VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+                             VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256),
                              dtype=auto_dtype) as backend:
         assert backend.name == "vllm"
         assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # the engine started with it off
@@ -45,7 +47,7 @@ def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir
     resumed run sample as the uninterrupted one did); the caller's torch stream is untouched."""
     tok = load_tokenizer(tiny_vllm_model_dir)
     with saved_model_sampler("vllm", tok, tiny_vllm_model_dir,
-                             VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256)) as backend:
+                             VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256)) as backend:
         assert backend.seeds_calls
         sample = dict(max_new_tokens=8, temperature=1.0)
         first = backend.generate(["abc", "de"], 2, seeds=[11, 12, 13, 14], **sample).texts

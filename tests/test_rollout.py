@@ -16,7 +16,7 @@ from grpo.engine.sampler import saved_model_sampler
 from grpo.policy import load_policy
 from grpo.rollout import TransformersBackend, completion_mask_from_eos, uses_engine
 
-from .helpers import LORA
+from .helpers import ENGINE_RAM, LORA
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_finished_says_which_completions_max_new_tokens_cut_off(tiny_vllm_model_
     model = load_policy(ModelConfig(path=str(tiny_vllm_model_dir)), LoraConfig(**LORA))
     cut = TransformersBackend(model, tok, min_new_tokens=5).generate(["Hi"], 3, max_new_tokens=5)
     assert not cut.finished.any() and cut.completion_mask.sum(1).tolist() == [5, 5, 5]
-    with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, VLLMEngineConfig(gpu_memory_utilization=0.1, max_model_len=256),
+    with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256),
                              min_new_tokens=5) as backend:
         cut = backend.generate(["Hi"], 3, max_new_tokens=5, temperature=1.0)
         free = backend.generate(["Hi", "abc"], 8, max_new_tokens=40, temperature=1.0)

@@ -163,20 +163,28 @@ def cmd_check(args) -> int:
     if device != "cuda":
         return 0
     saved = saved_model_plans(p, res.root, shapes, device, (prompt, how), bool(args.prompt_tokens), card)
-    if card is None:
-        return 0
-    print("verdict per stage:")
+    if card is not None:
+        print("\n".join(stage_verdicts(p, shapes, device, prompt, card, saved, plan, est)))
+    return 0
+
+
+def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved: dict, plan, est) -> list[str]:
+    """``grpo check``'s verdict per stage on a card of ``card`` bytes: each saved-model engine's
+    (``saved``: ``saved_model_plans``' result) and the train stage's (``plan``, ``est``)."""
+    from grpo import memory
+
+    lines = ["verdict per stage:"]
     for section, stages in memory.SAVED_MODEL_STAGES:
         if section not in saved:
-            print(f"  {', '.join(stages)}: the decode loop ({section}.backend {getattr(p, section).backend}): "
-                  "no engine, not estimated")
+            lines.append(f"  {', '.join(stages)}: the decode loop ({section}.backend {getattr(p, section).backend}): "
+                         "no engine, not estimated")
             continue
         saved_plan, saved_prompt = saved[section]
-        print(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
+        lines.append(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
     nf4_base = plan is not None and p.model.quantization == "nf4"  # the nf4 form needs the 4-bit base
     shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if nf4_base else None
-    print(f"  train: {memory.verdict(p, est, card, plan, shared)}")
-    return 0
+    lines.append(f"  train: {memory.verdict(p, est, card, plan, shared)}")
+    return lines
 
 
 def saved_model_plans(p: Params, root: Path, shapes, device: str, prompt: tuple[int, str], given: bool,

@@ -46,7 +46,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -56,11 +55,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH), str(REPO)]
 import device_update  # noqa: E402  (each phase script holds its part of the schema)
 import nan_guard  # noqa: E402
 import nf4_rows  # noqa: E402
 from gpu_check_preset import blank, schema_errors  # noqa: E402  (the schema checker the preset check uses)
+
+from flows.process import StageTimeout, run_logged  # noqa: E402  (the one stop of a child's process tree)
 
 SCHEMA_VERSION = "device_check/1"
 CARRY_LIMIT_MIB = 48
@@ -105,8 +106,9 @@ SCHEMA = {
         "python": "str: the Python version", "executable": "str: its path", "torch": "str: torch's version",
         "torch_cuda": "str?: the CUDA torch was built for", "device": "str: the card's name, or cpu",
         "capability": "str?: its compute capability", "memory_gib": "number?: its memory",
-        "driver": "str?: the NVIDIA driver", "cc": "str?: the C compiler Triton would use, its first line",
-        "python_h": "str?: Python.h, where found", "triton": "str?: triton's version",
+        "driver": "str?: the NVIDIA driver (grpo.engine.preflight.probe_driver)",
+        "cc": "str?: the C compiler Triton would use (preflight.probe_compiler): its path and first line",
+        "python_h": "str?: Python.h where Triton looks for it (preflight.probe_python_include), where found", "triton": "str?: triton's version",
         "transformers": "str?: its version", "peft": "str?: its version", "bitsandbytes": "str?: its version",
         "pydantic": "str?: its version", "doctor": "list[str]: grpo doctor's lines", "doctor_rc": "int?: its exit code",
     },
@@ -223,24 +225,25 @@ class Run:
         tmp.replace(self.out / "device_check.json")
 
     def child(self, name: str, argv: list[str], limit: float) -> tuple[int | None, str]:
-        """Run ``argv`` in its own process group, its output appended to ``OUT/LOG`` under a header
-        line; killed (the whole group) at ``limit`` seconds. Returns (exit code or None when
-        killed, its output)."""
-        log = self.out / LOG
+        """Run ``argv`` (``flows.process.run_logged``: its own session, its whole process tree
+        stopped at ``limit`` seconds), each output line appended to ``OUT/LOG`` as it comes, under
+        a header line. Returns (exit code, or None when stopped at the limit; its output)."""
         print(f"device_check: {name}: {' '.join(argv)} (at most {limit:.0f} s)", flush=True)
-        with open(log, "ab") as fh:
-            fh.write(f"\n===== {name}: {' '.join(argv)}\n".encode())
+        with open(self.out / LOG, "a", encoding="utf-8") as fh:
+            fh.write(f"\n===== {name}: {' '.join(argv)}\n")
             fh.flush()
             start = fh.tell()
-            proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+
+            def write(line: str) -> None:
+                fh.write(line + "\n")
+                fh.flush()
+
             try:
-                rc = proc.wait(timeout=max(limit, 1))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                rc, _ = run_logged(argv, REPO, max(limit, 1), write, name, env=self.env)
+            except StageTimeout as err:
+                write(str(err))
                 rc = None
-        with open(log, "rb") as fh:
+        with open(self.out / LOG, "rb") as fh:
             fh.seek(start)
             text = fh.read().decode(errors="replace")
         sys.stdout.write("".join(f"  {line}\n" for line in text.splitlines()[-12:]))
@@ -288,29 +291,25 @@ def outcome(rc: int | None, text: str) -> tuple[str, int | None, str | None]:
 
 # ---- the phases
 PROBE = r"""
-import importlib.metadata as md, json, platform, re, shutil, subprocess, sys, sysconfig
-from pathlib import Path
+import importlib.metadata as md, json, os, platform, subprocess, sys
 import torch
+from grpo.engine import preflight  # grpo doctor's own probes: the compiler and headers Triton would use
 def ver(d):
     try:
         return md.version(d)
     except md.PackageNotFoundError:
         return None
 cuda = torch.cuda.is_available()
-cc = None
-for name in ("cc", "gcc", "clang"):
-    if shutil.which(name):
-        cc = subprocess.run([name, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-        break
-header = Path(sysconfig.get_paths()["include"]) / "Python.h"
-driver = Path("/proc/driver/nvidia/version")
+cc = preflight.probe_compiler(os.environ)
+header = preflight.probe_python_include() / "Python.h"
 print(json.dumps({
     "python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
     "torch_cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
     "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
     "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2) if cuda else None,
-    "driver": (re.findall(r"\s(\d+\.\d+(?:\.\d+)?)\s", driver.read_text()) or [None])[0] if driver.exists() else None,
-    "cc": cc, "python_h": str(header) if header.exists() else None,
+    "driver": preflight.probe_driver(),
+    "cc": f"{cc}: " + subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0] if cc else None,
+    "python_h": str(header) if header.exists() else None,
     **{d: ver(d) for d in ("triton", "transformers", "peft", "bitsandbytes", "pydantic")}}))
 """
 

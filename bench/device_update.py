@@ -31,8 +31,8 @@ SCHEMA = {
     "completion_tokens": "int?: completion length", "micro_batches": "int?: train.micro_batches",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
-    "reserved_after_load_gib": "number?: CUDA reserved after the load, before torch.cuda.empty_cache()",
-    "peak_reserved_gib": "number?: torch.cuda.max_memory_reserved over the second step (the cache emptied after the load)",
+    "reserved_after_load_gib": "number?: CUDA reserved after grpo.policy.load_policy (which gives its load's cache back)",
+    "peak_reserved_gib": "number?: torch.cuda.max_memory_reserved over the second step",
     "free_gib": "number?: torch.cuda.mem_get_info's free after the second step",
     "total_gib": "number?: torch.cuda.mem_get_info's total",
     "estimate_gib": "number?: grpo check's training figure for these params (grpo.memory.estimate)",
@@ -62,12 +62,12 @@ def setup(args):
     if args.dry_run:
         train = p.train.model_copy(update={"max_new_tokens": 8, "prompts_per_step": 2, "group_size": 2,
                                            "micro_batches": 2})
-        return p.model_copy(update={"train": train}), architecture_config("toy"), "toy", "cpu", res.root
+        return p.model_copy(update={"train": train}), architecture_config("toy"), "toy", "cpu"
     found = memory.resolve_config(p.model, res.root)
     if isinstance(found, str):
         raise SystemExit(f"{args.params}: {found}")
     config, source = found
-    return p, config, source, "cuda", res.root
+    return p, config, source, "cuda"
 
 
 def measure(args) -> dict:
@@ -77,12 +77,13 @@ def measure(args) -> dict:
     from cuda_memory import make_trainer
 
     from grpo import memory
+    from grpo.base_model import load_tokenizer
     from grpo.device import compute_dtype
     from grpo.metrics import PhaseTimer
     from grpo.policy import load_policy
     from grpo.synthetic import random_model_dir
 
-    p, config, source, device, root = setup(args)
+    p, config, source, device = setup(args)
     dtype = compute_dtype(p.model.dtype, device)
     cuda = device == "cuda"
     out = {k: None for k in SCHEMA}
@@ -94,14 +95,10 @@ def measure(args) -> dict:
         base = random_model_dir(Path(tmp) / "base", config, dtype=dtype, device=device)
         model_cfg = p.model.model_copy(update={"path": str(base)})
         model = load_policy(model_cfg, p.lora, device)
-        tok_dir = base
-        from grpo.base_model import load_tokenizer
-
-        tok = load_tokenizer(tok_dir)
-        if cuda:  # what loading left cached (the bf16 weights before quantisation) is not the step's
+        tok = load_tokenizer(base)
+        if cuda:  # load_training_base gives its load's cache back: reserved here is what the step starts from
             torch.cuda.synchronize()
             out["reserved_after_load_gib"] = torch.cuda.memory_reserved() / GiB
-            torch.cuda.empty_cache()
             out["resident_gib"] = torch.cuda.memory_allocated() / GiB
         trainer, batch_of = make_trainer(model, tok, p, args.prompt_tokens, str(Path(tmp) / "run"), torch)
         for _step in (1, 2):  # the second step is measured (AdamW has moments then)

@@ -86,14 +86,15 @@ def stop_tree(pid: int, grace_s: float = KILL_GRACE_S) -> int:
 
 
 def run_logged(cmd: list[str], cwd: str | Path, timeout_s: float, log: Callable[[str], None],
-               what: str) -> tuple[int, list[str]]:
-    """Run ``cmd`` in ``cwd`` in a new session, ``log`` each output line; ``(exit code, lines)``.
+               what: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Run ``cmd`` in ``cwd`` (with ``env``, default this process's) in a new session, ``log`` each
+    output line; ``(exit code, lines)``.
 
     Past ``timeout_s`` seconds its whole tree is stopped and ``StageTimeout`` raised, one line naming
     ``what`` and the timeout; an exception that interrupts the wait stops the tree too, then propagates.
     """
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=_read, args=(proc, lines, log), daemon=True)
     reader.start()

@@ -62,7 +62,7 @@ from grpo.rewards import REWARDS
 from grpo.rollout import RolloutBackend, TransformersBackend
 from grpo.run_dir import RunDir
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
-from grpo.updater import AdamWUpdater, make_updater
+from grpo.updater import make_updater
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class GRPOTrainer:
         does not advance, as for a step whose only update was skipped."""
         self.model.train()
         updates, applied = [], True
-        before = self.update_state() if self.cfg.mu > 1 and isinstance(self.updater, AdamWUpdater) else None
+        before = self.update_state() if self.cfg.mu > 1 and self.updater.restores_state else None
         for _ in range(self.cfg.mu):
             sums, _kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update

@@ -33,6 +33,9 @@ class Updater(Protocol):
     masks_rows: bool
     """Whether the update's rows without signal must stay, masked out, instead of being dropped:
     true where every rank must run the same backward passes (ZeRO reduces inside each one)."""
+    restores_state: bool
+    """Whether ``load_state_dict(state_dict())`` puts the whole optimizer state back (the trainer
+    undoes a step's earlier inner updates with it): false where the state is partitioned over ranks."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (gradients add up until ``step``)."""
@@ -50,6 +53,7 @@ class AdamWUpdater:
     """AdamW on ``params`` with the gradient summed over ``dist``'s ranks in one flat all-reduce."""
 
     masks_rows = False  # the all-reduce runs once per step: ranks may back-propagate different rows
+    restores_state = True  # AdamW's moments are all in state_dict
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist):
         self.params, self.dist, self.max_grad_norm = params, dist, cfg.max_grad_norm

@@ -122,6 +122,7 @@ class ZeroUpdater:
     """The optimizer step of the LoRA ``params`` through a DeepSpeed engine (see the module docstring)."""
 
     masks_rows = True  # ZeRO reduces inside every backward: every rank runs the same passes
+    restores_state = False  # state_dict holds the learning rates only: the moments are partitioned
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist):
         import deepspeed

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ParamsError(ValueError):
@@ -62,6 +62,22 @@ Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+def Choice(param: str):  # noqa: N802 (a type)
+    """A text field whose values are the names of the registry serving ``param``
+    (``grpo.choices.registry``): the allowed values have that one home, and an entry registered
+    anywhere is a valid value. Checked when the section is built; an unknown name is one line
+    naming ``param`` and the names it takes."""
+
+    def check(value: str) -> str:
+        from grpo.choices import registry
+
+        return registry(param).check(value, param)
+
+    return Annotated[str, AfterValidator(check)]
+
+
 Backend = Literal["auto", "vllm", "transformers"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -233,7 +249,7 @@ class TrainConfig(VLLMEngineConfig):
     SECTION: ClassVar[str] = "train"
     data_path: str = "data/cache/train_sorted.jsonl"
     """JSONL of training problems (id, question, answer); the SENT stage writes it sorted easy -> hard."""
-    order: Literal["curriculum", "reversed", "shuffled", "file"] = "curriculum"
+    order: Choice("train.order") = "curriculum"
     """``curriculum``: ``num_stages`` slices of the file trained in order, shuffled within each;
     ``reversed``: the same slices hardest first (the anti-curriculum); ``shuffled``: one seeded permutation of all rows (the comparison without curriculum); ``file``: file order."""
     num_stages: Positive = 4
@@ -357,7 +373,7 @@ class TrainConfig(VLLMEngineConfig):
     keep_best: bool = True
     """Write the adapter of the best validation accuracy (earliest on ties) as the stage's adapter
     instead of the last one; ``models/adapter/selection.json`` says which was written."""
-    rewards: dict[str, float] = Field(default_factory=lambda: {"correctness": 1.0})
+    rewards: dict[Choice("train.rewards"), float] = Field(default_factory=lambda: {"correctness": 1.0})
     """Reward function name -> weight; the total reward is the weighted sum."""
     truncated: Literal["zero", "score"] = "zero"
     """A completion that ``max_new_tokens`` cut off (no EOS): ``zero`` gives it reward 0 from every
@@ -389,13 +405,8 @@ class TrainConfig(VLLMEngineConfig):
 
     @model_validator(mode="after")
     def _check(self):
-        from grpo.rewards import REWARDS
-
         if not self.rewards:
             raise ValueError("train.rewards: name at least one reward function")
-        for name in self.rewards:
-            if name not in REWARDS:
-                raise ValueError(f"train.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
         if self.entropy_keep == "low" and self.entropy_top_quantile >= 1:
             raise ValueError("train.entropy_keep: low keeps the tokens below the top entropy_top_quantile; "
                              "set train.entropy_top_quantile below 1")

@@ -1,7 +1,8 @@
 """The curriculum: the order of the training rows and the rows of each step.
 
 The SENT stage writes the training rows sorted easy -> hard. ``stages_for`` turns them into
-stages of row indices: ``curriculum`` cuts the file into ``num_stages`` contiguous, near-equal
+stages of row indices by the order ``train.order`` names (``ORDERS``, one function each, of
+signature ``(n_rows, num_stages, seed) -> list of stages``): ``curriculum`` cuts the file into ``num_stages`` contiguous, near-equal
 slices, each shuffled by the seed; ``reversed`` is the same slices taken hard -> easy (the
 anti-curriculum); ``shuffled`` is one seeded permutation of all rows (the comparison without a
 curriculum); ``file`` is the file order. A run's steps are split evenly
@@ -12,6 +13,13 @@ around (``batch_indices``).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+
+from grpo.registry import Registry
+
+Order = Callable[[int, int, int], list[list[int]]]
+ORDERS: Registry[Order] = Registry("train.order", "order")
+"""Order name -> ``(n_rows, num_stages, seed) -> row indices per stage``."""
 
 
 def curriculum_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
@@ -30,18 +38,33 @@ def curriculum_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]
 
 
 def stages_for(order: str, n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
-    """Row indices per stage for ``train.order`` (``curriculum``, ``reversed``, ``shuffled`` or
-    ``file``); a curriculum never has more stages than rows. ``reversed`` holds the curriculum's
-    stages, rows within each shuffled alike, in the opposite order (hardest slice first)."""
-    if order == "curriculum":
-        return curriculum_order(n_rows, min(num_stages, n_rows), seed)
-    if order == "reversed":
-        return curriculum_order(n_rows, min(num_stages, n_rows), seed)[::-1]
-    if order == "shuffled":
-        return curriculum_order(n_rows, 1, seed)
-    if order == "file":
-        return [list(range(n_rows))]
-    raise ValueError(f"train.order: unknown order {order!r}")
+    """Row indices per stage for ``train.order`` (an ``ORDERS`` name)."""
+    return ORDERS[order](n_rows, num_stages, seed)
+
+
+@ORDERS.register("curriculum")
+def easy_to_hard(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
+    """The curriculum; never more stages than rows."""
+    return curriculum_order(n_rows, min(num_stages, n_rows), seed)
+
+
+@ORDERS.register("reversed")
+def hard_to_easy(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
+    """The curriculum's stages, rows within each shuffled alike, in the opposite order (hardest
+    slice first)."""
+    return easy_to_hard(n_rows, num_stages, seed)[::-1]
+
+
+@ORDERS.register("shuffled")
+def shuffled(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
+    """One seeded permutation of all rows, one stage."""
+    return curriculum_order(n_rows, 1, seed)
+
+
+@ORDERS.register("file")
+def file_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
+    """The file's order, one stage."""
+    return [list(range(n_rows))]
 
 
 def stage_of_step(step: int, steps: int, num_stages: int) -> int:

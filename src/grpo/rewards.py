@@ -1,4 +1,4 @@
-"""Reward functions: pure, one signature, registered by name.
+"""Reward functions: pure, one signature, registered by name in ``REWARDS`` (``train.rewards``).
 
 Every reward has the signature ``reward(completions: list[str], answers: list[str]) -> list[float]``
 with one float per completion. ``answers`` are the reference final answers as text.
@@ -21,7 +21,12 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
+from grpo.registry import Registry
+
 RewardFn = Callable[[list[str], list[str]], list[float]]
+
+REWARDS: Registry[RewardFn] = Registry("train.rewards", "reward")
+"""Reward name -> function; ``train.rewards`` weights any of them."""
 
 MAX_DIGITS = 40  # longer digit strings are not answers (and would make big-int work unbounded)
 
@@ -121,6 +126,7 @@ def normalize_answer(answer: str) -> str | None:
     return extract_answer(str(answer))
 
 
+@REWARDS.register("correctness")
 def correctness(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the extracted final answer equals the reference answer, else 0.0."""
     out = []
@@ -130,6 +136,7 @@ def correctness(completions: list[str], answers: list[str]) -> list[float]:
     return out
 
 
+@REWARDS.register("format_strict")
 def format_strict(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the completion has exactly one ``####`` and ends with the line ``#### <number>``."""
     return [
@@ -138,16 +145,10 @@ def format_strict(completions: list[str], answers: list[str]) -> list[float]:
     ]
 
 
+@REWARDS.register("format_soft")
 def format_soft(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the completion marks a numeric answer anywhere (``####``, ``\\boxed{}``, "answer is")."""
     return [1.0 if _marked_answer(c) is not None else 0.0 for c in completions]
-
-
-REWARDS: dict[str, RewardFn] = {
-    "correctness": correctness,
-    "format_strict": format_strict,
-    "format_soft": format_soft,
-}
 
 
 def combined_rewards(

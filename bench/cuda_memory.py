@@ -11,7 +11,7 @@ figures are the second's (AdamW's moments exist then, as in every step but the f
 
 The model is built from the params' model config (``grpo.memory.resolve_config``: the prepared
 ``config.json``, or the architecture ``grpo.synthetic`` knows for ``model.name``; no weights), in the
-compute dtype, with NF4 layers as bitsandbytes builds them and the LoRA adapter of ``grpo.policy``.
+compute dtype, with NF4 layers as bitsandbytes builds them and the LoRA adapter of ``grpo.lora_policy``.
 
 Replaced (named in the output): the rollouts (the engine or decode loop; here random token ids of
 ``prompts_per_step * G`` rows, prompts of ``--prompt-tokens``, completions of ``max_new_tokens``,
@@ -113,15 +113,15 @@ def main(argv=None) -> dict:
 
 # ------------------------------------------------------------------------------------- the fake step
 def build_policy(config, p, torch):
-    """The policy as ``grpo.policy.load_policy`` builds it, on fake "cuda" tensors: the base in the
+    """The policy as ``grpo.lora_policy.load_policy`` builds it, on fake "cuda" tensors: the base in the
     compute dtype, its linears in NF4 (bitsandbytes' own fake quantize op) unless the params say
     ``quantization: none``, then ``attach_lora``."""
     from transformers import AutoModelForCausalLM
     from transformers.quantizers.base import get_keys_to_not_convert
 
     from grpo.device import compute_dtype
-    from grpo.nf4 import keep_standard_nf4_layout
-    from grpo.policy import attach_lora
+    from grpo.lora_policy import attach_lora
+    from grpo.nf4_layers import keep_standard_nf4_layout
     from grpo.synthetic import char_tokenizer
 
     dtype = compute_dtype(p.model.dtype, "cuda")

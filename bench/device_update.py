@@ -2,7 +2,7 @@
 
 The model is the preset's architecture with random weights (``grpo.memory.resolve_config``: the
 architecture ``grpo.synthetic`` knows for ``model.name``; no download), saved and loaded back through
-``grpo.policy.load_policy`` as the train stage loads a base (bitsandbytes NF4, LoRA, gradient
+``grpo.lora_policy.load_policy`` as the train stage loads a base (bitsandbytes NF4, LoRA, gradient
 checkpointing). The update is the one ``bench/cuda_memory.py`` traces on fake tensors, unchanged:
 ``PolicyPasses.fixed_logprobs`` then ``GRPOTrainer.update`` on random rollouts of
 ``prompts_per_step x group_size`` rows (``cuda_memory.make_trainer``), two steps; the figures are the
@@ -31,7 +31,7 @@ SCHEMA = {
     "completion_tokens": "int?: completion length", "micro_batches": "int?: train.micro_batches",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
-    "reserved_after_load_gib": "number?: CUDA reserved after grpo.policy.load_policy (which gives its load's cache back)",
+    "reserved_after_load_gib": "number?: CUDA reserved after grpo.lora_policy.load_policy (which gives its load's cache back)",
     "peak_reserved_gib": "number?: torch.cuda.max_memory_reserved over the second step",
     "free_gib": "number?: torch.cuda.mem_get_info's free after the second step",
     "total_gib": "number?: torch.cuda.mem_get_info's total",
@@ -79,8 +79,8 @@ def measure(args) -> dict:
     from grpo import memory
     from grpo.base_model import load_tokenizer
     from grpo.device import compute_dtype
+    from grpo.lora_policy import load_policy
     from grpo.metrics import PhaseTimer
-    from grpo.policy import load_policy
     from grpo.synthetic import random_model_dir
 
     p, config, source, device = setup(args)

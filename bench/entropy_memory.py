@@ -30,8 +30,8 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
 
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, TrainConfig
+    from grpo.lora_policy import load_policy
     from grpo.loss import group_advantages, loss_normalizer
-    from grpo.policy import load_policy
     from grpo.trainer import GRPOTrainer
     from grpo.types import TrainBatch
 

@@ -66,8 +66,8 @@ def run_backend(args, which: str) -> dict:
 
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
-    from grpo.engine.policy import policy_rollouts
-    from grpo.policy import load_policy
+    from grpo.engine.policy_engine import policy_rollouts
+    from grpo.lora_policy import load_policy
 
     tok = load_tokenizer(args.model)
     model = load_policy(ModelConfig(path=args.model), LoraConfig(rank=16, alpha=32))

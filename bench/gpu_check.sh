@@ -218,9 +218,9 @@ try:
 
     import grpo.kernels
     import grpo.logprobs
-    import grpo.nf4
-    import grpo.policy
-    import grpo.rollout
+    import grpo.lora_policy
+    import grpo.nf4_layers
+    import grpo.rollout_backends
     import grpo.synthetic
     import grpo.trainer  # noqa: F401
 except Exception as err:

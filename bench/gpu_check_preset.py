@@ -10,14 +10,14 @@ OOM killer) leaves the others' figures:
 
 1. ``sent``: one SENT engine start (``grpo.engine.sampler.saved_model_sampler`` with the preset's
    ``sent`` section) and one call of the stage, ``sent.batch_prompts`` prompts (at most
-   ``N_PROBLEMS``), scored as the stage scores them (``grpo.sent.score_rows``: ``sent.num_samples``
+   ``N_PROBLEMS``), scored as the stage scores them (``grpo.semantic_entropy.score_rows``: ``sent.num_samples``
    answers each);
-2. ``train``: the policy (``grpo.policy.load_policy``), its engine (``grpo.engine.policy.policy_rollouts``
+2. ``train``: the policy (``grpo.lora_policy.load_policy``), its engine (``grpo.engine.policy_engine.policy_rollouts``
    in the form ``grpo.memory.form_here`` picks, bounded by ``grpo.engine.bounds.train_bounds``) and
    ``TRAIN_STEPS`` steps of ``grpo.trainer.GRPOTrainer.train_step`` at the preset's call size
    (``prompts_per_step x group_size`` completions of up to ``max_new_tokens``), then the adapter
    shipped as the stage ships it;
-3. ``evaluate``: that adapter merged into a dense export (``grpo.policy.export_dense``), one
+3. ``evaluate``: that adapter merged into a dense export (``grpo.lora_policy.export_dense``), one
    evaluation engine start (the ``evaluate`` section) and one call of the stage,
    ``evaluate.batch_prompts`` greedy answers (at most ``N_PROBLEMS``), scored (``grpo.evaluate.score``).
 
@@ -446,7 +446,7 @@ def sent_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -
     from grpo.device import sampling_dtype
     from grpo.engine.sampler import saved_model_sampler
     from grpo.jsonio import read_jsonl
-    from grpo.sent import score_rows
+    from grpo.semantic_entropy import score_rows
 
     cfg = params.sent
     rows = read_jsonl(cfg.data_path)[:cfg.batch_prompts]
@@ -472,11 +472,11 @@ def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) 
     from grpo.base_model import load_tokenizer
     from grpo.device import attention_implementation, compute_dtype
     from grpo.engine.bounds import train_bounds
-    from grpo.engine.policy import policy_rollouts
+    from grpo.engine.policy_engine import policy_rollouts
     from grpo.jsonio import read_jsonl
     from grpo.kernels.entropy_logprob import use_triton
+    from grpo.lora_policy import load_policy
     from grpo.memory import form_here
-    from grpo.policy import load_policy
     from grpo.trainer import GRPOTrainer
 
     cfg = params.train
@@ -523,8 +523,8 @@ def evaluate_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dic
     from grpo.engine.sampler import saved_model_sampler
     from grpo.evaluate import score
     from grpo.jsonio import read_jsonl
-    from grpo.policy import export_dense
-    from grpo.rollout import generate_in_batches
+    from grpo.lora_policy import export_dense
+    from grpo.rollout_backends import generate_in_batches
 
     cfg = params.evaluate
     adapter = params.train.adapter_dir if (Path(params.train.adapter_dir) / "adapter_config.json").exists() else None

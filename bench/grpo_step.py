@@ -2,7 +2,7 @@
 
 A step is generation -> rewards -> log-prob passes (old/ref, when configured) -> training forward
 and backward -> optimizer step, through the project's ``GRPOTrainer.train_step`` on a 4-bit NF4
-base with LoRA on q/k/v/o (``grpo.policy.load_policy``). Each configuration runs in a fresh
+base with LoRA on q/k/v/o (``grpo.lora_policy.load_policy``). Each configuration runs in a fresh
 process, so no run inherits another's memory high-water mark, threads or caches.
 
 CPU speed against TRL (needs ``pip install trl==1.16.0``; the default model is ``models/base``,
@@ -133,7 +133,7 @@ def _memory_fields(device: str) -> dict:
 # ---------------------------------------------------------------------------- our step
 def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "dense") -> dict:
     """Our ``train_step`` with rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
-    synced every step, in the weights ``form``: ``grpo.engine.policy.policy_rollouts``) or
+    synced every step, in the weights ``form``: ``grpo.engine.policy_engine.policy_rollouts``) or
     ``transformers`` (the project's decode loop)."""
     import torch
 
@@ -141,8 +141,8 @@ def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "
     from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.device import compute_dtype, default_device
     from grpo.engine.bounds import train_bounds
-    from grpo.engine.policy import policy_rollouts
-    from grpo.policy import load_policy
+    from grpo.engine.policy_engine import policy_rollouts
+    from grpo.lora_policy import load_policy
     from grpo.trainer import GRPOTrainer
 
     device = default_device()
@@ -205,7 +205,7 @@ def run_trl(args, tuned: bool = False) -> dict:
     from grpo.config import ModelConfig
     from grpo.data import build_prompt
     from grpo.device import default_device
-    from grpo.policy import load_training_base
+    from grpo.lora_policy import load_training_base
     from grpo.rewards import REWARDS
 
     device = default_device()

@@ -92,7 +92,7 @@ def saved_activation_bytes(model, ids, mask, prompt_len: int, group: int) -> int
     import torch
 
     from grpo.logprobs import completion_hidden
-    from grpo.policy import lm_parts
+    from grpo.lora_policy import lm_parts
 
     body, _ = lm_parts(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -117,7 +117,7 @@ def check_model(model_dir: Path, label: str, *, heavy: bool = True) -> list[tupl
 
     from grpo import memory
     from grpo.config import LoraConfig, ModelConfig
-    from grpo.policy import load_policy, load_training_base
+    from grpo.lora_policy import load_policy, load_training_base
 
     shapes = memory.model_shapes(AutoConfig.from_pretrained(model_dir), str(model_dir))
     rows = []

@@ -75,7 +75,7 @@ def build(args, tmp: Path):
 
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig, TrainConfig
-    from grpo.policy import load_policy
+    from grpo.lora_policy import load_policy
     from grpo.rewards import REWARDS
     from grpo.synthetic import architecture_config, random_model_dir
     from grpo.trainer import GRPOTrainer

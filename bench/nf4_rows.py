@@ -5,7 +5,7 @@ a fused matrix-vector kernel for few rows, dequantise + ``F.linear`` for many; d
 cites the lines). The trainer's forwards are long (M = rows x tokens) and an engine's decode steps
 short, so the same weights can give other numbers there. For each distinct linear shape of the
 preset's architecture (q/o, k/v, gate/up, down at seed 003's Qwen2-1.5B), a ``Linear4bit`` (NF4,
-double quantisation, bf16 compute, as ``grpo.policy`` loads the base) computes the same first M
+double quantisation, bf16 compute, as ``grpo.lora_policy`` loads the base) computes the same first M
 rows alone (M = 1, 4, 8, 16) and inside one M = 2048 call; it records whether they are equal, the
 largest gap, and whether two calls at M give the same bits.
 

@@ -17,7 +17,7 @@ from grpo.data import prompts_that_fit
 from grpo.device import default_device, sampling_dtype
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
-from grpo.sent import score_rows
+from grpo.semantic_entropy import score_rows
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ others wait in) makes them time out after ``train.dist_timeout_s``, and the line
 code ``grpo.distributed.TIMEOUT_EXIT_CODE``). A process started by a launcher (``WORLD_SIZE``
 set: this stage's own launch, or ``torchrun`` / ``accelerate launch`` of ``-m tasks.train``, also
 across machines) joins the process group instead (``grpo.distributed``); rank 0 alone writes the
-outputs. With engine rollouts every process holds its own engine (``grpo.engine.policy``); on
-a CPU their N shares of RAM are checked before launching (``grpo.engine.policy.check_engine_memory``).
+outputs. With engine rollouts every process holds its own engine (``grpo.engine.policy_engine``); on
+a CPU their N shares of RAM are checked before launching (``grpo.engine.policy_engine.check_engine_memory``).
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from grpo.distributed import (
 )
 from grpo.engine.bounds import train_bounds
 from grpo.engine.forms import rollouts_per_process
-from grpo.engine.policy import check_engine_memory, policy_rollouts
+from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
 from grpo.jsonio import read_jsonl, write_json
+from grpo.lora_policy import load_policy
 from grpo.memory import form_here
-from grpo.policy import load_policy
-from grpo.rollout import uses_engine
+from grpo.rollout_backends import uses_engine
 from grpo.run_dir import RunDir
 from grpo.trainer import GRPOTrainer
 from tasks._common import run_stage

@@ -7,7 +7,7 @@
 - ``_keys``, the dotted keys of a params tree (test_config, test_script_apply_preset);
 - ``run``, the ``grpo`` command in this process (test_cli, test_ask);
 - the engine tests' adapter, prompts and steps: ``ENGINE_LORA``, ``ENGINE_PROMPTS``, ``randomise_adapter``,
-  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy, test_engine_nf4, test_engine_dense);
+  ``train_on_engine_rollouts``, ``tiny_engine_policy`` (test_engine_policy_engine, test_engine_nf4_form, test_engine_dense_form);
 - the dtypes of the cuda-marked tests and their bounds: ``model_test_dtype``, ``auto_test_dtype``,
   ``half_test_dtype``, ``DTYPE_FIXTURES`` (the rules of conftest.py's ``model_dtype``, ``auto_dtype`` and
   ``half_dtype``), ``LogpGap``, ``logp_gap``, ``engine_gap_to_policy`` (the engine tests, test_cuda,
@@ -53,7 +53,7 @@ def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> 
             "rewards": {"correctness": 1.0, "format_soft": 0.5},
             "truncated": "score",  # the random tiny model seldom ends on EOS: scored, its rewards still differ
             "wandb_mode": "disabled",
-            "rollout_backend": "transformers",  # the decode loop (engine rollouts: tests/test_engine_policy.py)
+            "rollout_backend": "transformers",  # the decode loop (engine rollouts: tests/test_engine_policy_engine.py)
             "eval_every": 0,
             **train,
         },
@@ -170,7 +170,7 @@ def engine_gap_to_policy(rollout, model, tok) -> tuple[float, float]:
     """``(mean, max)`` over ``rollout``'s completion tokens of |its log-prob - the policy's|: the
     policy ``model`` teacher-forced on the same tokens (as ``TransformersBackend`` scores its own),
     so ``rollout`` (an engine's, with log-probs) need not be the policy's own decode."""
-    from grpo.rollout import TransformersBackend
+    from grpo.rollout_backends import TransformersBackend
 
     device = next(model.parameters()).device
     tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
@@ -180,7 +180,7 @@ def engine_gap_to_policy(rollout, model, tok) -> tuple[float, float]:
 
 
 ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-"""The adapter of the engine tests (tests/test_engine_policy.py, test_engine_nf4.py)."""
+"""The adapter of the engine tests (tests/test_engine_policy_engine.py, test_engine_nf4_form.py)."""
 ENGINE_PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
 
 
@@ -243,7 +243,7 @@ def tiny_engine_policy(model_dir, dtype: str = "float32"):
     from grpo.base_model import load_tokenizer
     from grpo.config import LoraConfig, ModelConfig
     from grpo.device import default_device
-    from grpo.policy import load_policy
+    from grpo.lora_policy import load_policy
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=str(model_dir), dtype=dtype)

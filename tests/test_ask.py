@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("quiet_cli_env")
 def adapter_dir(tiny_model_dir, tmp_path_factory):
     """A LoRA adapter on the tiny model with non-zero B (an untrained adapter changes nothing)."""
     from grpo.config import LoraConfig, ModelConfig
-    from grpo.policy import load_policy
+    from grpo.lora_policy import load_policy
 
     torch.manual_seed(1)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(), "cpu")
@@ -40,8 +40,8 @@ def _reference(tiny_model_dir, adapter, tmp_path, max_new_tokens):
     from grpo.base_model import load_tokenizer
     from grpo.config import ModelConfig, Params
     from grpo.data import build_prompt
-    from grpo.policy import export_dense, load_base_model
-    from grpo.rollout import TransformersBackend
+    from grpo.lora_policy import export_dense, load_base_model
+    from grpo.rollout_backends import TransformersBackend
 
     export = export_dense(ModelConfig(path=str(tiny_model_dir)), adapter, tmp_path / "ref")
     tok = load_tokenizer(export["path"])
@@ -114,7 +114,7 @@ def test_ask_refuses_an_empty_question_before_loading_anything(question, monkeyp
 
 def _saved_adapter(model_dir, out, **lora):
     from grpo.config import LoraConfig, ModelConfig
-    from grpo.policy import load_policy
+    from grpo.lora_policy import load_policy
 
     load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**lora), "cpu").save_pretrained(out)
     return out

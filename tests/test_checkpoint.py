@@ -21,7 +21,7 @@ from grpo import checkpoint
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig, params_from_dict
 from grpo.jsonio import write_jsonl
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 from grpo.trainer import GRPOTrainer
 
 from .helpers import DETERMINISTIC, _steps, _train, _write_params

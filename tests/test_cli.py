@@ -174,12 +174,12 @@ def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, cap
 
 
 def test_check_says_what_each_training_process_samples_with(tmp_path, capsys):
-    """The train stage's rule (``grpo.rollout.uses_engine``): with vLLM installed every process runs
+    """The train stage's rule (``grpo.rollout_backends.uses_engine``): with vLLM installed every process runs
     an engine of its own; the decode loop with ``rollout_backend: transformers`` (the stage test
     with 2 real processes compares this line with its log: tests/test_distributed.py)."""
     import importlib.util
 
-    from grpo.rollout import uses_engine
+    from grpo.rollout_backends import uses_engine
 
     for backend, processes in (("auto", 2), ("transformers", 2), ("vllm", 1)):
         (tmp_path / "p.yaml").write_text(yaml.safe_dump(

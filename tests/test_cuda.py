@@ -22,7 +22,7 @@ import torch
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.device import cuda_capability, cuda_half_dtype
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
 from grpo.trainer import GRPOTrainer
 

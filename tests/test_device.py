@@ -121,7 +121,7 @@ def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads
     from transformers import LlamaConfig, Qwen2Config
 
     from grpo.config import ModelConfig, ModelConfigError
-    from grpo.policy import load_training_base
+    from grpo.lora_policy import load_training_base
     from grpo.synthetic import char_tokenizer, random_model_dir
 
     small = dict(vocab_size=len(char_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=1,

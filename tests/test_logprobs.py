@@ -10,7 +10,7 @@ import torch
 
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.logprobs import selected_logprobs
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 
 from .helpers import LORA, give_adapter_a_say
 
@@ -21,7 +21,7 @@ def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_mo
     padding: the shared-prompt forward gives the full forward's hidden states and LoRA gradients
     (with gradient checkpointing it falls back to the full forward, so they match trivially)."""
     from grpo.logprobs import completion_hidden
-    from grpo.policy import lm_parts
+    from grpo.lora_policy import lm_parts
 
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=checkpointing),
@@ -154,7 +154,7 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
     from grpo.base_model import load_tokenizer
     from grpo.data import build_prompt
     from grpo.loss import loss_normalizer
-    from grpo.rollout import TransformersBackend
+    from grpo.rollout_backends import TransformersBackend
     from grpo.trainer import GRPOTrainer
     from grpo.types import TrainBatch
 

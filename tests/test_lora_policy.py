@@ -1,4 +1,4 @@
-"""The policy of ``grpo.policy``: 4-bit base + LoRA, the reference as the adapter switched off, and a
+"""The policy of ``grpo.lora_policy``: 4-bit base + LoRA, the reference as the adapter switched off, and a
 clear error for a LoRA target the model does not have."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig, ModelConfigError
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 
 from .helpers import LORA, give_adapter_a_say
 
@@ -46,7 +46,7 @@ def test_export_dense_frees_the_cache_once_the_4bit_copy_is_gone(tiny_model_dir,
 
     import bitsandbytes as bnb
 
-    import grpo.policy
+    import grpo.lora_policy
     from grpo.device import default_device
 
     def live_4bit() -> int:
@@ -54,8 +54,8 @@ def test_export_dense_frees_the_cache_once_the_4bit_copy_is_gone(tiny_model_dir,
         return sum(isinstance(o, bnb.nn.Linear4bit) for o in gc.get_objects())
 
     before, calls = live_4bit(), []
-    monkeypatch.setattr(grpo.policy, "free_cuda_cache", lambda device: calls.append((device, live_4bit())))
-    out = grpo.policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
+    monkeypatch.setattr(grpo.lora_policy, "free_cuda_cache", lambda device: calls.append((device, live_4bit())))
+    out = grpo.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
     assert calls == [(default_device(), before)]
     assert out["weights"] == "dense weights (NF4 dequantised)" and (tmp_path / "dense" / "config.json").exists()
 
@@ -68,7 +68,7 @@ def _export_as_before(model_cfg: ModelConfig, adapter_dir) -> dict[str, torch.Te
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from grpo.nf4 import dense_weight, nf4_config
+    from grpo.nf4_layers import dense_weight, nf4_config
 
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32,
                                                  quantization_config=nf4_config(torch.float32), device_map={"": "cpu"})
@@ -104,7 +104,7 @@ def test_export_dense_writes_shard_by_shard_the_weights_it_wrote_whole_before(dt
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import grpo.policy
+    import grpo.lora_policy
 
     base = tiny_model_dir
     if dtype != torch.float32:  # a checkpoint in the engine's dtype, as the hub's are (bf16): both load the same values
@@ -120,7 +120,7 @@ def test_export_dense_writes_shard_by_shard_the_weights_it_wrote_whole_before(dt
     out = tmp_path / "dense"
     out.mkdir()
     (out / "model-00001-of-00009.safetensors").write_bytes(b"an older export's shard")
-    result = grpo.policy.export_dense(model_cfg, tmp_path / "adapter", out, dtype=dtype, max_shard_bytes=40_000)
+    result = grpo.lora_policy.export_dense(model_cfg, tmp_path / "adapter", out, dtype=dtype, max_shard_bytes=40_000)
     assert result["weights"] == "dense weights (NF4 dequantised) + LoRA merged"
     assert result["dtype"] == str(dtype).removeprefix("torch.")
     files = result["files"]
@@ -146,15 +146,15 @@ def test_export_dense_defaults_to_the_compute_dtype_in_one_file(tiny_model_dir, 
     ``load_training_base`` does (the tiny checkpoint is fp32, so its bf16 base is not the fp32 one's)."""
     import bitsandbytes as bnb
 
-    import grpo.policy
+    import grpo.lora_policy
     from grpo.device import compute_dtype, default_device
-    from grpo.nf4 import dense_weight
-    from grpo.policy import load_training_base
+    from grpo.lora_policy import load_training_base
+    from grpo.nf4_layers import dense_weight
 
-    out = grpo.policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
+    out = grpo.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
     assert out["dtype"] == str(compute_dtype("auto", default_device())).removeprefix("torch.")
     assert out["files"] == ["model.safetensors"] and not (tmp_path / "dense" / "model.safetensors.index.json").exists()
-    out = grpo.policy.export_dense(ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), None, tmp_path / "bf16")
+    out = grpo.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), None, tmp_path / "bf16")
     assert out["dtype"] == "bfloat16"
     written = _read_export(tmp_path / "bf16")
     assert {t.dtype for t in written.values()} == {torch.bfloat16}

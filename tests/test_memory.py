@@ -46,7 +46,7 @@ def test_lora_nf4_and_kv_cache_terms_equal_the_real_objects(which, tiny_model_di
     from transformers import AutoConfig
 
     from grpo.config import LoraConfig, ModelConfig
-    from grpo.policy import attach_lora, load_training_base
+    from grpo.lora_policy import attach_lora, load_training_base
 
     path = tiny_model_dir if which == "tiny" else smol_width_dir
     shapes = memory.model_shapes(AutoConfig.from_pretrained(path))
@@ -69,7 +69,7 @@ def test_activation_term_matches_autograds_saved_tensors(dtype, dropout, checkpo
     from transformers import AutoConfig
 
     from grpo.config import LoraConfig, ModelConfig
-    from grpo.policy import load_policy
+    from grpo.lora_policy import load_policy
 
     torch.manual_seed(0)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
@@ -121,7 +121,7 @@ def _preset(name: str):
 def test_engine_terms_of_the_tiny_model_by_hand(tiny_model_dir):
     """The engine's parts from the tiny Llama's real config (2 layers, hidden 64, 4 heads / 2 KV heads of
     16, intermediate 128), each worked out by hand; the KV bytes per token against the live engine:
-    tests/test_engine_policy.py::test_the_engine_is_bounded_to_one_step."""
+    tests/test_engine_policy_engine.py::test_the_engine_is_bounded_to_one_step."""
     from transformers import AutoConfig
 
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))

@@ -14,9 +14,9 @@ from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
 from grpo.distributed import Dist
+from grpo.lora_policy import load_policy
 from grpo.passes import PolicyPasses, micro_slices
-from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend
+from grpo.rollout_backends import TransformersBackend
 from grpo.types import TrainBatch
 from grpo.updater import AdamWUpdater
 

@@ -1,4 +1,4 @@
-"""grpo.rollout: the decode loop behind the backend interface (sync / sleep / close are no-ops
+"""grpo.rollout_backends: the decode loop behind the backend interface (sync / sleep / close are no-ops
 there), the rule that picks an engine, the factories' choices and fallbacks (logged), the EOS
 mask, the decode loop's shapes and log-probs."""
 
@@ -11,10 +11,10 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, ParamsError, VLLMEngineConfig
-from grpo.engine.policy import check_engine_memory, policy_rollouts
+from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
 from grpo.engine.sampler import saved_model_sampler
-from grpo.policy import load_policy
-from grpo.rollout import TransformersBackend, completion_mask_from_eos, uses_engine
+from grpo.lora_policy import load_policy
+from grpo.rollout_backends import TransformersBackend, completion_mask_from_eos, uses_engine
 
 from .helpers import ENGINE_RAM, LORA
 
@@ -90,7 +90,7 @@ def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, cap
     """``auto`` where vLLM is not installed: the transformers backend and one warning, worded for
     what is sampled (the availability probe is what is replaced here, not the factory)."""
     model, tok = policy
-    monkeypatch.setattr("grpo.rollout.vllm_available", lambda: False)
+    monkeypatch.setattr("grpo.rollout_backends.vllm_available", lambda: False)
     with caplog.at_level(logging.WARNING):
         assert policy_rollouts("auto", tok, model).name == "transformers"
         assert saved_model_sampler("auto", tok, tiny_model_dir).name == "transformers"

@@ -12,9 +12,9 @@ import torch
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import Dist
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
-from grpo.rollout import TransformersBackend
+from grpo.rollout_backends import TransformersBackend
 from grpo.rollout_phase import gather_rewards, sample, sample_seed, score, zero_cut_off
 from grpo.types import Rollout
 

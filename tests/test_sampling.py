@@ -6,7 +6,7 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 from grpo.sampling import decode, sample_tokens
 
 from .helpers import give_adapter_a_say

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from grpo.sent import cluster_ids, score_prompt, semantic_entropy, sort_by_entropy
+from grpo.semantic_entropy import cluster_ids, score_prompt, semantic_entropy, sort_by_entropy
 
 
 @pytest.mark.parametrize("logprobs", [None, [-0.1, -2.0, -5.0, -0.7]])

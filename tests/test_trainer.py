@@ -12,9 +12,9 @@ import torch
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
-from grpo.rollout import TransformersBackend
+from grpo.rollout_backends import TransformersBackend
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 

@@ -22,7 +22,7 @@ from grpo import checkpoint
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import Dist, init_from_env, shutdown
-from grpo.policy import load_policy
+from grpo.lora_policy import load_policy
 
 from .conftest import REPO
 

@@ -1,6 +1,6 @@
 """Answer one question with the base model or base + trained LoRA adapter, as evaluation would.
 
-The policy is the one final evaluation scores: ``grpo.policy.export_dense`` writes the base as
+The policy is the one final evaluation scores: ``grpo.lora_policy.export_dense`` writes the base as
 training loads it (4-bit NF4 when ``model.quantization`` is ``nf4``) dequantised to dense weights,
 with the adapter merged (``merge_and_unload``), into a temporary directory; that directory is
 loaded in ``model.dtype`` (``auto``: ``grpo.device.compute_dtype``) like evaluation's transformers
@@ -34,7 +34,7 @@ def load_for_answering(model_cfg, adapter_dir: Path | None):
     """``(model, tokenizer, how)``: the dense policy (adapter merged) that evaluation decodes."""
     from grpo.base_model import load_tokenizer
     from grpo.device import default_device
-    from grpo.policy import export_dense, load_base_model
+    from grpo.lora_policy import export_dense, load_base_model
 
     with tempfile.TemporaryDirectory(prefix="grpo-ask-") as tmp:
         export = export_dense(model_cfg, adapter_dir, Path(tmp) / "weights")
@@ -44,7 +44,7 @@ def load_for_answering(model_cfg, adapter_dir: Path | None):
 
 
 def eos_ids(model, tokenizer) -> list[int]:
-    """The tokenizer's EOS and the generation config's, as ``grpo.rollout.TransformersBackend`` stops."""
+    """The tokenizer's EOS and the generation config's, as ``grpo.rollout_backends.TransformersBackend`` stops."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen = getattr(model.generation_config, "eos_token_id", None)
     ids.update([gen] if isinstance(gen, int) else (gen or []))

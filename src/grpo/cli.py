@@ -118,7 +118,7 @@ def cmd_check(args) -> int:
     p = res.params
     from grpo import dvcstatus, memory
     from grpo.device import default_device, describe_device
-    from grpo.rollout import uses_engine
+    from grpo.rollout_backends import uses_engine
 
     print(f"params: {res.label}: valid")
     print("\n".join(settings_lines(p)))
@@ -190,12 +190,12 @@ def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved
 def saved_model_plans(p: Params, root: Path, shapes, device: str, prompt: tuple[int, str], given: bool,
                       card: int | None) -> dict:
     """Print the arithmetic of the saved-model engines (SENT's, the evaluations') that the stages
-    would start (``grpo.rollout.uses_engine`` of the section's backend), and return them by section
+    would start (``grpo.rollout_backends.uses_engine`` of the section's backend), and return them by section
     as ``(plan, prompt tokens)``. SENT's prompts are the training prompts (``prompt``); the
     evaluations' the longest of ``evaluate.test_path`` where it can be measured, else ``prompt``
     (``given``: ``--prompt-tokens``, for every stage)."""
     from grpo import memory
-    from grpo.rollout import uses_engine
+    from grpo.rollout_backends import uses_engine
 
     out = {}
     for section, stages in memory.SAVED_MODEL_STAGES:
@@ -270,7 +270,7 @@ def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
     train stage the estimated peak of one step (``grpo check``'s). Empty where the model's shapes
     are unknown."""
     from grpo import memory
-    from grpo.rollout import uses_engine
+    from grpo.rollout_backends import uses_engine
 
     shapes = memory.resolve_shapes(p.model, root)
     if isinstance(shapes, str):

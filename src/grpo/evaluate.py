@@ -1,7 +1,7 @@
 """Greedy accuracy and format rate of a model (+ adapter) on a split.
 
 Baseline and final evaluation run the same code. The policy is first exported as dense
-weights (``grpo.policy.export_dense``): the base loaded as training loads it (NF4 when
+weights (``grpo.lora_policy.export_dense``): the base loaded as training loads it (NF4 when
 ``model.quantization`` is ``nf4``), dequantised, with the LoRA adapter merged for the final
 evaluation. That directory is then decoded greedily by vLLM when installed (transformers
 otherwise, logged), so the two evaluations differ by the adapter only.
@@ -21,9 +21,9 @@ from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.data import prompts_that_fit
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl
-from grpo.policy import export_dense
+from grpo.lora_policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
-from grpo.rollout import generate_in_batches
+from grpo.rollout_backends import generate_in_batches
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

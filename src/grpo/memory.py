@@ -22,7 +22,7 @@ rounded to whole groups, or the whole step, ``prompts_per_step * G``):
 * KV cache: ``L * 2 * k * d * (P + C) * rows_gen * b`` (``transformers.DynamicCache``);
 * sampling: ``rows_gen * V * (b + 8 + 4 [b = 2])`` (the step's logits, their fp32 copy, softmax
   and CDF), ``+ 13`` per entry with ``top_p < 1`` (sorted probabilities, int64 order, mask);
-* CPU only: the dense copies of the 4-bit layers that decoding uses (``grpo.nf4.dequantized_weights``),
+* CPU only: the dense copies of the 4-bit layers that decoding uses (``grpo.nf4_layers.dequantized_weights``),
   ``n * b`` for every quantised weight plus another for each one a LoRA adapter wraps.
 
 Training phase, per micro-batch of ``n`` rows (``prompts_per_step * G / micro_batches``, rounded up
@@ -383,8 +383,8 @@ def norm_params(shapes: ModelShapes) -> int:
 
 def engine_weight_bytes(shapes: ModelShapes, form: str, b: int) -> int:
     """The engine's own weights, per form: ``dense`` every parameter in ``b`` bytes (the 4-bit
-    base dequantised, as ``grpo.policy.export_dense`` writes it); ``nf4`` only the norms
-    (``grpo.engine.nf4``: the 4-bit layers, embedding and head are the trainer's)."""
+    base dequantised, as ``grpo.lora_policy.export_dense`` writes it); ``nf4`` only the norms
+    (``grpo.engine.nf4_form``: the 4-bit layers, embedding and head are the trainer's)."""
     return shapes.total_params * b if form == "dense" else norm_params(shapes) * b
 
 
@@ -606,7 +606,7 @@ def saved_model_needs(params, shapes: ModelShapes, device: str, section: str, pr
 def saved_model_contexts(section: str) -> int:
     """CUDA contexts on the card when ``section``'s engine starts: the engine's process (vLLM's
     engine core on CUDA) and, for the evaluations, the stage's own, which exported the policy on
-    the GPU (``grpo.policy.export_dense`` gives the memory back, not the context)."""
+    the GPU (``grpo.lora_policy.export_dense`` gives the memory back, not the context)."""
     return 1 if section == "sent" else 2
 
 
@@ -837,7 +837,7 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     b, s = plan.b, shapes
     if plan.form == "nf4":
         how = (f"the norms, {_n(norm_params(s))} params in {plan.dtype}; the 4-bit layers, embedding and head "
-               "are the trainer's (grpo.engine.nf4)")
+               "are the trainer's (grpo.engine.nf4_form)")
     else:
         how = f"{_n(s.total_params)} params in {plan.dtype}"
     rows = [(f"weights ({plan.form})", plan.weights, how)]

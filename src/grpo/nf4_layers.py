@@ -1,7 +1,7 @@
 """bitsandbytes 4-bit NF4 helpers: the quantisation config, the weight layout we rely on, exact
 dequantisation, and temporary dense copies of 4-bit layers for fast decoding.
 
-This module and ``grpo.policy`` are the only ones that touch bitsandbytes.
+This module and ``grpo.lora_policy`` are the only ones that touch bitsandbytes.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def dense_weight(layer, dtype: torch.dtype | None = None) -> torch.Tensor:
     state = layer.weight.quant_state
     if getattr(state, "packing_format_for_cpu", False):
         raise RuntimeError("a 4-bit layer was repacked into bitsandbytes' CPU layout, where dequantize_4bit is "
-                           "wrong; load models through grpo.policy (keep_standard_nf4_layout) before any forward")
+                           "wrong; load models through grpo.lora_policy (keep_standard_nf4_layout) before any forward")
     if dtype is not None and dtype != state.dtype:
         state = copy.copy(state)  # the layer's own state keeps its dtype
         state.dtype = dtype

@@ -34,9 +34,9 @@ from grpo.config import TrainConfig
 from grpo.distributed import Dist
 from grpo.entropy import entropy_threshold, high_entropy_mask
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
+from grpo.lora_policy import lm_parts
 from grpo.loss import grpo_loss, loss_normalizer
 from grpo.metrics import Sums
-from grpo.policy import lm_parts
 from grpo.types import TrainBatch
 from grpo.updater import Updater
 

@@ -19,7 +19,7 @@ for CPU runs, where it is faster at the cost of a temporary dense copy); with
 ``return_logprobs=True`` it also returns the raw-model log-prob of every sampled token.
 Two factories make every backend: ``grpo.engine.sampler.saved_model_sampler`` for a model
 saved in Hugging Face format (SENT, evaluation: a vLLM engine, or the decode loop), and
-``grpo.engine.policy.policy_rollouts`` for the policy in training (its engine, or the decode loop
+``grpo.engine.policy_engine.policy_rollouts`` for the policy in training (its engine, or the decode loop
 on the policy); this module imports neither. ``uses_engine`` is the one rule of ``vllm`` / ``transformers`` / ``auto``
 (``auto``: vLLM when it is installed, else transformers with a logged warning).
 """
@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from grpo.nf4 import dequantized_weights
+from grpo.nf4_layers import dequantized_weights
 from grpo.sampling import decode
 from grpo.types import Rollout
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutBackend(Protocol):
-    """Every method the trainer and the stages call on a rollout backend (``grpo.engine.sampler.saved_model_sampler`` and ``grpo.engine.policy.policy_rollouts`` build them).
+    """Every method the trainer and the stages call on a rollout backend (``grpo.engine.sampler.saved_model_sampler`` and ``grpo.engine.policy_engine.policy_rollouts`` build them).
 
     The backends here inherit from it for ``with backend: ...``, which closes the backend on exit.
     """
@@ -168,7 +168,7 @@ class TransformersBackend(RolloutBackend):
         prompt) at a time; each group's prompt runs once (``completion_hidden``) and no (N, C, V)
         logits are ever held."""
         from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
-        from grpo.policy import lm_parts
+        from grpo.lora_policy import lm_parts
 
         body, head = lm_parts(self.model)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + C)

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 
 from grpo.rewards import correctness, extract_answer
-from grpo.rollout import generate_in_batches
+from grpo.rollout_backends import generate_in_batches
 
 ESTIMATORS = ("likelihood", "count")
 

@@ -87,7 +87,7 @@ def char_tokenizer(vocab_size: int | None = None):
 def random_model_dir(path: str | Path, config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                      device: str = "cpu") -> Path:
     """Save a randomly initialised causal LM of ``config`` (a transformers config) with a matching
-    character tokenizer at ``path``; loadable by ``grpo.policy.load_policy`` like any checkpoint."""
+    character tokenizer at ``path``; loadable by ``grpo.lora_policy.load_policy`` like any checkpoint."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)

@@ -4,7 +4,7 @@ One optimizer step (``GRPOTrainer.train_step``):
 
 1. **rollouts** (``collect``, ``grpo.rollout_phase``): the next ``prompts_per_step`` problems in the
    curriculum's order (the data position wraps around at the end); G completions per prompt from
-   the rollout backend, synced to the policy first (``grpo.rollout``); rewards and group-relative
+   the rollout backend, synced to the policy first (``grpo.rollout_backends``); rewards and group-relative
    advantages -> ``StepRollouts``; generation state is dropped before training;
 2. **the update's rows** (``update_rows``): the step's loss normaliser is taken over every
    completion, then the groups whose rewards are all equal are dropped (their advantages are zero,
@@ -59,7 +59,7 @@ from grpo.distributed import Dist
 from grpo.loss import signal_groups
 from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS
-from grpo.rollout import RolloutBackend, TransformersBackend
+from grpo.rollout_backends import RolloutBackend, TransformersBackend
 from grpo.run_dir import RunDir
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
 from grpo.updater import make_updater

@@ -1,6 +1,6 @@
 """The ``nf4`` engine's sync: the policy reaches the engine as a LoRA adapter.
 
-The ``nf4`` engine (``grpo.engine.nf4``) starts with vLLM's LoRA support: one adapter slot of the
+The ``nf4`` engine (``grpo.engine.nf4_form``) starts with vLLM's LoRA support: one adapter slot of the
 smallest rank vLLM accepts that holds the policy's (``grpo.engine.args.engine_lora_rank``). Each
 ``AdapterSync.push``:
 
@@ -14,7 +14,7 @@ A new id per sync makes the worker read the files once (an id already loaded is 
 ``load_inplace`` would re-read them at every scheduler step), and the prefix cache needs no reset:
 a KV block's hash includes the request's LoRA name. The vLLM lines: docs/gpu-notes.md#lora-loading.
 vLLM's LoRA layers compute ``x W^T + s (x A^T) B^T`` as peft does; greedy outputs equal the
-policy's own after every sync (tests/test_engine_nf4.py).
+policy's own after every sync (tests/test_engine_nf4_form.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def policy_lora_rank(model) -> int:
 
 
 class AdapterSync:
-    """The ``nf4`` form's sync strategy (``grpo.engine.policy.PolicyEngine``); ``engine_dir``: the
+    """The ``nf4`` form's sync strategy (``grpo.engine.policy_engine.PolicyEngine``); ``engine_dir``: the
     engine's folder, beside which the adapter is written."""
 
     form = "nf4"

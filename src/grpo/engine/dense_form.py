@@ -1,6 +1,6 @@
 """The ``dense`` sync: the policy's merged weights written into the engine's layers.
 
-The engine starts from a dense export of the base (``grpo.policy.export_dense``: the NF4 base
+The engine starts from a dense export of the base (``grpo.lora_policy.export_dense``: the NF4 base
 dequantised, exactly the weights training sees). ``DenseSync.push`` writes, for every layer that
 carries a LoRA adapter, ``W + (alpha / r) * B @ A`` (``W`` the dequantised base weight,
 dequantised once and kept) into the engine's fused parameter (``qkv_proj`` holds ``q_proj``,
@@ -49,7 +49,7 @@ class PolicyWeights:
     def __init__(self, model, dtype: torch.dtype):
         from peft.tuners.lora.layer import LoraLayer
 
-        from grpo.nf4 import dense_weight
+        from grpo.nf4_layers import dense_weight
 
         self.dtype = dtype
         modules = dict(model.get_base_model().named_modules())
@@ -108,7 +108,7 @@ def write_into(engine_model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
 
 
 class DenseSync:
-    """The ``dense`` weights form as a sync strategy (``grpo.engine.policy.PolicyEngine``)."""
+    """The ``dense`` weights form as a sync strategy (``grpo.engine.policy_engine.PolicyEngine``)."""
 
     form = "dense"
     lora_rank = None  # the engine needs no LoRA support

@@ -3,9 +3,9 @@
 Two weights forms (``train.engine_weights``):
 
 - ``dense``: the engine holds a dense copy of the base (the NF4 base dequantised) and each sync
-  writes the merged ``W + s B A`` of the adapted layers into it (``grpo.engine.dense``);
+  writes the merged ``W + s B A`` of the adapted layers into it (``grpo.engine.dense_form``);
 - ``nf4``: the engine computes with the trainer's own NF4 weights, shared, not copied, and takes
-  the policy as a LoRA adapter loaded under a new id at each sync (``grpo.engine.nf4``,
+  the policy as a LoRA adapter loaded under a new id at each sync (``grpo.engine.nf4_form``,
   ``grpo.engine.adapter``). It needs the 4-bit base (``model.quantization: nf4``).
 
 ``choose_form`` resolves ``auto``: ``dense`` where the dense engine's needs fit its budget
@@ -57,7 +57,7 @@ def choose_form(choice: str, device: str, dense_need: int | None, budget: int | 
 
 def rollouts_per_process(engine: bool, processes: int, form: str | None) -> str:
     """What each of ``processes`` training processes samples its rollouts with: a vLLM engine of
-    its own holding the policy in ``form`` (``engine``: ``grpo.rollout.uses_engine`` of
+    its own holding the policy in ``form`` (``engine``: ``grpo.rollout_backends.uses_engine`` of
     ``train.rollout_backend``), or the decode loop on the policy."""
     who = "the process" if processes == 1 else f"each of {processes} processes"
     if not engine:

@@ -22,7 +22,7 @@ method of ours registered with vLLM (``register``; vLLM's out-of-tree API,
 vLLM's LoRA layers run over any method's ``apply`` and add ``s (x A^T) B^T`` as peft does, so the
 policy reaches the engine as a LoRA adapter, synced by ``grpo.engine.adapter.AdapterSync``.
 Exactness: the engine's linear layers hold the trainer's weights and call the same bitsandbytes
-op; what differs is vLLM's attention and its LoRA kernels against peft's (tests/test_engine_nf4.py
+op; what differs is vLLM's attention and its LoRA kernels against peft's (tests/test_engine_nf4_form.py
 measures the gap), and on CUDA the numerics of that op by row count: bitsandbytes picks its NF4
 kernel by the rows of the call (vllm-free bench/nf4_rows.py measures the rows of a decode step
 against the same rows of a long forward; bitsandbytes/backends/cuda/ops.py, docs/gpu-notes.md),
@@ -84,7 +84,7 @@ def sharing(policy):
 
 def _trainer_module(name: str) -> torch.nn.Module:
     if _TRAINER is None:
-        raise RuntimeError(f"{METHOD}: the engine must be built inside grpo.engine.nf4.sharing(policy), in the "
+        raise RuntimeError(f"{METHOD}: the engine must be built inside grpo.engine.nf4_form.sharing(policy), in the "
                            "training process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     if name not in _TRAINER:
         raise KeyError(f"{METHOD}: the policy has no 4-bit module {name!r} for the engine's layer "

@@ -1,6 +1,6 @@
 """The engine that holds the policy during training, and the factory of the trainer's rollouts.
 
-``PolicyEngine`` is a ``grpo.rollout.RolloutBackend`` that owns one vLLM engine (a
+``PolicyEngine`` is a ``grpo.rollout_backends.RolloutBackend`` that owns one vLLM engine (a
 ``VLLMSampler``) and one sync strategy, the weights form (``grpo.engine.forms``): ``DenseSync``
 (merged weights written in) or, for the ``nf4`` engine, ``AdapterSync`` (a LoRA adapter loaded). ``sync(model)`` wakes the
 engine and pushes the policy through the strategy; ``generate`` wakes it and samples; ``sleep``
@@ -35,7 +35,7 @@ from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
 from grpo.engine.forms import check_form
 from grpo.engine.sampler import VLLMSampler
-from grpo.rollout import RolloutBackend, TransformersBackend, uses_engine
+from grpo.rollout_backends import RolloutBackend, TransformersBackend, uses_engine
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PolicyEngine(RolloutBackend):
     def wake_up(self) -> None:
         """Map the engine's memory back after ``sleep`` (CUDA only), PyTorch's cache emptied first:
         vLLM maps its pool back with the driver, which fails for lack of memory while PyTorch's
-        caching allocator still holds the last backward's blocks (docs/gpu-notes.md#sleep-and-wake-up). Order tested in tests/test_engine_policy.py."""
+        caching allocator still holds the last backward's blocks (docs/gpu-notes.md#sleep-and-wake-up). Order tested in tests/test_engine_policy_engine.py."""
         if self.asleep:
             free_cuda_cache(self.device)
             self.sampler.engine().wake_up()
@@ -98,7 +98,7 @@ class PolicyEngine(RolloutBackend):
 def make_strategy(form: str, model, engine_dir: Path, dtype: torch.dtype):
     """The sync strategy of the weights ``form`` (``dense`` or ``nf4``)."""
     if check_form(form) == "dense":
-        from grpo.engine.dense import DenseSync
+        from grpo.engine.dense_form import DenseSync
 
         return DenseSync(model, dtype)
     from grpo.engine.adapter import AdapterSync
@@ -110,26 +110,26 @@ def write_engine_folder(form: str, policy, tokenizer, base: ModelConfig | None, 
                         dtype: torch.dtype) -> None:
     """The folder the engine starts from: for ``dense`` the dense export of ``base`` (nothing
     written without ``base``: the folder is already there); for ``nf4`` the policy's config,
-    tokenizer and norms (``grpo.engine.nf4.write_engine_folder``)."""
+    tokenizer and norms (``grpo.engine.nf4_form.write_engine_folder``)."""
     if form == "nf4":
-        from grpo.engine import nf4
+        from grpo.engine import nf4_form
 
-        nf4.write_engine_folder(policy, tokenizer, engine_dir, dtype)
+        nf4_form.write_engine_folder(policy, tokenizer, engine_dir, dtype)
     elif base is not None:
-        from grpo.policy import export_dense
+        from grpo.lora_policy import export_dense
 
         export_dense(base, None, engine_dir)
 
 
 def start_sampler(form: str, args: dict, tokenizer, policy, **lengths) -> VLLMSampler:
     """Start the engine of ``args`` in this process; an ``nf4`` engine inside
-    ``grpo.engine.nf4.sharing(policy)``, its method registered first."""
+    ``grpo.engine.nf4_form.sharing(policy)``, its method registered first."""
     if form != "nf4":
         return VLLMSampler(args, tokenizer, progress=False, **lengths)
-    from grpo.engine import nf4
+    from grpo.engine import nf4_form
 
-    nf4.register()
-    with nf4.sharing(policy):
+    nf4_form.register()
+    with nf4_form.sharing(policy):
         return VLLMSampler(args, tokenizer, progress=False, **lengths)
 
 

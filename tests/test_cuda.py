@@ -109,5 +109,5 @@ def test_the_cuda_tests_run_in_the_cards_16_bit_dtype():
     wrong = {n: d for n, d in listing.items() if d != {card: {dtype} for card, dtype in CARDS.items()}}
     assert not wrong, f"cuda-marked tests not in the card's 16-bit dtype: {wrong}"
     assert {n.split("::")[0] for n in listing} >= {f"tests/test_{name}.py" for name in (
-        "cuda", "engine_nf4", "engine_policy", "engine_sampler", "evaluate", "kernels")}  # all were found
+        "cuda", "engine_nf4_form", "engine_policy_engine", "engine_sampler", "evaluate", "kernels")}  # all were found
     assert model_test_dtype("cpu", None) == "float32"  # on a CPU the engine tests keep their fp32 bounds

@@ -84,11 +84,23 @@ def test_stage_code_deps_are_its_imports(stage):
 
 def test_the_walk_sees_lazy_and_package_imports():
     deps = code_deps(REPO / "tasks" / "train.py")
-    assert "src/grpo/rewards.py" in deps  # imported inside a validator of grpo.config
+    assert "src/grpo/choices.py" in deps  # imported inside a validator of grpo.config
     assert "src/grpo/config.py" in deps and "tasks/_common.py" in deps
     assert "src/grpo/kernels" in deps and not any(d.startswith("src/grpo/kernels/") for d in deps)  # all of it
     assert {"src/grpo/engine/__init__.py", "src/grpo/engine/policy_engine.py"} <= deps  # file by file:
     assert "src/grpo/engine/preflight.py" not in deps  # the GPU preflight is no training code
+
+
+def test_a_registered_choice_is_no_stage_dep_of_its_own():
+    """Params validation imports each registry's home by name (``grpo.choices``): a registered name
+    decides whether params are valid, not what a stage writes, so an edit of, say, the loss re-runs
+    the stages that run the loss, not the evaluations. A stage that runs an entry imports it."""
+    from grpo.choices import REGISTRIES
+
+    homes = {str(_module_file(module).relative_to(REPO)) for module, _ in REGISTRIES.values()}
+    assert not homes & code_deps(REPO / "src" / "grpo" / "choices.py")
+    assert not homes & code_deps(REPO / "tasks" / "prepare_model.py")
+    assert homes <= code_deps(REPO / "tasks" / "train.py")
 
 
 @pytest.mark.parametrize("stage", ["sent", "baseline_eval", "final_eval"])

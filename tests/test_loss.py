@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import group_advantages, grpo_loss, loss_normalizer
+from grpo.loss import AGGREGATIONS, group_advantages, grpo_loss, loss_normalizer
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
 OLD = torch.tensor([[-1.3, -1.8, -0.5], [-0.6, -0.9, 0.0]])
@@ -74,6 +74,20 @@ def test_epsilon_high():
     assert stats["clip_high_frac"] == 0.0
 
 
+def test_per_token_clip_bounds_equal_the_scalar_ones():
+    """The ``clipped`` policy loss takes (N, T) tensors as its clip bounds (the hook of a token rule
+    with entropy-dependent clipping, ``grpo.entropy.TokenRule``): tensors filled with the scalars give
+    the same loss and statistics; a looser upper bound on token (0, 0) alone unclips it."""
+    scalar = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=0.2, epsilon_high=0.3)
+    low, high = torch.full_like(LOGP, 0.2), torch.full_like(LOGP, 0.3)
+    tensor = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=low, epsilon_high=high)
+    assert tensor[0].item() == scalar[0].item() and tensor[1] == scalar[1]
+    high[0, 0] = 0.4
+    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=low, epsilon_high=high)
+    assert loss.item() == pytest.approx((-math.exp(0.3) - math.exp(-0.2) - 1.0 + ROW1) / 5, abs=1e-6)
+    assert stats["clip_high_frac"] == 0.0
+
+
 def test_gradient_is_zero_where_clipped_and_on_padding():
     logp = LOGP.clone().requires_grad_(True)
     loss, _ = grpo_loss(logp, OLD, None, ADV, MASK, loss_type="dapo")
@@ -87,10 +101,13 @@ def test_gradient_is_zero_where_clipped_and_on_padding():
     assert g[1, 0].item() == pytest.approx(0.5 * math.exp(0.3) / 5, rel=1e-6)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", AGGREGATIONS.names())
 def test_micro_batches_sum_to_full_batch(loss_type):
+    """The contract of every aggregation: the normaliser is a sum over the rows, and the parts'
+    losses over the batch's normaliser add up to the batch's loss."""
     full, _ = grpo_loss(LOGP, OLD, None, ADV, MASK, loss_type=loss_type)
     norm = loss_normalizer(MASK, loss_type)
+    assert sum(loss_normalizer(MASK[i : i + 1], loss_type, MASK.shape[1]) for i in range(2)) == norm
     parts = [
         grpo_loss(LOGP[i : i + 1], OLD[i : i + 1], None, ADV[i : i + 1], MASK[i : i + 1], loss_type=loss_type, normalizer=norm)[0]
         for i in range(2)
@@ -98,9 +115,11 @@ def test_micro_batches_sum_to_full_batch(loss_type):
     assert sum(p.item() for p in parts) == pytest.approx(full.item(), abs=1e-6)
 
 
-def test_unknown_loss_type():
-    with pytest.raises(ValueError, match="loss_type"):
+def test_unknown_loss_type_and_policy_loss():
+    with pytest.raises(ValueError, match="train.loss_type: no loss aggregation 'ppo'"):
         grpo_loss(LOGP, OLD, None, ADV, MASK, loss_type="ppo")
+    with pytest.raises(ValueError, match="train.policy_loss: no policy loss 'ppo'"):
+        grpo_loss(LOGP, OLD, None, ADV, MASK, policy_loss="ppo")
 
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])

@@ -1,6 +1,6 @@
 """The passes over the policy (``grpo.passes``) on the tiny 4-bit + LoRA Llama: micro-batch slices; the
 no-grad pass's fixed log-probs (the reference policy's with the adapter off) as a new record; the step's
-entropy threshold, the kept side of it (``entropy_keep``) and its gradients; the engine gap by hand;
+entropy threshold, the kept side of it (``entropy_rule``) and its gradients; the engine gap by hand;
 micro-batches change memory and not the update; updates raise the rewarded completion."""
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ def test_fixed_logprobs_fill_a_new_batch_and_leave_the_input_as_it_was(policy, b
 def test_the_step_threshold_is_the_quantile_of_the_valid_entropies(policy):
     """Valid entropies 0.1 0.9 0.5 0.3 0.7 (the 9.0s are padding): the top 0.25 -> the 0.75 quantile,
     0.7 (index 3 of the sorted five); the top 0.4 -> 0.58 (linear between 0.5 and 0.7). The threshold
-    is the same whichever side ``entropy_keep`` trains; ``entropy_top_quantile`` 1 has none."""
+    is the same whichever side ``entropy_rule`` trains; ``entropy_top_quantile`` 1 has none."""
     model, _ = policy
     entropy = torch.tensor([[0.1, 0.9, 0.5, 9.0], [0.3, 0.7, 9.0, 9.0]])  # (2, 4)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     for keep in ("high", "low"):
         for quantile, threshold in ((0.25, 0.7), (0.4, 0.58)):
-            passes = _passes(model, TrainConfig(entropy_top_quantile=quantile, entropy_keep=keep))
+            passes = _passes(model, TrainConfig(entropy_top_quantile=quantile, entropy_rule=keep))
             assert passes.step_threshold(entropy, mask).item() == pytest.approx(threshold, abs=1e-6)
     assert _passes(model, TrainConfig(entropy_top_quantile=1.0)).step_threshold(entropy, mask) is None
 
@@ -136,7 +136,7 @@ def test_step_normalizer_of_one_process_by_hand(policy):
     assert got == {"dapo": 5.0, "grpo": 2.0, "dr_grpo": 12.0}
 
 
-def test_entropy_keep_low_trains_the_complement_of_high(policy):
+def test_entropy_rule_low_trains_the_complement_of_high(policy):
     """One micro-batch through ``loss_backward`` at ``entropy_top_quantile`` 0.3: ``high`` keeps the
     valid tokens at or above the step's threshold, ``low`` exactly the other valid tokens; the entropies
     and the loss value are the same (tokens outside the mask carry their detached log-probs). On
@@ -147,7 +147,7 @@ def test_entropy_keep_low_trains_the_complement_of_high(policy):
     normalizer = float(batch.mask.sum())
     out = {}
     for name, quantile, keep in (("high", 0.3, "high"), ("low", 0.3, "low"), ("all", 1.0, "high")):
-        passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=quantile, entropy_keep=keep))
+        passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=quantile, entropy_rule=keep))
         model.zero_grad(set_to_none=True)
         loss, stats, entropy, kept = passes.loss_backward(batch, normalizer)
         out[name] = (loss, entropy, kept, _lora_grads(model))

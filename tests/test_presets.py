@@ -213,9 +213,9 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     expected_policy_passes = (2 if cfg.mu > 1 else 0) + (2 * (cfg.mu - (cfg.mu > 1)) if slices > 1 else 0)
     assert calls["policy_pass"] == expected_policy_passes
     assert clip_norms == [cfg.max_grad_norm] * (2 * cfg.mu)
-    # the loss got the preset's loss type and clip range
-    assert {(kw["loss_type"], kw["epsilon"], kw["epsilon_high"], kw["max_length"]) for kw in loss_kwargs} == {
-        (cfg.loss_type, cfg.epsilon, cfg.epsilon_high, cfg.max_new_tokens)}
+    # the loss got the preset's loss type, policy loss and clip range
+    assert {(kw["loss_type"], kw["policy_loss"], kw["epsilon"], kw["epsilon_high"], kw["max_length"])
+            for kw in loss_kwargs} == {(cfg.loss_type, cfg.policy_loss, cfg.epsilon, cfg.epsilon_high, cfg.max_new_tokens)}
     # entropy mask: about the top quantile of tokens kept (all of them at 1.0)
     for r in rows:
         if cfg.entropy_top_quantile >= 1.0:

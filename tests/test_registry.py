@@ -50,3 +50,13 @@ def test_registered_lasts_for_the_block():
     with pytest.raises(RuntimeError), reg.registered("d", min):
         raise RuntimeError("the block fails")
     assert "d" not in reg
+
+
+def test_monkeypatch_setitem_adds_an_entry_for_the_block_only(monkeypatch):
+    """``monkeypatch.setitem`` reads the old entry with ``get`` (``None`` for an unknown name, where
+    ``[]`` raises the one-line ``ValueError``) and deletes the new one afterwards."""
+    reg = make()
+    with monkeypatch.context() as patch:
+        patch.setitem(reg, "c", max)
+        assert reg["c"] is max
+    assert "c" not in reg and reg.names() == ("a", "b")

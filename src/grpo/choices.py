@@ -17,6 +17,9 @@ from grpo.registry import Registry
 REGISTRIES: dict[str, tuple[str, str]] = {
     "train.order": ("grpo.curriculum", "ORDERS"),
     "train.rewards": ("grpo.rewards", "REWARDS"),
+    "train.loss_type": ("grpo.loss", "AGGREGATIONS"),
+    "train.policy_loss": ("grpo.loss", "POLICY_LOSSES"),
+    "train.entropy_rule": ("grpo.entropy", "TOKEN_RULES"),
 }
 """``section.key`` -> (module, attribute) of the registry whose names the param takes."""
 

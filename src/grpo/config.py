@@ -336,16 +336,21 @@ class TrainConfig(VLLMEngineConfig):
     beta: Annotated[float, Field(ge=0)] = 0.0
     """k3 KL coefficient; 0 skips the reference forward pass entirely, and the update leaves out the
     groups whose rewards are all equal (their gradient is zero then: ``GRPOTrainer.update_rows``)."""
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
-    """``grpo`` (per-sequence mean), ``dr_grpo`` (sum / max length), ``dapo`` (token mean over batch)."""
+    loss_type: Choice("train.loss_type") = "dapo"
+    """How the token terms become the loss (``grpo.loss.AGGREGATIONS``): ``grpo`` (per-sequence
+    mean), ``dr_grpo`` (sum / max length), ``dapo`` (token mean over batch)."""
+    policy_loss: Choice("train.policy_loss") = "clipped"
+    """The per-token policy-gradient term (``grpo.loss.POLICY_LOSSES``): ``clipped``, PPO's clipped
+    surrogate ``-min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)``."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """``group``, ``batch`` or ``none``: what the centred rewards are divided by."""
     entropy_top_quantile: Fraction = 0.2
     """Fraction of the update's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
-    entropy_keep: Literal["high", "low"] = "high"
-    """Which side of the entropy threshold gets gradient: ``high``, the top ``entropy_top_quantile``
-    (the method); ``low``, every other valid token (the bottom ``1 - entropy_top_quantile``: the
-    masking paper's contrast, for ablations). ``low`` needs ``entropy_top_quantile`` below 1."""
+    entropy_rule: Choice("train.entropy_rule") = "high"
+    """The token-entropy rule (``grpo.entropy.TOKEN_RULES``), which tokens get gradient by their
+    entropy: ``high``, the top ``entropy_top_quantile`` (the method); ``low``, every other valid
+    token (the bottom ``1 - entropy_top_quantile``: the masking paper's contrast, for ablations).
+    ``low`` needs ``entropy_top_quantile`` below 1."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """Entropy/log-prob pass: ``triton`` (CUDA), ``torch``, or ``auto`` (triton when on CUDA)."""
     logprob_chunk: Positive = 1024
@@ -407,9 +412,9 @@ class TrainConfig(VLLMEngineConfig):
     def _check(self):
         if not self.rewards:
             raise ValueError("train.rewards: name at least one reward function")
-        if self.entropy_keep == "low" and self.entropy_top_quantile >= 1:
-            raise ValueError("train.entropy_keep: low keeps the tokens below the top entropy_top_quantile; "
-                             "set train.entropy_top_quantile below 1")
+        from grpo.choices import registry
+
+        registry("train.entropy_rule")[self.entropy_rule].check(self)
         self.check_split(self.num_processes, "train.num_processes")
         return self
 

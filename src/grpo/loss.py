@@ -1,4 +1,4 @@
-"""GRPO advantages and the clipped policy-gradient loss: pure tensor functions.
+"""GRPO advantages and the policy-gradient loss: pure tensor functions.
 
 Algorithm (DeepSeekMath, arXiv 2402.03300, with the later variants named below). For each prompt
 the policy samples a group of G completions with rewards r_1..r_G. The advantage of completion i
@@ -7,13 +7,19 @@ is its reward centred on the group mean, optionally divided by a standard deviat
     A_i = (r_i - mean(r_group)) / (std + 1e-4)
 
 A group whose rewards are all equal carries no learning signal and gets A = 0 exactly (no
-invented baseline). Every completion token t then contributes the PPO-style clipped term
+invented baseline).
+
+The loss has two axes, each a registry (as verl's ``core_algos.py``): the per-token policy term
+(``POLICY_LOSSES``, ``train.policy_loss``) and how the token terms become one number
+(``AGGREGATIONS``, ``train.loss_type``). ``grpo_loss`` composes them: policy term -> token
+importance weights -> + beta * k3 KL -> aggregation. The one policy loss, ``clipped``, is the
+PPO-style clipped term of every completion token t:
 
     rho_t = exp(logp_t - old_logp_t)
     l_t   = -min(rho_t * A, clip(rho_t, 1 - eps, 1 + eps_high) * A) + beta * KL_t
     KL_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1            (k3 estimator, always >= 0)
 
-and the token terms are aggregated in one of three ways:
+and the aggregations are:
 
 * ``grpo``    mean over each sequence's tokens, then mean over sequences (the paper).
 * ``dr_grpo`` sum over all tokens / (N * T_max): no length normalisation (Dr. GRPO, arXiv 2503.20783).
@@ -27,11 +33,51 @@ is added, correcting for the engine's slightly different numerics.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
+from grpo.registry import Registry
+
 ADV_EPS = 1e-4
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+
+
+class PolicyLoss(Protocol):
+    """An entry of ``POLICY_LOSSES``: the per-token policy-gradient term and its statistics.
+
+    ``logp``, ``old_logp``: (N, T) log-probs under the current and the sampling-time policy;
+    ``advantages``: (N, 1); ``mask``: (N, T), 1.0 on valid completion tokens (all three in
+    ``logp``'s dtype); ``epsilon``, ``epsilon_high``: the clip range's two sides, floats (or (N, T)
+    tensors of per-token bounds: ``torch.clamp`` and the statistics take either). Returns the (N, T)
+    term, whose gradient is the policy gradient (the mask, the weights, the KL and the aggregation
+    are ``grpo_loss``'s), and its statistics as token means over the mask (the metric names of
+    ``grpo.metrics.UPDATE``: ``clip_frac``, ``ratio`` ...; a statistic not given is absent)."""
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                 epsilon: float | Tensor, epsilon_high: float | Tensor) -> tuple[Tensor, dict[str, float]]: ...
+
+
+class Aggregation(Protocol):
+    """An entry of ``AGGREGATIONS``: how the (N, T) token terms become the scalar loss.
+
+    ``normalizer(mask, max_length)`` is the denominator of a batch (``mask``: (N, T); ``max_length``:
+    T_max, ``None`` for T). CONTRACT: it is a sum over completions, each row adding its own part
+    (valid tokens, 1, T_max ...), so the normaliser of a step split over micro-batches and
+    processes is the sum of the parts' (``grpo.passes.PolicyPasses.step_normalizer`` adds them).
+    ``aggregate(per_token, mask, normalizer)`` is the loss: a sum over the rows of ``per_token``
+    (N, T) within ``mask`` divided by ``normalizer``, so the micro-batches' losses, each divided by
+    the step's normaliser, add up to the step's loss (gradient accumulation)."""
+
+    def normalizer(self, mask: Tensor, max_length: int | None) -> float: ...
+
+    def aggregate(self, per_token: Tensor, mask: Tensor, normalizer: float) -> Tensor: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("train.policy_loss", "policy loss")
+"""Policy-loss name -> ``PolicyLoss`` (``train.policy_loss``)."""
+AGGREGATIONS: Registry[Aggregation] = Registry("train.loss_type", "loss aggregation")
+"""Aggregation name -> ``Aggregation`` (``train.loss_type``)."""
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> Tensor:
@@ -61,16 +107,82 @@ def signal_groups(rewards: Tensor, group_size: int) -> Tensor:
     return (grouped != grouped[:, :1]).any(dim=1)  # (P,)
 
 
-def loss_normalizer(mask: Tensor, loss_type: str, max_length: int | None = None) -> float:
-    """The denominator of ``loss_type`` for a whole batch; pass it to every micro-batch's
-    ``grpo_loss`` so that gradient accumulation sums to the full-batch loss."""
-    if loss_type == "dapo":
-        return float(mask.sum().clamp(min=1))
-    if loss_type == "grpo":
+# ---------------------------------------------------------------------- policy losses
+@POLICY_LOSSES.register("clipped")
+def clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float | Tensor,
+            epsilon_high: float | Tensor) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped surrogate: ``-min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)``
+    with ``rho = exp(logp - old_logp)``; statistics ``clip_low_frac``, ``clip_high_frac``,
+    ``clip_frac`` and ``ratio``."""
+    ratio = torch.exp(logp - old_logp)  # (N, T)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (N, T)
+    per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (N, T)
+    return per_token, clip_stats(ratio, advantages, mask, epsilon, epsilon_high)
+
+
+@torch.no_grad()
+def clip_stats(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon: float | Tensor,
+               eps_high: float | Tensor) -> dict[str, float]:
+    """Token means over ``mask`` (N, T) of the clipped fractions and the ratio (N, T); ``adv``: (N, 1)."""
+    low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)  # clipped from below
+    high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # clipped from above
+    stats = {"clip_low_frac": token_mean(low, mask), "clip_high_frac": token_mean(high, mask),
+             "ratio": token_mean(ratio, mask)}
+    stats["clip_frac"] = stats["clip_low_frac"] + stats["clip_high_frac"]
+    return stats
+
+
+@torch.no_grad()
+def token_mean(values: Tensor, mask: Tensor) -> float:
+    """The mean of (N, T) ``values`` over the valid tokens of ``mask`` (0 without any)."""
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+# ---------------------------------------------------------------------- aggregations
+@AGGREGATIONS.register("grpo")
+class SequenceMean:
+    """Mean over each sequence's valid tokens, then over the sequences: one per row."""
+
+    @staticmethod
+    def normalizer(mask: Tensor, max_length: int | None) -> float:
         return float(mask.shape[0])
-    if loss_type == "dr_grpo":
+
+    @staticmethod
+    def aggregate(per_token: Tensor, mask: Tensor, normalizer: float) -> Tensor:
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
+        return per_seq.sum() / normalizer
+
+
+class TokenSum:
+    """Sum over every valid token of the batch, divided by the normaliser."""
+
+    @staticmethod
+    def aggregate(per_token: Tensor, mask: Tensor, normalizer: float) -> Tensor:
+        return (per_token * mask).sum() / normalizer
+
+
+@AGGREGATIONS.register("dr_grpo")
+class TokenSumOverMaxLength(TokenSum):
+    """Token sum / (rows x T_max): no length normalisation."""
+
+    @staticmethod
+    def normalizer(mask: Tensor, max_length: int | None) -> float:
         return float(mask.shape[0] * (max_length or mask.shape[1]))
-    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+
+
+@AGGREGATIONS.register("dapo")
+class TokenMean(TokenSum):
+    """Token sum / valid tokens of the batch: the token mean."""
+
+    @staticmethod
+    def normalizer(mask: Tensor, max_length: int | None) -> float:
+        return float(mask.sum().clamp(min=1))
+
+
+def loss_normalizer(mask: Tensor, loss_type: str, max_length: int | None = None) -> float:
+    """The denominator of the aggregation ``loss_type`` for a whole batch; pass it to every
+    micro-batch's ``grpo_loss`` so that gradient accumulation sums to the full-batch loss."""
+    return AGGREGATIONS[loss_type].normalizer(mask, max_length)
 
 
 def grpo_loss(
@@ -84,11 +196,13 @@ def grpo_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     loss_type: str = "dapo",
+    policy_loss: str = "clipped",
     normalizer: float | None = None,
     max_length: int | None = None,
     token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO loss and its statistics.
+    """The GRPO loss and its statistics: the policy term ``policy_loss`` (``POLICY_LOSSES``), times
+    ``token_weights``, plus ``beta`` times the k3 KL, aggregated by ``loss_type`` (``AGGREGATIONS``).
 
     logp, old_logp, ref_logp: (N, T) log-probs of the sampled completion tokens under the current,
     the sampling-time and the reference policy. advantages: (N,). mask: (N, T), 1 on valid
@@ -98,18 +212,15 @@ def grpo_loss(
     ``max_length`` is T_max of ``dr_grpo`` (default: T). ``token_weights``: (N, T) importance
     weights of the policy-gradient term (no gradient flows into them).
 
-    Returns the scalar loss and ``{"clip_frac", "clip_low_frac", "clip_high_frac", "kl", "ratio"}``,
-    token means over the mask.
+    Returns the scalar loss and the policy loss's statistics (``clipped``: ``clip_frac``,
+    ``clip_low_frac``, ``clip_high_frac``, ``ratio``) with ``kl``, token means over the mask.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    aggregation, policy = AGGREGATIONS[loss_type], POLICY_LOSSES[policy_loss]
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logp.dtype)  # (N, T)
     adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1)
 
-    ratio = torch.exp(logp - old_logp)  # (N, T)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)  # (N, T)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (N, T)
+    per_token, stats = policy(logp, old_logp, adv, mask, epsilon=epsilon, epsilon_high=eps_high)  # (N, T)
     if token_weights is not None:
         per_token = per_token * token_weights.detach().to(per_token.dtype)
     kl = None
@@ -121,29 +232,6 @@ def grpo_loss(
         per_token = per_token + beta * kl
 
     if normalizer is None:
-        normalizer = loss_normalizer(mask, loss_type, max_length)
-    if loss_type == "grpo":
-        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
-        loss = per_seq.sum() / normalizer
-    else:  # dapo, dr_grpo: token sum over the batch, different denominators
-        loss = (per_token * mask).sum() / normalizer
-
-    return loss, clip_stats(ratio, adv, mask, kl, epsilon, eps_high)
-
-
-@torch.no_grad()
-def clip_stats(ratio: Tensor, adv: Tensor, mask: Tensor, kl: Tensor | None, epsilon: float,
-               eps_high: float) -> dict[str, float]:
-    """Token means over ``mask`` (N, T) of the clipped fractions, the ratio (N, T) and the k3 KL
-    (N, T; 0 without one); ``adv``: (N, 1)."""
-    n_tok = mask.sum().clamp(min=1)
-    low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)  # clipped from below
-    high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # clipped from above
-    stats = {
-        "clip_low_frac": float((low * mask).sum() / n_tok),
-        "clip_high_frac": float((high * mask).sum() / n_tok),
-        "ratio": float((ratio * mask).sum() / n_tok),
-        "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0,
-    }
-    stats["clip_frac"] = stats["clip_low_frac"] + stats["clip_high_frac"]
-    return stats
+        normalizer = aggregation.normalizer(mask, max_length)
+    loss = aggregation.aggregate(per_token, mask, normalizer)
+    return loss, {**stats, "kl": token_mean(kl, mask) if kl is not None else 0.0}

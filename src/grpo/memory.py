@@ -770,6 +770,8 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
 
 def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The training phase's terms (one micro-batch's forward and backward)."""
+    from grpo.entropy import TOKEN_RULES
+
     model, lora, train = params.model, params.lora, params.train
     add, g, c = est.terms.append, train.group_size, train.max_new_tokens
     n = micro_batch_rows(train.prompts_per_step * g, train.micro_batches, g)
@@ -791,7 +793,7 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     kernel = train.kernel if train.kernel != "auto" else ("triton" if device == "cuda" else "torch")
     chunk = min(train.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
-    q = train.entropy_top_quantile if train.entropy_keep == "high" else 1 - train.entropy_top_quantile
+    q = TOKEN_RULES[train.entropy_rule].grad_fraction(train)  # the valid tokens whose LM-head rows need grad
     kept = math.ceil(q * n * c)
     pass_tokens = max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0 and c > 1 else n * (p + c)
     head_rows = min(train.logprob_chunk, kept)

@@ -5,14 +5,16 @@ micro-batch by micro-batch; with the adapter disabled it gives the reference pol
 (``beta > 0``: no second model), with it the sampling policy's (``mu > 1``: old_logp).
 
 With grad (``accumulate_gradients``, one update): the entropy threshold of the whole step (the
-``1 - entropy_top_quantile`` quantile of every rank's valid token entropies: taken in the one
-forward when there is one micro-batch, else from a no-grad pass first), then per micro-batch
-(``loss_backward``): one body forward with grad (each group's prompt once, its completions on the
-shared KV cache); entropy and log-prob of every completion token without grad (chunked, fused
-kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only at the tokens at or above
-the threshold (chunked as well, its gradient written over the logits: no fp32 (K, V) tensor);
-``grpo_loss`` normalised over the whole step; the updater's backward. Micro-batching changes
-memory and time, not the update: the kept tokens and the normaliser are the step's.
+statistic of the token-entropy rule ``train.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over
+every rank's valid token entropies; for ``high``, the ``1 - entropy_top_quantile`` quantile: taken
+in the one forward when there is one micro-batch, else from a no-grad pass first), then per
+micro-batch (``loss_backward``): one body forward with grad (each group's prompt once, its
+completions on the shared KV cache); entropy and log-prob of every completion token without grad
+(chunked, fused kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only at the
+tokens the rule keeps (``high``: at or above the threshold; chunked as well, its gradient written
+over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.policy_loss`` aggregated by
+``train.loss_type``) normalised over the whole step; the updater's backward. Micro-batching
+changes memory and time, not the update: the kept tokens and the normaliser are the step's.
 
 Tokens outside the mask carry their detached log-probs in the loss and get no gradient (value and
 normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all valid tokens).
@@ -32,7 +34,7 @@ import torch
 
 from grpo.config import TrainConfig
 from grpo.distributed import Dist
-from grpo.entropy import entropy_threshold, high_entropy_mask
+from grpo.entropy import TOKEN_RULES
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
 from grpo.lora_policy import lm_parts
 from grpo.loss import grpo_loss, loss_normalizer
@@ -92,23 +94,27 @@ class PolicyPasses:
 
     # ------------------------------------------------------------------ step-wide numbers
     def step_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        """The entropy threshold of the whole step from this rank's (n, C) entropies and mask: the
-        valid entropies of every rank are gathered and the quantile taken over all of them."""
-        if self.cfg.entropy_top_quantile >= 1:
+        """The token-entropy rule's threshold of the whole step from this rank's (n, C) entropies and
+        mask: the valid entropies of every rank are gathered and the rule's statistic taken over all
+        of them (``None`` when the rule needs none: no gather)."""
+        rule = TOKEN_RULES[self.cfg.entropy_rule]
+        if not rule.needs_statistic(self.cfg):
             return None
         values = self.dist.all_gather_cat(entropy[mask.bool()].float())  # (valid tokens of the step,)
-        return entropy_threshold(values, self.cfg.entropy_top_quantile)
+        return rule.threshold(values, self.cfg)
 
     def step_normalizer(self, mask: torch.Tensor) -> float:
-        """The ``loss_type`` denominator of the whole step from this rank's (n, C) mask: every type's
-        is a sum over completions (valid tokens; rows; rows x ``max_new_tokens``), summed over ranks."""
+        """The ``loss_type`` denominator of the whole step from this rank's (n, C) mask, summed over
+        ranks: relies on the contract of ``grpo.loss.AGGREGATIONS`` that every aggregation's
+        normaliser is a sum over completions (``dapo``: valid tokens; ``grpo``: rows; ``dr_grpo``:
+        rows x ``max_new_tokens``)."""
         local = loss_normalizer(mask, self.cfg.loss_type, self.cfg.max_new_tokens)
         return float(self.dist.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device)))
 
     # ------------------------------------------------------------------ with grad
     def loss_backward(self, batch: TrainBatch, normalizer: float, threshold: torch.Tensor | None = None
                       ) -> tuple[float, dict, torch.Tensor, torch.Tensor]:
-        """Forward with grad, entropy mask, GRPO loss and backward of one micro-batch.
+        """Forward with grad, the token-entropy rule's mask, GRPO loss and backward of one micro-batch.
 
         ``normalizer``: the step-wide ``loss_normalizer``; ``threshold``: the step-wide entropy
         threshold, or ``None`` when ``batch`` is the whole step (taken here then). Returns the loss
@@ -121,8 +127,7 @@ class PolicyPasses:
                                                      cfg.logprob_chunk, cfg.kernel)  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
-        keep = high_entropy_mask(entropy, batch.mask, cfg.entropy_top_quantile, threshold,
-                                 cfg.entropy_keep)  # (m, C) bool
+        keep = TOKEN_RULES[cfg.entropy_rule].grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.logprob_chunk,
                                       cfg.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
@@ -130,8 +135,8 @@ class PolicyPasses:
         weights, engine = self.engine_gap(batch, old_logp)
         loss, stats = grpo_loss(logp, old_logp, batch.ref_logp, batch.advantages, batch.mask,
                                 epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                loss_type=cfg.loss_type, normalizer=normalizer, max_length=cfg.max_new_tokens,
-                                token_weights=weights)
+                                loss_type=cfg.loss_type, policy_loss=cfg.policy_loss, normalizer=normalizer,
+                                max_length=cfg.max_new_tokens, token_weights=weights)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
         return loss.item(), {**stats, **engine}, entropy, keep
 

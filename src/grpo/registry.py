@@ -69,6 +69,11 @@ class Registry(Mapping[str, T]):
     def __delitem__(self, name: str) -> None:
         del self._entries[name]
 
+    def get(self, name: str, default=None):
+        """The entry of ``name``, or ``default`` (``Mapping.get`` catches only ``KeyError``:
+        pytest's ``monkeypatch.setitem`` reads the old entry through it)."""
+        return self._entries.get(name, default)
+
     def __getitem__(self, name: str) -> T:
         """The entry of ``name``; ``ValueError`` naming the param and the known names otherwise."""
         if name not in self._entries:

@@ -465,7 +465,7 @@ def sent_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -
 
 
 def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -> None:
-    """The train stage's pieces (tasks/train.py) for ``train.steps`` steps; the adapter shipped.
+    """The train stage's pieces (grpo.training) for ``train.steps`` steps; the adapter shipped.
     ``extra`` gets the kernels, the engine's form and each step's row as it ends."""
     import torch
 

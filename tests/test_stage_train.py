@@ -108,20 +108,6 @@ def test_a_repeated_key_or_bad_yaml_in_the_params_exits_2_with_one_line(text, me
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
 
 
-def test_the_summary_leaves_out_the_gap_of_steps_not_applied():
-    """A step whose update was not applied (a non-finite value) logs no gap (None): the summary's
-    mean and largest gap come from the other steps, and the run does not fail at its end."""
-    from tasks.train import train_summary
-
-    row = dict(accuracy=0.5, step_time_s=1.0, loss=0.1, reward_mean=0.5, kl=0.0, entropy_mean=1.0, kept_frac=0.2,
-               peak_mem_mb=100.0)
-    history = [{**row, "step": 1, "logp_mismatch_mean": 0.02, "logp_mismatch_max": 0.3},
-               {**row, "step": 2, "logp_mismatch_mean": None, "logp_mismatch_max": None, "update_skipped": True},
-               {**row, "step": 3, "logp_mismatch_mean": 0.04, "logp_mismatch_max": 0.5}]
-    summary = train_summary(history, "vllm", 1, {"step": 3})
-    assert summary["logp_mismatch_mean"] == pytest.approx(0.03) and summary["logp_mismatch_max"] == 0.5
-
-
 def _files(folder) -> dict:
     """``{relative path: bytes}`` of every file under ``folder``."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -249,7 +249,7 @@ def shutdown(dist: Dist) -> None:
 
 
 LAUNCHER_PID = "GRPO_LAUNCHER_PID"
-"""Set by ``tasks.train`` for its workers: the pid of the process that launched them."""
+"""Set by ``grpo.launcher`` for its workers: the pid of the process that launched them."""
 
 
 def die_with_parent() -> None:

@@ -1,0 +1,181 @@
+"""Training as a whole: ``run(params)`` does GRPO on the (curriculum-ordered) training set and
+writes the adapter and metrics; the train stage (``python -m tasks.train``) is this call.
+
+Outputs: ``models/adapter/`` (PEFT format), ``metrics/train.json`` (summary),
+``metrics/train/`` (dvclive per-step metrics for ``dvc plots``, ``grpo.step_loggers``),
+``outputs/train/`` (checkpoints and the per-step log; persistent, so a restarted run resumes). The
+adapter and the summary are replaced only once a run has completed (``RunDir.ship``,
+``grpo.jsonio.write_json``): a run that fails or is interrupted leaves the last completed run's in
+place; Ctrl-C raises ``Interrupted``, one line saying so and naming the checkpoint a rerun resumes
+from (the stage prints it and exits with code 130).
+
+With ``train.num_processes`` N > 1 the run launches N worker processes on this machine through
+torch.distributed's launcher (``grpo.launcher``: ``elastic_launch``, what ``torchrun
+--standalone`` runs; the stage's workers are ``python -m tasks.train`` again), waits for them and
+ends with their status: a process that fails stops the others, and ``LaunchFailed`` names its rank
+and exit code; a process that hangs (alive, but not at the collective the others wait in) makes
+them time out after ``train.dist_timeout_s`` (each raises ``grpo.distributed.CollectiveTimeout``,
+exit code ``grpo.distributed.TIMEOUT_EXIT_CODE`` in the stage), and ``LaunchFailed`` names it. A
+process started by a launcher (``WORLD_SIZE`` set: the run's own launch, or ``torchrun`` /
+``accelerate launch`` of ``-m tasks.train``, also across machines) joins the process group
+instead (``grpo.distributed``); rank 0 alone writes the outputs. With engine rollouts every process
+holds its own engine (``grpo.engine.policy_engine``); on a CPU their N shares of RAM are checked
+before launching (``grpo.engine.policy_engine.check_engine_memory``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from grpo.base_model import check_model_dir, load_tokenizer
+from grpo.checkpoint import reset_if_changed
+from grpo.config import Params, ParamsError
+from grpo.data import prompts_that_fit
+from grpo.device import compute_dtype, default_device
+from grpo.distributed import Dist, die_with_parent, init_from_env, launched, shutdown
+from grpo.engine.bounds import train_bounds
+from grpo.engine.forms import rollouts_per_process
+from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
+from grpo.jsonio import read_jsonl, write_json
+from grpo.launcher import launch_processes
+from grpo.lora_policy import load_policy
+from grpo.memory import form_here
+from grpo.rollout_backends import uses_engine
+from grpo.run_dir import RunDir
+from grpo.step_loggers import step_loggers
+from grpo.trainer import GRPOTrainer
+
+log = logging.getLogger(__name__)
+
+SUMMARY_KEYS = ("reward_mean", "accuracy", "loss", "kl", "entropy_mean", "kept_frac", "step_time_s", "peak_mem_mb")
+
+
+class Interrupted(Exception):
+    """The run was interrupted (Ctrl-C); the message is one line saying what was kept."""
+
+
+def run(params: Params, worker: Sequence[str] | None = None) -> None:
+    """Train with ``params`` in this process, or, with ``train.num_processes`` N > 1 in a process
+    no launcher started, in N launched processes of ``python *worker`` (the stage's: ``-m
+    tasks.train --params FILE``: each loads the same params and calls ``run``), waiting for them
+    (``grpo.launcher.LaunchFailed`` when one fails). Raises ``Interrupted`` on Ctrl-C."""
+    cfg = params.train
+    if cfg.num_processes > 1 and not launched():
+        if worker is None:
+            raise ValueError(f"train.num_processes is {cfg.num_processes}: run() needs `worker`, the python "
+                             "arguments that start one training process (e.g. -m tasks.train --params FILE)")
+        if uses_engine(cfg.rollout_backend) and default_device() == "cpu":
+            check_engine_memory(cfg.gpu_memory_utilization, cfg.num_processes)  # before any process starts
+        launch_processes(cfg.num_processes, list(worker), cfg.dist_timeout_s)
+        return
+    if launched():
+        die_with_parent()
+    device = default_device()
+    dist = init_from_env(device, cfg.dist_timeout_s)
+    try:
+        _train(params, dist, device)
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted_line(params)) from None
+    finally:
+        shutdown(dist)
+
+
+def interrupted_line(params: Params) -> str:
+    """What an interrupted run left: the shipped adapter and summary untouched, and the newest
+    checkpoint the next run resumes from (when the params and data keep their fingerprint)."""
+    cfg = params.train
+    ckpt = RunDir(cfg.output_dir, cfg.keep_best).latest_checkpoint()
+    resume = f"rerun to resume from {ckpt}" if ckpt else f"no checkpoint yet in {cfg.output_dir}: a rerun starts at step 0"
+    return (f"interrupted; {cfg.adapter_dir} and {Path(cfg.metrics_dir) / 'train.json'} are unchanged (the last "
+            f"completed run's, if any); {resume}")
+
+
+def _engine_form(params: Params, device: str) -> str:
+    """The weights form of the training engine on this machine."""
+    return form_here(params, Path("."), device)[0]
+
+
+def _train(params: Params, dist: Dist, device: str) -> None:
+    """The run's work in one process of ``dist`` (rank 0 writes every output)."""
+    cfg = params.train
+    cfg.check_split(dist.world_size)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cfg.deepspeed_config:
+        ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "its DeepSpeed JSON")
+        raise ParamsError(f"train.deepspeed_config is empty but accelerate launched a DeepSpeed run: set it to "
+                          f"{ds_file} (the trainer reads the JSON from the param; without it the run is plain "
+                          "data parallelism)")
+    problems = read_jsonl(cfg.data_path)
+    check_model_dir(params.model.path)
+    adapter_dir, summary_path = Path(cfg.adapter_dir), Path(cfg.metrics_dir) / "train.json"
+    if dist.is_main:  # the shipped adapter and summary stay until new ones replace them (RunDir.ship)
+        reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
+    torch.manual_seed(cfg.seed)
+    if dist.active and device == "cuda":
+        device = f"cuda:{dist.local_rank}"
+    tokenizer = load_tokenizer(params.model.path)
+    problems, _ = prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg, cfg.data_path)
+    model = load_policy(params.model, params.lora, device)
+    callbacks, closers = step_loggers(params) if dist.is_main else ([], [])
+    val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
+    bounds = train_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device).itemsize,
+                          dist.world_size)
+    backend = policy_rollouts(cfg.rollout_backend, tokenizer, model, section=cfg, engine_dir=Path(cfg.output_dir) / "engine",
+                              base=params.model, form=_engine_form(params, device), bounds=bounds,
+                              seed=cfg.seed, dtype=params.model.dtype, dist=dist)
+    weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
+    rollouts = rollouts_per_process(weights_form is not None, dist.world_size, weights_form)
+    log.info("rollouts: %s (rank %d of %d)", rollouts, dist.rank, dist.world_size)
+    trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
+                          val_problems=val_problems, dist=dist)
+    try:
+        history = trainer.train(progress=True)
+        dist.barrier()  # closing an engine ends torch.distributed's group: after every rank's last collective
+    finally:
+        backend.close()  # the engine and its memory are given back before the adapter is written
+    if not dist.is_main:
+        return
+
+    selection = trainer.run.ship(adapter_dir, model, tokenizer, history)
+    shutil.rmtree(Path(cfg.output_dir) / "engine", ignore_errors=True)  # the engine's copy of the base
+
+    summary = {**train_summary(history, backend.name, dist.world_size, selection, weights_form), "rollouts": rollouts}
+    write_json(summary_path, summary)
+    for close in closers:
+        close()
+    log.info("adapter written to %s; summary %s", adapter_dir, summary)
+
+
+def train_summary(history: list[dict], backend: str, processes: int, selection: dict,
+                  engine_weights: str | None = None) -> dict:
+    """``metrics/train.json``: the run's shape (with engine rollouts, the engine's weights form:
+    ``dense`` or ``adapter``), the last step's ``SUMMARY_KEYS``, accuracy over the
+    first and last ten steps, the total time, the shipped adapter, the validation summary and, with
+    engine rollouts, the sampler/trainer log-prob gap."""
+    first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
+    summary = {
+        "steps": len(history),
+        "rollout_backend": backend,
+        "engine_weights": engine_weights,
+        "num_processes": processes,
+        **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
+        "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
+        "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
+        "total_time_s": sum(r["step_time_s"] + r.get("time_validate_s", 0.0) for r in history),
+        "adapter": selection,
+    }
+    evals = [r for r in history if "val_accuracy" in r]
+    if evals:
+        best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
+        summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
+                       best_val_step=best["step"])
+    gaps = [r for r in history if r.get("logp_mismatch_mean") is not None]  # None: a step not applied
+    if gaps:
+        summary["logp_mismatch_mean"] = sum(r["logp_mismatch_mean"] for r in gaps) / len(gaps)
+        summary["logp_mismatch_max"] = max(r["logp_mismatch_max"] for r in gaps)
+    return summary

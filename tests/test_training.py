@@ -1,0 +1,53 @@
+"""``grpo.training``: a run from Python (``run(params)``, as the train stage calls it) ships the
+adapter and the summary; the summary's fields; the line an interrupted run leaves; a multi-process
+run needs the command of its workers. The stage end to end (resume after kill -9, Ctrl-C, wandb):
+tests/test_stage_train.py; several processes: tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo.config import load_params
+from grpo.training import interrupted_line, run, train_summary
+
+from .helpers import _write_params
+
+
+@pytest.mark.slow
+def test_a_run_from_python_ships_the_adapter_and_the_summary(tiny_model_dir, tiny_problems, tmp_path):
+    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2, checkpoint_every=0))
+    run(params)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert (summary["steps"], summary["num_processes"], summary["rollout_backend"]) == (2, 1, "transformers")
+    assert (tmp_path / "metrics" / "train" / "metrics.json").exists()  # dvclive
+
+
+def test_the_summary_leaves_out_the_gap_of_steps_not_applied():
+    """A step whose update was not applied (a non-finite value) logs no gap (None): the summary's
+    mean and largest gap come from the other steps, and the run does not fail at its end."""
+    row = dict(accuracy=0.5, step_time_s=1.0, loss=0.1, reward_mean=0.5, kl=0.0, entropy_mean=1.0, kept_frac=0.2,
+               peak_mem_mb=100.0)
+    history = [{**row, "step": 1, "logp_mismatch_mean": 0.02, "logp_mismatch_max": 0.3},
+               {**row, "step": 2, "logp_mismatch_mean": None, "logp_mismatch_max": None, "update_skipped": True},
+               {**row, "step": 3, "logp_mismatch_mean": 0.04, "logp_mismatch_max": 0.5}]
+    summary = train_summary(history, "vllm", 1, {"step": 3})
+    assert summary["logp_mismatch_mean"] == pytest.approx(0.03) and summary["logp_mismatch_max"] == 0.5
+
+
+def test_an_interrupted_run_before_its_first_checkpoint_says_a_rerun_starts_at_step_0(tiny_model_dir, tiny_problems,
+                                                                                      tmp_path):
+    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems))
+    assert interrupted_line(params) == (
+        f"interrupted; {tmp_path / 'adapter'} and {tmp_path / 'metrics' / 'train.json'} are unchanged (the last "
+        f"completed run's, if any); no checkpoint yet in {tmp_path / 'out'}: a rerun starts at step 0")
+
+
+def test_several_processes_need_the_command_of_a_worker(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, num_processes=2))
+    with pytest.raises(ValueError, match="train.num_processes is 2: run.. needs `worker`"):
+        run(params)
+    assert not (tmp_path / "out").exists()

@@ -91,10 +91,11 @@ def test_the_table_has_a_test_and_a_validation_part_each_with_its_seeds():
     val = {"default": {0: 0.60, 1: 0.61, 2: 0.62}, "g4": {0: 0.50, 1: 0.52, 2: 0.51}}
     text = ablations.markdown(grid, ablations.rows(grid, runs(test), runs(val)))
     test_part, val_part = text.split("Validation accuracy")
-    assert "| g4 (`group_size=4`) | 0.750 | 0.830 | 0.820 | 0.800 | +0.050 [" in test_part
-    assert "]: better |" in test_part
-    assert "| g4 (`group_size=4`) | 0.500 | 0.520 | 0.510 | 0.510 | -0.100 [" in val_part
-    assert "]: worse |" in val_part and "| **default** (params.yaml) |" in val_part
+    # what a reader needs first: the verdict, the paired difference, the mean; then seeds and changes
+    assert "| g4 | better | +0.050 [" in test_part
+    assert "| 0.800 | 0.750 / 0.830 / 0.820 | `group_size=4` |" in test_part
+    assert "| g4 | worse | -0.100 [" in val_part and "| 0.510 | 0.500 / 0.520 / 0.510 | `group_size=4` |" in val_part
+    assert "| **default** | reference |  | 0.610 | 0.600 / 0.610 / 0.620 | params.yaml |" in val_part
 
 
 STAGE = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('params.yaml'))['train']; "
@@ -138,7 +139,7 @@ def test_a_grid_runs_through_the_dvc_queue_resumes_and_compares_in_pairs(tmp_pat
     half = 12.70620473617 * (0.01 / math.sqrt(2)) / math.sqrt(2)
     row = next(line for line in table.splitlines() if line.startswith("| shuffled"))
     assert f"+0.105 [{0.105 - half:+.3f}, {0.105 + half:+.3f}]" in row and "better" in row
-    assert "| 0.600 | 0.620 | 0.610 |" in row  # per-seed test accuracy and the mean
+    assert "| 0.610 | 0.600 / 0.620 |" in row  # the mean and the per-seed test accuracy
     assert (repo / "outputs" / "ablations" / "ablations.png").stat().st_size > 5000
     print(table)
 

@@ -213,21 +213,20 @@ def _interval(p: Paired) -> str:
 
 
 def _split_table(grid: Grid, table: list[Row], split: str) -> list[str]:
-    """One split's table: per variant (with what it changes, keys without their section) the
-    metric per seed, the mean, and the paired difference to the reference with its 95% interval
-    and verdict in one cell: six columns, narrow enough for a docs page."""
+    """One split's table, what a reader needs first (a phone shows the first columns): per variant
+    the verdict and the paired difference to the reference with its 95% interval, the mean, the
+    metric per seed in one cell, and what the variant changes (keys without their section)."""
     seeds, ref_name = grid.seeds, grid.reference
-    head = ["variant"] + [f"seed {s}" for s in seeds] + ["mean", f"minus {ref_name} [95%]"]
+    head = ["variant", "verdict", f"minus {ref_name} [95%]", "mean", f"seeds {', '.join(map(str, seeds))}", "changes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         values, pair = (r.test, r.test_paired) if split == "test" else (r.validation, r.validation_paired)
         changes = ", ".join(f"`{k.rpartition('.')[2]}={cli_value(v)}`" for k, v in r.overrides.items())
         ref = r.variant == ref_name
-        name = f"**{r.variant}** (params.yaml)" if ref else f"{r.variant} ({changes})"
         lines.append("| " + " | ".join(
-            [name] + [_f(values.get(s)) for s in seeds]
-            + [_f(statistics.fmean(values.values()) if values else None),
-               "reference" if ref else f"{_interval(pair)}: {pair.verdict}"]) + " |")
+            [f"**{r.variant}**" if ref else r.variant, "reference" if ref else pair.verdict,
+             "" if ref else _interval(pair), _f(statistics.fmean(values.values()) if values else None),
+             " / ".join(_f(values.get(s)) for s in seeds), changes or "params.yaml"]) + " |")
     return lines
 
 

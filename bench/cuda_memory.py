@@ -70,6 +70,7 @@ def main(argv=None) -> dict:
 
     from grpo import memory
     from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
+    from grpo.engine.needs import longest_prompt_tokens
     from grpo.metrics import PhaseTimer
 
     t0 = time.time()
@@ -82,7 +83,7 @@ def main(argv=None) -> dict:
     if args.prompt_tokens:
         prompt = args.prompt_tokens
     else:
-        longest = memory.longest_prompt_tokens(p, res.root)
+        longest = longest_prompt_tokens(p, res.root)
         prompt = longest[0] if longest else DEFAULT_PROMPT_TOKENS
     shapes = memory.model_shapes(config, source)
     est = memory.estimate(p, shapes, "cuda", prompt)

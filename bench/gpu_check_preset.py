@@ -13,7 +13,7 @@ OOM killer) leaves the others' figures:
    ``N_PROBLEMS``), scored as the stage scores them (``grpo.semantic_entropy.score_rows``: ``sent.num_samples``
    answers each);
 2. ``train``: the policy (``grpo.lora_policy.load_policy``), its engine (``grpo.engine.policy_engine.policy_rollouts``
-   in the form ``grpo.memory.form_here`` picks, bounded by ``grpo.engine.bounds.train_bounds``) and
+   in the form ``grpo.engine.needs.form_here`` picks, bounded by ``grpo.engine.bounds.train_bounds``) and
    ``TRAIN_STEPS`` steps of ``grpo.trainer.GRPOTrainer.train_step`` at the preset's call size
    (``prompts_per_step x group_size`` completions of up to ``max_new_tokens``), then the adapter
    shipped as the stage ships it;
@@ -174,7 +174,7 @@ SCHEMA = {
         "evaluate_max_new_tokens": "int: evaluate.max_new_tokens as run",
         "gpu_memory_utilization": {"sent": "number: sent's", "train": "number: train's",
                                    "evaluate": "number: evaluate's"},
-        "engine_weights": "str?: the train engine's form (dense | nf4), as grpo.memory.form_here chose it",
+        "engine_weights": "str?: the train engine's form (dense | nf4), as grpo.engine.needs.form_here chose it",
         "engine_weights_why": "str?: why that form",
         "problems": "str: what the prompts are",
     },
@@ -472,11 +472,11 @@ def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) 
     from grpo.base_model import load_tokenizer
     from grpo.device import attention_implementation, compute_dtype
     from grpo.engine.bounds import train_bounds
+    from grpo.engine.needs import form_here
     from grpo.engine.policy_engine import policy_rollouts
     from grpo.jsonio import read_jsonl
     from grpo.kernels.entropy_logprob import use_triton
     from grpo.lora_policy import load_policy
-    from grpo.memory import form_here
     from grpo.trainer import GRPOTrainer
 
     cfg = params.train

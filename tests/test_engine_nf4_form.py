@@ -129,9 +129,9 @@ def test_the_engine_computes_with_the_policys_own_tensors(engine):
 @needs_vllm
 def test_steps_with_nf4_engine_rollouts_learn_and_log_the_gap(engine, model_dtype, tiny_problems, tmp_path, monkeypatch):
     model, tok, backend = engine
-    syncs = backend.strategy.syncs
+    syncs = backend.form.sync.syncs
     train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch, logp_gap(model_dtype))
-    assert backend.strategy.syncs == syncs + 3  # one sync per step
+    assert backend.form.sync.syncs == syncs + 3  # one sync per step
 
 
 @pytest.mark.slow
@@ -205,7 +205,7 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     model, tok, backend = engine
     bound = logp_gap(model_dtype).mean
     backend.sync(model)
-    monkeypatch.setattr(backend.strategy, "push", lambda sampler, policy: 0)  # syncs from here on do nothing
+    monkeypatch.setattr(backend.form, "push", lambda sampler, policy: 0)  # syncs from here on do nothing
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
     cfg = TrainConfig(output_dir=str(tmp_path), steps=6, prompts_per_step=2, group_size=4, max_new_tokens=8,
                       checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0, eval_every=0, warmup_steps=0,

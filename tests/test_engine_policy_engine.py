@@ -207,7 +207,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, mo
 
 
 class _RecordingLLM:
-    """Stands in for the engine's ``vllm.LLM``: records the calls ``PolicyEngine`` and ``DenseSync`` make."""
+    """Stands in for the engine's ``vllm.LLM``: records the calls ``PolicyEngine`` and the dense form make."""
 
     def __init__(self, calls: list[str]):
         self.calls = calls
@@ -245,13 +245,15 @@ class _RecordingSampler:
 
 
 def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
-    """The real ``PolicyEngine`` and ``DenseSync`` on ``device`` over the recording engine (no vLLM needed)."""
-    from grpo.engine.dense_form import DenseSync
+    """The real ``PolicyEngine`` and dense form (``DenseForm``, its ``DenseSync``) on ``device`` over the
+    recording engine (no vLLM needed)."""
+    from grpo.engine.dense_form import DenseForm, DenseSync
 
-    strategy = object.__new__(DenseSync)
-    strategy.weights = _NoWeights()
-    strategy.close = lambda: calls.append("strategy.close")
-    return PolicyEngine(_RecordingSampler(calls), strategy, device)
+    form = object.__new__(DenseForm)
+    form.sync = object.__new__(DenseSync)
+    form.sync.weights = _NoWeights()
+    form.close = lambda: calls.append("form.close")
+    return PolicyEngine(_RecordingSampler(calls), form, device)
 
 
 def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
@@ -290,14 +292,14 @@ def test_an_engine_asleep_on_cuda_is_woken_before_it_is_closed(monkeypatch):
     backend.sleep()
     calls.clear()
     backend.close()
-    assert calls == ["empty_cache", "wake_up", "close", "strategy.close"]
+    assert calls == ["empty_cache", "wake_up", "close", "form.close"]
     calls.clear()
     backend.close()
-    assert calls == ["close", "strategy.close"]
+    assert calls == ["close", "form.close"]
     calls.clear()
     backend = _policy_backend("cpu", calls)
     backend.sync(None)
     backend.sleep()
     calls.clear()
     backend.close()
-    assert calls == ["close", "strategy.close"]
+    assert calls == ["close", "form.close"]

@@ -15,6 +15,9 @@ import torch
 import yaml
 
 from grpo import memory
+from grpo.engine import needs
+from grpo.engine.forms import lora_buffer_bytes
+from grpo.engine.forms_catalogue import WEIGHTS_FORMS
 
 from .conftest import REPO
 
@@ -125,16 +128,19 @@ def test_engine_terms_of_the_tiny_model_by_hand(tiny_model_dir):
     from transformers import AutoConfig
 
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
-    assert memory.kv_bytes_per_token(shapes, 2) == 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x B
+    assert needs.kv_bytes_per_token(shapes, 2) == 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x B
     # vLLM's LoRA buffers: rank 4 -> max_lora_rank 8; (in + out) of q, k, v, o, gate, up, down = 1024 per layer
-    assert memory.engine_lora_bytes(shapes, 4, 2) == 8 * 2 * 1024 * 2
-    # the nf4 engine holds the norms only: 2 per layer and the final one
-    assert memory.engine_weight_bytes(shapes, "dense", 2) == shapes.total_params * 2
-    assert memory.engine_weight_bytes(shapes, "nf4", 2) == (2 * shapes.layers + 1) * shapes.hidden * 2
+    assert lora_buffer_bytes(shapes, 4, 2) == 8 * 2 * 1024 * 2
+    dense, nf4 = WEIGHTS_FORMS["dense"].needs(shapes, 4, 2, "bfloat16"), WEIGHTS_FORMS["nf4"].needs(shapes, 4, 2, "bfloat16")
+    assert (dense.weights, dense.lora, dense.dequant) == (shapes.total_params * 2, 0, 0)
+    # the nf4 engine holds the norms only: 2 per layer and the final one; vLLM's LoRA buffers; one 4-bit layer
+    # dequantised (the largest: gate/up/down, 64 x 128)
+    assert (nf4.weights, nf4.lora, nf4.dequant) == ((2 * shapes.layers + 1) * shapes.hidden * 2, 8 * 2 * 1024 * 2,
+                                                    64 * 128 * 2)
     # one call of 8 completions of 20 + 7 tokens: 2 blocks of 16 each; at least one max_model_len sequence
-    assert memory.engine_step_tokens(8, 20, 7, 256) == 8 * 32
-    assert memory.engine_step_tokens(2, 20, 7, 1024) == 1024
-    forward, sampler = memory.engine_profile_bytes(shapes, 40, 8, 2)
+    assert needs.engine_step_tokens(8, 20, 7, 256) == 8 * 32
+    assert needs.engine_step_tokens(2, 20, 7, 1024) == 1024
+    forward, sampler = needs.engine_profile_bytes(shapes, 40, 8, 2)
     assert forward == 40 * (2 * 64 + 3 * 128) * 2 and sampler == 40 * 64 * 2 + 8 * shapes.vocab * (2 + 25)
 
 
@@ -145,20 +151,20 @@ def test_auto_engine_weights_are_dense_where_they_fit_the_budget():
     params = _preset("seed003")
     shapes = memory.resolve_shapes(params.model, REPO)
     card = 8 * 2**30
-    assert memory.kv_bytes_per_token(shapes, 2) == 28 * 1024
-    plan = memory.engine_plan(params, shapes, "cuda", 128, card)
+    assert needs.kv_bytes_per_token(shapes, 2) == 28 * 1024
+    plan = needs.engine_plan(params, shapes, "cuda", 128, card)
     assert (plan.form, plan.seqs, plan.step_tokens) == ("nf4", 16, 16 * 640)
     assert plan.why.startswith("auto: dense needs 3.9") and "> the budget 0.96 GiB" in plan.why
     assert plan.need < plan.budget == math.ceil(0.12 * card)
     roomy = params.model_copy(update={"train": params.train.model_copy(update={"gpu_memory_utilization": 0.6})})
-    assert memory.choose_engine_form(roomy, shapes, "cuda", 128, card)[0] == "dense"
-    assert memory.choose_engine_form(params, shapes, "cpu", 128, None)[0] == "dense"
-    form, why = memory.choose_engine_form(params, shapes, "cuda", 128, None)
+    assert needs.choose_engine_form(roomy, shapes, "cuda", 128, card)[0] == "dense"
+    assert needs.choose_engine_form(params, shapes, "cpu", 128, None)[0] == "dense"
+    form, why = needs.choose_engine_form(params, shapes, "cuda", 128, None)
     assert form == "dense" and "no card given" in why and "on cards from 32.9" in why
     dense = params.model_copy(update={"train": params.train.model_copy(update={"engine_weights": "dense"})})
-    assert memory.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
+    assert needs.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
     unquantized = params.model_copy(update={"model": params.model.model_copy(update={"quantization": "none"})})
-    assert memory.choose_engine_form(unquantized, shapes, "cuda", 128, card)[0] == "dense"
+    assert needs.choose_engine_form(unquantized, shapes, "cuda", 128, card)[0] == "dense"
 
 
 def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
@@ -167,9 +173,9 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
 
     def verdict(gib: float, p=params) -> str:
         card = int(gib * 2**30)
-        plan = memory.engine_plan(p, shapes, "cuda", 128, card)
+        plan = needs.engine_plan(p, shapes, "cuda", 128, card)
         est = memory.estimate(p, shapes, "cuda", 128, engine=plan)
-        return memory.verdict(p, est, card, plan, memory.engine_needs(p, shapes, "cuda", 128, "nf4", card))
+        return memory.verdict(p, est, card, plan, needs.other_plans(p, shapes, "cuda", 128, plan))
 
     assert " fits: peak 2.52 GiB (generation)" in verdict(8)
     # 0.12 x 4.1 GiB = 0.49 GiB < the nf4 engine's 0.70: more of the card, which has room for it
@@ -202,9 +208,9 @@ def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
     assert (sent.section, sent.form, sent.b, sent.seqs) == ("sent", "dense", 4, 12)  # 3 prompts x 4 samples, fp32
     assert sent.batched_tokens == min(8192, 12 * 256)  # vLLM's default on a card below 70 GiB, capped
     assert sent.weights == shapes.total_params * 4 and sent.lora == 0
-    assert (sent.forward, sent.sampler) == memory.engine_profile_bytes(shapes, 12 * 256, 12, 4)
+    assert (sent.forward, sent.sampler) == needs.engine_profile_bytes(shapes, 12 * 256, 12, 4)
     assert sent.step_tokens == max(12 * 32, 256)  # 20 + 7 tokens in 2 blocks of 16 each; one 256 sequence at least
-    assert sent.need == sent.weights + max(sent.forward, sent.sampler) + memory.ENGINE_NON_TORCH + sent.kv_step
+    assert sent.need == sent.weights + max(sent.forward, sent.sampler) + needs.ENGINE_NON_TORCH + sent.kv_step
     assert sent.budget == math.ceil(0.25 * card)
     ev = memory.saved_model_needs(params, shapes, "cuda", "evaluate", 20, card)
     assert (ev.seqs, ev.b, ev.batched_tokens, ev.budget) == (5, 2, 5 * 128, card // 2)  # 5 x 1 greedy, bf16

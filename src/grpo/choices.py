@@ -20,6 +20,7 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "train.loss_type": ("grpo.loss", "AGGREGATIONS"),
     "train.policy_loss": ("grpo.loss", "POLICY_LOSSES"),
     "train.entropy_rule": ("grpo.entropy", "TOKEN_RULES"),
+    "train.engine_weights": ("grpo.engine.forms_catalogue", "WEIGHTS_FORMS"),
 }
 """``section.key`` -> (module, attribute) of the registry whose names the param takes."""
 

@@ -118,6 +118,7 @@ def cmd_check(args) -> int:
     p = res.params
     from grpo import dvcstatus, memory
     from grpo.device import default_device, describe_device
+    from grpo.engine import needs
     from grpo.rollout_backends import uses_engine
 
     print(f"params: {res.label}: valid")
@@ -132,18 +133,18 @@ def cmd_check(args) -> int:
     shapes = memory.resolve_shapes(p.model, res.root)
     if isinstance(shapes, str):
         known = not (device == "cuda" and p.train.engine_weights == "auto")  # auto on CUDA needs the shapes
-        form = memory.choose_engine_form(p, None, device, 0, None)[0] if engine and known else "auto"
+        form = needs.choose_engine_form(p, None, device, 0, None)[0] if engine and known else "auto"
         print(f"rollouts: {rollouts_line(p, engine, form)}")
         print(f"memory: no estimate: {shapes}")
         return 0
     if args.prompt_tokens:
         prompt, how = args.prompt_tokens, "--prompt-tokens"
     else:
-        found = memory.longest_prompt_tokens(p, res.root)
+        found = needs.longest_prompt_tokens(p, res.root)
         prompt, how = found if found else (DEFAULT_PROMPT_TOKENS, "assumed; --prompt-tokens N to set")
     card, card_how = card_bytes(args.gpu_memory, device)
-    plan = memory.engine_plan(p, shapes, device, prompt, card) if engine and device == "cuda" else None
-    form = plan.form if plan else (memory.choose_engine_form(p, shapes, device, prompt, card)[0] if engine else None)
+    plan = needs.engine_plan(p, shapes, device, prompt, card) if engine and device == "cuda" else None
+    form = plan.form if plan else (needs.choose_engine_form(p, shapes, device, prompt, card)[0] if engine else None)
     est = memory.estimate(p, shapes, device, prompt, engine=plan)
     s = shapes
     print(f"memory: one training step on {device} ({est.dtype} compute), estimated")
@@ -172,6 +173,7 @@ def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved
     """``grpo check``'s verdict per stage on a card of ``card`` bytes: each saved-model engine's
     (``saved``: ``saved_model_plans``' result) and the train stage's (``plan``, ``est``)."""
     from grpo import memory
+    from grpo.engine.needs import other_plans
 
     lines = ["verdict per stage:"]
     for section, stages in memory.SAVED_MODEL_STAGES:
@@ -181,9 +183,8 @@ def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved
             continue
         saved_plan, saved_prompt = saved[section]
         lines.append(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
-    nf4_base = plan is not None and p.model.quantization == "nf4"  # the nf4 form needs the 4-bit base
-    shared = memory.engine_needs(p, shapes, device, prompt, "nf4", card) if nf4_base else None
-    lines.append(f"  train: {memory.verdict(p, est, card, plan, shared)}")
+    others = other_plans(p, shapes, device, prompt, plan) if plan is not None else []  # the advice's other forms
+    lines.append(f"  train: {memory.verdict(p, est, card, plan, others)}")
     return lines
 
 
@@ -195,6 +196,7 @@ def saved_model_plans(p: Params, root: Path, shapes, device: str, prompt: tuple[
     evaluations' the longest of ``evaluate.test_path`` where it can be measured, else ``prompt``
     (``given``: ``--prompt-tokens``, for every stage)."""
     from grpo import memory
+    from grpo.engine.needs import longest_prompt_tokens
     from grpo.rollout_backends import uses_engine
 
     out = {}
@@ -203,7 +205,7 @@ def saved_model_plans(p: Params, root: Path, shapes, device: str, prompt: tuple[
             continue
         tokens, how = prompt
         if section == "evaluate" and not given:
-            found = memory.longest_prompt_tokens(p, root, (p.evaluate.test_path,))
+            found = longest_prompt_tokens(p, root, (p.evaluate.test_path,))
             tokens, how = found if found else (tokens, f"as the training step's: {how}")
         plan = memory.saved_model_needs(p, shapes, device, section, tokens, card)
         if not out:
@@ -270,6 +272,7 @@ def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
     train stage the estimated peak of one step (``grpo check``'s). Empty where the model's shapes
     are unknown."""
     from grpo import memory
+    from grpo.engine.needs import engine_plan, longest_prompt_tokens
     from grpo.rollout_backends import uses_engine
 
     shapes = memory.resolve_shapes(p.model, root)
@@ -278,9 +281,9 @@ def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
     needs = {", ".join(stages): int(getattr(p, section).gpu_memory_utilization * card)
              + (memory.saved_model_contexts(section) - 1) * memory.CUDA_CONTEXT
              for section, stages in memory.SAVED_MODEL_STAGES if uses_engine(getattr(p, section).backend)}
-    found = memory.longest_prompt_tokens(p, root)
+    found = longest_prompt_tokens(p, root)
     prompt = found[0] if found else DEFAULT_PROMPT_TOKENS
-    plan = memory.engine_plan(p, shapes, "cuda", prompt, card) if uses_engine(p.train.rollout_backend) else None
+    plan = engine_plan(p, shapes, "cuda", prompt, card) if uses_engine(p.train.rollout_backend) else None
     needs["train"] = memory.estimate(p, shapes, "cuda", prompt, engine=plan).peak
     return needs
 

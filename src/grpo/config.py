@@ -283,12 +283,13 @@ class TrainConfig(VLLMEngineConfig):
     the engine's overhead. Raised to the step's completions per generation call where below it
     (vLLM needs a token per running sequence) and capped at those completions x ``max_model_len``
     (``grpo.engine.bounds.step_limits``); the engine's ``max_num_seqs`` is those completions."""
-    engine_weights: Literal["auto", "dense", "nf4"] = "auto"
-    """How the train engine holds the policy: ``dense`` (its own copy of the base, the 4-bit base
-    dequantised to the compute dtype, the policy's adapter merged into the adapted layers each
-    step: ``grpo.engine.dense``), ``nf4`` (no copy: the trainer's own 4-bit layers, embedding and
-    head computed through a vLLM quantization method of ours, the policy's adapter sent as a LoRA
-    adapter each step: ``grpo.engine.nf4``; needs ``model.quantization: nf4``) or ``auto``
+    engine_weights: Choice("train.engine_weights") = "auto"
+    """How the train engine holds the policy, a weights form (``grpo.engine.forms.WEIGHTS_FORMS``):
+    ``dense`` (its own copy of the base, the 4-bit base dequantised to the compute dtype, the
+    policy's adapter merged into the adapted layers each step: ``grpo.engine.dense_form``), ``nf4``
+    (no copy: the trainer's own 4-bit layers, embedding and head computed through a vLLM
+    quantization method of ours, the policy's adapter sent as a LoRA adapter each step:
+    ``grpo.engine.nf4_form``; needs ``model.quantization: nf4``) or ``auto``
     (``grpo.engine.forms.choose_form``: dense where its weights, overhead and the KV cache of one
     step fit ``gpu_memory_utilization`` of the card, else nf4; dense on CPUs). ``grpo check
     --device cuda --gpu-memory GIB`` shows the arithmetic; the chosen form is logged and written to
@@ -436,10 +437,13 @@ class Params(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
 
     def check_across_sections(self) -> Params:
-        """The rules that tie two sections together; ``ParamsError`` naming the key."""
-        if self.train.engine_weights == "nf4" and self.model.quantization != "nf4":
-            raise ParamsError("train.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "
-                              f"{self.model.quantization}; set model.quantization: nf4, or engine_weights dense or auto")
+        """The rules that tie two sections together; ``ParamsError`` naming the key. The chosen weights
+        form's own rule (``WeightsForm.check_params``: nf4 needs ``model.quantization: nf4``)."""
+        from grpo.choices import registry
+
+        forms = registry("train.engine_weights")
+        if self.train.engine_weights in forms:  # not auto
+            forms[self.train.engine_weights].check_params(self)
         return self
 
 

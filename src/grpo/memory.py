@@ -2,7 +2,8 @@
 
 The model's modules are built on PyTorch's ``meta`` device from its ``config.json`` (no storage),
 so every ``nn.Linear`` shape, the embeddings and which layers bitsandbytes quantises are counted
-exactly as ``from_pretrained`` would build them (``model_shapes``). Sizes below: ``H`` hidden,
+exactly as ``from_pretrained`` would build them (``grpo.model_shapes.model_shapes``; the config of
+a model not prepared yet from ``grpo.synthetic``'s named architectures: ``resolve_config``). Sizes below: ``H`` hidden,
 ``I`` intermediate, ``L`` layers, ``a`` attention heads, ``k`` KV heads, ``d`` head dim, ``V``
 vocabulary, ``r`` LoRA rank, ``b`` bytes of the compute dtype (2 for bf16, 4 for fp32), ``P``
 prompt tokens, ``C`` = ``train.max_new_tokens`` (every completion full length: the worst case).
@@ -71,13 +72,13 @@ micro-batch.
 With engine rollouts on CUDA (``engine`` given to ``estimate``) the generation phase holds, instead of
 the decode loop's KV cache and logits, the vLLM engine's whole budget, ``gpu_memory_utilization x``
 the card (its needs where the card is unknown), and the training phase what the sleeping engine
-keeps (``ENGINE_NON_TORCH``). What the engine needs (``engine_needs``): its weights
-(``engine_weight_bytes``: dense ``b`` bytes a parameter, or the nf4 form's norms alone plus vLLM's
-LoRA buffers: its 4-bit layers, embedding and head are the trainer's), the larger of
+keeps (``ENGINE_NON_TORCH``). What the engine needs (``grpo.engine.needs.engine_needs``): what its
+weights form holds (the form's ``needs``: dense ``b`` bytes a parameter; the nf4 form's norms alone
+plus vLLM's LoRA buffers, its 4-bit layers, embedding and head being the trainer's), the larger of
 its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cache of one call,
 ``2 L k d b`` bytes per token for its completions x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks.
-``choose_engine_form`` (``grpo.engine.forms.choose_form``) picks the form for ``train.engine_weights: auto``; ``verdict`` says
-whether the step fits a card and which param to turn.
+``grpo.engine.needs.choose_engine_form`` (``grpo.engine.forms.choose_form``) picks the form for
+``train.engine_weights: auto``; ``verdict`` says whether the step fits a card and which param to turn.
 
 The saved-model engines of SENT (the base) and the evaluations (the policy exported dense) are
 estimated the same way (``saved_model_needs``): dense weights in the stage's engine dtype, the
@@ -87,8 +88,8 @@ set none) and ``max_num_seqs`` = one call's sequences (``grpo.engine.bounds.save
 the card; ``saved_model_verdict`` says whether it fits, one line a stage.
 
 Peak = the larger phase total (generation memory is released before training). The no-grad
-passes (``beta > 0``, ``mu > 1``, the step-wide threshold with several micro-batches) hold less
-than the training pass. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
+passes (the reference's with ``beta > 0`` or a token-entropy rule's KL, ``mu > 1``, the step-wide
+threshold with several micro-batches) hold less than the training pass, so none is counted. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
 libraries come on top (``max_memory_allocated`` is the comparable GPU figure).
 
 The exact parts are tested against real objects on the CPU (``tests/test_memory.py``): the LoRA
@@ -99,111 +100,33 @@ saved tensors.
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.device import attention_implementation
 from grpo.engine import bounds
 from grpo.engine.args import engine_args, engine_lora_rank
-from grpo.engine.forms import choose_form
+from grpo.engine.dense_form import DenseForm
+from grpo.engine.needs import (
+    ENGINE_BLOCK,
+    ENGINE_NON_TORCH,
+    SAMPLER_BYTES,
+    EnginePlan,
+    engine_profile_bytes,
+    engine_seq_tokens,
+    engine_step_tokens,
+    kv_bytes_per_token,
+)
+from grpo.model_shapes import Linear, ModelShapes, decoder_linears, model_shapes, prepared_name
+from grpo.model_shapes import count as _n
 
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
 NF4_LAYER_CONSTANTS = 16 * 4 + 256 * 4 + 4  # NF4 code table, nested code table, offset (fp32 each)
 MLP_BACKWARD = 5  # intermediate-sized tensors of a layer's MLP backward beyond the saved activations (x b per token)
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-
-
-@dataclass(frozen=True)
-class Linear:
-    name: str
-    in_features: int
-    out_features: int
-    quantized: bool
-
-    @property
-    def leaf(self) -> str:
-        return self.name.rsplit(".", 1)[-1]
-
-    @property
-    def params(self) -> int:
-        return self.in_features * self.out_features
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    """The sizes the estimate needs, counted from a model built on the meta device."""
-
-    source: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    linears: tuple[Linear, ...]
-    other_params: int  # every parameter outside the quantised linears' weights
-    total_params: int = 0
-
-    @property
-    def quantized_params(self) -> int:
-        return sum(x.params for x in self.linears if x.quantized)
-
-    def layer_linears(self) -> list[Linear]:
-        """The linears of the first decoder layer (every layer has the same)."""
-        first = next(x.name for x in self.linears if ".layers." in x.name)
-        prefix = first[: first.index(".layers.") + len(".layers.")]
-        index = first[len(prefix):].split(".", 1)[0]
-        return [x for x in self.linears if x.name.startswith(f"{prefix}{index}.")]
-
-
-def model_shapes(config, source: str = "") -> ModelShapes:
-    """Count the modules of ``config``'s causal LM, built on the meta device (no memory, no weights).
-    A linear is quantised when bitsandbytes would quantise it (transformers'
-    ``get_keys_to_not_convert``: the LM head and tied weights stay in the compute dtype)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.quantizers.base import get_keys_to_not_convert
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    skip = set(get_keys_to_not_convert(model))
-    linears = []
-    quantized_weights = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            quantized = not any(name == s or name.startswith(s + ".") for s in skip)
-            linears.append(Linear(name, module.in_features, module.out_features, quantized))
-            quantized_weights += module.weight.numel() if quantized else 0
-    total = sum(p.numel() for p in model.parameters())
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelShapes(
-        source=source, hidden=config.hidden_size, intermediate=config.intermediate_size,
-        layers=config.num_hidden_layers, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, vocab=config.vocab_size, linears=tuple(linears), other_params=total - quantized_weights,
-        total_params=total,
-    )
-
-
-def prepared_name(model_dir: Path) -> str | None:
-    """The ``model.name`` prepare_model wrote ``model_dir`` from (its ``manifest.json``), or None
-    (no manifest: not prepared by the pipeline, or not there)."""
-    try:
-        return json.loads((model_dir / "manifest.json").read_text()).get("name")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _prepared_source(data_dir: Path) -> str | None:
-    """The ``data.source`` prepare_data wrote ``data_dir`` from (its ``stats.json``), or None."""
-    try:
-        return json.loads((data_dir / "stats.json").read_text()).get("source")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def resolve_config(model_cfg, root: Path):
@@ -359,188 +282,8 @@ def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
 
 
 # ------------------------------------------------------------------------------------- the engine
-ENGINE_BLOCK = 16
-"""Tokens per KV-cache block of vLLM on CUDA (``CacheConfig.DEFAULT_BLOCK_SIZE``).
-
-The vLLM lines of this section's constants and functions: docs/gpu-notes.md#engine-memory,
-#scheduler-bounds, #lora-loading and #sleep-and-wake-up."""
-SAMPLER_BYTES = 25
-"""Bytes per (row, vocabulary) entry the sampler holds beside the logits: an fp32 copy (4), the
-raw log-probs the engine returns (4), top-k/top-p's sorted fp32 values, their int64 order, the
-sorted probabilities and a bool mask (4 + 8 + 4 + 1)."""
-ENGINE_NON_TORCH = 256 * 2**20
-"""Allowance for what the engine adds outside PyTorch's allocator (libraries' workspaces and
-handles), counted into its non-KV memory and outside vLLM's sleep
-pool, so it stays while the engine sleeps. Never measured."""
 CUDA_CONTEXT = 512 * 2**20
 """Allowance for the process's CUDA context (outside every allocator). Never measured."""
-
-
-def norm_params(shapes: ModelShapes) -> int:
-    """Parameters of the norms of a Llama-style decoder: two per layer and the final one."""
-    return (2 * shapes.layers + 1) * shapes.hidden
-
-
-def engine_weight_bytes(shapes: ModelShapes, form: str, b: int) -> int:
-    """The engine's own weights, per form: ``dense`` every parameter in ``b`` bytes (the 4-bit
-    base dequantised, as ``grpo.lora_policy.export_dense`` writes it); ``nf4`` only the norms
-    (``grpo.engine.nf4_form``: the 4-bit layers, embedding and head are the trainer's)."""
-    return shapes.total_params * b if form == "dense" else norm_params(shapes) * b
-
-
-def decoder_linears(shapes: ModelShapes) -> list[Linear]:
-    return [x for x in shapes.linears if ".layers." in x.name]
-
-
-def engine_lora_bytes(shapes: ModelShapes, rank: int, b: int) -> int:
-    """vLLM's LoRA buffers on the device (the nf4 form, ``max_loras`` = 1): for every decoder
-    linear (vLLM wraps each one without ``target_modules``) an A slot ``r x in`` and a B slot
-    ``out x r`` per packed slice, in the model dtype, ``r`` = ``engine_lora_rank``. The adapter's
-    own tensors are loaded into host memory and copied into these."""
-    return engine_lora_rank(rank) * sum(x.in_features + x.out_features for x in decoder_linears(shapes)) * b
-
-
-def kv_bytes_per_token(shapes: ModelShapes, b: int) -> int:
-    """``2 x L x k x d x b``: keys and values of one token in every layer."""
-    return kv_cache_bytes(shapes, 1, 1, b)
-
-
-def engine_seq_tokens(prompt: int, new_tokens: int, max_model_len: int) -> int:
-    """KV positions of one sequence of ``prompt + new_tokens`` (at most ``max_model_len``) in whole
-    ``ENGINE_BLOCK`` blocks."""
-    return math.ceil(min(prompt + new_tokens, max_model_len) / ENGINE_BLOCK) * ENGINE_BLOCK
-
-
-def engine_step_tokens(seqs: int, prompt: int, new_tokens: int, max_model_len: int) -> int:
-    """KV positions the engine holds for one generation call: ``seqs`` sequences (no prefix shared:
-    the worst case), and at least one ``max_model_len`` sequence, which vLLM requires at start."""
-    return max(seqs * engine_seq_tokens(prompt, new_tokens, max_model_len),
-               engine_seq_tokens(max_model_len, 0, max_model_len))
-
-
-def engine_profile_bytes(shapes: ModelShapes, tokens: int, seqs: int, b: int) -> tuple[int, int]:
-    """(forward, sampler): the transient peaks of vLLM's profile run, which the engine keeps free
-    beside its weights and KV cache (``enforce_eager``: no CUDA graphs). The forward of ``tokens``
-    (``max_num_batched_tokens``) peaks in the MLP: the hidden state and residual (``2 H``), the fused gate/up output
-    (``2 I``) and its activation (``I``) per token, ``b`` bytes each. Then the sampler on one row per
-    sequence (``seqs`` = ``max_num_seqs``) with the hidden states
-    still held: the logits in ``b`` bytes plus ``SAMPLER_BYTES`` per (row, vocabulary) entry. The two
-    run one after the other."""
-    h, i = shapes.hidden, shapes.intermediate
-    forward = tokens * (2 * h + 3 * i) * b
-    sampler = tokens * h * b + seqs * shapes.vocab * (b + SAMPLER_BYTES)
-    return forward, sampler
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """An engine's memory on CUDA: what it needs, in one weight form, and its budget (the train
-    engine: ``engine_needs``; SENT's and the evaluations': ``saved_model_needs``)."""
-
-    form: str  # dense | nf4
-    why: str  # how the form was chosen (train); the call it is bounded to (sent, evaluate)
-    dtype: str
-    b: int
-    seqs: int  # max_num_seqs
-    batched_tokens: int  # max_num_batched_tokens
-    seq_tokens: int  # KV positions of one sequence (engine_seq_tokens)
-    step_tokens: int  # KV positions of one generation call (engine_step_tokens)
-    kv_per_token: int
-    weights: int
-    lora_rank: int  # lora.rank
-    lora: int  # vLLM's LoRA buffers (nf4 form)
-    forward: int
-    sampler: int
-    utilization: float
-    card: int | None  # bytes of the card, None where unknown
-    dequant: int = 0  # nf4: the largest 4-bit layer dequantised for a long forward (bitsandbytes)
-    section: str = "train"  # the params section of its gpu_memory_utilization and max_model_len
-    max_model_len: int = 0  # that section's: the longest sequence, which vLLM needs KV room for at start
-
-    @property
-    def profile(self) -> int:
-        return max(self.forward + self.dequant, self.sampler)
-
-    @property
-    def fixed(self) -> int:
-        """Everything but the KV cache."""
-        return self.weights + self.lora + self.profile + ENGINE_NON_TORCH
-
-    @property
-    def kv_step(self) -> int:
-        return self.step_tokens * self.kv_per_token
-
-    @property
-    def need(self) -> int:
-        return self.fixed + self.kv_step
-
-    @property
-    def budget(self) -> int | None:
-        """``gpu_memory_utilization x card``, all of which the engine
-        holds while awake: what its weights and overhead leave becomes KV cache."""
-        return None if self.card is None else math.ceil(self.card * self.utilization)
-
-
-def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, form: str,
-                 card: int | None = None, why: str = "") -> EnginePlan:
-    """The ``EnginePlan`` of the train engine holding the base in ``form``: the arguments the train
-    stage would start it with (``grpo.engine.args.engine_args`` over ``grpo.engine.bounds.step_limits``);
-    one step's tokens: ``prompt_tokens + train.max_new_tokens`` per completion of the largest call."""
-    from grpo.device import compute_dtype
-
-    train = params.train
-    dtype = compute_dtype(params.model.dtype, device)
-    b = dtype.itemsize
-    args = engine_args(params.model.path, train, device=device, seed=train.seed, dtype=str(dtype), enforce_eager=True,
-                       bounds=bounds.Bounds(*bounds.step_limits(train, train.num_processes)),
-                       processes=train.num_processes, lora_rank=params.lora.rank if form == "nf4" else None)
-    seqs, tokens = args["max_num_seqs"], args["max_num_batched_tokens"]
-    forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
-    return EnginePlan(
-        form=form, why=why, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
-        seq_tokens=engine_seq_tokens(prompt_tokens, train.max_new_tokens, train.max_model_len),
-        step_tokens=engine_step_tokens(seqs, prompt_tokens, train.max_new_tokens, train.max_model_len),
-        kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, form, b),
-        lora_rank=params.lora.rank, lora=engine_lora_bytes(shapes, params.lora.rank, b) if form == "nf4" else 0,
-        forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card,
-        dequant=max(x.params for x in shapes.linears if x.quantized) * b if form == "nf4" else 0,
-        max_model_len=train.max_model_len)
-
-
-def choose_engine_form(params, shapes: ModelShapes | None, device: str, prompt_tokens: int,
-                       card: int | None) -> tuple[str, str]:
-    """``train.engine_weights`` resolved by ``grpo.engine.forms.choose_form`` from the dense
-    engine's needs (``engine_needs``; computed only where ``auto`` on CUDA asks for them)."""
-    train = params.train
-    if train.engine_weights != "auto" or not device.startswith("cuda"):
-        return choose_form(train.engine_weights, device, None, None, train.gpu_memory_utilization,
-                           params.model.quantization == "nf4")
-    dense = engine_needs(params, shapes, device, prompt_tokens, "dense", card)
-    return choose_form("auto", device, dense.need, dense.budget, train.gpu_memory_utilization,
-                       params.model.quantization == "nf4")
-
-
-def engine_plan(params, shapes: ModelShapes, device: str, prompt_tokens: int, card: int | None) -> EnginePlan:
-    """The ``EnginePlan`` in the form ``choose_engine_form`` chooses."""
-    form, why = choose_engine_form(params, shapes, device, prompt_tokens, card)
-    return engine_needs(params, shapes, device, prompt_tokens, form, card, why)
-
-
-def form_here(params, root: Path, device: str) -> tuple[str, str]:
-    """``choose_engine_form`` for the train stage on this machine: the model's shapes from the
-    workspace ``root``, the longest training prompt (else ``max_model_len - max_new_tokens``) and,
-    on CUDA, this card's total memory (none of it looked up where no budget decides)."""
-    if params.train.engine_weights != "auto" or not device.startswith("cuda"):
-        return choose_engine_form(params, None, device, 0, None)
-    shapes = resolve_shapes(params.model, root)
-    if isinstance(shapes, str):
-        raise FileNotFoundError(shapes)
-    found = longest_prompt_tokens(params, root)
-    prompt = found[0] if found else max(params.train.max_model_len - params.train.max_new_tokens, 1)
-    import torch
-
-    card = torch.cuda.mem_get_info(torch.device(device))[1]
-    return choose_engine_form(params, shapes, device, prompt, card)
 
 
 # ------------------------------------------------------------------------------------- saved models
@@ -594,13 +337,15 @@ def saved_model_needs(params, shapes: ModelShapes, device: str, section: str, pr
     forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
     calls = (f"{section}.batch_prompts {cfg.batch_prompts} x "
              + (f"num_samples {cfg.num_samples}" if sent else "1 greedy completion"))
+    name = str(dtype).removeprefix("torch.")
+    weights = DenseForm.needs(shapes, 0, b, name)  # a saved model's engine holds it as the dense form does
     return EnginePlan(
-        form="dense", why=calls, dtype=str(dtype).removeprefix("torch."), b=b, seqs=seqs, batched_tokens=tokens,
+        form="dense", why=calls, dtype=name, b=b, seqs=seqs, batched_tokens=tokens,
         seq_tokens=engine_seq_tokens(prompt_tokens, cfg.max_new_tokens, length),
         step_tokens=engine_step_tokens(seqs, prompt_tokens, cfg.max_new_tokens, length),
-        kv_per_token=kv_bytes_per_token(shapes, b), weights=engine_weight_bytes(shapes, "dense", b), lora_rank=0,
+        kv_per_token=kv_bytes_per_token(shapes, b), weights=weights.weights, lora_rank=0,
         lora=0, forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card,
-        section=section, max_model_len=length)
+        section=section, max_model_len=length, weights_how=weights.weights_how)
 
 
 def saved_model_contexts(section: str) -> int:
@@ -692,14 +437,6 @@ class Estimate:
     @property
     def peak_phase(self) -> str:
         return "generation" if self.total("generate") >= self.total("train") else "training"
-
-
-def _n(x: float) -> str:
-    """1.54 B, 4.36 M, 12 k: a count in a few characters."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= size:
-            return f"{x / size:.3g} {unit}"
-    return str(int(x))
 
 
 def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, prompt_source: str = "",
@@ -837,12 +574,7 @@ def format_table(est: Estimate) -> list[str]:
 def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     """The engine's arithmetic as text lines: its parts, what it needs, its budget and the KV room."""
     b, s = plan.b, shapes
-    if plan.form == "nf4":
-        how = (f"the norms, {_n(norm_params(s))} params in {plan.dtype}; the 4-bit layers, embedding and head "
-               "are the trainer's (grpo.engine.nf4_form)")
-    else:
-        how = f"{_n(s.total_params)} params in {plan.dtype}"
-    rows = [(f"weights ({plan.form})", plan.weights, how)]
+    rows = [(f"weights ({plan.form})", plan.weights, plan.weights_how)]
     if plan.lora:
         n_lin = len(decoder_linears(s))
         rows.append(("LoRA buffers", plan.lora, f"max_lora_rank {engine_lora_rank(plan.lora_rank)} x (in + out) of "
@@ -850,7 +582,7 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     rows.append(("profile run", plan.profile,
                  f"the larger of its forward, max_num_batched_tokens {plan.batched_tokens} x (2 x {s.hidden} + 3 x "
                  f"{s.intermediate}) x {b} B = {gib(plan.forward)}"
-                 f"{f' + the largest 4-bit layer dequantised {gib(plan.dequant)}' if plan.dequant else ''}, and its sampler pass, max_num_seqs {plan.seqs} x "
+                 f"{f' + {plan.dequant_how} {gib(plan.dequant)}' if plan.dequant else ''}, and its sampler pass, max_num_seqs {plan.seqs} x "
                  f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
     rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
     tokens = (f"{plan.seqs} {'completions' if plan.section == 'train' else 'sequences'} x {plan.seq_tokens}"
@@ -871,15 +603,18 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
     return [f"  {name:<{width}}{gib(size):>11}  {how}".rstrip() for name, size, how in rows]
 
 
-def _engine_knob(plan: EnginePlan, shared: EnginePlan | None, free: int, card: int) -> str:
+def _engine_knob(plan: EnginePlan, others: Sequence[EnginePlan], free: int, card: int) -> str:
     """The one param that lets the engine fit ``free`` bytes beside the policy, first of: a
-    ``gpu_memory_utilization`` between its needs and ``free``; the nf4 form (for a dense engine);
-    fewer completions per call (the KV cache of one call); no engine."""
+    ``gpu_memory_utilization`` between its needs and ``free``; another weights form (``others``:
+    the usable ones' plans, in registration order), the first that needs less than this one and
+    fits (the nf4 form for a dense engine); fewer completions per call (the KV cache of one call);
+    no engine."""
     low, high = math.ceil(plan.need / card * 100) / 100, math.floor(free / card * 100) / 100
     if low <= high:
         return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
-    if plan.form == "dense" and shared is not None and shared.need <= free:
-        return f"train.engine_weights: nf4 (needs {gib(shared.need)})"
+    leaner = next((o for o in others if o.form != plan.form and o.need < plan.need and o.need <= free), None)
+    if leaner is not None:
+        return f"train.engine_weights: {leaner.form} (needs {gib(leaner.need)})"
     per_seq = plan.seq_tokens * plan.kv_per_token
     fits = min((free - plan.fixed) // per_seq, plan.seqs - 1) if free > plan.fixed else 0
     if fits >= 1:
@@ -888,10 +623,11 @@ def _engine_knob(plan: EnginePlan, shared: EnginePlan | None, free: int, card: i
 
 
 def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
-            shared: EnginePlan | None = None) -> str:
+            others: Sequence[EnginePlan] = ()) -> str:
     """Whether the step fits a card of ``card`` bytes (the CUDA context allowance included) and, if
-    not, the one knob to turn. ``plan``: the engine (None: decode-loop rollouts); ``shared``: the
-    engine in the nf4 form, for the advice when the dense one does not fit. Checked in order:
+    not, the one knob to turn. ``plan``: the engine (None: decode-loop rollouts); ``others``: the
+    engine in the other usable weights forms, for the advice when this one does not fit
+    (``grpo.engine.needs.other_plans``). Checked in order:
     the engine's budget must be free when it starts beside the policy,
     hold its needs, then the update must fit."""
     resident = sum(t.bytes for t in est.terms if t.phase == "both")
@@ -900,10 +636,10 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
     if plan is not None and plan.budget > free:
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} is not free at its start (card - "
                 f"policy {gib(resident)} - CUDA context {gib(CUDA_CONTEXT)} = {gib(free)}); turn "
-                f"{_engine_knob(plan, shared, free, card)}")
+                f"{_engine_knob(plan, others, free, card)}")
     if plan is not None and plan.budget < plan.need:
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} < its needs {gib(plan.need)} "
-                f"({plan.form}); turn {_engine_knob(plan, shared, free, card)}")
+                f"({plan.form}); turn {_engine_knob(plan, others, free, card)}")
     total = est.peak + CUDA_CONTEXT
     if total > card:
         if est.peak_phase == "training":
@@ -969,30 +705,3 @@ def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -
         out.append(f"measured, {m['what']}, the nearest measured shape ({', '.join(diffs)}): {figure}; "
                    f"this estimate at that shape: {gib(there.peak)} (prompt {prompt_tokens} tokens)")
     return out or [f"measured: no figure for this model on {device} (src/grpo/measured.yaml)"]
-
-
-def longest_prompt_tokens(params, root: Path, paths: tuple[str, ...] | None = None) -> tuple[int, str] | None:
-    """Tokens of the longest training prompt (chat template and system prompt included), or of the
-    first of ``paths`` found (``evaluate.test_path``: the evaluations'), when the
-    rows and the model's tokenizer are in the workspace and were prepared for these params
-    (``model.path`` holds ``model.name``, ``data.out_dir/stats.json`` names ``data.source``: a preset
-    checked where the default pipeline ran is not measured with another model's tokenizer on
-    another data set)."""
-    tok_dir = root / params.model.path
-    paths = paths or (params.train.data_path, params.sent.data_path)
-    rows_path = next((root / p for p in paths if (root / p).is_file()), None)
-    if rows_path is None or not (tok_dir / "tokenizer_config.json").is_file():
-        return None
-    if prepared_name(tok_dir) not in (None, params.model.name) or _prepared_source(root / params.data.out_dir) not in (
-            None, params.data.source):
-        return None
-    from grpo.base_model import load_tokenizer
-    from grpo.data import build_prompt
-
-    tok = load_tokenizer(tok_dir)
-    questions = [json.loads(line)["question"] for line in rows_path.read_text().splitlines() if line.strip()]
-    if not questions:
-        return None
-    longest = max(len(tok(build_prompt(tok, q, params.train.system_prompt), add_special_tokens=False)["input_ids"])
-                  for q in questions)
-    return longest, f"the longest prompt of {rows_path}"

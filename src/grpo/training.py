@@ -41,11 +41,11 @@ from grpo.device import compute_dtype, default_device
 from grpo.distributed import Dist, die_with_parent, init_from_env, launched, shutdown
 from grpo.engine.bounds import train_bounds
 from grpo.engine.forms import rollouts_per_process
+from grpo.engine.needs import form_here
 from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
 from grpo.jsonio import read_jsonl, write_json
 from grpo.launcher import launch_processes
 from grpo.lora_policy import load_policy
-from grpo.memory import form_here
 from grpo.rollout_backends import uses_engine
 from grpo.run_dir import RunDir
 from grpo.step_loggers import step_loggers

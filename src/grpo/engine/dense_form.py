@@ -1,7 +1,11 @@
-"""The ``dense`` sync: the policy's merged weights written into the engine's layers.
+"""The ``dense`` weights form: the engine holds a dense copy of the base, and each sync writes the
+policy's merged weights into its layers.
 
-The engine starts from a dense export of the base (``grpo.lora_policy.export_dense``: the NF4 base
-dequantised, exactly the weights training sees). ``DenseSync.push`` writes, for every layer that
+``DenseForm`` (registered as ``dense``; the contract: ``grpo.engine.forms.WeightsForm``) writes
+the engine's folder as a dense export of the base (``grpo.lora_policy.export_dense``: the NF4 base
+dequantised, exactly the weights training sees), starts vLLM on it as it is, and syncs through
+``DenseSync``. Its engine holds every parameter in the compute dtype; it serves any base (4-bit or
+not). ``DenseSync.push`` writes, for every layer that
 carries a LoRA adapter, ``W + (alpha / r) * B @ A`` (``W`` the dequantised base weight,
 dequantised once and kept) into the engine's fused parameter (``qkv_proj`` holds ``q_proj``,
 ``k_proj`` and ``v_proj`` stacked; ``gate_up_proj`` holds ``gate_proj`` and ``up_proj``), and drops
@@ -21,6 +25,9 @@ the per-token gap of their log-probs is logged every step (``logp_mismatch_mean/
 from __future__ import annotations
 
 import torch
+
+from grpo.engine.forms import WEIGHTS_FORMS, FormNeeds, WeightsForm
+from grpo.model_shapes import ModelShapes, count
 
 FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
          "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
@@ -108,10 +115,7 @@ def write_into(engine_model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
 
 
 class DenseSync:
-    """The ``dense`` weights form as a sync strategy (``grpo.engine.policy_engine.PolicyEngine``)."""
-
-    form = "dense"
-    lora_rank = None  # the engine needs no LoRA support
+    """The ``dense`` form's sync: the merged weights of the adapted layers written into the engine."""
 
     def __init__(self, model, dtype: torch.dtype):
         self.weights = PolicyWeights(model, dtype)
@@ -126,3 +130,35 @@ class DenseSync:
 
     def close(self) -> None:
         self.weights = None
+
+
+@WEIGHTS_FORMS.register("dense")
+class DenseForm(WeightsForm):
+    """The engine holds a dense copy of the base and takes the merged weights at each sync (module docstring)."""
+
+    sync: DenseSync | None = None  # made by ``start``
+
+    def write_folder(self, policy, tokenizer, base) -> None:
+        """The dense export of ``base`` (nothing written without ``base``: the folder is already there)."""
+        if base is not None:
+            from grpo.lora_policy import export_dense
+
+            export_dense(base, None, self.engine_dir)
+
+    def start(self, args: dict, tokenizer, policy, **lengths):
+        """The engine as it is; then the policy's base weights are dequantised once for the syncs."""
+        sampler = super().start(args, tokenizer, policy, **lengths)
+        self.sync = DenseSync(policy, self.dtype)
+        return sampler
+
+    def push(self, sampler, policy) -> int:
+        return self.sync.push(sampler, policy)
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+
+    @classmethod
+    def needs(cls, shapes: ModelShapes, lora_rank: int, b: int, dtype: str) -> FormNeeds:
+        """Every parameter in ``b`` bytes (the 4-bit base dequantised, as ``export_dense`` writes it)."""
+        return FormNeeds(weights=shapes.total_params * b, weights_how=f"{count(shapes.total_params)} params in {dtype}")

@@ -1,58 +1,194 @@
-"""How the policy reaches the train engine, chosen once, and what each training process runs.
+"""How the policy reaches the train engine (its weights form), chosen once, and what each training
+process runs.
 
-Two weights forms (``train.engine_weights``):
+A weights form (``train.engine_weights``) is a class registered in ``WEIGHTS_FORMS`` under its
+name, in its own module, which owns everything about it (``WeightsForm``'s contract below): the
+engine's folder, its arguments, its start, the sync, its rule on the params and its memory. Two
+are registered (``grpo.engine.forms_catalogue`` imports their modules):
 
-- ``dense``: the engine holds a dense copy of the base (the NF4 base dequantised) and each sync
-  writes the merged ``W + s B A`` of the adapted layers into it (``grpo.engine.dense_form``);
-- ``nf4``: the engine computes with the trainer's own NF4 weights, shared, not copied, and takes
-  the policy as a LoRA adapter loaded under a new id at each sync (``grpo.engine.nf4_form``,
-  ``grpo.engine.adapter``). It needs the 4-bit base (``model.quantization: nf4``).
+- ``dense`` (``grpo.engine.dense_form.DenseForm``): the engine holds a dense copy of the base (the
+  NF4 base dequantised) and each sync writes the merged ``W + s B A`` of the adapted layers into it;
+- ``nf4`` (``grpo.engine.nf4_form.NF4Form``): the engine computes with the trainer's own NF4
+  weights, shared, not copied, and takes the policy as a LoRA adapter loaded under a new id at each
+  sync (``grpo.engine.adapter``). It needs the 4-bit base (``model.quantization: nf4``).
 
-``choose_form`` resolves ``auto``: ``dense`` where the dense engine's needs fit its budget
-(``gpu_memory_utilization x card``), else ``nf4``; ``dense`` on a CPU, where the card is unknown
-and where the base is not 4-bit. The dense engine is expected to be the faster of the two on CUDA
-(one GEMM per merged layer; the ``nf4`` engine makes one bitsandbytes call per 4-bit layer and
-dequantises whole layers for long prefills; not measured: docs/gpu-notes.md#the-nf4-engine); both
-are exact. The estimate (``grpo.memory.engine_plan``) and
-the train stage (``grpo.memory.form_here``) both compute the dense engine's needs and ask this
-function. ``rollouts_per_process`` is the one rule of which backend each training process runs;
-the train stage logs it and ``grpo check`` prints it. Nothing here imports torch or vLLM.
+``choose_form`` resolves ``auto`` from the forms usable with the params, in registration order,
+each with its needs: the first on a CPU, where the card is unknown, and where only one is usable;
+on CUDA the first whose needs fit its budget (``gpu_memory_utilization x card``), else the
+leanest. With the two above: ``dense`` where it fits, else ``nf4``. The dense engine is expected
+to be the faster of the two on CUDA (one GEMM per merged layer; the ``nf4`` engine makes one
+bitsandbytes call per 4-bit layer and dequantises whole layers for long prefills; not measured:
+docs/gpu-notes.md#the-nf4-engine); both are exact. The estimate (``grpo.engine.needs.engine_plan``)
+and the train stage (``grpo.engine.needs.form_here``) both ask this function.
+``rollouts_per_process`` is the one rule of which backend each training process runs; the train
+stage logs it and ``grpo check`` prints it. Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations
 
-FORMS = ("dense", "nf4")
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from grpo.engine.args import engine_lora_rank
+from grpo.model_shapes import decoder_linears
+from grpo.registry import Registry
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from grpo.engine.sampler import VLLMSampler
+    from grpo.model_shapes import ModelShapes
 
 
-def check_form(form: str) -> str:
-    """``form`` if it is one of ``FORMS``, else ``ValueError`` naming the param (``auto`` is
-    resolved by ``choose_form`` before an engine is built)."""
-    if form not in FORMS:
-        raise ValueError(f"engine_weights: must be one of {', '.join(FORMS)} (the caller resolves auto); got {form!r}")
-    return form
+@dataclass(frozen=True)
+class FormNeeds:
+    """What a form's engine holds on CUDA beyond the KV cache and vLLM's own overhead (bytes), with
+    the words ``grpo check`` prints for them."""
+
+    weights: int  # the engine's own weights
+    weights_how: str  # how they are counted
+    lora: int = 0  # vLLM's LoRA buffers (an engine started with LoRA)
+    dequant: int = 0  # a transient beside the profile run's forward
+    dequant_how: str = ""  # what it is
+
+
+class WeightsForm:
+    """One way the train engine holds the policy; subclass, implement, register::
+
+        @WEIGHTS_FORMS.register("name")
+        class MyForm(WeightsForm): ...
+
+    Per engine, an instance (``grpo.engine.policy_engine.policy_rollouts`` makes it with the
+    engine's folder ``engine_dir`` and the compute ``dtype``, a ``torch.dtype``) is used in this
+    order:
+
+    1. ``write_folder(policy, tokenizer, base)``: write the folder the engine starts from (``base``:
+       the ``ModelConfig`` of the base, or ``None`` where the folder is already there). Required.
+    2. ``engine_lora(policy_rank)`` (a class method) and ``forces_eager``: the form's options of the
+       engine's arguments (``grpo.engine.args.engine_args``): the LoRA rank the engine is started
+       with for a policy of LoRA rank ``policy_rank`` (``None``: no LoRA support; the default), and
+       whether ``enforce_eager`` is forced (default ``False``).
+    3. ``start(args, tokenizer, policy, **lengths) -> VLLMSampler``: start the engine of ``args`` in
+       this process (default: a ``VLLMSampler`` as it is) and get ready to sync.
+    4. ``push(sampler, policy) -> int``: bring the engine to the policy's current weights; returns
+       how many layers moved. Required.
+    5. ``sleep(sampler)`` / ``wake_up(sampler)``: free and map back the engine's GPU memory around
+       the update (``PolicyEngine`` calls them on CUDA only; default: vLLM's sleep level 1 and
+       wake-up); ``close()``: release what the form holds (default: nothing), after the engine.
+
+    Without an engine (class methods; no torch, no vLLM):
+
+    - ``unusable(params)``: why the form cannot serve ``params`` in a few words (``auto`` leaves it
+      out and says so), or ``None`` (the default); ``check_params(params)``: raise
+      ``grpo.config.ParamsError`` of one line naming ``train.engine_weights`` where ``params``
+      choose this form and it cannot serve them (params validation calls it; default: nothing);
+    - ``needs(shapes, lora_rank, b, dtype) -> FormNeeds``: its engine's own memory for a model of
+      ``grpo.model_shapes.ModelShapes`` ``shapes``, a policy of LoRA rank ``lora_rank`` and ``b``
+      bytes an entry (``dtype``: its name, ``bfloat16``). Required. ``grpo check`` and ``auto`` add
+      the profile run, vLLM's overhead and the KV cache (``grpo.engine.needs.engine_needs``).
+    """
+
+    forces_eager: ClassVar[bool] = False
+
+    def __init__(self, engine_dir: Path, dtype):
+        self.engine_dir, self.dtype = engine_dir, dtype
+
+    @property
+    def name(self) -> str:
+        """The name this form's class is registered under."""
+        return form_name(type(self))
+
+    # ------------------------------------------------------------------ the engine
+    def write_folder(self, policy, tokenizer, base) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.write_folder")
+
+    @classmethod
+    def engine_lora(cls, policy_rank: int) -> int | None:
+        return None
+
+    def start(self, args: dict, tokenizer, policy, **lengths) -> VLLMSampler:
+        from grpo.engine.sampler import VLLMSampler
+
+        return VLLMSampler(args, tokenizer, progress=False, **lengths)
+
+    def push(self, sampler, policy) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.push")
+
+    def sleep(self, sampler) -> None:
+        sampler.engine().sleep(level=1)
+
+    def wake_up(self, sampler) -> None:
+        sampler.engine().wake_up()
+
+    def close(self) -> None:
+        """Nothing held by default."""
+
+    # ------------------------------------------------------------------ the params and the memory
+    @classmethod
+    def unusable(cls, params) -> str | None:
+        return None
+
+    @classmethod
+    def check_params(cls, params) -> None:
+        """Nothing to check by default."""
+
+    @classmethod
+    def needs(cls, shapes: ModelShapes, lora_rank: int, b: int, dtype: str) -> FormNeeds:
+        raise NotImplementedError(f"{cls.__name__}.needs")
+
+
+WEIGHTS_FORMS: Registry[type[WeightsForm]] = Registry("train.engine_weights", "weights form", also=("auto",))
+"""The weights forms by name. Each registers itself in its module; importing
+``grpo.engine.forms_catalogue`` imports them all."""
+
+
+def form_name(form: type[WeightsForm]) -> str:
+    """The name ``form`` is registered under (``KeyError`` if it is not)."""
+    for name, entry in WEIGHTS_FORMS.items():
+        if entry is form:
+            return name
+    raise KeyError(f"{form.__name__} is not registered in WEIGHTS_FORMS")
+
+
+def lora_buffer_bytes(shapes: ModelShapes, rank: int, b: int) -> int:
+    """vLLM's LoRA buffers on the device (``max_loras`` = 1), for a form whose engine is started with
+    LoRA: for every decoder linear (vLLM wraps each one without ``target_modules``) an A slot
+    ``r x in`` and a B slot ``out x r`` per packed slice, in the model dtype, ``r`` =
+    ``grpo.engine.args.engine_lora_rank``. The adapter's own tensors are loaded into host memory
+    and copied into these."""
+    return engine_lora_rank(rank) * sum(x.in_features + x.out_features for x in decoder_linears(shapes)) * b
 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def choose_form(choice: str, device: str, dense_need: int | None, budget: int | None,
-                utilization: float, nf4_base: bool = True) -> tuple[str, str]:
-    """``train.engine_weights`` resolved: ``(dense | nf4, why)``. ``choice``: the param;
-    ``dense_need``: the dense engine's bytes (weights, overhead, one step's KV cache) on CUDA;
-    ``budget``: ``gpu_memory_utilization x card`` (``None``: no card known); ``nf4_base``: the
-    policy's base is 4-bit (``model.quantization: nf4``)."""
+def choose_form(choice: str, device: str, candidates: Sequence[tuple[str, int | None]], budget: int | None,
+                utilization: float, left_out: Sequence[str] = ()) -> tuple[str, str]:
+    """``train.engine_weights`` resolved: ``(form, why)``. ``choice``: the param; ``candidates``: the
+    forms usable with the params, in registration order, each with its engine's needs on CUDA
+    (weights, overhead, one step's KV cache; ``None`` where not computed: only ``auto`` on CUDA
+    with more than one candidate reads them); ``budget``: ``gpu_memory_utilization x card``
+    (``None``: no card known); ``left_out``: why each other registered form is not usable. The
+    ``why`` of a form after the first names the needs of those before it that do not fit."""
     if choice != "auto":
         return choice, "train.engine_weights"
+    first, first_need = candidates[0]
     if not device.startswith("cuda"):
-        return "dense", "auto: dense on a CPU"
-    if not nf4_base:
-        return "dense", "auto: dense (model.quantization none: no 4-bit base to share)"
+        return first, f"auto: {first} on a CPU"
+    if len(candidates) == 1:
+        return first, f"auto: {first} ({'; '.join(left_out) or 'the only weights form'})"
     if budget is None:
-        return "dense", (f"auto: no card given; dense needs {gib(dense_need)}, which "
-                         f"gpu_memory_utilization {utilization:g} gives on cards from {gib(dense_need / utilization)}")
-    fits = dense_need <= budget
-    return ("dense" if fits else "nf4"), f"auto: dense needs {gib(dense_need)} {'<=' if fits else '>'} the budget {gib(budget)}"
+        return first, (f"auto: no card given; {first} needs {gib(first_need)}, which gpu_memory_utilization "
+                       f"{utilization:g} gives on cards from {gib(first_need / utilization)}")
+    fits = [name for name, need in candidates if need <= budget]
+    if fits and fits[0] == first:
+        return first, f"auto: {first} needs {gib(first_need)} <= the budget {gib(budget)}"
+    chosen = fits[0] if fits else min(candidates, key=lambda c: c[1])[0]
+    names = [name for name, _ in candidates]
+    over = candidates[:names.index(chosen)] if fits else [c for c in candidates if c[0] != chosen]
+    return chosen, f"auto: {', '.join(f'{name} needs {gib(need)}' for name, need in over)} > the budget {gib(budget)}"
 
 
 def rollouts_per_process(engine: bool, processes: int, form: str | None) -> str:

@@ -1,5 +1,12 @@
 """The ``nf4`` weights form: a vLLM engine that computes with the trainer's own 4-bit weights.
 
+``NF4Form`` (registered as ``nf4``; the contract: ``grpo.engine.forms.WeightsForm``) owns it: the
+engine's folder (``write_engine_folder``), its arguments (vLLM's LoRA support at the policy's rank,
+``enforce_eager`` always: bitsandbytes' calls are not captured), its start (``register``, then the
+engine built inside ``sharing(policy)``), the sync (``grpo.engine.adapter.AdapterSync``), its rule
+on the params (it needs ``model.quantization: nf4``) and its memory (the norms, vLLM's LoRA
+buffers and the largest 4-bit layer dequantised for a long forward).
+
 The engine holds no weights of its own beyond the norms. It is built in the training process
 (vLLM's ``uni`` or ``external_launcher`` executor) inside ``sharing(policy)``, with a quantization
 method of ours registered with vLLM (``register``; vLLM's out-of-tree API,
@@ -45,6 +52,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn import Parameter
+
+from grpo.engine.forms import WEIGHTS_FORMS, FormNeeds, WeightsForm, lora_buffer_bytes
+from grpo.model_shapes import ModelShapes, count, norm_params
 
 METHOD = "grpo_nf4"
 """The quantization method's name, in the engine folder's ``config.json``."""
@@ -237,3 +247,64 @@ def write_engine_folder(policy, tokenizer, out_dir: str | Path, dtype: torch.dty
         base.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return sorted(tensors)
+
+
+@WEIGHTS_FORMS.register("nf4")
+class NF4Form(WeightsForm):
+    """The engine computes with the trainer's 4-bit layers, embedding and head, and takes the policy
+    as a LoRA adapter at each sync (module docstring)."""
+
+    forces_eager = True  # bitsandbytes' calls are not captured in CUDA graphs
+    sync = None  # an ``AdapterSync``, made by ``start``
+
+    def write_folder(self, policy, tokenizer, base) -> None:
+        """The policy's config naming ``METHOD``, its tokenizer and norms (``write_engine_folder``)."""
+        write_engine_folder(policy, tokenizer, self.engine_dir, self.dtype)
+
+    @classmethod
+    def engine_lora(cls, policy_rank: int) -> int | None:
+        return policy_rank
+
+    def start(self, args: dict, tokenizer, policy, **lengths):
+        """The engine built inside ``sharing(policy)``, the method registered with vLLM first."""
+        from grpo.engine.adapter import AdapterSync
+
+        register()
+        with sharing(policy):
+            sampler = super().start(args, tokenizer, policy, **lengths)
+        self.sync = AdapterSync(policy, self.engine_dir)
+        return sampler
+
+    def push(self, sampler, policy) -> int:
+        return self.sync.push(sampler, policy)
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+
+    @classmethod
+    def unusable(cls, params) -> str | None:
+        if params.model.quantization != "nf4":
+            return f"model.quantization {params.model.quantization}: no 4-bit base to share"
+        return None
+
+    @classmethod
+    def check_params(cls, params) -> None:
+        from grpo.config import ParamsError
+
+        if cls.unusable(params) is not None:
+            raise ParamsError("train.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "
+                              f"{params.model.quantization}; set model.quantization: nf4, or engine_weights dense or auto")
+
+    @classmethod
+    def needs(cls, shapes: ModelShapes, lora_rank: int, b: int, dtype: str) -> FormNeeds:
+        """The norms in ``b`` bytes (the 4-bit layers, embedding and head are the trainer's), vLLM's
+        LoRA buffers at ``lora_rank``, and the largest 4-bit layer dequantised by bitsandbytes for
+        a long forward of the profile run."""
+        return FormNeeds(
+            weights=norm_params(shapes) * b,
+            weights_how=(f"the norms, {count(norm_params(shapes))} params in {dtype}; the 4-bit layers, embedding and "
+                         "head are the trainer's (grpo.engine.nf4_form)"),
+            lora=lora_buffer_bytes(shapes, cls.engine_lora(lora_rank), b),
+            dequant=max(x.params for x in shapes.linears if x.quantized) * b,
+            dequant_how="the largest 4-bit layer dequantised")

@@ -1,16 +1,18 @@
 """The engine that holds the policy during training, and the factory of the trainer's rollouts.
 
 ``PolicyEngine`` is a ``grpo.rollout_backends.RolloutBackend`` that owns one vLLM engine (a
-``VLLMSampler``) and one sync strategy, the weights form (``grpo.engine.forms``): ``DenseSync``
-(merged weights written in) or, for the ``nf4`` engine, ``AdapterSync`` (a LoRA adapter loaded). ``sync(model)`` wakes the
-engine and pushes the policy through the strategy; ``generate`` wakes it and samples; ``sleep``
-frees its GPU memory for the update (CUDA: the engine starts in vLLM's sleep mode); ``close``
-shuts it down.
+``VLLMSampler``) and one weights form (a ``grpo.engine.forms.WeightsForm``, registered by name in
+``WEIGHTS_FORMS``: ``dense``, merged weights written in; ``nf4``, a LoRA adapter loaded).
+``sync(model)`` wakes the engine and pushes the policy through the form; ``generate`` wakes it
+and samples; ``sleep`` frees its GPU memory for the update (CUDA: the engine starts in vLLM's
+sleep mode; the form's ``sleep`` and ``wake_up``); ``close`` shuts it down.
 
 ``policy_rollouts`` is where the trainer's backend is made: the decode loop on the policy
-(``transformers``, or ``auto`` without vLLM), or a ``PolicyEngine``. For the engine it writes the
-folder the engine starts from into ``engine_dir`` (``write_engine_folder``), builds the engine's
-arguments with ``grpo.engine.args.engine_args`` and starts it in this process (``start_sampler``).
+(``transformers``, or ``auto`` without vLLM), or a ``PolicyEngine``. For the engine it makes the
+form ``form`` names, which writes the folder the engine starts from into ``engine_dir``
+(``WeightsForm.write_folder``); builds the engine's arguments with ``grpo.engine.args.engine_args``
+and the form's options (its LoRA rank, forced eager mode) and has the form start it in this
+process (``WeightsForm.start``).
 
 Data parallel (``dist`` active): every rank calls it and holds its own engine, which joins the
 trainer's process group as vLLM's ``external_launcher`` executor and is seeded ``seed + rank``;
@@ -27,13 +29,13 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 from grpo.config import ModelConfig, ParamsError, VLLMEngineConfig
 from grpo.device import compute_dtype, default_device, free_cuda_cache
+from grpo.engine.adapter import policy_lora_rank
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
-from grpo.engine.forms import check_form
+from grpo.engine.forms import WeightsForm
+from grpo.engine.forms_catalogue import weights_form
 from grpo.engine.sampler import VLLMSampler
 from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
 
@@ -43,13 +45,14 @@ log = logging.getLogger(__name__)
 class PolicyEngine(RolloutBackend):
     """A ``RolloutBackend`` whose engine samples from the policy as of the last ``sync``.
 
-    ``weights_form``: the strategy's form; ``synced_layers``: how many layers the last sync moved."""
+    ``form``: the engine's ``WeightsForm``; ``weights_form``: its name; ``synced_layers``: how many
+    layers the last sync moved."""
 
     name = "vllm"
 
-    def __init__(self, sampler: VLLMSampler, strategy, device: str):
-        self.sampler, self.strategy, self.device = sampler, strategy, device
-        self.weights_form = strategy.form
+    def __init__(self, sampler: VLLMSampler, form: WeightsForm, device: str):
+        self.sampler, self.form, self.device = sampler, form, device
+        self.weights_form = form.name
         self.asleep = False
         self.synced_layers = 0
 
@@ -60,7 +63,7 @@ class PolicyEngine(RolloutBackend):
     def sync(self, model) -> None:
         """Bring the engine to the policy's current weights through the weights form."""
         self.wake_up()
-        self.synced_layers = self.strategy.push(self.sampler, model)
+        self.synced_layers = self.form.push(self.sampler, model)
 
     def generate(self, prompts: list[str], num_samples: int, **sampling):
         """As ``VLLMSampler.generate``, on an engine woken first if it sleeps."""
@@ -70,7 +73,7 @@ class PolicyEngine(RolloutBackend):
     def sleep(self) -> None:
         """Free the engine's GPU memory (weights and KV cache) for the backward pass (CUDA only)."""
         if self.device == "cuda" and not self.asleep:
-            self.sampler.engine().sleep(level=1)
+            self.form.sleep(self.sampler)
             self.asleep = True
 
     def wake_up(self) -> None:
@@ -79,11 +82,11 @@ class PolicyEngine(RolloutBackend):
         caching allocator still holds the last backward's blocks (docs/gpu-notes.md#sleep-and-wake-up). Order tested in tests/test_engine_policy_engine.py."""
         if self.asleep:
             free_cuda_cache(self.device)
-            self.sampler.engine().wake_up()
+            self.form.wake_up(self.sampler)
             self.asleep = False
 
     def close(self) -> None:
-        """Shut the engine down (asleep or not) and release what the strategy holds; idempotent.
+        """Shut the engine down (asleep or not) and release what the form holds; idempotent.
         An engine asleep on CUDA is woken first: vLLM's shutdown frees every allocation of its
         pool, and one that sleep already released is then unmapped twice, which leaves the C
         allocator's error set for the next engine of the process (vllm/device_allocator/cumem.py,
@@ -91,46 +94,8 @@ class PolicyEngine(RolloutBackend):
         if self.asleep:
             self.wake_up()
         self.sampler.close()
-        self.strategy.close()
+        self.form.close()
         self.asleep = False
-
-
-def make_strategy(form: str, model, engine_dir: Path, dtype: torch.dtype):
-    """The sync strategy of the weights ``form`` (``dense`` or ``nf4``)."""
-    if check_form(form) == "dense":
-        from grpo.engine.dense_form import DenseSync
-
-        return DenseSync(model, dtype)
-    from grpo.engine.adapter import AdapterSync
-
-    return AdapterSync(model, engine_dir)
-
-
-def write_engine_folder(form: str, policy, tokenizer, base: ModelConfig | None, engine_dir: Path,
-                        dtype: torch.dtype) -> None:
-    """The folder the engine starts from: for ``dense`` the dense export of ``base`` (nothing
-    written without ``base``: the folder is already there); for ``nf4`` the policy's config,
-    tokenizer and norms (``grpo.engine.nf4_form.write_engine_folder``)."""
-    if form == "nf4":
-        from grpo.engine import nf4_form
-
-        nf4_form.write_engine_folder(policy, tokenizer, engine_dir, dtype)
-    elif base is not None:
-        from grpo.lora_policy import export_dense
-
-        export_dense(base, None, engine_dir)
-
-
-def start_sampler(form: str, args: dict, tokenizer, policy, **lengths) -> VLLMSampler:
-    """Start the engine of ``args`` in this process; an ``nf4`` engine inside
-    ``grpo.engine.nf4_form.sharing(policy)``, its method registered first."""
-    if form != "nf4":
-        return VLLMSampler(args, tokenizer, progress=False, **lengths)
-    from grpo.engine import nf4_form
-
-    nf4_form.register()
-    with nf4_form.sharing(policy):
-        return VLLMSampler(args, tokenizer, progress=False, **lengths)
 
 
 def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig | None = None,
@@ -143,10 +108,11 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     ``choice``: ``vllm``, ``transformers`` or ``auto``. The decode loop samples the policy itself
     (its 4-bit layers dequantised once per call on the CPU), without log-probs. The engine:
     ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when ``None``),
-    ``engine_dir`` (its folder: for ``dense`` written from ``base`` when given, else already
-    there), ``form`` (``dense`` | ``nf4``), ``bounds`` (``grpo.engine.bounds.train_bounds``;
-    default: a saved model's), ``seed`` (+ rank), ``dtype``, ``enforce_eager`` (always for
-    ``nf4``: bitsandbytes' calls are not captured), ``dist`` (this process's
+    ``engine_dir`` (its folder, which the form writes: for ``dense`` from ``base`` when given, else
+    it is already there), ``form`` (the weights form's registered name: ``dense``, ``nf4``; resolved,
+    not ``auto``), ``bounds`` (``grpo.engine.bounds.train_bounds``; default: a saved model's),
+    ``seed`` (+ rank), ``dtype``, ``enforce_eager`` (forced by a form that needs it: ``nf4``,
+    whose bitsandbytes calls are not captured), ``dist`` (this process's
     ``grpo.distributed.Dist``; ``None``: one process)."""
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
     if not uses_engine(choice):
@@ -156,29 +122,23 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
         return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
     if engine_dir is None:
         raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
-    check_form(form)  # before the engine's folder is written
+    kind = weights_form(form)  # before the engine's folder is written
     device, engine_dir = default_device(), Path(engine_dir)
     processes = dist.world_size if dist is not None and dist.active else 1
     if processes > 1:
         if device == "cpu":
             check_engine_memory((section or VLLMEngineConfig()).gpu_memory_utilization, local_engines(processes))
         seed += dist.rank  # independent sampling streams per rank
-    torch_dtype = compute_dtype(dtype, device)
+    weights = kind(engine_dir, compute_dtype(dtype, device))
     if processes == 1 or dist.local_rank == 0:
-        write_engine_folder(form, policy, tokenizer, base, engine_dir, torch_dtype)
+        weights.write_folder(policy, tokenizer, base)
     if processes > 1:
         dist.barrier()  # the engine's folder is written before any rank's engine reads it
-    lora_rank = None
-    if form == "nf4":
-        from grpo.engine.adapter import policy_lora_rank
-
-        lora_rank = policy_lora_rank(policy)
     start_environment(device, in_process=True)
-    args = engine_args(engine_dir, section or VLLMEngineConfig(), device=device, seed=seed, dtype=torch_dtype,
-                       bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager or form == "nf4",
-                       processes=processes, lora_rank=lora_rank)
-    sampler = start_sampler(form, args, tokenizer, policy, **lengths)
-    return PolicyEngine(sampler, make_strategy(form, policy, engine_dir, torch_dtype), device)
+    args = engine_args(engine_dir, section or VLLMEngineConfig(), device=device, seed=seed, dtype=weights.dtype,
+                       bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager or kind.forces_eager,
+                       processes=processes, lora_rank=kind.engine_lora(policy_lora_rank(policy)))
+    return PolicyEngine(weights.start(args, tokenizer, policy, **lengths), weights, device)
 
 
 def local_engines(processes: int) -> int:

@@ -1,0 +1,37 @@
+"""Every weights form of the train engine, registered: importing this module imports each form's
+module, which registers its class in ``grpo.engine.forms.WEIGHTS_FORMS``.
+
+The registry's home for everyone who looks a form up by name (``grpo.choices`` for
+``train.engine_weights``, ``grpo.engine.policy_engine``, ``grpo.engine.needs``): with it the
+entries are there. A module of its own because ``grpo.engine.forms`` (the base class and the
+registry) is imported by the form modules and so cannot import them back (an import cycle), and
+because a stage's code dependencies follow imports (tests/test_dvc_graph.py): the forms are named
+here, statically, one line each. A new form adds its line.
+"""
+
+from __future__ import annotations
+
+from grpo.engine import dense_form, nf4_form  # noqa: F401 (each registers its form)
+from grpo.engine.forms import WEIGHTS_FORMS, WeightsForm
+
+
+def weights_form(name: str) -> type[WeightsForm]:
+    """The class of the form ``name``; ``ValueError`` naming the param for any other name (``auto``
+    is resolved by ``grpo.engine.forms.choose_form`` before an engine is built)."""
+    if name not in WEIGHTS_FORMS:
+        raise ValueError(f"engine_weights: must be one of {', '.join(WEIGHTS_FORMS)} (the caller resolves auto); "
+                         f"got {name!r}")
+    return WEIGHTS_FORMS[name]
+
+
+def usable_forms(params) -> tuple[list[str], list[str]]:
+    """``(usable, left_out)``: the names of the forms that can serve ``params``, in registration
+    order, and why each other cannot (its ``unusable``)."""
+    usable, left_out = [], []
+    for name, form in WEIGHTS_FORMS.items():
+        why = form.unusable(params)
+        if why is None:
+            usable.append(name)
+        else:
+            left_out.append(why)
+    return usable, left_out

@@ -26,7 +26,9 @@ MODULE = re.compile(r"(?<![\w./-])((?:grpo|tasks)\.[a-z_][a-z0-9_]*)")
 # What a how-to creates as its worked example, allowed on that page only.
 EXAMPLES = {"docs/howto/add-a-stage.md": {"tasks/gain.py", "tasks.gain"},
             "docs/howto/add-a-rollout-engine.md": {"src/grpo/hf_generate.py", "grpo.hf_generate",
-                                                   "tests/test_hf_generate.py"}}
+                                                   "tests/test_hf_generate.py"},
+            "docs/howto/add-a-weights-form.md": {"src/grpo/engine/dense_lora_form.py",
+                                                 "tests/test_engine_dense_lora_form.py"}}
 
 
 def doc_files() -> list[Path]:

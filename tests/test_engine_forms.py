@@ -47,25 +47,17 @@ def test_what_each_process_runs():
     assert rollouts_per_process(False, 1, None) == "the process: the decode loop on the policy (transformers)"
 
 
-def test_a_form_outside_the_registry_fails_naming_the_param():
-    from grpo.engine.forms_catalogue import WEIGHTS_FORMS, weights_form
-
-    assert WEIGHTS_FORMS.names() == ("dense", "nf4")  # registration order: auto's order of preference
-    assert weights_form("nf4") is WEIGHTS_FORMS["nf4"]
-    with pytest.raises(ValueError, match=r"engine_weights: must be one of dense, nf4 .*got 'auto'"):
-        weights_form("auto")
-
-
 def test_each_form_is_named_by_its_registration_and_nf4_needs_the_4bit_base():
     from grpo.config import ParamsError, params_from_dict
-    from grpo.engine.forms_catalogue import WEIGHTS_FORMS, usable_forms
+    from grpo.engine.forms import form_name
+    from grpo.engine.forms_catalogue import WEIGHTS_FORMS
 
     dense, nf4 = WEIGHTS_FORMS["dense"], WEIGHTS_FORMS["nf4"]
     assert object.__new__(nf4).name == "nf4" and object.__new__(dense).name == "dense"
+    with pytest.raises(KeyError, match="not registered"):
+        form_name(type("Unregistered", (dense,), {}))
     assert (nf4.forces_eager, nf4.engine_lora(16), dense.forces_eager, dense.engine_lora(16)) == (True, 16, False, None)
     plain = params_from_dict({"model": {"quantization": "none"}})
-    assert usable_forms(plain) == (["dense"], ["model.quantization none: no 4-bit base to share"])
-    assert usable_forms(params_from_dict({}))[0] == ["dense", "nf4"]
     with pytest.raises(ParamsError, match=r"^train.engine_weights: nf4 shares the trainer's 4-bit base"):
         nf4.check_params(plain)
     with pytest.raises(ParamsError, match=r"^train.engine_weights: nf4 shares"):  # params validation asks the form

@@ -16,8 +16,6 @@ import yaml
 
 from grpo import memory
 from grpo.engine import needs
-from grpo.engine.forms import lora_buffer_bytes
-from grpo.engine.forms_catalogue import WEIGHTS_FORMS
 
 from .conftest import REPO
 
@@ -119,52 +117,6 @@ def _preset(name: str):
     from grpo.cli import resolve_params
 
     return resolve_params(REPO / "presets" / f"{name}.yaml").params
-
-
-def test_engine_terms_of_the_tiny_model_by_hand(tiny_model_dir):
-    """The engine's parts from the tiny Llama's real config (2 layers, hidden 64, 4 heads / 2 KV heads of
-    16, intermediate 128), each worked out by hand; the KV bytes per token against the live engine:
-    tests/test_engine_policy_engine.py::test_the_engine_is_bounded_to_one_step."""
-    from transformers import AutoConfig
-
-    shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
-    assert needs.kv_bytes_per_token(shapes, 2) == 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x B
-    # vLLM's LoRA buffers: rank 4 -> max_lora_rank 8; (in + out) of q, k, v, o, gate, up, down = 1024 per layer
-    assert lora_buffer_bytes(shapes, 4, 2) == 8 * 2 * 1024 * 2
-    dense, nf4 = WEIGHTS_FORMS["dense"].needs(shapes, 4, 2, "bfloat16"), WEIGHTS_FORMS["nf4"].needs(shapes, 4, 2, "bfloat16")
-    assert (dense.weights, dense.lora, dense.dequant) == (shapes.total_params * 2, 0, 0)
-    # the nf4 engine holds the norms only: 2 per layer and the final one; vLLM's LoRA buffers; one 4-bit layer
-    # dequantised (the largest: gate/up/down, 64 x 128)
-    assert (nf4.weights, nf4.lora, nf4.dequant) == ((2 * shapes.layers + 1) * shapes.hidden * 2, 8 * 2 * 1024 * 2,
-                                                    64 * 128 * 2)
-    # one call of 8 completions of 20 + 7 tokens: 2 blocks of 16 each; at least one max_model_len sequence
-    assert needs.engine_step_tokens(8, 20, 7, 256) == 8 * 32
-    assert needs.engine_step_tokens(2, 20, 7, 1024) == 1024
-    forward, sampler = needs.engine_profile_bytes(shapes, 40, 8, 2)
-    assert forward == 40 * (2 * 64 + 3 * 128) * 2 and sampler == 40 * 64 * 2 + 8 * shapes.vocab * (2 + 25)
-
-
-def test_auto_engine_weights_are_dense_where_they_fit_the_budget():
-    """Seed 003 (KV 28 KiB a token, 16 completions x 640 tokens a step): the dense engine needs about
-    3.95 GiB, so at gpu_memory_utilization 0.12 of 8 GiB (0.96 GiB) auto picks the nf4 engine, at 0.6
-    (4.8 GiB) the dense one; a CPU and an unknown card get dense; an explicit choice stays."""
-    params = _preset("seed003")
-    shapes = memory.resolve_shapes(params.model, REPO)
-    card = 8 * 2**30
-    assert needs.kv_bytes_per_token(shapes, 2) == 28 * 1024
-    plan = needs.engine_plan(params, shapes, "cuda", 128, card)
-    assert (plan.form, plan.seqs, plan.step_tokens) == ("nf4", 16, 16 * 640)
-    assert plan.why.startswith("auto: dense needs 3.9") and "> the budget 0.96 GiB" in plan.why
-    assert plan.need < plan.budget == math.ceil(0.12 * card)
-    roomy = params.model_copy(update={"train": params.train.model_copy(update={"gpu_memory_utilization": 0.6})})
-    assert needs.choose_engine_form(roomy, shapes, "cuda", 128, card)[0] == "dense"
-    assert needs.choose_engine_form(params, shapes, "cpu", 128, None)[0] == "dense"
-    form, why = needs.choose_engine_form(params, shapes, "cuda", 128, None)
-    assert form == "dense" and "no card given" in why and "on cards from 32.9" in why
-    dense = params.model_copy(update={"train": params.train.model_copy(update={"engine_weights": "dense"})})
-    assert needs.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
-    unquantized = params.model_copy(update={"model": params.model.model_copy(update={"quantization": "none"})})
-    assert needs.choose_engine_form(unquantized, shapes, "cuda", 128, card)[0] == "dense"
 
 
 def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():

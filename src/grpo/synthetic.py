@@ -17,46 +17,12 @@ from pathlib import Path
 
 import torch
 
+from grpo.architectures import ARCHITECTURES
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-# The exact shapes of deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B (its config.json): Qwen2, untied
-# LM head, 151,936 tokens. ``toy`` keeps the vocabulary and the GQA layout at a CPU-friendly width.
-# ``smollm2-135m`` (HuggingFaceTB/SmolLM2-135M-Instruct, Llama, tied) and ``qwen2.5-7b``
-# (Qwen/Qwen2.5-7B-Instruct) copy those models' config.json too; ``model_type`` (default qwen2)
-# picks the transformers config class.
-ARCHITECTURES: dict[str, dict] = {
-    "qwen2-1.5b": dict(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False, rope_theta=10000.0,
-        max_position_embeddings=131072, rms_norm_eps=1e-6,
-    ),
-    "toy": dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=10000.0,
-        max_position_embeddings=4096, rms_norm_eps=1e-6,
-    ),
-    "smollm2-135m": dict(
-        model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
-        max_position_embeddings=8192, rms_norm_eps=1e-5,
-    ),
-    "qwen2.5-7b": dict(
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, rope_theta=1000000.0,
-        max_position_embeddings=32768, rms_norm_eps=1e-6,
-    ),
-}
-
-# Models (``model.name``: a hub id or this project's alias) whose architecture is an entry above;
-# matched case-insensitively on the name's last path part, base and instruct variants alike.
-MODEL_ARCHITECTURES: dict[str, str] = {
-    "deepseek-r1-distill-qwen-1.5b": "qwen2-1.5b",
-    "smollm2-135m": "smollm2-135m",
-    "qwen2.5-7b": "qwen2.5-7b",
-}
 
 
 def char_tokenizer(vocab_size: int | None = None):
@@ -106,20 +72,10 @@ def random_model_dir(path: str | Path, config, *, seed: int = 0, dtype: torch.dt
 
 def architecture_config(name: str):
     """The transformers config (``Qwen2Config`` unless the entry names another ``model_type``) of a
-    named entry of ``ARCHITECTURES``."""
+    named entry of ``grpo.architectures.ARCHITECTURES``."""
     from transformers import AutoConfig
 
     if name not in ARCHITECTURES:
         raise ValueError(f"arch: unknown {name!r}; known: {', '.join(ARCHITECTURES)}")
     fields = dict(ARCHITECTURES[name])
     return AutoConfig.for_model(fields.pop("model_type", "qwen2"), **fields)
-
-
-def architecture_for_model(model_name: str) -> str | None:
-    """The ``ARCHITECTURES`` entry of a model name (``deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B`` ->
-    ``qwen2-1.5b``, ``smollm2-135m-instruct`` -> ``smollm2-135m``), or None."""
-    leaf = model_name.rstrip("/").rsplit("/", 1)[-1].lower()
-    for stem, arch in MODEL_ARCHITECTURES.items():
-        if leaf == stem or leaf.startswith(stem + "-"):
-            return arch
-    return None

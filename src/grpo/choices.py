@@ -17,6 +17,9 @@ from grpo.registry import Registry
 REGISTRIES: dict[str, tuple[str, str]] = {
     "train.order": ("grpo.curriculum", "ORDERS"),
     "train.rewards": ("grpo.rewards", "REWARDS"),
+    "sent.backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
+    "evaluate.backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
+    "train.rollout_backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
     "train.loss_type": ("grpo.loss", "AGGREGATIONS"),
     "train.policy_loss": ("grpo.loss", "POLICY_LOSSES"),
     "train.entropy_rule": ("grpo.entropy", "TOKEN_RULES"),

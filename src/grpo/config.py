@@ -78,7 +78,6 @@ def Choice(param: str):  # noqa: N802 (a type)
     return Annotated[str, AfterValidator(check)]
 
 
-Backend = Literal["auto", "vllm", "transformers"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 _READS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("grpo_param_reads", default=None)
@@ -192,7 +191,7 @@ class VLLMEngineConfig(Section):
     """vLLM: fraction of GPU memory (on CPUs: of the NUMA node's RAM) for weights and KV cache; too
     little KV cache makes the engine preempt and recompute sequences. On a CPU the train engine's KV
     cache is one generation call's instead (``grpo.engine.bounds.train_bounds``) and the
-    share is what ``grpo.engine.policy.check_engine_memory`` checks for N processes."""
+    share is what ``grpo.engine.policy_engine.check_engine_memory`` checks for N processes."""
     max_model_len: Positive = 1024
     """vLLM: longest prompt + completion the engine accepts."""
 
@@ -203,7 +202,7 @@ class SentConfig(VLLMEngineConfig):
     """Training problems to score."""
     out_path: str = "data/cache/train_sorted.jsonl"
     """The training set sorted by semantic entropy, ascending (easy -> hard)."""
-    backend: Backend = "auto"
+    backend: Choice("sent.backend") = "auto"
     """``vllm``, ``transformers`` (the slower fallback), or ``auto`` (vLLM when installed, else transformers)."""
     num_samples: Positive = 8
     """M: answers sampled per prompt."""
@@ -232,7 +231,7 @@ class EvaluateConfig(VLLMEngineConfig):
     SECTION: ClassVar[str] = "evaluate"
     test_path: str = "data/raw/test.jsonl"
     """Split to evaluate (baseline and final use the same one)."""
-    backend: Backend = "auto"
+    backend: Choice("evaluate.backend") = "auto"
     """``vllm``, ``transformers``, or ``auto`` (vLLM when installed)."""
     max_new_tokens: Positive = 64
     """Length cap of each greedy completion."""
@@ -271,9 +270,9 @@ class TrainConfig(VLLMEngineConfig):
     """G: completions per prompt (>= 2, a group of one has no baseline)."""
     max_new_tokens: Positive = 24
     """Completion length cap."""
-    rollout_backend: Backend = "auto"
+    rollout_backend: Choice("train.rollout_backend") = "auto"
     """Who samples the rollouts: ``vllm`` (an engine in the stage's process holding the policy,
-    synced after every optimizer step: ``grpo.engine.policy``; one per process with
+    synced after every optimizer step: ``grpo.engine.policy_engine``; one per process with
     ``num_processes`` > 1), ``transformers`` (the project's decode loop on the policy itself, the
     fallback), or ``auto`` (vLLM when installed)."""
     max_num_batched_tokens: Positive = 2048

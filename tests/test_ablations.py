@@ -150,3 +150,36 @@ def test_stale_tasks_are_the_running_ones_without_a_worker():
               "0822211  reversed-seed-0  01:37 AM   Queued\n\n")
     assert ablations.stale_tasks(status + "Worker status: 0 active, 0 idle") == ["a636950"]
     assert ablations.stale_tasks(status + "Worker status: 1 active, 0 idle") == []
+
+
+def test_the_token_rules_grid_is_valid_with_two_references():
+    grid = load_grid(ROOT / "experiments" / "token_rules.yaml")
+    assert grid.reference == "every-token" and grid.second_reference == "default" and grid.seeds == (0, 1, 2, 3, 4)
+    assert grid.variants["every-token"] == {"train.entropy_top_quantile": 1.0} and grid.variants["default"] == {}
+    assert {"archer", "sent_kl", "top-0.5", "top-0.8", "shuffled"} <= set(grid.variants)
+
+
+def test_a_second_reference_gets_its_own_column_of_paired_differences(tmp_path):
+    """Reference ``all``, second reference ``default``: each row also shows its paired difference to
+    ``default`` with the verdict (``g4`` - ``default`` = +0.05, +0.03, +0.07: better; ``all`` -
+    ``default`` = -0.1 every seed: worse, an interval of width 0), empty on ``default``'s own row; a
+    second reference that is not a variant, or is the reference, fails."""
+    grid = Grid("all", (0, 1, 2), {"default": {}, "all": {"train.entropy_top_quantile": 1.0},
+                                    "g4": {"train.group_size": 4}}, second_reference="default")
+    runs = lambda vals: [Run(f"{v}-seed-{s}", "x", "success", {}, a) for v, per in vals.items()  # noqa: E731
+                         for s, a in per.items()]
+    test = {"default": {0: 0.70, 1: 0.80, 2: 0.75}, "all": {0: 0.60, 1: 0.70, 2: 0.65},
+            "g4": {0: 0.75, 1: 0.83, 2: 0.82}}
+    text = ablations.markdown(grid, ablations.rows(grid, runs(test), runs(test)))
+    test_part = text.split("Validation accuracy")[0]
+    assert "| variant | verdict | minus all [95%] | minus default [95%] | mean |" in test_part
+    assert "| default | better | +0.100 [+0.100, +0.100] |  | 0.750 |" in test_part
+    assert "| **all** | reference |  | -0.100 [-0.100, -0.100]: worse | 0.650 |" in test_part
+    # g4 - default: mean 0.05, sd 0.02, half-width t(0.975, 2) 0.02 / sqrt(3) = 0.0497: [+0.0003, +0.0997]
+    assert "| g4 | better | +0.150 [+0.100, +0.200] | +0.050 [+0.000, +0.100]: better | 0.800 |" in test_part
+    for second in ("nope", "all"):
+        path = _grid_file(tmp_path, {"default": {}, "all": {}}, reference="all")
+        raw = yaml.safe_load(path.read_text())
+        path.write_text(yaml.safe_dump({**raw, "second_reference": second}))
+        with pytest.raises(ValueError, match="second_reference"):
+            load_grid(path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo.config import TrainConfig
-from grpo.entropy import TOKEN_RULES, entropy_threshold, high_entropy_mask, token_entropy
+from grpo.entropy import TOKEN_RULES, LossTerms, entropy_threshold, high_entropy_mask, per_response_high, token_entropy
 
 
 def test_entropy_uniform_and_peaked():
@@ -111,3 +111,68 @@ def test_low_rule_needs_a_quantile_below_one():
     TOKEN_RULES["low"].check(TrainConfig(entropy_top_quantile=0.5))
     with pytest.raises(ValueError, match="train.entropy_rule: low"):
         TOKEN_RULES["low"].check(TrainConfig(entropy_top_quantile=0.5).model_copy(update={"entropy_top_quantile": 1.0}))
+
+
+# Two responses of 4 and 3 valid tokens (9.0: padding) for the rules that keep every token.
+ENT5 = torch.tensor([[0.1, 0.5, 0.9, 0.3, 9.0], [0.2, 0.35, 0.25, 9.0, 9.0]])
+MASK5 = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+
+
+def test_archer_on_hand_worked_entropies():
+    """``archer`` at ``entropy_top_quantile`` 0.2 cuts each response at its own 0.8 quantile: row 0
+    sorted 0.1 0.3 0.5 0.9, position 0.8 x 3 = 2.4 -> 0.5 + 0.4 x 0.4 = 0.66, above it 0.9; row 1
+    sorted 0.2 0.25 0.35, position 1.6 -> 0.25 + 0.6 x 0.1 = 0.31, above it 0.35 (the step-wide
+    threshold, 0.47 below, would give row 1 no high token). High tokens clip at 1 -+ 0.5, the
+    others at 1 - epsilon / 1 + epsilon_high (0.2 / 0.2, or 0.2 / 0.28 with clip-higher); the valid
+    low ones carry the KL weight 0.001, the high ones and the padding none. Every valid token gets
+    gradient, no statistic, the reference pass; KL 0 needs no reference and gives no weights."""
+    archer = TOKEN_RULES["archer"]
+    cfg = TrainConfig(entropy_rule="archer")
+    assert (cfg.entropy_top_quantile, cfg.entropy_clip_high, cfg.entropy_kl_low) == (0.2, 0.5, 0.001)
+    high = torch.tensor([[False, False, True, False, False], [False, True, False, False, False]])
+    assert torch.equal(per_response_high(ENT5, MASK5, 0.2), high)
+    assert not archer.needs_statistic(cfg) and archer.threshold(ENT5[MASK5.bool()], cfg) is None
+    assert torch.equal(archer.grad_mask(ENT5, MASK5, None, cfg), MASK5.bool()) and archer.grad_fraction(cfg) == 1.0
+    assert archer.needs_reference(cfg)
+    terms = archer.loss_terms(ENT5, MASK5, None, cfg)
+    bounds = torch.tensor([[0.2, 0.2, 0.5, 0.2, 0.2], [0.2, 0.5, 0.2, 0.2, 0.2]])
+    torch.testing.assert_close(terms.epsilon, bounds, rtol=0, atol=0)
+    torch.testing.assert_close(terms.epsilon_high, bounds, rtol=0, atol=0)
+    torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 1, 0, 1, 0], [1, 0, 1, 0, 0]]))
+    clip_higher = archer.loss_terms(ENT5, MASK5, None, TrainConfig(entropy_rule="archer", epsilon_high=0.28))
+    torch.testing.assert_close(clip_higher.epsilon, bounds, rtol=0, atol=0)
+    torch.testing.assert_close(clip_higher.epsilon_high,
+                               torch.tensor([[0.28, 0.28, 0.5, 0.28, 0.28], [0.28, 0.5, 0.28, 0.28, 0.28]]))
+    no_kl = TrainConfig(entropy_rule="archer", entropy_kl_low=0.0)
+    assert not archer.needs_reference(no_kl) and archer.loss_terms(ENT5, MASK5, None, no_kl).kl_weights is None
+    assert torch.equal(per_response_high(ENT5, MASK5, 1.0), MASK5.bool())  # the top 100%: every valid token
+
+
+def test_sent_kl_on_hand_worked_entropies():
+    """``sent_kl`` at 0.2: the step's threshold over the 7 valid entropies (sorted 0.1 0.2 0.25 0.3 0.35
+    0.5 0.9, position 0.8 x 6 = 4.8 -> 0.35 + 0.8 x 0.15 = 0.47), the tokens below it (five) carry
+    the KL weight 0.001; the clip bounds are the params' (none given); every valid token gets gradient."""
+    sent = TOKEN_RULES["sent_kl"]
+    cfg = TrainConfig(entropy_rule="sent_kl")
+    threshold = sent.threshold(ENT5[MASK5.bool()], cfg)
+    assert sent.needs_statistic(cfg) and threshold.item() == pytest.approx(0.47)
+    assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold, cfg), MASK5.bool()) and sent.grad_fraction(cfg) == 1.0
+    assert sent.needs_reference(cfg)
+    terms = sent.loss_terms(ENT5, MASK5, threshold, cfg)
+    assert terms.epsilon is None and terms.epsilon_high is None
+    torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 0, 0, 1, 0], [1, 1, 1, 0, 0]]))
+    no_kl = TrainConfig(entropy_rule="sent_kl", entropy_kl_low=0.0)
+    assert not sent.needs_reference(no_kl) and sent.loss_terms(ENT5, MASK5, threshold, no_kl).kl_weights is None
+
+
+@pytest.mark.parametrize("name", ["archer", "sent_kl"])
+def test_rules_with_a_low_class_need_a_quantile_below_one(name):
+    with pytest.raises(ValueError, match=f"train.entropy_rule: {name} .* set train.entropy_top_quantile below 1"):
+        TrainConfig(entropy_rule=name, entropy_top_quantile=1.0)
+
+
+def test_high_and_low_leave_the_loss_as_the_params_set_it():
+    for name in ("high", "low"):
+        cfg = TrainConfig(entropy_rule=name)
+        assert not TOKEN_RULES[name].needs_reference(cfg)
+        assert TOKEN_RULES[name].loss_terms(ENT5, MASK5, torch.tensor(0.47), cfg) == LossTerms()

@@ -299,3 +299,67 @@ def test_padding_columns_change_nothing(loss_type):
     assert torch.equal(g2[:, :t], g1)
     assert (g2[:, t:] == 0).all()
     assert s2 == pytest.approx(s1, rel=1e-12)
+
+
+# Two responses of 4 and 3 valid tokens, A = +1 and -0.5, with the entropies of tests/test_entropy.py's
+# rules that keep every token (``archer`` high: (0, 2), (1, 1), each row's own 0.8 quantile;
+# ``sent_kl`` low: below the step's 0.47, (0, 0), (0, 3), (1, 0), (1, 1), (1, 2)).
+ENT5 = torch.tensor([[0.1, 0.5, 0.9, 0.3, 9.0], [0.2, 0.35, 0.25, 9.0, 9.0]])
+MASK5 = torch.tensor([[1.0, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+ADV5 = torch.tensor([1.0, -0.5])
+# log ratios: row 0 = 0, 0.3, 0.3, -0.1; row 1 = -0.3, -0.4, 0 (padding 0)
+OLD5 = torch.tensor([[-1.0, -1.3, -0.8, -0.4, 0.0], [-0.3, -0.1, -1.0, 0.0, 0.0]])
+LOGP5 = OLD5 + torch.tensor([[0.0, 0.3, 0.3, -0.1, 0.0], [-0.3, -0.4, 0.0, 0.0, 0.0]])
+# ref - logp: row 0 = 0.5, 0, 0.4, -0.2; row 1 = 0.2, 0.3, 0
+REF5 = LOGP5 + torch.tensor([[0.5, 0.0, 0.4, -0.2, 0.0], [0.2, 0.3, 0.0, 0.0, 0.0]])
+
+
+def _k3(d: float) -> float:
+    return math.exp(d) - d - 1
+
+
+def test_archer_and_sent_kl_token_terms_by_hand():
+    """The token terms of ``clipped`` with each rule's bounds, and ``grpo_loss`` with its KL weights.
+
+    ``archer``: the high token (0, 2) has ratio e^0.3 = 1.35 (A > 0), outside 1 + 0.2 but inside
+    1 + 0.5: unclipped, -1.350; so is (1, 1), e^-0.4 = 0.670 (A < 0), inside 1 - 0.5: +0.5 x 0.670 =
+    0.335; the low tokens clip at 0.2: (0, 1) -1.2, (1, 0) +0.4. ``sent_kl`` clips every token at
+    0.2: (0, 2) -1.2, (1, 1) +0.4. KL 0.001 x k3 on the low tokens only: archer k3(0.5) + k3(-0.2)
+    + k3(0.2) (the high (0, 2)'s k3(0.4) and (1, 1)'s k3(0.3) left out); sent_kl adds (1, 1)'s
+    k3(0.3). ``dapo`` divides the sum by the 7 valid tokens, ``grpo`` each row by its own count;
+    the ``kl`` statistic is the mean k3 of every valid token either way."""
+    from grpo.config import TrainConfig
+    from grpo.entropy import TOKEN_RULES
+    from grpo.loss import POLICY_LOSSES
+
+    e01, e04, e03, em01 = math.exp(0.3), math.exp(-0.4), math.exp(-0.3), math.exp(-0.1)
+    policy = {"archer": [[-1.0, -1.2, -e01, -em01, 0.0], [0.4, 0.5 * e04, 0.5, 0.0, 0.0]],
+              "sent_kl": [[-1.0, -1.2, -1.2, -em01, 0.0], [0.4, 0.4, 0.5, 0.0, 0.0]]}
+    kl_low = {"archer": [[_k3(0.5), 0.0, 0.0, _k3(-0.2)], [_k3(0.2), 0.0, 0.0]],
+              "sent_kl": [[_k3(0.5), 0.0, 0.0, _k3(-0.2)], [_k3(0.2), _k3(0.3), 0.0]]}
+    assert 1 - 0.5 < e04 < 1 - 0.2 and 1 + 0.2 < e01 < 1 + 0.5 and e03 < 1 - 0.2
+    k3_mean = (_k3(0.5) + _k3(0.4) + _k3(-0.2) + _k3(0.2) + _k3(0.3)) / 7
+    for name in ("archer", "sent_kl"):
+        cfg = TrainConfig(entropy_rule=name)
+        rule = TOKEN_RULES[name]
+        threshold = rule.threshold(ENT5[MASK5.bool()], cfg) if rule.needs_statistic(cfg) else None
+        terms = rule.loss_terms(ENT5, MASK5, threshold, cfg)
+        eps = cfg.epsilon if terms.epsilon is None else terms.epsilon
+        eps_high = cfg.epsilon if terms.epsilon_high is None else terms.epsilon_high
+        per_token, _ = POLICY_LOSSES["clipped"](LOGP5, OLD5, ADV5.unsqueeze(1), MASK5, epsilon=eps, epsilon_high=eps_high)
+        torch.testing.assert_close(per_token * MASK5, torch.tensor(policy[name]), rtol=0, atol=1e-6)
+        rows = [sum(p) + 0.001 * sum(k) for p, k in zip(policy[name], kl_low[name])]
+        for loss_type, expected in (("dapo", sum(rows) / 7), ("grpo", (rows[0] / 4 + rows[1] / 3) / 2)):
+            loss, stats = grpo_loss(LOGP5, OLD5, REF5, ADV5, MASK5, epsilon=eps, epsilon_high=eps_high,
+                                    kl_weights=terms.kl_weights, loss_type=loss_type)
+            assert loss.item() == pytest.approx(expected, abs=1e-6), (name, loss_type)
+            assert stats["kl"] == pytest.approx(k3_mean, rel=1e-5)
+        logp = LOGP5.clone().requires_grad_(True)  # the high token (0, 2): a gradient under archer only
+        grpo_loss(logp, OLD5, REF5, ADV5, MASK5, epsilon=eps, epsilon_high=eps_high, kl_weights=terms.kl_weights,
+                  loss_type="dapo")[0].backward()
+        assert logp.grad[0, 2].item() == pytest.approx(-e01 / 7 if name == "archer" else 0.0, abs=1e-7)
+
+
+def test_kl_weights_need_reference():
+    with pytest.raises(ValueError, match="kl_weights needs ref_logp"):
+        grpo_loss(LOGP, OLD, None, ADV, MASK, kl_weights=torch.ones_like(LOGP))

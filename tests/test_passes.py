@@ -252,3 +252,42 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     for n in g1:
         torch.testing.assert_close(g4[n], g1[n], rtol=0, atol=1e-5)
     assert any(g.abs().max() > 1e-4 for g in g1.values())
+
+
+def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_model_dir, tiny_problems, tmp_path,
+                                                                          monkeypatch):
+    """One real training step per rule at ``beta`` 0, the same rollouts (seeded) and an adapter that
+    has a say (the policy differs from the reference): ``archer`` and ``sent_kl`` run the reference
+    pass (``ref_logp`` filled), keep every valid token (``kept_frac`` 1) and every row (the KL term
+    has a gradient at zero advantage: ``update_frac`` 1), log a positive KL, and their loss is
+    ``high``'s plus their KL term (the ratio is 1 on policy, so only the KL changes its value)."""
+    from grpo.rewards import REWARDS
+    from grpo.trainer import GRPOTrainer
+
+    refs: list[torch.Tensor | None] = []
+    real = PolicyPasses.fixed_logprobs
+
+    def spy(self, batch):
+        fixed, entropy = real(self, batch)
+        refs.append(fixed.ref_logp)
+        return fixed, entropy
+
+    monkeypatch.setattr(PolicyPasses, "fixed_logprobs", spy)
+    rows = {}
+    with REWARDS.registered("toy_chars", lambda completions, answers: [float(len(c)) for c in completions]):
+        for rule in ("high", "archer", "sent_kl"):
+            cfg = TrainConfig(output_dir=str(tmp_path / rule), steps=1, prompts_per_step=2, group_size=4,
+                              max_new_tokens=8, checkpoint_every=0, eval_every=0, warmup_steps=0,
+                              rewards={"toy_chars": 1.0}, truncated="score", rollout_backend="transformers",
+                              wandb_mode="disabled", entropy_rule=rule)
+            torch.manual_seed(0)
+            model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
+            give_adapter_a_say(model, std=0.3)
+            rows[rule] = GRPOTrainer(model, load_tokenizer(tiny_model_dir), cfg, tiny_problems).train_step()
+    high, archer, sent = rows["high"], rows["archer"], rows["sent_kl"]
+    assert refs[0] is None and refs[1] is not None and refs[2] is not None
+    assert high["kl"] == 0 and 0 < high["kept_frac"] < 1
+    for row in (archer, sent):
+        assert row["kept_frac"] == 1.0 and row["update_frac"] == 1.0 and row["kl"] > 0
+        assert row["loss"] > high["loss"] and row["loss"] - high["loss"] < 0.001 * row["kl"] + 1e-6
+        assert row["reward_mean"] == high["reward_mean"]  # the same rollouts

@@ -4,7 +4,8 @@
     python -m grpo.ablations compare  [--grid ...] [--out-dir ...]   # the comparison alone
 
 The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: name -> params overrides
-(``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued.
+(``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued;
+optionally a ``second_reference`` variant, whose paired difference gets a column of its own.
 Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --queue -S
 train.seed=s -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
 run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queues only the
@@ -48,6 +49,7 @@ class Grid:
     reference: str
     seeds: tuple[int, ...]
     variants: dict[str, dict[str, object]]  # name -> {"train.order": "shuffled", ...}
+    second_reference: str | None = None  # a second column of paired differences (the table only)
 
 
 def _set_dotted(tree: dict, key: str, value: object) -> None:
@@ -88,12 +90,15 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     reference = raw.get("reference")
     if reference not in variants:
         raise ValueError(f"{path}: reference {reference!r} is not one of the variants ({', '.join(variants)})")
+    second = raw.get("second_reference")
+    if second is not None and (second not in variants or second == reference):
+        raise ValueError(f"{path}: second_reference {second!r} is not one of the other variants")
     seeds = raw.get("seeds")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
             or len(set(seeds)) != len(seeds):
         raise ValueError(f"{path}: 'seeds' must be a list of distinct integers")
     grid = Grid(reference=reference, seeds=tuple(seeds),
-                variants={name: dict(over or {}) for name, over in variants.items()})
+                variants={name: dict(over or {}) for name, over in variants.items()}, second_reference=second)
     params = read_params_yaml(params_path or Path(path).resolve().parent.parent / "params.yaml")
     for name, overrides in grid.variants.items():
         if SEED_KEY in overrides:
@@ -215,18 +220,25 @@ def _interval(p: Paired) -> str:
 def _split_table(grid: Grid, table: list[Row], split: str) -> list[str]:
     """One split's table, what a reader needs first (a phone shows the first columns): per variant
     the verdict and the paired difference to the reference with its 95% interval, the mean, the
-    metric per seed in one cell, and what the variant changes (keys without their section)."""
-    seeds, ref_name = grid.seeds, grid.reference
+    metric per seed in one cell, and what the variant changes (keys without their section). With a
+    ``second_reference``, the paired difference to it and its verdict follow the first's."""
+    seeds, ref_name, second = grid.seeds, grid.reference, grid.second_reference
     head = ["variant", "verdict", f"minus {ref_name} [95%]", "mean", f"seeds {', '.join(map(str, seeds))}", "changes"]
+    if second:
+        head.insert(3, f"minus {second} [95%]")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    split_values = {r.variant: r.test if split == "test" else r.validation for r in table}
     for r in table:
         values, pair = (r.test, r.test_paired) if split == "test" else (r.validation, r.validation_paired)
         changes = ", ".join(f"`{k.rpartition('.')[2]}={cli_value(v)}`" for k, v in r.overrides.items())
         ref = r.variant == ref_name
-        lines.append("| " + " | ".join(
-            [f"**{r.variant}**" if ref else r.variant, "reference" if ref else pair.verdict,
-             "" if ref else _interval(pair), _f(statistics.fmean(values.values()) if values else None),
-             " / ".join(_f(values.get(s)) for s in seeds), changes or "params.yaml"]) + " |")
+        cells = [f"**{r.variant}**" if ref else r.variant, "reference" if ref else pair.verdict,
+                 "" if ref else _interval(pair), _f(statistics.fmean(values.values()) if values else None),
+                 " / ".join(_f(values.get(s)) for s in seeds), changes or "params.yaml"]
+        if second:
+            to_second = paired(split_values.get(second, {}), values)
+            cells.insert(3, "" if r.variant == second else f"{_interval(to_second)}: {to_second.verdict}")
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

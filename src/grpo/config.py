@@ -347,10 +347,20 @@ class TrainConfig(VLLMEngineConfig):
     entropy_top_quantile: Fraction = 0.2
     """Fraction of the update's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
     entropy_rule: Choice("train.entropy_rule") = "high"
-    """The token-entropy rule (``grpo.entropy.TOKEN_RULES``), which tokens get gradient by their
-    entropy: ``high``, the top ``entropy_top_quantile`` (the method); ``low``, every other valid
-    token (the bottom ``1 - entropy_top_quantile``: the masking paper's contrast, for ablations).
-    ``low`` needs ``entropy_top_quantile`` below 1."""
+    """The token-entropy rule (``grpo.entropy.TOKEN_RULES``), how tokens are treated by their
+    entropy: ``high``, only the top ``entropy_top_quantile`` get gradient (the method); ``low``, only
+    every other valid token (the bottom ``1 - entropy_top_quantile``: the masking paper's contrast,
+    for ablations); ``archer``, every token, the top ``entropy_top_quantile`` of each response
+    clipped at ``entropy_clip_high``, the others with the ``entropy_kl_low`` KL (Archer);
+    ``sent_kl``, every token, those below the step's threshold with the ``entropy_kl_low`` KL (after
+    SENT). ``low``, ``archer`` and ``sent_kl`` need ``entropy_top_quantile`` below 1."""
+    entropy_clip_high: PositiveFloat = 0.5
+    """``entropy_rule: archer``: the clip range of the high-entropy tokens, ``1 - x`` to ``1 + x``
+    (Archer's 0.5; its low-entropy tokens clip at ``epsilon`` / ``epsilon_high``). Other rules ignore it."""
+    entropy_kl_low: Annotated[float, Field(ge=0)] = 0.001
+    """``entropy_rule: archer`` or ``sent_kl``: the coefficient of the k3 KL to the reference policy on
+    the low-entropy tokens (Archer's 0.001), which needs the reference pass even at ``beta`` 0 (0:
+    no KL, no pass). Other rules ignore it."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """Entropy/log-prob pass: ``triton`` (CUDA), ``torch``, or ``auto`` (triton when on CUDA)."""
     logprob_chunk: Positive = 1024

@@ -1,7 +1,7 @@
 """Token entropy and the token-entropy rules: pure tensor functions.
 
 ``train.entropy_rule`` names a rule of ``TOKEN_RULES``: how a step treats its completion tokens by
-their predictive entropy. The rules here follow "Beyond the 80/20 Rule" (arXiv 2506.01939): only
+their predictive entropy H_t. Two rules follow "Beyond the 80/20 Rule" (arXiv 2506.01939): only
 the ``top_quantile`` fraction of valid completion tokens with the highest entropy ("forking
 tokens") receive policy gradient (``high``), or, as that paper's contrast, only the others
 (``low``). The threshold is the ``1 - top_quantile`` quantile of the entropies of all valid
@@ -13,11 +13,42 @@ threshold are all kept by ``high``, so its kept fraction can exceed ``top_quanti
 over processes) takes the rule's ``threshold`` once over all of the step's valid tokens and
 passes it to the rule's ``grad_mask`` for every part, so the split changes memory, not the
 tokens that learn.
+
+Two rules discard no token (every valid token gets policy gradient) and treat the classes
+differently in the loss (``TokenRule.loss_terms``). With q = ``entropy_top_quantile`` (0.2),
+rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the reference policy
+(the adapter disabled), c = ``entropy_kl_low`` (0.001):
+
+* ``archer`` (Archer, arXiv 2507.15778; code github.com/wizard-III/ArcherCodeR @ 8a1785be):
+  tau_i = the ``1 - q`` quantile of response i's valid entropies (``torch.nanquantile`` along
+  the row); high_t = H_t > tau_i (ties low). Clip range per token: ``entropy_clip_high`` (0.5) on
+  both sides for high tokens, ``epsilon`` / ``epsilon_high`` (0.2 / 0.2) for low ones; loss term
+  ``clipped(rho_t, eps_t) + c * k3_t * low_t``. Code values: quantile 0.8 per response, clip 0.2 /
+  0.5, KL coefficient 0.001 on low tokens and 0 on high ones (``core_algos.py:597-604``,
+  ``dp_actor.py:397-449``, ``run_archer_qwen2.5_1.5b_code.sh:15, 62-67``). Departures: the KL goes
+  through ``train.loss_type``'s aggregation, whose denominator counts every valid token (``dapo``)
+  or every response's (``grpo``), not Archer's count of low tokens, so its weight is c times the
+  low fraction (about 0.8c; set c / 0.8 to match); the cut is per response like Archer's code,
+  unlike ``high`` / ``sent_kl``'s step-wide threshold; Archer's dual clip (-A * 10 bounds the term
+  for A < 0, ``core_algos.py:607-612``) and its clamps of log rho and k3 are not implemented.
+* ``sent_kl`` (SENT, arXiv 2512.04359; code github.com/zldscr0/SENT @ 2a7c40fa): low_t = H_t below
+  the step-wide threshold of ``high`` (the bottom ``1 - q``, 0.8 as the code's); loss term
+  ``clipped(rho_t, epsilon) + c * k3_t * low_t``. The paper's idea (KL to pi_ref on low-entropy
+  tokens); its selection of the high-covariance ones among them is not implemented: the paper's
+  fraction and coefficient could not be read, and the released code's selection indexes rows with
+  an integer mask (``core_algos.py:880-881``), so it penalises |log rho| against the old policy on
+  about 2 arbitrary tokens per micro-batch, unclipped (``core_algos.py:844-904``).
+
+Both need the reference pass even at ``train.beta`` 0 (``needs_reference``; ``c = 0`` drops the KL
+and the pass) and keep the groups of equal rewards in the update (their KL has a gradient). Since
+every token keeps its gradient, the LM head runs with grad at every valid token: its rows of logits
+with grad (``grpo.memory``'s "LM head with grad") are 1/q = 5 times ``high``'s, whose kept-token
+pass holds q of them. The sources line by line: docs/design.md#token-entropy-rules.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,11 +87,24 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, thresh
     return KeepHigh.grad_mask(entropy, mask, threshold, None)
 
 
+class LossTerms(NamedTuple):
+    """What a token-entropy rule puts into the loss besides its gradient mask (``TokenRule.loss_terms``,
+    handed to ``grpo.loss.grpo_loss`` by ``grpo.passes.PolicyPasses.loss_backward``). Each is an
+    (N, T) tensor or ``None``: the clip bounds ``1 - epsilon`` / ``1 + epsilon_high`` per token
+    (``None``: ``train.epsilon`` / ``train.epsilon_high``), and the coefficient of a k3 KL term to the
+    reference policy per token, added to the token terms before the aggregation (``None``: none;
+    needs ``TokenRule.needs_reference``)."""
+
+    epsilon: Tensor | None = None
+    epsilon_high: Tensor | None = None
+    kl_weights: Tensor | None = None
+
+
 class TokenRule:
     """An entry of ``TOKEN_RULES``: what a step does with its tokens by their entropy. Entries are
     classes of static methods (never instantiated); ``cfg`` is the ``grpo.config.TrainConfig``,
     from which a rule reads its own params (``entropy_top_quantile`` here). The defaults keep every
-    valid token and need no statistic.
+    valid token, need no statistic and leave the loss as the params set it.
 
     - ``check(cfg)``: raise ``ValueError`` (one line naming the param) when the params do not
       suit the rule; ``TrainConfig`` calls it when the section is built.
@@ -73,14 +117,11 @@ class TokenRule:
       the others keep their detached log-probs in the loss value and the normaliser.
     - ``grad_fraction(cfg)``: the fraction of valid tokens ``grad_mask`` keeps, for the memory
       estimate (``grpo.memory``: the LM-head rows with grad).
-
-    A rule that treats tokens by entropy without discarding any (entropy-dependent clip bounds
-    after Archer, arXiv 2507.15778; a KL term on the low-entropy tokens after SENT, arXiv
-    2512.04359) keeps the defaults of ``grad_mask`` and ``grad_fraction`` and adds one hook that
-    ``grpo.passes.PolicyPasses.loss_backward`` passes to ``grpo.loss.grpo_loss``: per-token clip
-    bounds, ``(N, T)`` tensors given as ``epsilon`` / ``epsilon_high`` (the ``clipped`` policy loss
-    takes tensors there), or an extra ``(N, T)`` per-token loss term added before the aggregation.
-    That hook is not written yet: the first such rule adds it, with its test.
+    - ``needs_reference(cfg)``: whether ``loss_terms`` gives KL weights, so that the passes compute
+      the reference log-probs even at ``train.beta`` 0 (and the trainer keeps the groups of equal
+      rewards, whose KL term has a gradient).
+    - ``loss_terms(entropy, mask, threshold, cfg)``: the ``LossTerms`` of a micro-batch (per-token
+      clip bounds, per-token KL weights), from the same arguments as ``grad_mask``.
     """
 
     @staticmethod
@@ -102,6 +143,14 @@ class TokenRule:
     @staticmethod
     def grad_fraction(cfg: Any) -> float:
         return 1.0
+
+    @staticmethod
+    def needs_reference(cfg: Any) -> bool:
+        return False
+
+    @staticmethod
+    def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+        return LossTerms()
 
 
 TOKEN_RULES: Registry[type[TokenRule]] = Registry("train.entropy_rule", "token-entropy rule")
@@ -155,3 +204,69 @@ class KeepLow(QuantileRule):
     @staticmethod
     def grad_fraction(cfg: Any) -> float:
         return 1 - cfg.entropy_top_quantile
+
+
+def per_response_high(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
+    """(N, T) bool: the valid tokens above their own row's ``1 - top_quantile`` quantile of the
+    valid entropies (linear interpolation; ties below), as Archer's ``torch.nanquantile`` along each
+    response; ``top_quantile`` 1: every valid token. A row without valid tokens has none."""
+    valid = mask.bool()
+    if top_quantile >= 1:
+        return valid.clone()
+    values = entropy.float().masked_fill(~valid, float("nan"))  # (N, T)
+    tau = torch.nanquantile(values, 1.0 - top_quantile, dim=-1, keepdim=True)  # (N, 1), NaN for an empty row
+    return (entropy > tau) & valid
+
+
+def low_kl_weights(low: Tensor, cfg: Any) -> Tensor | None:
+    """(N, T) ``entropy_kl_low`` on the tokens of ``low`` (bool), 0 elsewhere; ``None`` at 0."""
+    return low.float() * cfg.entropy_kl_low if cfg.entropy_kl_low > 0 else None
+
+
+def need_low_tokens(name: str, cfg: Any) -> None:
+    if cfg.entropy_top_quantile >= 1:
+        raise ValueError(f"train.entropy_rule: {name} treats the tokens below the top entropy_top_quantile "
+                         "apart; set train.entropy_top_quantile below 1")
+
+
+@TOKEN_RULES.register("archer")
+class Archer(TokenRule):
+    """Every valid token gets gradient; per response, the tokens above its ``1 - entropy_top_quantile``
+    entropy quantile clip at ``1 -+ entropy_clip_high``, the others at ``1 - epsilon`` / ``1 +
+    epsilon_high`` and add ``entropy_kl_low`` x k3 to the reference (arXiv 2507.15778; see the module
+    docstring)."""
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        need_low_tokens("archer", cfg)
+
+    @staticmethod
+    def needs_reference(cfg: Any) -> bool:
+        return cfg.entropy_kl_low > 0
+
+    @staticmethod
+    def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+        high = per_response_high(entropy, mask, cfg.entropy_top_quantile)  # (N, T) bool
+        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        wide = torch.full_like(entropy, cfg.entropy_clip_high, dtype=torch.float32)  # (N, T)
+        return LossTerms(epsilon=torch.where(high, wide, cfg.epsilon), epsilon_high=torch.where(high, wide, eps_high),
+                         kl_weights=low_kl_weights(mask.bool() & ~high, cfg))
+
+
+@TOKEN_RULES.register("sent_kl")
+class SentKL(QuantileRule):
+    """Every valid token gets gradient with the configured clip; the tokens below the step's
+    threshold (the bottom ``1 - entropy_top_quantile``) add ``entropy_kl_low`` x k3 to the reference
+    (after arXiv 2512.04359, without its covariance selection; see the module docstring)."""
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        need_low_tokens("sent_kl", cfg)
+
+    @staticmethod
+    def needs_reference(cfg: Any) -> bool:
+        return cfg.entropy_kl_low > 0
+
+    @staticmethod
+    def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+        return LossTerms(kl_weights=low_kl_weights(KeepLow.grad_mask(entropy, mask, threshold, cfg), cfg))

@@ -12,7 +12,7 @@ invented baseline).
 The loss has two axes, each a registry (as verl's ``core_algos.py``): the per-token policy term
 (``POLICY_LOSSES``, ``train.policy_loss``) and how the token terms become one number
 (``AGGREGATIONS``, ``train.loss_type``). ``grpo_loss`` composes them: policy term -> token
-importance weights -> + beta * k3 KL -> aggregation. The one policy loss, ``clipped``, is the
+importance weights -> + beta * k3 KL (+ a token-entropy rule's per-token KL) -> aggregation. The one policy loss, ``clipped``, is the
 PPO-style clipped term of every completion token t:
 
     rho_t = exp(logp_t - old_logp_t)
@@ -25,7 +25,8 @@ and the aggregations are:
 * ``dr_grpo`` sum over all tokens / (N * T_max): no length normalisation (Dr. GRPO, arXiv 2503.20783).
 * ``dapo``    sum over all tokens / number of valid tokens in the batch (DAPO, arXiv 2503.14476).
 
-Departure from the paper: the KL term is optional (beta = 0 skips it and the reference pass).
+Departure from the paper: the KL term is optional (beta = 0 skips it and the reference pass,
+unless the token-entropy rule puts a KL on some tokens: ``grpo.entropy``, ``archer`` and ``sent_kl``).
 When an inference engine samples the rollouts, ``token_weights`` (truncated importance weights
 ``min(pi_old / pi_engine, C)``) multiply the policy-gradient term of each token before the KL term
 is added, correcting for the engine's slightly different numerics.
@@ -192,9 +193,10 @@ def grpo_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
+    epsilon: float | Tensor = 0.2,
+    epsilon_high: float | Tensor | None = None,
     beta: float = 0.0,
+    kl_weights: Tensor | None = None,
     loss_type: str = "dapo",
     policy_loss: str = "clipped",
     normalizer: float | None = None,
@@ -210,7 +212,10 @@ def grpo_loss(
     entropy mask, filled with detached values) still count in the value and the normaliser, but
     contribute no gradient. ``normalizer`` overrides the aggregation denominator (micro-batching);
     ``max_length`` is T_max of ``dr_grpo`` (default: T). ``token_weights``: (N, T) importance
-    weights of the policy-gradient term (no gradient flows into them).
+    weights of the policy-gradient term (no gradient flows into them). ``epsilon``, ``epsilon_high``:
+    floats or (N, T) per-token bounds; ``kl_weights``: (N, T) per-token coefficients of a further
+    k3 KL term (a token-entropy rule's, ``grpo.entropy.LossTerms``; no gradient flows into them),
+    added with the ``beta`` term and aggregated with the policy term: needs ``ref_logp``.
 
     Returns the scalar loss and the policy loss's statistics (``clipped``: ``clip_frac``,
     ``clip_low_frac``, ``clip_high_frac``, ``ratio``) with ``kl``, token means over the mask.
@@ -224,12 +229,15 @@ def grpo_loss(
     if token_weights is not None:
         per_token = per_token * token_weights.detach().to(per_token.dtype)
     kl = None
-    if beta != 0.0:
+    if beta != 0.0 or kl_weights is not None:
         if ref_logp is None:
-            raise ValueError("beta != 0 needs ref_logp")
+            raise ValueError(f"{'beta != 0' if beta != 0.0 else 'kl_weights'} needs ref_logp")
         delta = ref_logp - logp  # (N, T)
         kl = torch.exp(delta) - delta - 1  # (N, T), k3 estimator
-        per_token = per_token + beta * kl
+        if beta != 0.0:
+            per_token = per_token + beta * kl
+        if kl_weights is not None:
+            per_token = per_token + kl_weights.detach().to(per_token.dtype) * kl
 
     if normalizer is None:
         normalizer = aggregation.normalizer(mask, max_length)

@@ -2,7 +2,8 @@
 
 Without grad (``no_grad_pass``): the (N, C) token entropies and log-probs of a step's completions,
 micro-batch by micro-batch; with the adapter disabled it gives the reference policy's log-probs
-(``beta > 0``: no second model), with it the sampling policy's (``mu > 1``: old_logp).
+(``beta > 0``, or a token-entropy rule with a KL term: ``needs_reference``; no second model), with
+it the sampling policy's (``mu > 1``: old_logp).
 
 With grad (``accumulate_gradients``, one update): the entropy threshold of the whole step (the
 statistic of the token-entropy rule ``train.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over
@@ -12,9 +13,10 @@ micro-batch (``loss_backward``): one body forward with grad (each group's prompt
 completions on the shared KV cache); entropy and log-prob of every completion token without grad
 (chunked, fused kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only at the
 tokens the rule keeps (``high``: at or above the threshold; chunked as well, its gradient written
-over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.policy_loss`` aggregated by
-``train.loss_type``) normalised over the whole step; the updater's backward. Micro-batching
-changes memory and time, not the update: the kept tokens and the normaliser are the step's.
+over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.policy_loss``, with the rule's
+per-token clip bounds and KL weights where it has them, aggregated by ``train.loss_type``)
+normalised over the whole step; the updater's backward. Micro-batching changes memory and time,
+not the update: the kept tokens and the normaliser are the step's.
 
 Tokens outside the mask carry their detached log-probs in the loss and get no gradient (value and
 normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all valid tokens).
@@ -81,12 +83,18 @@ class PolicyPasses:
             logps.append(logp)
         return torch.cat(entropies), torch.cat(logps)
 
+    def needs_reference(self) -> bool:
+        """Whether the loss has a k3 KL term to the reference policy: ``beta > 0`` or the token-entropy
+        rule's own (``TokenRule.needs_reference``). Then the reference pass runs, and rows of zero
+        advantage still have a gradient."""
+        return bool(self.cfg.beta) or TOKEN_RULES[self.cfg.entropy_rule].needs_reference(self.cfg)
+
     def fixed_logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor | None]:
-        """Phase 2: ``batch`` with ``ref_logp`` (``beta > 0``) and ``old_logp`` (``mu > 1``) filled,
-        a new record (``batch`` is left as it is), and the (n, C) entropies at the current weights
-        when that pass computed them."""
+        """Phase 2: ``batch`` with ``ref_logp`` (``needs_reference``) and ``old_logp`` (``mu > 1``)
+        filled, a new record (``batch`` is left as it is), and the (n, C) entropies at the current
+        weights when that pass computed them."""
         entropy, fixed = None, {}
-        if self.cfg.beta:
+        if self.needs_reference():
             fixed["ref_logp"] = self.no_grad_pass(batch, adapter=False)[1]
         if self.cfg.mu > 1:
             entropy, fixed["old_logp"] = self.no_grad_pass(batch, adapter=True)
@@ -127,15 +135,19 @@ class PolicyPasses:
                                                      cfg.logprob_chunk, cfg.kernel)  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
-        keep = TOKEN_RULES[cfg.entropy_rule].grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool
+        rule = TOKEN_RULES[cfg.entropy_rule]
+        keep = rule.grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool
+        terms = rule.loss_terms(entropy, batch.mask, threshold, cfg)  # per-token clip bounds, KL weights or None
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.logprob_chunk,
                                       cfg.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
         old_logp = batch.old_logp if batch.old_logp is not None else logp_all  # (m, C), no grad
         weights, engine = self.engine_gap(batch, old_logp)
         loss, stats = grpo_loss(logp, old_logp, batch.ref_logp, batch.advantages, batch.mask,
-                                epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                loss_type=cfg.loss_type, policy_loss=cfg.policy_loss, normalizer=normalizer,
+                                epsilon=cfg.epsilon if terms.epsilon is None else terms.epsilon,
+                                epsilon_high=cfg.epsilon_high if terms.epsilon_high is None else terms.epsilon_high,
+                                beta=cfg.beta, kl_weights=terms.kl_weights, loss_type=cfg.loss_type,
+                                policy_loss=cfg.policy_loss, normalizer=normalizer,
                                 max_length=cfg.max_new_tokens, token_weights=weights)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
         return loss.item(), {**stats, **engine}, entropy, keep

@@ -8,19 +8,21 @@ One optimizer step (``GRPOTrainer.train_step``):
    advantages -> ``StepRollouts``; generation state is dropped before training;
 2. **the update's rows** (``update_rows``): the step's loss normaliser is taken over every
    completion, then the groups whose rewards are all equal are dropped (their advantages are zero,
-   so with ``beta = 0`` their gradient is exactly zero: DAPO's filter, arXiv 2503.14476, without its
-   re-sampling); **no-grad passes** (``grpo.passes.PolicyPasses.fixed_logprobs``): with
-   ``beta > 0`` the reference log-probs (the adapter disabled), with ``mu > 1`` the sampling
-   policy's -> the ``TrainBatch``'s fixed fields;
+   so without a KL term their gradient is exactly zero: DAPO's filter, arXiv 2503.14476, without its
+   re-sampling); **no-grad passes** (``grpo.passes.PolicyPasses.fixed_logprobs``): with ``beta > 0``
+   or a token-entropy rule with a KL term (``PolicyPasses.needs_reference``) the reference
+   log-probs (the adapter disabled), with ``mu > 1`` the sampling policy's -> the ``TrainBatch``'s
+   fixed fields;
 3. **update** (``update``): ``mu`` times the gradients of the step's rows, micro-batch by
    micro-batch, under the step's entropy mask (``PolicyPasses.accumulate_gradients``), then the
    updater's step (``grpo.updater``: all-reduce, clip, AdamW; or DeepSpeed ZeRO) -> ``UpdateStats``;
 
 Dropping the uniform groups changes the update in one place only: the entropy threshold is the
 quantile over the tokens of the groups with signal, not over every token of the step (the tokens
-of a uniform group get no gradient whatever the mask says). It is skipped with ``beta > 0`` (the
-KL term has a gradient at zero advantage); under DeepSpeed (every rank must run the same number
-of backward passes) those rows stay with their tokens masked out: the same update, no time saved.
+of a uniform group get no gradient whatever the mask says). It is skipped when the loss has a KL
+term (``beta > 0``, or the token-entropy rule's: it has a gradient at zero advantage); under
+DeepSpeed (every rank must run the same number of backward passes) those rows stay with their
+tokens masked out: the same update, no time saved.
 A step without any group with signal updates all its rows as before.
 
 then the step's row (``grpo.metrics``: every statistic declared once with its reduction).
@@ -209,7 +211,7 @@ class GRPOTrainer:
         and a rank without a group with signal while another rank has one keeps its first group,
         masked out: it adds nothing, and every rank still runs one update."""
         g = self.cfg.group_size
-        if self.cfg.beta:
+        if self.passes.needs_reference():  # a KL term: rows of zero advantage have a gradient too
             return batch
         signal = signal_groups(scored.step_rewards, g)  # (P_step,) bool
         if not signal.any():

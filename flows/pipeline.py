@@ -42,8 +42,15 @@ A stage that runs longer than the flow's ``stage_timeout_s`` (default ``flows.la
 its ``dvc repro`` and every process under it (``flows/process.py``), and fails its task and the flow
 with one line, ``stage <name> (dvc repro --single-item <name>) timed out after <N> s: ...``; the flow
 then lets go of the workspace lock and slot, so the next run gets the workspace. The task has Prefect's
-own timeout too (the stage's plus ``TASK_SLACK_S``), a backstop over DVC's status check. A timed-out
-stage is not retried.
+own timeout too (the stage's plus ``TASK_SLACK_S``), a backstop over DVC's status check: when it fires,
+the flow fails with the same kind of line, ``stage <name> timed out after <N> s: Prefect's task
+timeout ...``. A timed-out stage is not retried.
+
+Prefect's engines log every failure with its traceback. For the errors whose one line says it all
+(``ONE_LINE_ERRORS``: a stage past its timeout, a busy workspace, params or a device the stages
+refuse) the flow's and tasks' loggers drop the traceback (``quiet_tracebacks``): the console and the
+run's logs on the server show Prefect's one-line entries, and ``main()`` ends with ``flow: error:``
+and the line.
 
 ``pipeline`` (the flow, entrypoint ``flows/pipeline.py:pipeline``) and ``run_stage`` (its task) are
 decorated at module level. ``python -m flows.pipeline`` runs ``flows.launch.main`` before this module's
@@ -62,6 +69,7 @@ if __name__ == "__main__":  # `python -m flows.pipeline`: the command line answe
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -69,11 +77,12 @@ import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+from prefect.task_engine import TaskRunTimeoutError
 
 from flows.launch import STAGE_TIMEOUT_S, select_stages, stages_of
 from flows.process import StageTimeout, run_logged
 from flows.workspace import WorkspaceBusy, check_no_dvc_run, find_dvc_run, workspace_lock
-from grpo.config import ParamsError
+from grpo.config import DeviceError, ParamsError
 from grpo.engine.preflight import require_ready_gpu
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
@@ -81,6 +90,30 @@ SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take 
 # The Prefect task's own timeout is the stage's plus this: a backstop over DVC's status check and the
 # stop of the stage's processes, which the stage's timeout does not cover.
 TASK_SLACK_S = 120.0
+# Failures whose message is one complete line: Prefect logs them without a traceback (quiet_tracebacks).
+ONE_LINE_ERRORS = (StageTimeout, TaskRunTimeoutError, WorkspaceBusy, ParamsError, DeviceError)
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # the loggers of Prefect's flow and task engines
+
+
+class _NoTraceback(logging.Filter):
+    """Drops the traceback of a log record whose exception is one of ``ONE_LINE_ERRORS``; keeps the record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ONE_LINE_ERRORS):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_tracebacks() -> None:
+    """Prefect's flow and task engines log each failure with ``exc_info``: for ``ONE_LINE_ERRORS`` keep their
+    one-line entries (console and server) without the traceback. Idempotent."""
+    for name in RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTraceback) for f in logger.filters):
+            logger.addFilter(_NoTraceback())
+
+
+quiet_tracebacks()
 
 
 def _dvc() -> list[str]:
@@ -132,8 +165,8 @@ def run_stage(stage: str, workdir: str, timeout_s: float = STAGE_TIMEOUT_S) -> d
 
 def _retry_unless_busy(task, task_run, state) -> bool:
     """Retry a failed network stage, but not one that failed because another DVC run holds the workspace,
-    nor one that ran past its timeout (a retry would hold the workspace that long again)."""
-    return not isinstance(getattr(state, "data", None), (WorkspaceBusy, StageTimeout))
+    nor one that ran past its timeout or Prefect's (a retry would hold the workspace that long again)."""
+    return not isinstance(getattr(state, "data", None), (WorkspaceBusy, StageTimeout, TaskRunTimeoutError))
 
 
 def slot_name(workdir: str | Path) -> str:
@@ -236,6 +269,7 @@ def pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experi
     Each stage's ``dvc repro`` is stopped, its processes with it, after ``stage_timeout_s`` seconds; the
     flow then fails with the ``StageTimeout`` line and lets go of the workspace (its lock and slot).
     """
+    quiet_tracebacks()
     logger = get_run_logger()
     root = Path(workdir).resolve()
     selected = select_stages(stages_of(root), stages)
@@ -249,10 +283,16 @@ def pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experi
         results = []
         for stage in selected:
             check_no_dvc_run(root)  # a `dvc repro` started beside the flow since the last stage
-            runner = run_stage.with_options(timeout_seconds=stage_timeout_s + TASK_SLACK_S)
+            task_limit = stage_timeout_s + TASK_SLACK_S
+            runner = run_stage.with_options(timeout_seconds=task_limit)
             if stage in NETWORK_STAGES:
                 runner = runner.with_options(retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_unless_busy)
-            results.append(runner(stage, str(root), stage_timeout_s))
+            try:
+                results.append(runner(stage, str(root), stage_timeout_s))
+            except TaskRunTimeoutError:  # the backstop fired (DVC's status check hung): the same one line
+                raise StageTimeout(f"stage {stage} timed out after {task_limit:g} s: Prefect's task timeout (the "
+                                   f"flow's stage_timeout_s + {TASK_SLACK_S:g} s) stopped it; the limit is the flow's "
+                                   "stage_timeout_s (python -m flows.pipeline --stage-timeout SECONDS)") from None
         if overrides or experiment_name:
             cmd = [*_dvc(), "exp", "save", "--force"] + (["--name", experiment_name] if experiment_name else [])
             subprocess.run(cmd, cwd=root, check=True)

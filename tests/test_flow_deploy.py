@@ -6,8 +6,8 @@ created by the server's scheduler, executed by the serving process, and complete
 
 A process work pool and a real worker on a real local Prefect server: two runs of the same workspace
 queue on its Prefect concurrency slot; a run without the slot, at the same moment, fails as busy.
-A run whose stage waits past its ``stage_timeout_s`` fails with the timeout's line and frees the slot
-for the next run.
+A run whose stage waits past its ``stage_timeout_s`` fails with the timeout's line (its logs on the server
+hold no traceback) and frees the slot for the next run.
 
 The workspace is a git + DVC repo with one ``always_changed`` stage that appends ``<flow run id> start
 <time>`` to a log outside the workspace, waits until the test opens a gate (a file), then appends
@@ -283,6 +283,8 @@ def test_a_run_past_its_stage_timeout_fails_and_frees_the_slot(pool_setup):
     assert _wait_final(api, [hung], worker)[hung]["state"]["type"] == "FAILED"
     line = _wait_log(api, hung, "timed out after 3 s", worker)[1]
     assert "stage stamp (dvc repro --single-item stamp) timed out after 3 s: stopped it and its " in line, line
+    _wait_log(api, hung, "Flow run encountered an exception: StageTimeout: stage stamp", worker)  # the flow's last
+    assert "Traceback" not in _logs(api, hung), _logs(api, hung)[-3000:]  # the run's logs on the server: lines only
     left = [p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
             and str(gate) in " ".join(p.info["cmdline"] or [])]
     assert not left, left  # the stage's shell, waiting on the gate, is gone

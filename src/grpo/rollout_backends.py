@@ -238,9 +238,10 @@ def uses_engine(choice: str) -> bool:
 
 def fallback_note(choice: str) -> str | None:
     """When ``auto`` did not resolve to the first registered backend: one line saying which
-    backend samples instead and what to install for the preferred one; else ``None``."""
+    backend samples instead and what to install for the preferred one; else ``None`` (a backend
+    named in the params is no fallback)."""
     resolved, (first, kind) = resolve_backend(choice), next(iter(ROLLOUT_BACKENDS.items()))
-    if resolved == first:
+    if choice not in ROLLOUT_BACKENDS.also or resolved == first:
         return None
     return f"{first} is not available here: sampling with {resolved} (slower); install {kind.install} for {first}"
 

@@ -151,13 +151,6 @@ class DenseForm(WeightsForm):
         self.sync = DenseSync(policy, self.dtype)
         return sampler
 
-    def push(self, sampler, policy) -> int:
-        return self.sync.push(sampler, policy)
-
-    def close(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
-
     @classmethod
     def needs(cls, shapes: ModelShapes, lora_rank: int, b: int, dtype: str) -> FormNeeds:
         """Every parameter in ``b`` bytes (the 4-bit base dequantised, as ``export_dense`` writes it)."""

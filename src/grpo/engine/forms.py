@@ -72,10 +72,12 @@ class WeightsForm:
     3. ``start(args, tokenizer, policy, **lengths) -> VLLMSampler``: start the engine of ``args`` in
        this process (default: a ``VLLMSampler`` as it is) and get ready to sync.
     4. ``push(sampler, policy) -> int``: bring the engine to the policy's current weights; returns
-       how many layers moved. Required.
+       how many layers moved. Default: through ``self.sync``, an object with ``push(sampler,
+       policy)`` and ``close()`` that ``start`` makes (a form without one overrides ``push``).
     5. ``sleep(sampler)`` / ``wake_up(sampler)``: free and map back the engine's GPU memory around
        the update (``PolicyEngine`` calls them on CUDA only; default: vLLM's sleep level 1 and
-       wake-up); ``close()``: release what the form holds (default: nothing), after the engine.
+       wake-up); ``close()``: release what the form holds, after the engine (default: closes
+       ``self.sync`` if there is one).
 
     Without an engine (class methods; no torch, no vLLM):
 
@@ -90,6 +92,7 @@ class WeightsForm:
     """
 
     forces_eager: ClassVar[bool] = False
+    sync = None  # what ``push`` and ``close`` go through, made by ``start`` (``DenseSync``, ``AdapterSync``)
 
     def __init__(self, engine_dir: Path, dtype):
         self.engine_dir, self.dtype = engine_dir, dtype
@@ -113,7 +116,9 @@ class WeightsForm:
         return VLLMSampler(args, tokenizer, progress=False, **lengths)
 
     def push(self, sampler, policy) -> int:
-        raise NotImplementedError(f"{type(self).__name__}.push")
+        if self.sync is None:
+            raise NotImplementedError(f"{type(self).__name__}: start made no sync and push is not overridden")
+        return self.sync.push(sampler, policy)
 
     def sleep(self, sampler) -> None:
         sampler.engine().sleep(level=1)
@@ -122,7 +127,8 @@ class WeightsForm:
         sampler.engine().wake_up()
 
     def close(self) -> None:
-        """Nothing held by default."""
+        if self.sync is not None:
+            self.sync.close()
 
     # ------------------------------------------------------------------ the params and the memory
     @classmethod

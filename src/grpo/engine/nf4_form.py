@@ -275,13 +275,6 @@ class NF4Form(WeightsForm):
         self.sync = AdapterSync(policy, self.engine_dir)
         return sampler
 
-    def push(self, sampler, policy) -> int:
-        return self.sync.push(sampler, policy)
-
-    def close(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
-
     @classmethod
     def unusable(cls, params) -> str | None:
         if params.model.quantization != "nf4":

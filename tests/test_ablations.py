@@ -83,6 +83,13 @@ def test_paired_difference_and_interval_on_hand_made_numbers():
     assert ablations.detectable(0.02, 3) == pytest.approx(half)
 
 
+def test_only_finished_experiments_count():
+    """A queued or running experiment shows its baseline's metrics in `dvc exp show`: not a result."""
+    grid = Grid("default", (0, 1), {"default": {}})
+    runs = [Run("default-seed-0", "x", "success", {}, 0.7), Run("default-seed-1", "y", "queued", {}, 0.7)]
+    assert ablations.values_by_variant(grid, runs) == {"default": {0: 0.7}}
+
+
 def test_the_table_has_a_test_and_a_validation_part_each_with_its_seeds():
     grid = Grid("default", (0, 1, 2), {"default": {}, "g4": {"train.group_size": 4}})
     runs = lambda vals: [Run(f"{v}-seed-{s}", "x", "success", {}, a) for v, per in vals.items()  # noqa: E731

@@ -187,8 +187,9 @@ def detectable(diffs_sd: float, n: int) -> float:
 
 
 def values_by_variant(grid: Grid, runs: list[Run]) -> dict[str, dict[int, float]]:
-    """``{variant: {seed: metric}}`` of the finished experiments named after the grid."""
-    by_name = {r.name: r for r in runs if r.metric is not None}
+    """``{variant: {seed: metric}}`` of the finished experiments named after the grid (a queued or
+    running one shows its baseline's metrics in ``dvc exp show``: not counted)."""
+    by_name = {r.name: r for r in runs if r.metric is not None and r.state in (None, "success")}
     return {v: {s: by_name[exp_name(v, s)].metric for s in grid.seeds if exp_name(v, s) in by_name}
             for v in grid.variants}
 

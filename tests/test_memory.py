@@ -119,6 +119,21 @@ def _preset(name: str):
     return resolve_params(REPO / "presets" / f"{name}.yaml").params
 
 
+def test_a_measured_figure_of_another_token_rule_is_named_as_the_nearest_shape():
+    """The measured entries of seed 003's step ran ``high``: a params file that chooses another rule
+    reads them as the nearest measured shape, the rule named, with the estimate under ``high`` beside
+    them (each rule's LM head differs: 1/q rows with grad for the rules that drop no token)."""
+    params = _preset("seed003")
+    shapes = memory.resolve_shapes(params.model, REPO)
+    same = [line for line in memory.measured_for(params, shapes, "cuda", 128) if "H100, " in line]
+    assert same and all(", this shape: " in line for line in same), same
+    archer = params.model_copy(update={"train": params.train.model_copy(update={"entropy_rule": "archer"})})
+    other = [line for line in memory.measured_for(archer, shapes, "cuda", 128) if "H100, " in line]
+    assert len(other) == len(same)
+    assert all("entropy_rule=high (here archer)" in line and "this estimate at that shape: " in line
+               for line in other), other
+
+
 def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
     params = _preset("seed003")
     shapes = memory.resolve_shapes(params.model, REPO)

@@ -184,7 +184,8 @@ def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved
         saved_plan, saved_prompt = saved[section]
         lines.append(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
     others = other_plans(p, shapes, device, prompt, plan) if plan is not None else []  # the advice's other forms
-    lines.append(f"  train: {memory.verdict(p, est, card, plan, others)}")
+    rule = f"train.entropy_rule {p.train.entropy_rule} (entropy_top_quantile {p.train.entropy_top_quantile})"
+    lines.append(f"  train: {memory.verdict(p, est, card, plan, others)}; estimated for {rule}")
     return lines
 
 

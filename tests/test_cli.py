@@ -148,7 +148,9 @@ def test_check_for_a_card_prints_the_saved_model_engines_and_a_verdict_per_stage
     card = f"card {float(gib):.2f} GiB: "
     verdict = "fits: " if fits else "does not fit: "
     assert all(line.split(": ", 1)[1].startswith(card + verdict) for line in stages), stages
-    assert stages[-1].endswith("; estimated for train.entropy_rule high (entropy_top_quantile 0.2)"), stages[-1]
+    train = cli.resolve_params(REPO / "presets/seed003.yaml").params.train  # the rule the preset resolves to
+    rule = f"; estimated for train.entropy_rule {train.entropy_rule} (entropy_top_quantile {train.entropy_top_quantile})"
+    assert stages[-1].endswith(rule), stages[-1]
 
 
 def test_a_card_size_that_is_not_positive_is_one_line(capsys):

@@ -165,10 +165,21 @@ def test_sent_kl_on_hand_worked_entropies():
     assert not sent.needs_reference(no_kl) and sent.loss_terms(ENT5, MASK5, threshold, no_kl).kl_weights is None
 
 
-@pytest.mark.parametrize("name", ["archer", "sent_kl"])
-def test_rules_with_a_low_class_need_a_quantile_below_one(name):
-    with pytest.raises(ValueError, match=f"train.entropy_rule: {name} .* set train.entropy_top_quantile below 1"):
-        TrainConfig(entropy_rule=name, entropy_top_quantile=1.0)
+def test_archer_needs_a_quantile_below_one():
+    with pytest.raises(ValueError, match="train.entropy_rule: archer .* set train.entropy_top_quantile below 1"):
+        TrainConfig(entropy_rule="archer", entropy_top_quantile=1.0)
+
+
+def test_sent_kl_at_quantile_one_is_every_token_without_a_kl():
+    """``sent_kl`` at ``entropy_top_quantile`` 1 has no low class: no threshold, no KL weights, no
+    reference pass; the same gradient mask, fraction and loss terms as ``high`` at 1."""
+    sent, high = TOKEN_RULES["sent_kl"], TOKEN_RULES["high"]
+    cfg = TrainConfig(entropy_rule="sent_kl", entropy_top_quantile=1.0)
+    threshold = sent.threshold(ENT5[MASK5.bool()], cfg)
+    assert threshold is None and not sent.needs_statistic(cfg) and not sent.needs_reference(cfg)
+    assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold, cfg), high.grad_mask(ENT5, MASK5, None, cfg))
+    assert sent.grad_fraction(cfg) == high.grad_fraction(cfg) == 1.0
+    assert sent.loss_terms(ENT5, MASK5, threshold, cfg) == high.loss_terms(ENT5, MASK5, None, cfg)
 
 
 def test_high_and_low_leave_the_loss_as_the_params_set_it():

@@ -90,7 +90,7 @@ def test_fixed_logprobs_fill_a_new_batch_and_leave_the_input_as_it_was(policy, b
     come back. The result is a new batch; the input keeps its ``None`` fields."""
     model, tok = policy
     batch = _hand_batch(tok, [1.0, -1.0, 1.0, -1.0])
-    cfg = TrainConfig(group_size=4, beta=beta, mu=mu, logprob_chunk=5)
+    cfg = TrainConfig(group_size=4, beta=beta, mu=mu, logprob_chunk=5, entropy_rule="high")  # no KL of its own: beta's pass
     fixed, entropy = _passes(model, cfg).fixed_logprobs(batch)
     assert fixed is not batch and batch.ref_logp is None and batch.old_logp is None
     assert fixed.input_ids is batch.input_ids and fixed.sampling_logp is None
@@ -162,7 +162,7 @@ def test_entropy_rule_low_trains_the_complement_of_high(policy):
     for n in g_all:
         torch.testing.assert_close(g_high[n] + g_low[n], g_all[n], rtol=0, atol=1e-6)
     assert any(g.abs().max() > 1e-4 for g in g_low.values()) and any(g.abs().max() > 1e-4 for g in g_high.values())
-    passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=0.3))
+    passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=0.3, entropy_rule="high"))
     given = ent_h[valid].min()  # every valid token is at or above it
     assert torch.equal(passes.loss_backward(batch, normalizer, given)[3], valid)
     model.zero_grad(set_to_none=True)
@@ -199,7 +199,8 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    cfg = TrainConfig(output_dir=str(tmp_path), group_size=4, lr=3e-3, warmup_steps=0, entropy_top_quantile=quantile)
+    cfg = TrainConfig(output_dir=str(tmp_path), group_size=4, lr=3e-3, warmup_steps=0, entropy_top_quantile=quantile,
+                      entropy_rule="high")  # the mask at quantile
     passes = _passes(model, cfg)
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
     batch = _hand_batch(tok, adv.tolist())
@@ -230,7 +231,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
-                  entropy_top_quantile=0.2, mu=mu)
+                  entropy_top_quantile=0.2, entropy_rule="high", mu=mu)
     one = _passes(model, TrainConfig(**fields, micro_batches=1))
     four = _passes(model, TrainConfig(**fields, micro_batches=4))
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]

@@ -345,15 +345,19 @@ class TrainConfig(VLLMEngineConfig):
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """``group``, ``batch`` or ``none``: what the centred rewards are divided by."""
     entropy_top_quantile: Fraction = 0.2
-    """Fraction of the update's valid completion tokens (highest entropy) that receive gradient; 1.0 keeps all."""
-    entropy_rule: Choice("train.entropy_rule") = "high"
+    """The fraction q of the step's valid completion tokens, by highest entropy, that the rule counts as
+    high-entropy: under ``sent_kl`` the others carry the KL, under ``high`` only these get gradient;
+    1.0: every token, no entropy treatment."""
+    entropy_rule: Choice("train.entropy_rule") = "sent_kl"
     """The token-entropy rule (``grpo.entropy.TOKEN_RULES``), how tokens are treated by their
-    entropy: ``high``, only the top ``entropy_top_quantile`` get gradient (the method); ``low``, only
+    entropy: ``sent_kl`` (the default, chosen on validation over five seeds: docs/results.md), see below;
+    ``high``, only the top ``entropy_top_quantile`` get gradient (arXiv 2506.01939); ``low``, only
     every other valid token (the bottom ``1 - entropy_top_quantile``: the masking paper's contrast,
     for ablations); ``archer``, every token, the top ``entropy_top_quantile`` of each response
     clipped at ``entropy_clip_high``, the others with the ``entropy_kl_low`` KL (Archer);
     ``sent_kl``, every token, those below the step's threshold with the ``entropy_kl_low`` KL (after
-    SENT). ``low``, ``archer`` and ``sent_kl`` need ``entropy_top_quantile`` below 1."""
+    SENT; at ``entropy_top_quantile`` 1 no KL: every token, as ``high`` at 1). ``low`` and ``archer`` need
+    ``entropy_top_quantile`` below 1."""
     entropy_clip_high: PositiveFloat = 0.5
     """``entropy_rule: archer``: the clip range of the high-entropy tokens, ``1 - x`` to ``1 + x``
     (Archer's 0.5; its low-entropy tokens clip at ``epsilon`` / ``epsilon_high``). Other rules ignore it."""

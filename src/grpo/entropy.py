@@ -40,7 +40,7 @@ rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the r
   about 2 arbitrary tokens per micro-batch, unclipped (``core_algos.py:844-904``).
 
 Both need the reference pass even at ``train.beta`` 0 (``needs_reference``; ``c = 0`` drops the KL
-and the pass) and keep the groups of equal rewards in the update (their KL has a gradient). Since
+and the pass, and so does ``sent_kl`` at q = 1, where it has no low class and is ``high`` at 1) and keep the groups of equal rewards in the update (their KL has a gradient). Since
 every token keeps its gradient, the LM head runs with grad at every valid token: its rows of logits
 with grad (``grpo.memory``'s "LM head with grad") are 1/q = 5 times ``high``'s, whose kept-token
 pass holds q of them. The sources line by line: docs/design.md#token-entropy-rules.
@@ -257,16 +257,17 @@ class Archer(TokenRule):
 class SentKL(QuantileRule):
     """Every valid token gets gradient with the configured clip; the tokens below the step's
     threshold (the bottom ``1 - entropy_top_quantile``) add ``entropy_kl_low`` x k3 to the reference
-    (after arXiv 2512.04359, without its covariance selection; see the module docstring)."""
-
-    @staticmethod
-    def check(cfg: Any) -> None:
-        need_low_tokens("sent_kl", cfg)
+    (after arXiv 2512.04359, without its covariance selection; see the module docstring). At
+    ``entropy_top_quantile`` 1 there is no low class: no KL and no reference pass, the step of
+    ``high`` at 1 (every token, no entropy treatment), so ``entropy_top_quantile: 1.0`` means
+    every token under either rule."""
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
-        return cfg.entropy_kl_low > 0
+        return cfg.entropy_kl_low > 0 and cfg.entropy_top_quantile < 1
 
     @staticmethod
     def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+        if threshold is None:  # entropy_top_quantile 1 (or no valid token): no low class
+            return LossTerms()
         return LossTerms(kl_weights=low_kl_weights(KeepLow.grad_mask(entropy, mask, threshold, cfg), cfg))

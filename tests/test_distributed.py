@@ -73,7 +73,8 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
     for micro_batches, loss_type, engine in CASES:
         batch = _fixed_batch(tok.pad_token_id, engine)
         cfg = TrainConfig(output_dir="unused", prompts_per_step=PROMPTS, group_size=G, max_new_tokens=C_LEN,
-                          entropy_top_quantile=0.2, micro_batches=micro_batches, loss_type=loss_type)
+                          entropy_top_quantile=0.2, entropy_rule="high",  # the mask: its threshold is the step's
+                          micro_batches=micro_batches, loss_type=loss_type)
         trainer = GRPOTrainer(model, tok, cfg, [{"question": "q", "answer": "1"}], dist=dist)
         mine = dist.shard(PROMPTS)
         part = batch[slice(mine.start * G, mine.stop * G)]

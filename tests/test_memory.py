@@ -123,7 +123,8 @@ def test_a_measured_figure_of_another_token_rule_is_named_as_the_nearest_shape()
     """The measured entries of seed 003's step ran ``high``: a params file that chooses another rule
     reads them as the nearest measured shape, the rule named, with the estimate under ``high`` beside
     them (each rule's LM head differs: 1/q rows with grad for the rules that drop no token)."""
-    params = _preset("seed003")
+    preset = _preset("seed003")
+    params = preset.model_copy(update={"train": preset.train.model_copy(update={"entropy_rule": "high"})})
     shapes = memory.resolve_shapes(params.model, REPO)
     same = [line for line in memory.measured_for(params, shapes, "cuda", 128) if "H100, " in line]
     assert same and all(", this shape: " in line for line in same), same

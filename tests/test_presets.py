@@ -27,6 +27,7 @@ import grpo.passes as passes_mod
 import grpo.trainer as trainer_mod
 from grpo.base_model import load_tokenizer
 from grpo.config import overlay_params, params_from_dict
+from grpo.entropy import TOKEN_RULES
 from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
 from grpo.trainer import GRPOTrainer, lr_lambda
@@ -201,8 +202,8 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     assert calls["micro_batch"] == 2 * cfg.mu * slices
     if cfg.micro_batches > 1:
         assert slices > 1
-    # beta > 0: a reference pass with the adapter disabled each step, and the KL term in the loss
-    if cfg.beta > 0:
+    # beta > 0 or the rule's KL (sent_kl): a reference pass with the adapter disabled each step, and the KL term
+    if trainer.passes.needs_reference():
         assert calls["reference_pass"] == 2 and disabled["n"] >= 2 * slices
         assert all(kw["ref_logp"] and kw["beta"] == cfg.beta for kw in loss_kwargs)
         assert all(r["kl"] >= 0 for r in rows)
@@ -221,7 +222,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
         if cfg.entropy_top_quantile >= 1.0:
             assert r["kept_frac"] == pytest.approx(1.0)
         else:
-            assert 0 < r["kept_frac"] <= cfg.entropy_top_quantile + 0.15
+            assert 0 < r["kept_frac"] <= TOKEN_RULES[cfg.entropy_rule].grad_fraction(cfg) + 0.15  # the rule's share of tokens with gradient
     # learning rate: warm-up and schedule as configured (the steps were shrunk, the shape kept)
     schedule = lr_lambda(cfg)
     assert [r["lr"] for r in rows] == pytest.approx([cfg.lr * schedule(s) for s in range(2)])

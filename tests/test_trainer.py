@@ -31,7 +31,7 @@ def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, t
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     cfg = TrainConfig(
         output_dir=str(tmp_path), steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8,
-        checkpoint_every=0, rewards={"chars": 0.1}, mu=2, beta=0.05, micro_batches=2,
+        checkpoint_every=0, rewards={"chars": 0.1}, mu=2, beta=0.05, micro_batches=2, entropy_rule="high",  # the mask
     )
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

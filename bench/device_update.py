@@ -29,6 +29,7 @@ SCHEMA = {
     "dtype": "str?: the compute dtype",
     "rows": "int?: completions in the step", "prompt_tokens": "int?: prompt length",
     "completion_tokens": "int?: completion length", "micro_batches": "int?: train.micro_batches",
+    "entropy_rule": "str?: train.entropy_rule (its passes and LM-head rows with grad set the step's memory)",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
     "reserved_after_load_gib": "number?: CUDA reserved after grpo.lora_policy.load_policy (which gives its load's cache back)",
@@ -90,7 +91,7 @@ def measure(args) -> dict:
     t = p.train
     out.update(device=device, model=str(source), dtype=str(dtype).removeprefix("torch."),
                rows=t.prompts_per_step * t.group_size, prompt_tokens=args.prompt_tokens,
-               completion_tokens=t.max_new_tokens, micro_batches=t.micro_batches)
+               completion_tokens=t.max_new_tokens, micro_batches=t.micro_batches, entropy_rule=t.entropy_rule)
     with tempfile.TemporaryDirectory() as tmp:
         base = random_model_dir(Path(tmp) / "base", config, dtype=dtype, device=device)
         model_cfg = p.model.model_copy(update={"path": str(base)})
@@ -130,7 +131,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = measure(args)
     print(f"{args.params}: {out['model']} (random weights), {out['dtype']}, {out['rows']} rows x "
-          f"({out['prompt_tokens']} + {out['completion_tokens']}) tokens, {out['micro_batches']} micro-batches")
+          f"({out['prompt_tokens']} + {out['completion_tokens']}) tokens, {out['micro_batches']} micro-batches, "
+          f"entropy rule {out['entropy_rule']}")
     for key in ("reserved_after_load_gib", "resident_gib", "peak_allocated_gib", "peak_reserved_gib", "free_gib", "total_gib", "estimate_gib",
                 "ratio", "step_s"):
         print(f"  {key:<20} {out[key]}")

@@ -14,6 +14,7 @@ from grpo.base_model import load_tokenizer
 from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
 from grpo.distributed import Dist
+from grpo.entropy import TOKEN_RULES
 from grpo.lora_policy import load_policy
 from grpo.passes import PolicyPasses, micro_slices
 from grpo.rollout_backends import TransformersBackend
@@ -220,18 +221,29 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
     assert (end[0] - end[1]) - (start[0] - start[1]) > 0.2
 
 
-@pytest.mark.parametrize("mu", [1, 2])
-def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problems, tmp_path, mu):
+@pytest.mark.parametrize("mu, rule", [(1, "high"), (2, "high"), (1, "archer")])
+def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, mu, rule):
     """The same rollouts through micro_batches 1 and 4: the same kept tokens (the entropy threshold
-    is the step's, not each micro-batch's) and the same accumulated LoRA gradients."""
+    is the step's, not each micro-batch's) and the same accumulated LoRA gradients. The no-grad
+    policy pass that gives the threshold runs once with 4 micro-batches where the rule needs a
+    statistic (``high``), never where it needs none (``archer``, its KL off: a per-response cut)."""
     from grpo.loss import loss_normalizer
+
+    policy_passes = []
+    real_no_grad = PolicyPasses.no_grad_pass
+
+    def spy_no_grad(self, batch, *, adapter):
+        policy_passes.append(self.cfg.micro_batches)
+        return real_no_grad(self, batch, adapter=adapter)
+
+    monkeypatch.setattr(PolicyPasses, "no_grad_pass", spy_no_grad)
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
-                  entropy_top_quantile=0.2, entropy_rule="high", mu=mu)
+                  entropy_top_quantile=0.2, entropy_rule=rule, entropy_kl_low=0.0, mu=mu)
     one = _passes(model, TrainConfig(**fields, micro_batches=1))
     four = _passes(model, TrainConfig(**fields, micro_batches=4))
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
@@ -247,8 +259,12 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
         sums, keep = passes.accumulate_gradients(batch, normalizer)
         results.append((sums, keep, _lora_grads(model)))
     (s1, keep1, g1), (s4, keep4, g4) = results
+    assert policy_passes == ([4] if TOKEN_RULES[rule].needs_statistic(four.cfg) else [])
     assert torch.equal(keep1, keep4)
-    assert 0 < keep1.sum() < batch.mask.sum()  # the mask really selects
+    if rule == "high":
+        assert 0 < keep1.sum() < batch.mask.sum()  # the mask really selects
+    else:
+        assert torch.equal(keep1, batch.mask.bool())  # every valid token
     assert s1["kept"] == s4["kept"] and s1["loss"] == pytest.approx(s4["loss"], abs=1e-6)
     for n in g1:
         torch.testing.assert_close(g4[n], g1[n], rtol=0, atol=1e-5)

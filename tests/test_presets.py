@@ -211,7 +211,8 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
         assert calls["reference_pass"] == 0 and disabled["n"] == 0
         assert all(not kw["ref_logp"] and kw["beta"] == 0 for kw in loss_kwargs)
     # mu > 1: the old policy's log-probs once per step, mu optimizer updates per step
-    expected_policy_passes = (2 if cfg.mu > 1 else 0) + (2 * (cfg.mu - (cfg.mu > 1)) if slices > 1 else 0)
+    statistic = slices > 1 and TOKEN_RULES[cfg.entropy_rule].needs_statistic(cfg)  # the threshold's own pass
+    expected_policy_passes = (2 if cfg.mu > 1 else 0) + (2 * (cfg.mu - (cfg.mu > 1)) if statistic else 0)
     assert calls["policy_pass"] == expected_policy_passes
     assert clip_norms == [cfg.max_grad_norm] * (2 * cfg.mu)
     # the loss got the preset's loss type, policy loss and clip range

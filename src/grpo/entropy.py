@@ -40,10 +40,11 @@ rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the r
   about 2 arbitrary tokens per micro-batch, unclipped (``core_algos.py:844-904``).
 
 Both need the reference pass even at ``train.beta`` 0 (``needs_reference``; ``c = 0`` drops the KL
-and the pass, and so does ``sent_kl`` at q = 1, where it has no low class and is ``high`` at 1) and keep the groups of equal rewards in the update (their KL has a gradient). Since
-every token keeps its gradient, the LM head runs with grad at every valid token: its rows of logits
-with grad (``grpo.memory``'s "LM head with grad") are 1/q = 5 times ``high``'s, whose kept-token
-pass holds q of them. The sources line by line: docs/design.md#token-entropy-rules.
+and the pass, and so does ``sent_kl`` at q = 1, where it has no low class and is ``high`` at 1) and
+keep the groups of equal rewards in the update (their KL has a gradient). Since every token keeps
+its gradient, the LM head runs with grad at every valid token: its rows of logits with grad
+(``grpo.memory``'s "LM head with grad") are 1/q = 5 times ``high``'s, whose kept-token pass holds q
+of them. The sources line by line: docs/design.md#token-entropy-rules.
 """
 
 from __future__ import annotations
@@ -223,12 +224,6 @@ def low_kl_weights(low: Tensor, cfg: Any) -> Tensor | None:
     return low.float() * cfg.entropy_kl_low if cfg.entropy_kl_low > 0 else None
 
 
-def need_low_tokens(name: str, cfg: Any) -> None:
-    if cfg.entropy_top_quantile >= 1:
-        raise ValueError(f"train.entropy_rule: {name} treats the tokens below the top entropy_top_quantile "
-                         "apart; set train.entropy_top_quantile below 1")
-
-
 @TOKEN_RULES.register("archer")
 class Archer(TokenRule):
     """Every valid token gets gradient; per response, the tokens above its ``1 - entropy_top_quantile``
@@ -238,7 +233,9 @@ class Archer(TokenRule):
 
     @staticmethod
     def check(cfg: Any) -> None:
-        need_low_tokens("archer", cfg)
+        if cfg.entropy_top_quantile >= 1:
+            raise ValueError("train.entropy_rule: archer treats the tokens below the top entropy_top_quantile "
+                             "apart; set train.entropy_top_quantile below 1")
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:

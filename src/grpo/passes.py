@@ -6,17 +6,17 @@ micro-batch by micro-batch; with the adapter disabled it gives the reference pol
 it the sampling policy's (``mu > 1``: old_logp).
 
 With grad (``accumulate_gradients``, one update): the entropy threshold of the whole step (the
-statistic of the token-entropy rule ``train.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over
-every rank's valid token entropies; for ``high``, the ``1 - entropy_top_quantile`` quantile: taken
-in the one forward when there is one micro-batch, else from a no-grad pass first), then per
-micro-batch (``loss_backward``): one body forward with grad (each group's prompt once, its
-completions on the shared KV cache); entropy and log-prob of every completion token without grad
-(chunked, fused kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only at the
-tokens the rule keeps (``high``: at or above the threshold; chunked as well, its gradient written
-over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.policy_loss``, with the rule's
-per-token clip bounds and KL weights where it has them, aggregated by ``train.loss_type``)
-normalised over the whole step; the updater's backward. Micro-batching changes memory and time,
-not the update: the kept tokens and the normaliser are the step's.
+statistic of the token-entropy rule ``train.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over every
+rank's valid token entropies; for ``high``, the ``1 - entropy_top_quantile`` quantile: taken in the
+one forward when there is one micro-batch, else from a no-grad pass first, which a rule without a
+statistic skips), then per micro-batch (``loss_backward``): one body forward with grad (each group's
+prompt once, its completions on the shared KV cache); entropy and log-prob of every completion token
+without grad (chunked, fused kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only
+at the tokens the rule keeps (``high``: at or above the threshold; chunked as well, its gradient
+written over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.policy_loss``, with the
+rule's per-token clip bounds and KL weights where it has them, aggregated by ``train.loss_type``)
+normalised over the whole step; the updater's backward. Micro-batching changes memory and time, not
+the update: the kept tokens and the normaliser are the step's.
 
 Tokens outside the mask carry their detached log-probs in the loss and get no gradient (value and
 normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all valid tokens).
@@ -171,11 +171,12 @@ class PolicyPasses:
         """Backward of one update over the whole step, micro-batch by micro-batch (gradients add
         up; no optimizer step). The threshold is the step's: from the one forward when there is one
         micro-batch, else from ``policy_entropy`` ((n, C), the no-grad pass at the current weights),
-        computed here when not given. Returns the update's ``grpo.metrics.Sums`` and the (n, C)
-        kept mask."""
+        computed here when not given and the rule needs a statistic (``TokenRule.needs_statistic``;
+        ``archer``'s cut is per response, ``high`` at 1 has none: no extra pass). Returns the
+        update's ``grpo.metrics.Sums`` and the (n, C) kept mask."""
         slices = self.slices(len(batch))
         threshold = None
-        if len(slices) > 1:
+        if len(slices) > 1 and TOKEN_RULES[self.cfg.entropy_rule].needs_statistic(self.cfg):
             if policy_entropy is None:
                 policy_entropy = self.no_grad_pass(batch, adapter=True)[0]
             threshold = self.step_threshold(policy_entropy, batch.mask)

@@ -59,6 +59,7 @@ def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
             p.data = torch.randn(p.shape, generator=gen) * 0.3  # non-zero adapter: gradients reach A and B
     cfg = TrainConfig(output_dir=str(out), prompts_per_step=4, group_size=2, max_new_tokens=8, checkpoint_every=0,
                       eval_every=0, steps=4, warmup_steps=0, lr=1e-2, weight_decay=0.1, entropy_top_quantile=0.5,
+                      entropy_rule="high",  # the mask: ZeRO must keep the step-wide threshold over ranks
                       truncated="score", **train)  # a random model's completions all hit max_new_tokens: score them
     return grpo.trainer.GRPOTrainer(model, load_tokenizer(model_dir), cfg, PROBLEMS, dist=dist)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.config import Params
-from grpo.data import prompts_that_fit
+from grpo.data import prompts_that_fit, sequence_positions
 from grpo.device import default_device, sampling_dtype
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
@@ -32,7 +32,9 @@ def sent(params: Params) -> dict:
     rows, prompts = prompts_that_fit(tokenizer, rows, params.train.system_prompt, cfg, cfg.data_path)
     dtype = sampling_dtype(cfg.dtype, default_device())
     with saved_model_sampler(cfg.backend, tokenizer, params.model.path, cfg, seed=cfg.seed, dtype=dtype,
-                             enforce_eager=cfg.enforce_eager) as sampler:  # the engine is closed after sampling
+                             enforce_eager=cfg.enforce_eager,
+                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens)
+                             ) as sampler:  # the engine is closed after sampling
         t_ready = time.perf_counter()
         log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", sampler.name, dtype, t_ready - t0,
                  len(rows), cfg.num_samples)

@@ -14,6 +14,7 @@ from grpo.engine.bounds import (
     cpu_kv_bytes,
     generation_calls,
     saved_model_bounds,
+    saved_model_kv_bytes,
     saved_model_seqs,
     step_limits,
     train_bounds,
@@ -100,3 +101,21 @@ def test_saved_model_bounds_read_the_stages_call_and_leave_the_tokens_to_vllm():
     assert saved_model_bounds(EvaluateConfig()) == Bounds(64)
     assert saved_model_bounds(EvaluateConfig(batch_prompts=5)).llm_kwargs() == {"max_num_seqs": 5}
     assert saved_model_bounds(VLLMEngineConfig()) == Bounds(SAVED_MODEL_SEQS)
+
+
+def test_a_saved_models_cpu_kv_cache_holds_every_sequence_of_a_call_at_full_length():
+    """``saved_model_kv_bytes``: the call's sequences at ``positions`` rounded up to whole blocks,
+    one block more each (the pool's reserved block), never below one ``max_model_len`` sequence;
+    ``saved_model_bounds`` passes it on only when given the model (a CPU engine)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_attention_heads=4, hidden_size=64, num_key_value_heads=2, num_hidden_layers=3)
+    per_token = 3 * 2 * 2 * 16 * 2  # L x (K, V) x k x d x b, bf16
+    assert saved_model_kv_bytes(config, 8, 70, 256, 2) == 8 * (96 + 32) * per_token  # 70 -> 3 blocks, + 1
+    assert saved_model_kv_bytes(config, 8, 64, 256, 2) == 8 * (64 + 32) * per_token  # whole blocks stay
+    assert saved_model_kv_bytes(config, 1, 40, 1024, 2) == (1024 + 32) * per_token  # vLLM's floor: one max_model_len
+    section = SentConfig(batch_prompts=4, num_samples=8, max_model_len=1024)
+    assert saved_model_bounds(section).kv_cache_memory_bytes is None  # the RAM share
+    sized = saved_model_bounds(section, (config, 150, 2))
+    assert sized == Bounds(32, None, saved_model_kv_bytes(config, 32, 150, 1024, 2))
+    assert sized.llm_kwargs()["kv_cache_memory_bytes"] == 32 * (160 + 32) * per_token

@@ -67,3 +67,36 @@ def test_the_progress_bar_is_off_where_tqdm_is_disabled():
     assert shows_progress(True, {}) and shows_progress(True, {"TQDM_DISABLE": ""})
     assert not shows_progress(True, {"TQDM_DISABLE": "1"}) and not shows_progress(True, {"TQDM_DISABLE": "0"})
     assert not shows_progress(False, {})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_kv_cache_sized_to_the_stage_samples_as_a_share_of_the_ram_does(tiny_vllm_model_dir):
+    """``positions`` given (the stage's longest prompt + its new tokens): the CPU engine's KV cache is
+    ``saved_model_kv_bytes`` of the call's sequences, far below the RAM share, and a call of the
+    stage's size samples the same tokens with the same log-probs as an engine on the RAM share."""
+    from transformers import AutoConfig
+
+    from grpo.config import SentConfig
+    from grpo.data import sequence_positions
+    from grpo.device import compute_dtype
+    from grpo.engine.bounds import saved_model_kv_bytes
+
+    tok = load_tokenizer(tiny_vllm_model_dir)
+    section = SentConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256, batch_prompts=2, num_samples=4)
+    prompts, sample = ["abc", "de"], dict(max_new_tokens=12, temperature=1.0, seeds=list(range(8)))
+    positions = sequence_positions(tok, prompts, sample["max_new_tokens"])
+    runs = {}
+    for name, sized in (("share", None), ("sized", positions)):
+        with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, positions=sized) as backend:
+            kv = backend.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+            spec = kv.kv_cache_groups[0].kv_cache_spec
+            per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
+                            for g in kv.kv_cache_groups)
+            roll = backend.generate(prompts, 4, **sample)
+            runs[name] = (kv.num_blocks * spec.block_size * per_token, roll.texts, roll.logprobs)
+    b = compute_dtype("auto", "cpu").itemsize  # the sampler's dtype: bf16 where the CPU has it, else fp32
+    expected = saved_model_kv_bytes(AutoConfig.from_pretrained(tiny_vllm_model_dir), 8, positions, 256, b)
+    assert runs["sized"][0] == expected < runs["share"][0] / 10
+    assert runs["sized"][1] == runs["share"][1]
+    assert torch.equal(runs["sized"][2], runs["share"][2])

@@ -233,6 +233,13 @@ def build_prompt(tokenizer, question: str, system_prompt: str) -> str:
     return f"{system_prompt}\n\nQuestion: {question}\nAnswer:"
 
 
+def sequence_positions(tokenizer, prompts: list[str], max_new_tokens: int) -> int:
+    """The most tokens a sequence of ``prompts`` can hold: the longest prompt's tokens (as the
+    samplers tokenize them: no special tokens added) plus ``max_new_tokens``."""
+    longest = max((len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]), default=0)
+    return longest + max_new_tokens
+
+
 def prompts_that_fit(tokenizer, rows: list[dict], system_prompt: str, section, source: str | Path,
                      ) -> tuple[list[dict], list[str]]:
     """The rows whose prompt (``build_prompt``) plus ``section.max_new_tokens`` fits the engine's

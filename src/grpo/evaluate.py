@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from grpo.base_model import check_model_dir, load_tokenizer
-from grpo.data import prompts_that_fit
+from grpo.data import prompts_that_fit, sequence_positions
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl
 from grpo.lora_policy import export_dense
@@ -68,7 +68,9 @@ def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tu
     export = export_dense(params.model, adapter_dir, Path(work_dir) / "weights")
     completions = []
     with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg, dtype=params.model.dtype,
-                             dtype_key="model.dtype") as sampler:  # closed after
+                             dtype_key="model.dtype",
+                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens)
+                             ) as sampler:  # closed after
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
                                            max_new_tokens=cfg.max_new_tokens, temperature=0.0):
             completions += roll.texts

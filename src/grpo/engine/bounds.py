@@ -76,15 +76,31 @@ def saved_model_seqs(prompts: int, samples: int) -> int:
     return min(prompts * samples, SAVED_MODEL_SEQS)
 
 
-def saved_model_bounds(section) -> Bounds:
+def saved_model_bounds(section, kv: tuple | None = None) -> Bounds:
     """The bounds of a saved model's sampler for the stage's engine section: ``sent`` (a call of
     ``batch_prompts x num_samples``), ``evaluate`` (``batch_prompts x 1``: one greedy completion a
     prompt) through ``saved_model_seqs``; a section without ``batch_prompts`` (a bare
-    ``VLLMEngineConfig``): ``SAVED_MODEL_SEQS``. ``max_num_batched_tokens``: vLLM's default."""
+    ``VLLMEngineConfig``): ``SAVED_MODEL_SEQS``. ``max_num_batched_tokens``: vLLM's default.
+
+    ``kv``: on a CPU, ``(config, positions, b)``: the KV cache is ``saved_model_kv_bytes`` for
+    ``max_num_seqs`` sequences of at most ``positions`` tokens (the stage's longest prompt plus its
+    ``max_new_tokens``) instead of the ``gpu_memory_utilization`` share of the RAM; ``None``: the share."""
     prompts = getattr(section, "batch_prompts", None)
-    if prompts is None:
-        return Bounds(SAVED_MODEL_SEQS)
-    return Bounds(saved_model_seqs(prompts, getattr(section, "num_samples", 1)))
+    seqs = SAVED_MODEL_SEQS if prompts is None else saved_model_seqs(prompts, getattr(section, "num_samples", 1))
+    if kv is None:
+        return Bounds(seqs)
+    config, positions, b = kv
+    return Bounds(seqs, None, saved_model_kv_bytes(config, seqs, positions, section.max_model_len, b))
+
+
+def saved_model_kv_bytes(config, seqs: int, positions: int, max_model_len: int, b: int) -> int:
+    """A saved model's CPU KV cache: ``seqs`` sequences of ``positions`` tokens in whole blocks, one
+    block more each (vLLM keeps one block of the pool back), and never less than one sequence of
+    ``max_model_len`` (vLLM refuses to start below it). Every sequence in flight then has its
+    blocks, so the scheduler never waits for the cache nor preempts: the batches, and so the
+    outputs, are those of a larger cache; starting the engine no longer writes a share of the RAM."""
+    per_seq = -(-positions // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE + CPU_BLOCK_SIZE
+    return max(cpu_kv_bytes(config, seqs, per_seq, b), cpu_kv_bytes(config, 1, max_model_len + CPU_BLOCK_SIZE, b))
 
 
 def step_limits(cfg, processes: int = 1) -> tuple[int, int]:

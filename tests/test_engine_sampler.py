@@ -13,7 +13,7 @@ from grpo.base_model import load_tokenizer
 from grpo.config import VLLMEngineConfig
 from grpo.engine.sampler import saved_model_sampler
 
-from .helpers import ENGINE_RAM
+from .helpers import ENGINE_RAM, engine_kv_cache
 
 
 @pytest.mark.slow
@@ -90,12 +90,9 @@ def test_a_kv_cache_sized_to_the_stage_samples_as_a_share_of_the_ram_does(tiny_v
     runs = {}
     for name, sized in (("share", None), ("sized", positions)):
         with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, positions=sized) as backend:
-            kv = backend.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-            spec = kv.kv_cache_groups[0].kv_cache_spec
-            per_token = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
-                            for g in kv.kv_cache_groups)
+            tokens, per_token = engine_kv_cache(backend.llm)
             roll = backend.generate(prompts, 4, **sample)
-            runs[name] = (kv.num_blocks * spec.block_size * per_token, roll.texts, roll.logprobs)
+            runs[name] = (tokens * per_token, roll.texts, roll.logprobs)
     b = compute_dtype("auto", "cpu").itemsize  # the sampler's dtype: bf16 where the CPU has it, else fp32
     expected = saved_model_kv_bytes(AutoConfig.from_pretrained(tiny_vllm_model_dir), 8, positions, 256, b)
     assert runs["sized"][0] == expected < runs["share"][0] / 10

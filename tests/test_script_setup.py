@@ -7,7 +7,8 @@ indexes (PEP 503 layout) stand in for the internet: an empty one for the public 
 (``TORCH_CPU_INDEX``). The fallback must install that build from the stand-in; without it, the script
 must stop with one line naming the index and the variable. The other tests check the one-line refusals
 of setup.sh (an interpreter without its venv module, or of an unsupported version) and of
-pipeline.sh (no git).
+pipeline.sh (no git), and that setup's project install (uv, which reads no pip configuration) is
+handed the sources pip is configured with.
 """
 
 from __future__ import annotations
@@ -144,3 +145,25 @@ def test_pipeline_without_git_names_git_in_one_line(tmp_path):
     out = (proc.stdout + proc.stderr).strip()
     assert (proc.returncode, out) == (1, "pipeline: error: git is not installed; install it "
                                          "(Debian/Ubuntu: apt-get install git)")
+
+
+def _pip_sources(env: dict[str, str]) -> list[str]:
+    proc = subprocess.run([sys.executable, "scripts/pip_sources.py"], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=60, check=True)
+    return proc.stdout.split()
+
+
+def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):
+    """setup.sh's project install (uv) sees pip's sources: PIP_* over the config file's ``install``
+    section over ``global``; nothing configured: no flag (PyPI, for both)."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://mirror.example/simple\nfind-links = /wheels\n"
+                    "[install]\nextra-index-url = https://a.example/simple https://b.example/simple\n")
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    assert _pip_sources({**bare, "PIP_CONFIG_FILE": "/dev/null"}) == []
+    assert _pip_sources({**bare, "PIP_CONFIG_FILE": str(conf)}) == [
+        "--index-url", "https://mirror.example/simple",
+        "--extra-index-url", "https://a.example/simple", "--extra-index-url", "https://b.example/simple",
+        "--find-links", "/wheels"]
+    env = {**bare, "PIP_CONFIG_FILE": str(conf), "PIP_INDEX_URL": "file:///local/simple"}
+    assert _pip_sources(env)[:2] == ["--index-url", "file:///local/simple"]

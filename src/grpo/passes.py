@@ -60,6 +60,7 @@ class PolicyPasses:
     def __init__(self, model, cfg: TrainConfig, dist: Dist, updater: Updater):
         self.model, self.cfg, self.dist, self.updater = model, cfg, dist, updater
         self.body, self.lm_head = lm_parts(model)
+        self.rule = TOKEN_RULES[cfg.entropy_rule]  # grpo.entropy.TokenRule
         self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
         self.device = next(model.parameters()).device
 
@@ -87,7 +88,7 @@ class PolicyPasses:
         """Whether the loss has a k3 KL term to the reference policy: ``beta > 0`` or the token-entropy
         rule's own (``TokenRule.needs_reference``). Then the reference pass runs, and rows of zero
         advantage still have a gradient."""
-        return bool(self.cfg.beta) or TOKEN_RULES[self.cfg.entropy_rule].needs_reference(self.cfg)
+        return bool(self.cfg.beta) or self.rule.needs_reference(self.cfg)
 
     def fixed_logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor | None]:
         """Phase 2: ``batch`` with ``ref_logp`` (``needs_reference``) and ``old_logp`` (``mu > 1``)
@@ -105,11 +106,10 @@ class PolicyPasses:
         """The token-entropy rule's threshold of the whole step from this rank's (n, C) entropies and
         mask: the valid entropies of every rank are gathered and the rule's statistic taken over all
         of them (``None`` when the rule needs none: no gather)."""
-        rule = TOKEN_RULES[self.cfg.entropy_rule]
-        if not rule.needs_statistic(self.cfg):
+        if not self.rule.needs_statistic(self.cfg):
             return None
         values = self.dist.all_gather_cat(entropy[mask.bool()].float())  # (valid tokens of the step,)
-        return rule.threshold(values, self.cfg)
+        return self.rule.threshold(values, self.cfg)
 
     def step_normalizer(self, mask: torch.Tensor) -> float:
         """The ``loss_type`` denominator of the whole step from this rank's (n, C) mask, summed over
@@ -135,9 +135,8 @@ class PolicyPasses:
                                                      cfg.logprob_chunk, cfg.kernel)  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
-        rule = TOKEN_RULES[cfg.entropy_rule]
-        keep = rule.grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool
-        terms = rule.loss_terms(entropy, batch.mask, threshold, cfg)  # per-token clip bounds, KL weights or None
+        keep = self.rule.grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool
+        terms = self.rule.loss_terms(entropy, batch.mask, threshold, cfg)  # per-token clip bounds, KL weights or None
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.logprob_chunk,
                                       cfg.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
@@ -176,7 +175,7 @@ class PolicyPasses:
         update's ``grpo.metrics.Sums`` and the (n, C) kept mask."""
         slices = self.slices(len(batch))
         threshold = None
-        if len(slices) > 1 and TOKEN_RULES[self.cfg.entropy_rule].needs_statistic(self.cfg):
+        if len(slices) > 1 and self.rule.needs_statistic(self.cfg):
             if policy_entropy is None:
                 policy_entropy = self.no_grad_pass(batch, adapter=True)[0]
             threshold = self.step_threshold(policy_entropy, batch.mask)

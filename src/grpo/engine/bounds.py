@@ -99,8 +99,8 @@ def saved_model_kv_bytes(config, seqs: int, positions: int, max_model_len: int, 
     ``max_model_len`` (vLLM refuses to start below it). Every sequence in flight then has its
     blocks, so the scheduler never waits for the cache nor preempts: the batches, and so the
     outputs, are those of a larger cache; starting the engine no longer writes a share of the RAM."""
-    per_seq = -(-positions // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE + CPU_BLOCK_SIZE
-    return max(cpu_kv_bytes(config, seqs, per_seq, b), cpu_kv_bytes(config, 1, max_model_len + CPU_BLOCK_SIZE, b))
+    return max(cpu_kv_bytes(config, seqs, positions + CPU_BLOCK_SIZE, b),
+               cpu_kv_bytes(config, 1, max_model_len + CPU_BLOCK_SIZE, b))
 
 
 def step_limits(cfg, processes: int = 1) -> tuple[int, int]:

@@ -44,7 +44,8 @@ def uv_flags(settings: dict[str, str]) -> list[str]:
 def main() -> None:
     listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                              check=True).stdout
-    print("\n".join(uv_flags(pip_settings(listing))))
+    for flag in uv_flags(pip_settings(listing)):  # nothing at all when nothing is configured
+        print(flag)
 
 
 if __name__ == "__main__":

@@ -148,9 +148,10 @@ def test_pipeline_without_git_names_git_in_one_line(tmp_path):
 
 
 def _pip_sources(env: dict[str, str]) -> list[str]:
+    """The lines scripts/pip_sources.py prints (setup.sh passes each as one argument to uv)."""
     proc = subprocess.run([sys.executable, "scripts/pip_sources.py"], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=60, check=True)
-    return proc.stdout.split()
+    return proc.stdout.splitlines()
 
 
 def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):

@@ -58,7 +58,8 @@ make_venv
 .venv/bin/python -m pip install -q --upgrade pip "$UV_PIN"
 bash scripts/install_torch.sh .venv/bin/python
 EXTRAS=$(extras "$@")
-mapfile -t SOURCES < <(.venv/bin/python scripts/pip_sources.py)
+sources=$(.venv/bin/python scripts/pip_sources.py)  # a failure here stops setup (set -e)
+mapfile -t SOURCES < <(printf '%s' "$sources")     # one argument a line; none when pip names no source
 # unsafe-best-match: the best version over all the sources, as pip resolves (uv's default stops at
 # the first source that has the package)
 .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match \

@@ -87,8 +87,9 @@ def batch(vocab: int, prompts: int, group: int, prompt_len: int, completion_len:
     return torch.cat([prompt, comp], 1), torch.cat([pmask, cmask], 1)
 
 
-def saved_activation_bytes(model, ids, mask, prompt_len: int, group: int) -> int:
-    """Bytes autograd saves in one training forward (each storage once, parameters excluded)."""
+def saved_activation_bytes(model, ids, mask, prompt_len: int, group: int, packed: bool = False) -> int:
+    """Bytes autograd saves in one training forward (each storage once, parameters excluded); with
+    ``packed``, each group as one sequence."""
     import torch
 
     from grpo.logprobs import completion_hidden
@@ -106,7 +107,7 @@ def saved_activation_bytes(model, ids, mask, prompt_len: int, group: int) -> int
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        completion_hidden(body, ids, mask, prompt_len, group)
+        completion_hidden(body, ids, mask, prompt_len, group, packed)
     return sum(seen.values())
 
 

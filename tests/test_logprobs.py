@@ -1,4 +1,5 @@
-"""``grpo.logprobs``: the shared-prompt forward of a group equals the full forward; the chunked LM
+"""``grpo.logprobs``: the shared-prompt forward of a group equals the full forward, and so does
+the group packed into one sequence; the chunked LM
 head with grad (``selected_logprobs``) equals ``log_softmax`` of the full logits in value and
 gradients (hidden rows, a trained head, tied embeddings, bf16) and saves no (K, V) tensor; the
 update's LoRA gradients are those of the plain log-softmax head."""
@@ -46,6 +47,41 @@ def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_mo
     torch.testing.assert_close(h_shared * c_mask.unsqueeze(-1), h_full * c_mask.unsqueeze(-1), rtol=1e-4, atol=1e-5)
     for n in g_full:
         torch.testing.assert_close(g_shared[n], g_full[n], rtol=1e-3, atol=1e-4)  # float reassociation
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_groups_equal_padded_rows_values_and_lora_grads(tiny_model_dir, checkpointing):
+    """Two groups of G = 3 rows, prompts of different lengths (left padding), completions of 6, 1,
+    3 / 2, 6, 4 valid tokens out of 6: each group packed into one sequence gives the padded rows'
+    hidden states at every valid position and their LoRA gradients (with and without gradient
+    checkpointing, which the padded shared-prompt forward cannot use)."""
+    from grpo.logprobs import completion_hidden
+    from grpo.lora_policy import lm_parts
+
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=checkpointing),
+                        LoraConfig(**LORA))
+    give_adapter_a_say(model, std=0.3)
+    model.train()
+    body, _ = lm_parts(model)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5)
+    lengths = torch.tensor([6, 1, 3, 2, 6, 4])
+    c_mask = (torch.arange(6) < lengths.unsqueeze(1)).long()  # (6, 6)
+    completions = torch.randint(3, 90, (6, 6)) * c_mask  # padding holds token 0
+    ids, mask = torch.cat([prompts, completions], 1), torch.cat([(prompts != 0).long(), c_mask], 1)
+    weights = torch.randn(6, 6, 64)
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        hidden = completion_hidden(body, ids, mask, 5, group_size=3, packed=packed)  # (6, 6, 64)
+        (hidden * weights * c_mask.unsqueeze(-1)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((hidden.detach(), grads))
+    (h_rows, g_rows), (h_packed, g_packed) = results
+    valid = c_mask.unsqueeze(-1)
+    torch.testing.assert_close(h_packed * valid, h_rows * valid, rtol=1e-4, atol=1e-5)
+    for n in g_rows:
+        torch.testing.assert_close(g_packed[n], g_rows[n], rtol=1e-3, atol=1e-4)  # float reassociation
 
 
 def log_softmax_head(hidden_rows, lm_head, targets, *_):

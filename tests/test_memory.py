@@ -87,6 +87,29 @@ def test_activation_term_matches_autograds_saved_tensors(dtype, dropout, checkpo
     assert est == pytest.approx(real, rel=0.03)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, tiny_model_dir):
+    """Each group packed into one sequence (``train.forward_layout: packed``), every completion at
+    full length (the estimate's worst case): one pass over N / G sequences of P + G (C - 1) tokens."""
+    from transformers import AutoConfig
+
+    from grpo.config import LoraConfig, ModelConfig
+    from grpo.lora_policy import load_policy
+
+    torch.manual_seed(0)
+    shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
+    lora = LoraConfig()
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=checkpointing),
+                        lora, "cpu")
+    prompts, group, p, c = 2, 4, 16, 5
+    ids, mask = batch(shapes.vocab, prompts, group, p, c)  # completions of 5: none shortened
+    est, _ = memory.activation_bytes(
+        shapes, rows=prompts, prompt=p + group * (c - 1), completion=0, group=group, b=4, lora_rank=lora.rank,
+        targets=lora.target_modules, dropout=0.0, checkpointing=checkpointing, shared=False, device="cpu")
+    real = saved_activation_bytes(model, ids, mask, p, group, packed=True)
+    assert est == pytest.approx(real, rel=0.03)
+
+
 def test_shapes_from_a_hub_name_and_the_lora_count_of_seed003():
     from grpo.config import ModelConfig
 

@@ -316,6 +316,14 @@ class TrainConfig(VLLMEngineConfig):
     """The training and log-prob passes run each group's prompt once and its G completions on the
     shared KV cache (``grpo.logprobs.completion_hidden``); off: every row runs its own prompt.
     Nothing is shared under gradient checkpointing. (Generation always prefills a prompt once.)"""
+    forward_layout: Literal["auto", "padded", "packed"] = "auto"
+    """How those passes lay out a group with ``shared_prompt_forward``: ``padded`` runs its G
+    completions as G rows padded to the longest completion of the micro-batch, on the prompt's KV
+    cache; ``packed`` runs the prompt and the G completions back to back as one sequence, a block
+    mask keeping each completion to the prompt and itself (``grpo.logprobs.packed_hidden``): no
+    compute on padding, attention over the group's whole length; ``auto``: packed except on CUDA
+    (where the padding costs little and the longer attention costs memory). The same update up to
+    float reassociation."""
     release_generation_memory: bool = True
     """After the rollouts, collect garbage and return the CUDA cache's free blocks before the
     training forward (lowers peak *reserved* memory; no effect on the CPU)."""

@@ -42,9 +42,13 @@ to whole groups as the trainer slices them), with ``T = P + C``:
   a padding mask; ``2 k d b`` without one) and ``b`` per (query, key) pair for the mask.
   One pass over ``n`` rows of ``T`` tokens; with ``shared_prompt_forward`` (and no gradient
   checkpointing) a pass over the ``n / G`` prompts (``P`` tokens) and one over the ``n``
-  completions (``C - 1`` query tokens on ``P + C - 1`` key positions). With gradient checkpointing:
+  completions (``C - 1`` query tokens on ``P + C - 1`` key positions); with ``forward_layout``
+  packing the groups (``grpo.logprobs.packed_hidden``) one pass over ``n / G`` sequences of
+  ``S = P + G (C - 1)`` tokens (every completion at full length: the worst case), plus the
+  ``S^2 b`` block mask of each. With gradient checkpointing:
   ``L * T * H * b`` per row (each layer's input) ``+ (4H + 4)`` per token (the final norm);
-* the completion hidden states: ``n * T * H * b`` (``n * C * H * b`` with shared prompts);
+* the completion hidden states: ``n * T * H * b`` (``n * C * H * b`` with shared prompts; packed,
+  the sequences' states and the rows gathered from them, ``(n / G * S + n * C) * H * b``);
 * the largest of three working sets that are live one after another, never together (traced on
   fake CUDA tensors by ``bench/cuda_memory.py``: the body's backward starts after the LM head's has
   freed its tensors):
@@ -509,23 +513,30 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
 def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The training phase's terms (one micro-batch's forward and backward)."""
     from grpo.entropy import TOKEN_RULES
+    from grpo.logprobs import packed_layout
 
     model, lora, train = params.model, params.lora, params.train
     add, g, c = est.terms.append, train.group_size, train.max_new_tokens
     n = micro_batch_rows(train.prompts_per_step * g, train.micro_batches, g)
     gc_on = model.gradient_checkpointing
-    shared = train.shared_prompt_forward and not gc_on
+    packed = train.shared_prompt_forward and g > 1 and n % g == 0 and packed_layout(train.forward_layout, device)
+    shared = train.shared_prompt_forward and not gc_on and not packed
+    seqs, seq_len = (n // g, p + g * (c - 1)) if packed else (n, p + c)  # a packed group: one sequence
     saved, one_layer = activation_bytes(
-        shapes, rows=n, prompt=p, completion=c, group=g, b=b, lora_rank=lora.rank, targets=lora.target_modules,
-        dropout=lora.dropout, checkpointing=gc_on, shared=shared, device=device)
+        shapes, rows=seqs, prompt=seq_len if packed else p, completion=0 if packed else c, group=g,
+        b=b, lora_rank=lora.rank, targets=lora.target_modules, dropout=lora.dropout, checkpointing=gc_on,
+        shared=shared, device=device)
+    if packed:
+        saved += seqs * seq_len * seq_len * b  # the additive block mask
     per_tok = layer_token_bytes(shapes, b, lora.rank, lora.target_modules, lora.dropout, device)
     if gc_on:
-        how = f"checkpointed: {n} rows x {p + c} tokens x {shapes.layers} layer inputs x {shapes.hidden} x {b} B"
+        how = f"checkpointed: {seqs} rows x {seq_len} tokens x {shapes.layers} layer inputs x {shapes.hidden} x {b} B"
     else:
-        how = (f"{shapes.layers} layers x {per_tok:,} B/token + keys/values/mask, {n} rows x {p}+{c} tokens"
+        how = (f"{shapes.layers} layers x {per_tok:,} B/token + keys/values/mask, "
+               + (f"{seqs} packed groups x {p}+{g}x{c - 1} tokens" if packed else f"{n} rows x {p}+{c} tokens")
                + (f", prompts shared by G={g}" if shared and g > 1 else ""))
     add(Term("activations", "train", saved, how))
-    hidden_tokens = n * c if shared and g > 1 else n * (p + c)
+    hidden_tokens = seqs * seq_len + n * c if packed else (n * c if shared and g > 1 else n * (p + c))
     add(Term("completion hidden states", "train", hidden_tokens * shapes.hidden * b,
              f"{hidden_tokens} tokens x {shapes.hidden} x {b} B"))
     kernel = train.kernel if train.kernel != "auto" else ("triton" if device == "cuda" else "torch")
@@ -533,7 +544,8 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
     q = TOKEN_RULES[train.entropy_rule].grad_fraction(train)  # the valid tokens whose LM-head rows need grad
     kept = math.ceil(q * n * c)
-    pass_tokens = max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0 and c > 1 else n * (p + c)
+    pass_tokens = (seqs * seq_len if packed else max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0
+                   and c > 1 else n * (p + c))
     head_rows = min(train.logprob_chunk, kept)
     head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)
     # the no-grad chunk pass, the LM head with grad and the body's backward run one after the other

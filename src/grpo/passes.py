@@ -37,7 +37,7 @@ import torch
 from grpo.config import TrainConfig
 from grpo.distributed import Dist
 from grpo.entropy import TOKEN_RULES
-from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, selected_logprobs
+from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, packed_layout, selected_logprobs
 from grpo.lora_policy import lm_parts
 from grpo.loss import grpo_loss, loss_normalizer
 from grpo.metrics import Sums
@@ -63,6 +63,12 @@ class PolicyPasses:
         self.rule = TOKEN_RULES[cfg.entropy_rule]  # grpo.entropy.TokenRule
         self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
         self.device = next(model.parameters()).device
+        self.packed = packed_layout(cfg.forward_layout, self.device.type)  # see completion_hidden
+
+    def valid_only(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """The (m, C) mask to which the no-grad head pass keeps itself in the packed layout (padding
+        gets 0 and no compute, as in the body), else ``None`` (every position, as the padded body)."""
+        return mask if self.packed else None
 
     def slices(self, n: int) -> list[slice]:
         return micro_slices(n, self.cfg.micro_batches, self.cfg.group_size)
@@ -77,9 +83,9 @@ class PolicyPasses:
             part = batch[sl]
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
                 hidden = completion_hidden(self.body, part.input_ids, part.attention_mask, part.prompt_len,
-                                           self.shared_group)  # (m, C, H)
+                                           self.shared_group, self.packed)  # (m, C, H)
             entropy, logp = chunked_entropy_logprobs(hidden, self.lm_head, part.targets, self.cfg.logprob_chunk,
-                                                     self.cfg.kernel)  # (m, C) each
+                                                     self.cfg.kernel, self.valid_only(part.mask))  # (m, C) each
             entropies.append(entropy)
             logps.append(logp)
         return torch.cat(entropies), torch.cat(logps)
@@ -130,9 +136,9 @@ class PolicyPasses:
         (m, C) token entropies and the (m, C) kept mask."""
         cfg = self.cfg
         hidden = completion_hidden(self.body, batch.input_ids, batch.attention_mask, batch.prompt_len,
-                                   self.shared_group)  # (m, C, H)
-        entropy, logp_all = chunked_entropy_logprobs(hidden.detach(), self.lm_head, batch.targets,
-                                                     cfg.logprob_chunk, cfg.kernel)  # (m, C) each, no grad
+                                   self.shared_group, self.packed)  # (m, C, H)
+        entropy, logp_all = chunked_entropy_logprobs(hidden.detach(), self.lm_head, batch.targets, cfg.logprob_chunk,
+                                                     cfg.kernel, self.valid_only(batch.mask))  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
         keep = self.rule.grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool

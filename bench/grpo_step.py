@@ -65,6 +65,7 @@ SAVINGS: dict[str, dict] = {
     "micro-batched generation and training forward": {"generation_batch_size": 0, "micro_batches": 1},
     "release generation memory before training": {"release_generation_memory": False},
     "shared prompt in the training forward": {"shared_prompt_forward": False},
+    "packed groups (no compute on padding; auto: off CUDA)": {"forward_layout": "padded"},
 }
 
 

@@ -16,37 +16,54 @@ from grpo.lora_policy import load_policy
 from .helpers import LORA, give_adapter_a_say
 
 
+PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5): G = 3, left padding
+
+
+def adapter_policy(model_dir, checkpointing: bool):
+    """A float32 NF4 + LoRA policy whose adapter changes the output, in train mode, and its body."""
+    from grpo.lora_policy import lm_parts
+
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=str(model_dir), dtype="float32", gradient_checkpointing=checkpointing),
+                        LoraConfig(**LORA))
+    give_adapter_a_say(model, std=0.3)
+    model.train()
+    return model, lm_parts(model)[0]
+
+
+def states_and_grads(model, body, c_mask: torch.Tensor, **layout) -> tuple[torch.Tensor, dict]:
+    """``completion_hidden``'s (6, C, 64) states of PROMPTS + random completions under ``c_mask``,
+    and the LoRA gradients of a fixed random weighting of the states at valid positions."""
+    from grpo.logprobs import completion_hidden
+
+    torch.manual_seed(1)
+    completions = torch.randint(3, 90, c_mask.shape) * c_mask  # padding holds token 0
+    ids, mask = torch.cat([PROMPTS, completions], 1), torch.cat([(PROMPTS != 0).long(), c_mask], 1)
+    weights = torch.randn(*c_mask.shape, 64)
+    model.zero_grad()
+    hidden = completion_hidden(body, ids, mask, 5, **layout)  # (6, C, 64)
+    (hidden * weights * c_mask.unsqueeze(-1)).sum().backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_states(got, want, c_mask: torch.Tensor) -> None:
+    """The same states at valid positions and the same LoRA gradients, up to float reassociation."""
+    valid = c_mask.unsqueeze(-1)
+    torch.testing.assert_close(got[0] * valid, want[0] * valid, rtol=1e-4, atol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for n in want[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_shared_prompt_forward_equals_full_forward_values_and_lora_grads(tiny_model_dir, checkpointing):
     """Two groups of G = 3 rows, prompts of different lengths (left padding), completions with
     padding: the shared-prompt forward gives the full forward's hidden states and LoRA gradients
     (with gradient checkpointing it falls back to the full forward, so they match trivially)."""
-    from grpo.logprobs import completion_hidden
-    from grpo.lora_policy import lm_parts
-
-    torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=checkpointing),
-                        LoraConfig(**LORA))
-    give_adapter_a_say(model, std=0.3)
-    model.train()
-    body, head = lm_parts(model)
-    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5)
-    p_mask = (prompts != 0).long()
-    completions = torch.randint(3, 90, (6, 4))
+    model, body = adapter_policy(tiny_model_dir, checkpointing)
     c_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]] * 2)
-    ids, mask = torch.cat([prompts, completions], 1), torch.cat([p_mask, c_mask], 1)
-    weights = torch.randn(6, 4, 64)
-    results = []
-    for g in (1, 3):
-        model.zero_grad()
-        hidden = completion_hidden(body, ids, mask, 5, group_size=g)  # (6, 4, 64)
-        (hidden * weights * c_mask.unsqueeze(-1)).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((hidden.detach(), grads))
-    (h_full, g_full), (h_shared, g_shared) = results
-    torch.testing.assert_close(h_shared * c_mask.unsqueeze(-1), h_full * c_mask.unsqueeze(-1), rtol=1e-4, atol=1e-5)
-    for n in g_full:
-        torch.testing.assert_close(g_shared[n], g_full[n], rtol=1e-3, atol=1e-4)  # float reassociation
+    full = states_and_grads(model, body, c_mask, group_size=1)
+    assert_same_states(states_and_grads(model, body, c_mask, group_size=3), full, c_mask)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -55,33 +72,10 @@ def test_packed_groups_equal_padded_rows_values_and_lora_grads(tiny_model_dir, c
     3 / 2, 6, 4 valid tokens out of 6: each group packed into one sequence gives the padded rows'
     hidden states at every valid position and their LoRA gradients (with and without gradient
     checkpointing, which the padded shared-prompt forward cannot use)."""
-    from grpo.logprobs import completion_hidden
-    from grpo.lora_policy import lm_parts
-
-    torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=checkpointing),
-                        LoraConfig(**LORA))
-    give_adapter_a_say(model, std=0.3)
-    model.train()
-    body, _ = lm_parts(model)
-    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5)
-    lengths = torch.tensor([6, 1, 3, 2, 6, 4])
-    c_mask = (torch.arange(6) < lengths.unsqueeze(1)).long()  # (6, 6)
-    completions = torch.randint(3, 90, (6, 6)) * c_mask  # padding holds token 0
-    ids, mask = torch.cat([prompts, completions], 1), torch.cat([(prompts != 0).long(), c_mask], 1)
-    weights = torch.randn(6, 6, 64)
-    results = []
-    for packed in (False, True):
-        model.zero_grad()
-        hidden = completion_hidden(body, ids, mask, 5, group_size=3, packed=packed)  # (6, 6, 64)
-        (hidden * weights * c_mask.unsqueeze(-1)).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((hidden.detach(), grads))
-    (h_rows, g_rows), (h_packed, g_packed) = results
-    valid = c_mask.unsqueeze(-1)
-    torch.testing.assert_close(h_packed * valid, h_rows * valid, rtol=1e-4, atol=1e-5)
-    for n in g_rows:
-        torch.testing.assert_close(g_packed[n], g_rows[n], rtol=1e-3, atol=1e-4)  # float reassociation
+    model, body = adapter_policy(tiny_model_dir, checkpointing)
+    c_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 2, 6, 4]).unsqueeze(1)).long()  # (6, 6)
+    rows = states_and_grads(model, body, c_mask, group_size=3)
+    assert_same_states(states_and_grads(model, body, c_mask, group_size=3, packed=True), rows, c_mask)
 
 
 def log_softmax_head(hidden_rows, lm_head, targets, *_):

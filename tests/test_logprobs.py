@@ -15,7 +15,6 @@ from grpo.lora_policy import load_policy
 
 from .helpers import LORA, give_adapter_a_say
 
-
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5): G = 3, left padding
 
 

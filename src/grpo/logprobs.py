@@ -89,7 +89,7 @@ def packed_hidden(body, input_ids: Tensor, attention_mask: Tensor, positions: Te
     G C (P + C), which is why ``train.forward_layout: auto`` packs only off CUDA.
     """
     ids, pos, mask, rows, index = pack_groups(input_ids, attention_mask, positions, prompt_len, group_size,
-                                              next(body.parameters()).dtype)
+                                              body.get_input_embeddings().weight.dtype)  # the states' dtype
     states = body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state  # (N / G, S, H)
     return states[rows.unsqueeze(1), index]  # (N, C, H); padding positions read the prompt's last state
 
@@ -126,9 +126,9 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, positions: Tensor, pr
 
 
 def completion_lengths(mask: Tensor) -> Tensor:
-    """(N,) the positions up to each row's last valid one, from its (N, C) completion mask."""
+    """(N,) the positions up to each row's last valid one, from its (N, C >= 1) completion mask."""
     steps = torch.arange(1, mask.shape[1] + 1, device=mask.device)  # (C,)
-    return (mask.bool() * steps).amax(1) if mask.shape[1] else mask.sum(1)
+    return (mask.bool() * steps).amax(1)
 
 
 @torch.no_grad()

@@ -510,6 +510,20 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
                  f"({_n(qn)} + {_n(wrapped)} LoRA-merged) params x {b} B"))
 
 
+def forward_tokens(n: int, g: int, p: int, c: int, *, packed: bool, shared: bool) -> tuple[int, int]:
+    """(tokens of the completion hidden states, tokens of the largest body pass) of one micro-batch
+    of ``n`` rows in its layout: packed groups (``n / G`` sequences of ``P + G (C - 1)``, their states
+    and the rows gathered from them), shared prompts (the prompts' pass or the completions' pass),
+    or one pass over full rows."""
+    if packed:
+        seq_tokens = n // g * (p + g * (c - 1))
+        return seq_tokens + n * c, seq_tokens
+    hidden = n * c if shared and g > 1 else n * (p + c)
+    if shared and g > 1 and n % g == 0 and c > 1:
+        return hidden, max(n // g * p, n * (c - 1))
+    return hidden, n * (p + c)
+
+
 def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The training phase's terms (one micro-batch's forward and backward)."""
     from grpo.entropy import TOKEN_RULES
@@ -536,7 +550,7 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
                + (f"{seqs} packed groups x {p}+{g}x{c - 1} tokens" if packed else f"{n} rows x {p}+{c} tokens")
                + (f", prompts shared by G={g}" if shared and g > 1 else ""))
     add(Term("activations", "train", saved, how))
-    hidden_tokens = seqs * seq_len + n * c if packed else (n * c if shared and g > 1 else n * (p + c))
+    hidden_tokens, pass_tokens = forward_tokens(n, g, p, c, packed=packed, shared=shared)
     add(Term("completion hidden states", "train", hidden_tokens * shapes.hidden * b,
              f"{hidden_tokens} tokens x {shapes.hidden} x {b} B"))
     kernel = train.kernel if train.kernel != "auto" else ("triton" if device == "cuda" else "torch")
@@ -544,8 +558,6 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
     q = TOKEN_RULES[train.entropy_rule].grad_fraction(train)  # the valid tokens whose LM-head rows need grad
     kept = math.ceil(q * n * c)
-    pass_tokens = (seqs * seq_len if packed else max(n // g * p, n * (c - 1)) if shared and g > 1 and n % g == 0
-                   and c > 1 else n * (p + c))
     head_rows = min(train.logprob_chunk, kept)
     head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)
     # the no-grad chunk pass, the LM head with grad and the body's backward run one after the other

@@ -8,10 +8,14 @@ evaluation all call it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from grpo import arithmetic
 
 from grpo.jsonio import DataError, text_lines
 from grpo.rewards import extract_answer
@@ -19,52 +23,86 @@ from grpo.rewards import extract_answer
 log = logging.getLogger(__name__)
 
 
-def generate_arithmetic(
-    n: int,
-    seed: int,
-    *,
-    min_terms: int = 2,
-    max_terms: int = 2,
-    min_digits: int = 1,
-    max_digits: int = 1,
-    operators: tuple[str, ...] = ("+",),
-    prefix: str = "arith",
-) -> list[dict]:
-    """Easy arithmetic questions in natural phrasing from reasoning-gym's ``basic_arithmetic``."""
+SHARES = (("train", 0.5), ("test", 0.25), ("val", 0.25))
+"""The share of the content keys (operand sets, word-problem templates) each split owns. Fixed, not
+taken from the sizes, so that adding a validation split changes neither train nor test."""
+DRAWS_PER_ROW = 20
+"""A held-out split draws at most this many items per requested row before it stops short."""
+
+
+def split_of(key: object, seed: int) -> str:
+    """The split that owns the content ``key``: a hash of ``(seed, key)`` read as a uniform number
+    in [0, 1) and cut by ``SHARES``. The same key always lands in the same split."""
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{key!r}".encode()).digest()[:8], "big") / 2**64
+    cut = 0.0
+    for name, share in SHARES:
+        cut += share
+        if u < cut:
+            return name
+    return SHARES[-1][0]
+
+
+def held_out_by_content(items: Iterable[tuple[dict, object]], sizes: dict[str, int], seed: int
+                        ) -> tuple[dict[str, list[dict]], int]:
+    """Route a stream of ``(row, content key)`` to the split that owns each key until every split
+    has its size (or ``DRAWS_PER_ROW`` items per requested row were drawn). A repeated question is
+    skipped. Returns ``{split: rows}`` (ids ``<split>-<seed>-<k>``) and the items drawn. No key is
+    in two splits, so test and validation share no content with training or with each other."""
+    out: dict[str, list[dict]] = {name: [] for name, _ in SHARES}
+    seen: set[str] = set()
+    budget, drawn = DRAWS_PER_ROW * max(sum(sizes.values()), 1), 0
+    for row, key in items:
+        if drawn >= budget or all(len(out[s]) >= sizes[s] for s in out):
+            break
+        drawn += 1
+        split = split_of(key, seed)
+        if len(out[split]) < sizes[split] and row["question"] not in seen:
+            seen.add(row["question"])
+            out[split].append({**row, "id": f"{split}-{seed}-{len(out[split])}"})
+    return out, drawn
+
+
+def arithmetic_items(cfg) -> Iterator[tuple[dict, tuple[int, ...]]]:
+    """Generated arithmetic rows (``grpo.arithmetic``) keyed by their operand multiset."""
+    for question, answer, expr in arithmetic.generate(
+            cfg.seed, min_terms=cfg.min_terms, max_terms=cfg.max_terms, min_digits=cfg.min_digits,
+            max_digits=cfg.max_digits, operators=tuple(cfg.operators)):
+        yield {"id": "", "question": question, "answer": answer, "solution": ""}, expr.operand_set
+
+
+def generate_arithmetic(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 2, min_digits: int = 1,
+                        max_digits: int = 1, operators: tuple[str, ...] = ("+",), prefix: str = "arith") -> list[dict]:
+    """``n`` generated arithmetic rows in one list (benchmarks and tests; no held-out split)."""
+    stream = arithmetic.generate(seed, min_terms=min_terms, max_terms=max_terms, min_digits=min_digits,
+                                 max_digits=max_digits, operators=tuple(operators))
+    return [{"id": f"{prefix}-{seed}-{i}", "question": q, "answer": a, "solution": ""}
+            for i, (q, a, _) in zip(range(n), stream)]
+
+
+def gsm_symbolic_items(cfg, n: int) -> Iterator[tuple[dict, int]]:
+    """GSM8K-derived word problems from reasoning-gym's ``gsm_symbolic`` (worked solution kept),
+    keyed by the template each was made from (reasoning-gym's ``task_indices``): the underlying
+    problem, whatever its numbers."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(
-        "basic_arithmetic",
-        size=n,
-        seed=seed,
-        min_terms=min_terms,
-        max_terms=max_terms,
-        min_digits=min_digits,
-        max_digits=max_digits,
-        operators=tuple(operators),
-        allow_parentheses=False,
-        allow_negation=False,
-        format_style="natural",
-    )
-    return [
-        {"id": f"{prefix}-{seed}-{i}", "question": item["question"], "answer": str(item["answer"]), "solution": ""}
-        for i, item in enumerate(ds)
-    ]
-
-
-def generate_gsm_symbolic(n: int, seed: int, *, difficulty: float = 1.0, prefix: str = "gsm_symbolic") -> list[dict]:
-    """GSM8K-derived word problems from reasoning-gym's ``gsm_symbolic`` (worked solution kept)."""
-    import reasoning_gym
-
-    ds = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed, difficulty=difficulty)
-    rows = []
-    for i, item in enumerate(ds):
+    ds = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=cfg.seed, difficulty=cfg.difficulty)
+    for i in range(n):
+        item = ds[i]
         answer = extract_answer(str(item["answer"]))
         if answer is None:  # the generator always gives a number; guard the schema anyway
             continue
         solution = str((item.get("metadata") or {}).get("answer_cot") or "")
-        rows.append({"id": f"{prefix}-{seed}-{i}", "question": item["question"], "answer": answer, "solution": solution})
-    return rows
+        yield {"id": "", "question": item["question"], "answer": answer, "solution": solution}, ds.task_indices[i]
+
+
+def check_arithmetic_labels(rows: list[dict]) -> None:
+    """``DataError`` on the first row whose label is not the value of the expression in its question
+    (recomputed from the text by ``grpo.arithmetic``): a wrong label is an error, never a skipped row."""
+    for row in rows:
+        try:
+            arithmetic.check_label(row["question"], row["answer"])
+        except arithmetic.ExpressionError as err:
+            raise DataError(f"data: row {row['id']}: {err}") from None
 
 
 GSM8K_ID = "openai/gsm8k"
@@ -174,29 +212,39 @@ def split_disjoint(train: list[dict], test: list[dict]) -> tuple[list[dict], lis
     return uniq, kept, len(test) - len(kept)
 
 
-def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
-    """Train, test and validation rows for a ``DataConfig`` plus counts; no question is in two splits.
+def operand_sets_shared(train: list[dict], test: list[dict], val: list[dict]) -> dict[str, int]:
+    """How many operand multisets (read back from each arithmetic question's text) two splits share:
+    ``{"train_test": n, "train_val": n, "test_val": n}``; all 0 for a held-out split."""
+    def keys(rows):
+        return {arithmetic.expression_in(r["question"]).operand_set for r in rows}
 
-    Generators are seeded, so the same params give the same rows (and ``write_jsonl`` the same bytes).
-    reasoning-gym seeds item i with ``seed + i``: the test split uses ``seed + 1_000_000``, the
-    validation split ``seed + 2_000_000``. The validation split (``val_size`` drawn, rows seen in
-    train or test dropped) is drawn after the other two, so adding it changes neither; ``gsm8k``
-    takes it from the hub's train split after the training rows, ``jsonl`` from the rows after
-    the test and train rows.
-    """
-    rejected: list[str] = []
+    tr, te, va = keys(train), keys(test), keys(val)
+    return {"train_test": len(tr & te), "train_val": len(tr & va), "test_val": len(te & va)}
+
+
+def _generated_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """The generated sources, held out by content (``held_out_by_content``): arithmetic by operand
+    multiset, gsm_symbolic by template."""
+    sizes = {"train": cfg.train_size, "test": cfg.test_size, "val": cfg.val_size}
     if cfg.source == "arithmetic":
-        kw = dict(min_terms=cfg.min_terms, max_terms=cfg.max_terms, min_digits=cfg.min_digits,
-                  max_digits=cfg.max_digits, operators=tuple(cfg.operators))
-        train = generate_arithmetic(cfg.train_size, cfg.seed, prefix="train", **kw)
-        test = generate_arithmetic(cfg.test_size, cfg.seed + 1_000_000, prefix="test", **kw)
-        val = generate_arithmetic(cfg.val_size, cfg.seed + 2_000_000, prefix="val", **kw) if cfg.val_size else []
-    elif cfg.source == "gsm_symbolic":
-        train = generate_gsm_symbolic(cfg.train_size, cfg.seed, difficulty=cfg.difficulty, prefix="train")
-        test = generate_gsm_symbolic(cfg.test_size, cfg.seed + 1_000_000, difficulty=cfg.difficulty, prefix="test")
-        val = (generate_gsm_symbolic(cfg.val_size, cfg.seed + 2_000_000, difficulty=cfg.difficulty, prefix="val")
-               if cfg.val_size else [])
-    elif cfg.source == "gsm8k":
+        items, key = arithmetic_items(cfg), "operand multiset"
+    else:
+        items, key = gsm_symbolic_items(cfg, DRAWS_PER_ROW * sum(sizes.values())), "template"
+    out, drawn = held_out_by_content(items, sizes, cfg.seed)
+    train, test, val = out["train"], out["test"], out["val"]
+    stats = {"held_out_by": key, "items_drawn": drawn}
+    if cfg.source == "arithmetic":
+        check_arithmetic_labels(train + test + val)
+        stats["operand_sets_shared"] = shared = operand_sets_shared(train, test, val)
+        if any(shared.values()):  # held_out_by_content guarantees 0; a failure here is a bug, loudly
+            raise DataError(f"data: splits share operand sets {shared}")
+    return train, test, val, stats
+
+
+def _listed_splits(cfg) -> tuple[list[dict], list[dict], list[dict], int]:
+    """The hub's GSM8K or the user's JSONL: split by rows, then by question text."""
+    rejected: list[str] = []
+    if cfg.source == "gsm8k":
         pool = load_gsm8k("train", cfg.train_size + cfg.val_size)
         train, val, test = pool[: cfg.train_size], pool[cfg.train_size:], load_gsm8k("test", cfg.test_size)
     elif cfg.source == "jsonl":
@@ -212,6 +260,26 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
         val = [rows[i] for i in order[cfg.test_size + cfg.train_size:]][: cfg.val_size]
     else:
         raise DataError(f"data.source: unknown source {cfg.source!r}")
+    return train, test, val, len(rejected)
+
+
+def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """Train, test and validation rows for a ``DataConfig`` plus counts; no question is in two splits.
+
+    Generated sources (``arithmetic``, ``gsm_symbolic``) are held out by content: each operand
+    multiset or template belongs to one split (``split_of``), so test and validation problems are
+    not training problems in other words; every arithmetic label is recomputed from its question's
+    text and checked. Listed sources (``gsm8k``, ``jsonl``) are held out by question text only:
+    their operands cannot be read reliably. Generators are seeded, so the same params give the same
+    rows (and ``write_jsonl`` the same bytes); a validation split (``val_size``) changes neither
+    train nor test.
+    """
+    if cfg.source in ("arithmetic", "gsm_symbolic"):
+        train, test, val, extra = _generated_splits(cfg)
+        rejected = 0
+    else:
+        train, test, val, rejected = _listed_splits(cfg)
+        extra = {"held_out_by": "question text"}
     n_train = len(train)
     train, test, dropped = split_disjoint(train, test)
     if not train or not test:
@@ -220,7 +288,7 @@ def prepare_splits(cfg) -> tuple[list[dict], list[dict], list[dict], dict]:
     val = unseen(val, {r["question"] for r in train + test})
     stats = {"source": cfg.source, "train": len(train), "test": len(test), "val": len(val),
              "train_duplicates_dropped": n_train - len(train), "test_dropped_shared_with_train": dropped,
-             "val_dropped_seen_or_repeated": n_val - len(val), "rejected_rows": len(rejected)}
+             "val_dropped_seen_or_repeated": n_val - len(val), "rejected_rows": rejected, **extra}
     return train, test, val, stats
 
 

@@ -15,6 +15,7 @@ import yaml
 from grpo import ablations
 from grpo.ablations import Grid, exp_name, load_grid, paired, plan, queue_args
 from grpo.experiments import Run, exp_show, parse_runs
+from grpo.stats import holm
 
 from .helpers import git_dvc_init
 
@@ -68,19 +69,18 @@ def test_plan_queues_seed_by_seed_and_skips_finished_and_waiting():
     assert p.queue == [("default", 1), ("g4", 1)]
 
 
-def test_paired_difference_and_interval_on_hand_made_numbers():
+def test_paired_difference_and_its_test_on_hand_made_numbers():
     ref = {0: 0.70, 1: 0.80, 2: 0.75}
     var = {0: 0.75, 1: 0.83, 2: 0.82}  # differences 0.05, 0.03, 0.07: mean 0.05, sd 0.02
     p = paired(ref, var)
     half = 4.302652729749 * 0.02 / math.sqrt(3)
     assert p.seeds == (0, 1, 2) and p.diffs == pytest.approx((0.05, 0.03, 0.07))
-    assert (p.mean, p.low, p.high) == pytest.approx((0.05, 0.05 - half, 0.05 + half))
-    assert p.verdict == "better"
-    spans = paired(ref, {0: 0.72, 1: 0.78, 2: 0.76})  # +0.02, -0.02, +0.01
-    assert spans.low < 0 < spans.high and spans.verdict == "no detectable difference"
-    assert paired(ref, {0: 0.6}).verdict == "too few seeds"  # one shared seed: no interval
+    assert (p.mean, p.test.low, p.test.high) == pytest.approx((0.05, 0.05 - half, 0.05 + half))
+    # t = 0.05 / (0.02 / sqrt 3) = 4.330 on 2 df: two-sided p = 0.0494
+    assert p.test.p == pytest.approx(0.04941, abs=1e-4)
+    assert p.verdict == "no detectable difference"  # no Holm adjustment yet: no verdict
+    assert paired(ref, {0: 0.6}).verdict == "too few seeds"  # one shared seed: no test
     assert paired(ref, {5: 0.6}).mean is None
-    assert ablations.detectable(0.02, 3) == pytest.approx(half)
 
 
 def test_only_finished_experiments_count():
@@ -90,26 +90,52 @@ def test_only_finished_experiments_count():
     assert ablations.values_by_variant(grid, runs) == {"default": {0: 0.7}}
 
 
-def test_the_table_has_a_test_and_a_validation_part_each_with_its_seeds():
-    grid = Grid("default", (0, 1, 2), {"default": {}, "g4": {"train.group_size": 4}})
-    runs = lambda vals: [Run(f"{v}-seed-{s}", "x", "success", {}, a) for v, per in vals.items()  # noqa: E731
-                         for s, a in per.items()]
-    test = {"default": {0: 0.70, 1: 0.80, 2: 0.75}, "g4": {0: 0.75, 1: 0.83, 2: 0.82}}
-    val = {"default": {0: 0.60, 1: 0.61, 2: 0.62}, "g4": {0: 0.50, 1: 0.52, 2: 0.51}}
-    text = ablations.markdown(grid, ablations.rows(grid, runs(test), runs(val)))
-    test_part, val_part = text.split("Validation accuracy")
-    # what a reader needs first: the verdict, the paired difference, the mean; then seeds and changes
-    assert "| g4 | better | +0.050 [" in test_part
-    assert "| 0.800 | 0.750 / 0.830 / 0.820 | `group_size=4` |" in test_part
-    assert "| g4 | worse | -0.100 [" in val_part and "| 0.510 | 0.500 / 0.520 / 0.510 | `group_size=4` |" in val_part
-    assert "| **default** | reference |  | 0.610 | 0.600 / 0.610 / 0.620 | params.yaml |" in val_part
+def _runs(vals):
+    return [Run(f"{v}-seed-{s}", "x", "success", {}, a) for v, per in vals.items() for s, a in per.items()]
+
+
+def test_the_verdicts_are_holm_adjusted_over_both_metrics_and_every_variant():
+    """Four comparisons (two variants x two metrics); the raw p-values are adjusted together, so a
+    difference significant alone can lose its verdict in the family."""
+    grid = Grid("ref", (0, 1, 2, 3, 4, 5), {"ref": {}, "a": {"train.group_size": 4}, "b": {"train.lr": 1e-3}})
+    base = {s: 0.5 + 0.01 * s for s in range(6)}
+    shift = lambda d, noise: {s: v + d + noise[s] for s, v in base.items()}  # noqa: E731
+    noise = [0.01, -0.01, 0.005, -0.005, 0.0, 0.002]
+    val = {"ref": base, "a": shift(0.05, noise), "b": shift(0.006, noise)}
+    test = {"ref": base, "a": shift(0.04, noise), "b": shift(-0.004, noise)}
+    table = ablations.rows(grid, {ablations.SELECT: _runs(val), ablations.TEST: _runs(test)})
+    raw = {(r.variant, k): p.test.p for r in table for k, p in r.compared.items()}
+    adjusted = holm({f"{v}|{k}": p for (v, k), p in raw.items()})
+    for r in table:
+        for k, p in r.compared.items():
+            assert p.p_holm == pytest.approx(adjusted[f"{r.variant}|{k}"])
+            assert p.p_holm >= p.test.p
+    a = next(r for r in table if r.variant == "a")
+    assert a.compared[ablations.SELECT].verdict == "better" and a.compared[ablations.TEST].verdict == "better"
+    b = next(r for r in table if r.variant == "b")
+    assert b.compared[ablations.SELECT].verdict == "no detectable difference"
+    text = ablations.markdown(grid, table)
+    assert "4 comparisons, Holm-adjusted" in text and "80% power" in text
+    row = next(line for line in text.splitlines() if line.startswith("| a |"))
+    assert f"{a.compared[ablations.SELECT].p_holm:.3f} | better |" in row
+
+
+def test_the_decision_rule_picks_the_cheapest_candidate_within_the_margin():
+    grid = Grid("ref", (0, 1), {"ref": {}, "cheap": {"train.lr": 1e-3}, "dear": {"train.lr": 2e-3}},
+                decision={"candidates": ["cheap", "dear"], "margin": 0.02})
+    val = {"ref": {0: 0.50, 1: 0.52}, "cheap": {0: 0.49, 1: 0.51}, "dear": {0: 0.51, 1: 0.53}}
+    cost = {"ref": {0: 100.0, 1: 100.0}, "cheap": {0: 50.0, 1: 52.0}, "dear": {0: 90.0, 1: 90.0}}
+    table = ablations.rows(grid, {ablations.SELECT: _runs(val), ablations.COST: _runs(cost)})
+    assert "**cheap**, the cheapest candidate within 0.020 of the best variant (dear)" in ablations.decide(grid, table)[0]
+    strict = Grid(grid.reference, grid.seeds, grid.variants, decision={"candidates": ["cheap"], "margin": 0.01})
+    assert "no candidate is within 0.010 of the best (dear); the best candidate" in ablations.decide(strict, table)[0]
 
 
 STAGE = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('params.yaml'))['train']; "
          "os.makedirs('metrics', exist_ok=True); "
          "acc = 0.5 + (0.1 if t['order'] == 'shuffled' else 0) + 0.01 * t['seed'] * (2 if t['order'] == 'shuffled' else 1); "
          "json.dump(dict(accuracy=acc), open('metrics/final.json', 'w')); "
-         "json.dump(dict(best_val_accuracy=acc / 2), open('metrics/train.json', 'w'))\"")
+         "json.dump(dict(final_val_accuracy=acc / 2, total_time_s=10.0), open('metrics/train.json', 'w'))\"")
 
 
 def _tiny_repo(path: Path, seeds) -> Path:
@@ -142,11 +168,10 @@ def test_a_grid_runs_through_the_dvc_queue_resumes_and_compares_in_pairs(tmp_pat
     assert sorted(r.name for r in runs) == sorted(exp_name(v, s) for v in ("default", "shuffled") for s in (0, 1))
     assert ablations.main(["compare", "--root", str(repo)]) == 0
     table = (repo / "outputs" / "ablations" / "ablations.md").read_text()
-    # shuffled - default: 0.1 + 0.01 s per seed -> 0.100, 0.110: mean 0.105, t(0.975, 1) x 0.00707 / sqrt(2)
-    half = 12.70620473617 * (0.01 / math.sqrt(2)) / math.sqrt(2)
-    row = next(line for line in table.splitlines() if line.startswith("| shuffled"))
-    assert f"+0.105 [{0.105 - half:+.3f}, {0.105 + half:+.3f}]" in row and "better" in row
-    assert "| 0.610 | 0.600 / 0.620 |" in row  # the mean and the per-seed test accuracy
+    # shuffled - default: 0.1 + 0.01 s per seed -> 0.100, 0.110: mean 0.105 on both metrics
+    test_part = table.split("Test accuracy")[1]
+    row = next(line for line in test_part.splitlines() if line.startswith("| shuffled"))
+    assert "| +0.105 |" in row and "| 0.600 / 0.620 |" in row  # the paired mean and the per-seed test accuracy
     assert (repo / "outputs" / "ablations" / "ablations.png").stat().st_size > 5000
     print(table)
 
@@ -159,36 +184,19 @@ def test_stale_tasks_are_the_running_ones_without_a_worker():
     assert ablations.stale_tasks(status + "Worker status: 1 active, 0 idle") == []
 
 
-def test_the_token_rules_grid_is_valid_with_two_references():
-    grid = load_grid(ROOT / "experiments" / "token_rules.yaml")
-    assert grid.reference == "every-token" and grid.second_reference == "default" and grid.seeds == (0, 1, 2, 3, 4)
-    assert grid.variants["every-token"] == {"train.entropy_top_quantile": 1.0} and grid.variants["default"] == {}
-    assert {"archer", "top-0.2", "top-0.5", "top-0.8", "shuffled"} <= set(grid.variants)
+def test_the_reasoning_grid_is_valid_and_declares_its_decision_rule():
+    grid = load_grid(ROOT / "experiments" / "reasoning_grid.yaml")
+    assert grid.reference == "every-token" and len(grid.seeds) >= 6
+    assert {"top-0.2", "top-0.5", "sent_kl", "archer-mu2"} <= set(grid.variants)
+    assert set(grid.decision["candidates"]) == {"top-0.2", "top-0.5", "sent_kl", "archer-mu2"}
     # a rule's variant names its rule: its meaning does not move when params.yaml's default does
-    assert all(grid.variants[v].get("train.entropy_rule") for v in ("archer", "top-0.2", "top-0.5", "top-0.8"))
+    assert all(grid.variants[v].get("train.entropy_rule") for v in grid.decision["candidates"])
+    assert grid.variants["archer-mu2"]["train.mu"] == 2
 
 
-def test_a_second_reference_gets_its_own_column_of_paired_differences(tmp_path):
-    """Reference ``all``, second reference ``default``: each row also shows its paired difference to
-    ``default`` with the verdict (``g4`` - ``default`` = +0.05, +0.03, +0.07: better; ``all`` -
-    ``default`` = -0.1 every seed: worse, an interval of width 0), empty on ``default``'s own row; a
-    second reference that is not a variant, or is the reference, fails."""
-    grid = Grid("all", (0, 1, 2), {"default": {}, "all": {"train.entropy_top_quantile": 1.0},
-                                    "g4": {"train.group_size": 4}}, second_reference="default")
-    runs = lambda vals: [Run(f"{v}-seed-{s}", "x", "success", {}, a) for v, per in vals.items()  # noqa: E731
-                         for s, a in per.items()]
-    test = {"default": {0: 0.70, 1: 0.80, 2: 0.75}, "all": {0: 0.60, 1: 0.70, 2: 0.65},
-            "g4": {0: 0.75, 1: 0.83, 2: 0.82}}
-    text = ablations.markdown(grid, ablations.rows(grid, runs(test), runs(test)))
-    test_part = text.split("Validation accuracy")[0]
-    assert "| variant | verdict | minus all [95%] | minus default [95%] | mean |" in test_part
-    assert "| default | better | +0.100 [+0.100, +0.100] |  | 0.750 |" in test_part
-    assert "| **all** | reference |  | -0.100 [-0.100, -0.100]: worse | 0.650 |" in test_part
-    # g4 - default: mean 0.05, sd 0.02, half-width t(0.975, 2) 0.02 / sqrt(3) = 0.0497: [+0.0003, +0.0997]
-    assert "| g4 | better | +0.150 [+0.100, +0.200] | +0.050 [+0.000, +0.100]: better | 0.800 |" in test_part
-    for second in ("nope", "all"):
-        path = _grid_file(tmp_path, {"default": {}, "all": {}}, reference="all")
-        raw = yaml.safe_load(path.read_text())
-        path.write_text(yaml.safe_dump({**raw, "second_reference": second}))
-        with pytest.raises(ValueError, match="second_reference"):
-            load_grid(path)
+def test_a_second_reference_is_refused_with_one_line(tmp_path):
+    path = _grid_file(tmp_path, {"default": {}, "all": {}}, reference="all")
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "second_reference": "default"}))
+    with pytest.raises(ValueError, match="second_reference was dropped"):
+        load_grid(path)

@@ -363,3 +363,21 @@ def test_archer_and_sent_kl_token_terms_by_hand():
 def test_kl_weights_need_reference():
     with pytest.raises(ValueError, match="kl_weights needs ref_logp"):
         grpo_loss(LOGP, OLD, None, ADV, MASK, kl_weights=torch.ones_like(LOGP))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_term_gradient_norms_are_those_of_each_term_alone(loss_type):
+    """policy_grad_sq is the squared gradient norm (at the log-probs) of the loss without its KL;
+    kl_grad_sq that of the loss with the KL minus the loss without it."""
+    logp, old, ref, adv, mask = random_batch(6)
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(5), dtype=logp.dtype)
+    grads = []
+    for kl_weights in (None, weights):
+        x = logp.clone().requires_grad_(True)
+        loss, stats = grpo_loss(x, old, ref, adv, mask, beta=0.0, kl_weights=kl_weights, loss_type=loss_type)
+        loss.backward()
+        grads.append(x.grad)
+    g_policy, g_both = grads
+    assert stats["policy_grad_sq"] == pytest.approx(float(g_policy.pow(2).sum()), rel=1e-9)
+    assert stats["kl_grad_sq"] == pytest.approx(float((g_both - g_policy).pow(2).sum()), rel=1e-9)
+    assert stats["kl_grad_sq"] > 0

@@ -30,8 +30,9 @@ def test_every_statistic_is_declared_once_and_shown_under_its_own_key():
     no time or count takes."""
     names = [s.name for s in UPDATE]
     assert len(names) == len(set(names)) and set(names) <= set(STATS)
-    keys = [s.key for s in UPDATE]
-    assert None not in keys and len(keys) == len(set(keys))
+    keys = [s.key for s in UPDATE if s.key is not None]
+    assert len(keys) == len(set(keys))
+    assert {s.name for s in UPDATE if s.key is None} == {"policy_grad_sq", "kl_grad_sq"}  # inputs of kl_grad_share
     assert not set(keys) & set(TIMES) and not set(keys) & set(OWN)
     assert STATS["entropy"].key == "entropy_mean" and STATS["loss"].key == "loss"
     assert all(STATS[n].key is None for n in ("n_valid", "n_rows", "n_valid_step", "n_rows_step"))
@@ -122,6 +123,17 @@ def test_update_row_divides_token_sums_by_the_updates_tokens():
         "loss": 0.6, "kl": 0.5, "entropy_mean": 2.0, "kept_frac": 0.5, "logp_mismatch_mean": 0.05,
         "logp_mismatch_max": 0.1, "is_weight_mean": 0.9, "completion_len": 2.5, "update_frac": 0.5,
         "step_time_s": 2.0, "time_update_s": 1.5, "time_wait_s": 0.1, "time_allreduce_s": 0.05})
+
+
+def test_the_kl_share_is_the_root_of_the_summed_squared_norms_and_the_inputs_are_not_shown():
+    """Two micro-batches' squared norms add (they touch different log-probs): 0.01 + 0.03 over 1 + 3."""
+    sums = Sums()
+    for pol, kl in ((1.0, 0.01), (3.0, 0.03)):
+        sums.add_micro_batch({"policy_grad_sq": pol, "kl_grad_sq": kl}, n_tokens=5.0)
+    base = {"n_valid": 4.0, "n_rows": 2.0, "n_valid_step": 4.0, "n_rows_step": 2.0}
+    row = update_row(Dist(), {**sums.values, **base}, {}, torch.device("cpu"))
+    assert row["kl_grad_share"] == pytest.approx(0.1)
+    assert "policy_grad_sq" not in row and "kl_grad_sq" not in row and None not in row
 
 
 def test_update_row_of_an_update_without_valid_tokens_is_finite():

@@ -5,7 +5,7 @@
 
 The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: name -> params overrides
 (``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued;
-optionally a ``second_reference`` variant, whose paired difference gets a column of its own.
+optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``; ``decide``).
 Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --queue -S
 train.seed=s -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
 run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queues only the
@@ -16,12 +16,15 @@ second call after a finished run queues nothing and runs nothing. Once every exp
 result, ``run`` compares them (below), so one command does the whole grid.
 
 ``compare`` pairs each variant with the reference on the seeds both finished: the difference
-``d_s = metric(v, s) - metric(reference, s)`` per seed, its mean and a 95% t-interval
-(``mean +- t(0.975, n - 1) sd(d) / sqrt(n)``). Pairing by seed removes what the seed does to both
-runs alike (the data order of the shuffled stages, the rollouts' sampling), so the interval is
-about the variant, not the seed. An interval that spans zero reads "no detectable difference".
-It writes ``ablations.md`` (the table), ``ablations.json`` and ``ablations.png`` (a forest plot of
-the paired differences, test and validation) into ``--out-dir``.
+``d_s = metric(v, s) - metric(reference, s)`` per seed, its mean and two-sided paired t-test
+(``grpo.stats``), for two metrics: the last step's validation accuracy (``SELECT``: the shipped
+adapter is the best of several checkpoints on validation, so its own validation figure is biased
+upward; the last step's is not chosen on anything) and the shipped adapter's test accuracy. Every
+comparison of both metrics is one family: p-values are Holm-adjusted over all of them, and a
+verdict ("better", "worse") needs an adjusted p below 0.05. The table also gives each variant's
+mean with its 95% interval across seeds, the train stage's seconds, how many tokens the clip bound
+and the KL term's share of the gradient, and what the design detects with 80% power. It writes
+``ablations.md``, ``ablations.json`` and ``ablations.png`` (a forest plot) into ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -34,12 +37,20 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.experiments import SEED_KEY, Run, cli_value, dvc, read_runs, t975
+from grpo.experiments import SEED_KEY, Run, cli_value, dvc, exp_show, parse_runs, read_runs
+from grpo.stats import PairedTest, detectable, holm, paired_test, pooled_sd
 
 GRID = "experiments/ablations.yaml"
 OUT_DIR = "outputs/ablations"
-TEST = "metrics/final.json:accuracy"
-VALIDATION = "metrics/train.json:best_val_accuracy"  # the shipped adapter's validation accuracy
+TEST = "metrics/final.json:accuracy"  # the shipped (best-validation) adapter on the test split
+SELECT = "metrics/train.json:final_val_accuracy"  # the last step's validation: no checkpoint chosen on it
+COST = "metrics/train.json:total_time_s"
+CLIP = "metrics/train.json:mean_clip_frac"
+CLIP_STEPS = "metrics/train.json:clip_bound_steps"
+KL_SHARE = "metrics/train.json:mean_kl_grad_share"
+COMPARED = (SELECT, TEST)
+METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE)
+ALPHA = 0.05
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class Grid:
     reference: str
     seeds: tuple[int, ...]
     variants: dict[str, dict[str, object]]  # name -> {"train.order": "shuffled", ...}
-    second_reference: str | None = None  # a second column of paired differences (the table only)
+    decision: dict | None = None  # {"candidates": [variant, ...], "margin": float}: the rule ``decide`` applies
 
 
 def _set_dotted(tree: dict, key: str, value: object) -> None:
@@ -90,15 +101,20 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     reference = raw.get("reference")
     if reference not in variants:
         raise ValueError(f"{path}: reference {reference!r} is not one of the variants ({', '.join(variants)})")
-    second = raw.get("second_reference")
-    if second is not None and (second not in variants or second == reference):
-        raise ValueError(f"{path}: second_reference {second!r} is not one of the other variants")
+    if "second_reference" in raw:
+        raise ValueError(f"{path}: second_reference was dropped: every comparison is to 'reference', "
+                         "Holm-adjusted together (docs/results.md)")
+    decision = raw.get("decision")
+    if decision is not None:
+        if not isinstance(decision, dict) or set(decision) != {"candidates", "margin"} \
+                or not set(decision["candidates"] or []) <= set(variants) or not decision["candidates"]:
+            raise ValueError(f"{path}: 'decision' must name 'candidates' (variants of the grid) and a 'margin'")
     seeds = raw.get("seeds")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
             or len(set(seeds)) != len(seeds):
         raise ValueError(f"{path}: 'seeds' must be a list of distinct integers")
     grid = Grid(reference=reference, seeds=tuple(seeds),
-                variants={name: dict(over or {}) for name, over in variants.items()}, second_reference=second)
+                variants={name: dict(over or {}) for name, over in variants.items()}, decision=decision)
     params = read_params_yaml(params_path or Path(path).resolve().parent.parent / "params.yaml")
     for name, overrides in grid.variants.items():
         if SEED_KEY in overrides:
@@ -149,41 +165,32 @@ def plan(grid: Grid, runs: list[Run]) -> Plan:
 # ---------------------------------------------------------------- comparison
 @dataclass(frozen=True)
 class Paired:
-    """A variant against the reference on the seeds both have."""
+    """A variant against the reference on the seeds both have (``grpo.stats.paired_test``), with
+    its p-value adjusted by Holm over every comparison the table reports (``adjust``)."""
 
     seeds: tuple[int, ...]
     diffs: tuple[float, ...]  # variant - reference, per seed
-    mean: float | None
-    low: float | None  # 95% t-interval; None below 2 pairs
-    high: float | None
+    test: PairedTest | None  # None without a shared seed
+    p_holm: float | None = None
+
+    @property
+    def mean(self) -> float | None:
+        return self.test.mean if self.test else None
 
     @property
     def verdict(self) -> str:
-        if self.low is None:
+        if self.test is None or self.test.n < 2:
             return "too few seeds"
-        if self.low <= 0 <= self.high:
+        if self.p_holm is None or self.p_holm >= ALPHA:
             return "no detectable difference"
-        return "better" if self.low > 0 else "worse"
+        return "better" if self.test.mean > 0 else "worse"
 
 
 def paired(reference: dict[int, float], variant: dict[int, float]) -> Paired:
-    """Per-seed differences ``variant - reference`` over the seeds in both, their mean and 95%
-    t-interval (n - 1 degrees of freedom)."""
+    """Per-seed differences ``variant - reference`` over the seeds in both and their t-test."""
     seeds = tuple(sorted(set(reference) & set(variant)))
     diffs = tuple(variant[s] - reference[s] for s in seeds)
-    if not diffs:
-        return Paired(seeds, diffs, None, None, None)
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return Paired(seeds, diffs, mean, None, None)
-    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return Paired(seeds, diffs, mean, mean - half, mean + half)
-
-
-def detectable(diffs_sd: float, n: int) -> float:
-    """The smallest mean paired difference whose 95% interval excludes zero with ``n`` seeds when
-    the per-seed differences have standard deviation ``diffs_sd``: ``t(0.975, n - 1) sd / sqrt(n)``."""
-    return t975(n - 1) * diffs_sd / math.sqrt(n)
+    return Paired(seeds, diffs, paired_test(diffs) if diffs else None)
 
 
 def values_by_variant(grid: Grid, runs: list[Run]) -> dict[str, dict[int, float]]:
@@ -196,71 +203,130 @@ def values_by_variant(grid: Grid, runs: list[Run]) -> dict[str, dict[int, float]
 
 @dataclass(frozen=True)
 class Row:
+    """One variant: ``values[metric][seed]`` for every metric of ``METRICS`` it has, and its paired
+    comparisons to the reference on the compared metrics (``COMPARED``)."""
+
     variant: str
     overrides: dict[str, object]
-    test: dict[int, float]
-    validation: dict[int, float]
-    test_paired: Paired
-    validation_paired: Paired
+    values: dict[str, dict[int, float]]
+    compared: dict[str, Paired]
 
 
-def rows(grid: Grid, test_runs: list[Run], val_runs: list[Run]) -> list[Row]:
-    test, val = values_by_variant(grid, test_runs), values_by_variant(grid, val_runs)
-    return [Row(v, grid.variants[v], test[v], val[v], paired(test[grid.reference], test[v]),
-                paired(val[grid.reference], val[v])) for v in grid.variants]
+def rows(grid: Grid, runs: dict[str, list[Run]]) -> list[Row]:
+    """The table: ``runs`` maps each metric key of ``METRICS`` to ``dvc exp show``'s runs read for
+    it. Every comparison of every compared metric is one member of the Holm family."""
+    values = {key: values_by_variant(grid, found) for key, found in runs.items()}
+    raw = {(v, key): paired(values[key][grid.reference], values[key][v])
+           for key in COMPARED if key in values for v in grid.variants if v != grid.reference}
+    adjusted = holm({f"{v}|{key}": p.test.p for (v, key), p in raw.items() if p.test and p.test.n >= 2})
+    compared = {k: Paired(p.seeds, p.diffs, p.test, adjusted.get(f"{k[0]}|{k[1]}")) for k, p in raw.items()}
+    return [Row(v, grid.variants[v], {key: vals[v] for key, vals in values.items()},
+                {key: compared[(v, key)] for key in COMPARED if (v, key) in compared}) for v in grid.variants]
 
 
-def _f(x: float | None, signed: bool = False) -> str:
-    return "-" if x is None else (f"{x:+.3f}" if signed else f"{x:.3f}")
+def _f(x: float | None, signed: bool = False, digits: int = 3) -> str:
+    return "-" if x is None else (f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}")
 
 
-def _interval(p: Paired) -> str:
-    return f"{_f(p.mean, True)} [{_f(p.low, True)}, {_f(p.high, True)}]" if p.low is not None else _f(p.mean, True)
+def _mean_interval(values: dict[int, float]) -> str:
+    """Mean over seeds with its 95% t-interval (across seeds, not paired)."""
+    if not values:
+        return "-"
+    t = paired_test(tuple(values.values()))
+    return f"{t.mean:.3f} [{t.low:.3f}, {t.high:.3f}]" if t.low is not None else f"{t.mean:.3f}"
 
 
-def _split_table(grid: Grid, table: list[Row], split: str) -> list[str]:
-    """One split's table, what a reader needs first (a phone shows the first columns): per variant
-    the verdict and the paired difference to the reference with its 95% interval, the mean, the
-    metric per seed in one cell, and what the variant changes (keys without their section). With a
-    ``second_reference``, the paired difference to it and its verdict follow the first's."""
-    seeds, ref_name, second = grid.seeds, grid.reference, grid.second_reference
-    head = ["variant", "verdict", f"minus {ref_name} [95%]", "mean", f"seeds {', '.join(map(str, seeds))}", "changes"]
-    if second:
-        head.insert(3, f"minus {second} [95%]")
+def _split_table(grid: Grid, table: list[Row], key: str) -> list[str]:
+    """One metric's table: per variant the mean over seeds with its interval, the paired difference
+    to the reference with its raw and Holm-adjusted p and verdict, the value per seed, what it changes."""
+    head = ["variant", "mean [95%]", f"minus {grid.reference} (paired)", "p", "p (Holm)", "verdict",
+            f"seeds {', '.join(map(str, grid.seeds))}", "changes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    split_values = {r.variant: r.test if split == "test" else r.validation for r in table}
     for r in table:
-        values, pair = (r.test, r.test_paired) if split == "test" else (r.validation, r.validation_paired)
+        values, ref = r.values.get(key, {}), r.variant == grid.reference
+        pair = r.compared.get(key)
         changes = ", ".join(f"`{k.rpartition('.')[2]}={cli_value(v)}`" for k, v in r.overrides.items())
-        ref = r.variant == ref_name
-        cells = [f"**{r.variant}**" if ref else r.variant, "reference" if ref else pair.verdict,
-                 "" if ref else _interval(pair), _f(statistics.fmean(values.values()) if values else None),
-                 " / ".join(_f(values.get(s)) for s in seeds), changes or "params.yaml"]
-        if second:
-            to_second = paired(split_values.get(second, {}), values)
-            cells.insert(3, "" if r.variant == second else f"{_interval(to_second)}: {to_second.verdict}")
+        cells = [f"**{r.variant}**" if ref else r.variant, _mean_interval(values),
+                 "" if ref or pair is None else _f(pair.mean, True),
+                 "" if ref or pair is None or pair.test is None else f"{pair.test.p:.3f}",
+                 "" if ref or pair is None or pair.p_holm is None else f"{pair.p_holm:.3f}",
+                 "reference" if ref else (pair.verdict if pair else "-"),
+                 " / ".join(_f(values.get(s)) for s in grid.seeds), changes or "params.yaml"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
+def _acting_table(grid: Grid, table: list[Row]) -> list[str]:
+    """Cost and whether the parts acted: train stage seconds, clip-binding fraction, KL share."""
+    lines = ["| variant | train stage s (mean) | tokens clipped (mean per step) | steps the clip bound "
+             "| KL share of the gradient (mean) |", "|---|---|---|---|---|"]
+    for r in table:
+        cells = [r.variant] + [_f(statistics.fmean(v.values()), digits=d) if (v := r.values.get(k)) else "-"
+                               for k, d in ((COST, 0), (CLIP, 4), (CLIP_STEPS, 1), (KL_SHARE, 4))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _power_line(table: list[Row]) -> list[str]:
+    """What the design detects: the pooled spread of the paired differences, the smallest mean
+    difference found with 80% power at alpha 0.05 and at Holm's strictest level alpha / m."""
+    pairs = [p for r in table for p in r.compared.values() if p.test and p.test.n >= 2]
+    if not pairs:
+        return []
+    n, m, sd = min(p.test.n for p in pairs), len(pairs), pooled_sd([p.diffs for p in pairs])
+    if sd == 0:
+        return []
+    return ["", f"{m} comparisons, Holm-adjusted over all of them (family-wise alpha {ALPHA}). With {n} paired "
+            f"seeds and the paired differences' spread pooled over the comparisons (sd {sd:.3f}), a true mean "
+            f"difference is found with 80% power when it is at least **{detectable(sd, n, ALPHA):.3f}** at alpha "
+            f"{ALPHA} alone, and **{detectable(sd, n, ALPHA / m):.3f}** at Holm's strictest level "
+            f"(alpha / {m}). A difference below these is not ruled out by a \"no detectable difference\"."]
+
+
 def markdown(grid: Grid, table: list[Row]) -> str:
-    """The comparison: the test table, the validation table, then what the design can detect."""
-    lines = ["Test accuracy (n = 225 problems, greedy):", "", *_split_table(grid, table, "test"), "",
-             "Validation accuracy of the shipped adapter (the split the default is chosen on):", "",
-             *_split_table(grid, table, "validation")]
-    sds = [statistics.stdev(r.test_paired.diffs) for r in table
-           if r.variant != grid.reference and len(r.test_paired.diffs) >= 2]
-    if sds:
-        n = max(len(r.test_paired.diffs) for r in table if r.variant != grid.reference)
-        sd = math.sqrt(statistics.fmean(x * x for x in sds))
-        lines += ["", f"With {n} seeds a mean paired difference is told from zero when it exceeds "
-                  f"t(0.975, {n - 1}) sd(d) / sqrt({n}) = {t975(n - 1) / math.sqrt(n):.2f} sd(d); with sd(d) "
-                  f"pooled over the variants ({sd:.3f}) that is **{detectable(sd, n):.3f}** of test accuracy."]
+    """The comparison: the selection metric's table, the test table, cost and action, power, and
+    (with a decision rule in the grid) the rule's outcome."""
+    lines = [f"Validation accuracy at the last step (`{SELECT}`: no checkpoint chosen on it; the rule is "
+             "chosen on this):", "", *_split_table(grid, table, SELECT), "",
+             f"Test accuracy of the shipped adapter (`{TEST}`):", "", *_split_table(grid, table, TEST), "",
+             "Cost and whether each part acted (means over seeds):", "", *_acting_table(grid, table),
+             *_power_line(table)]
+    if grid.decision:
+        lines += ["", *decide(grid, table)]
     return "\n".join(lines) + "\n"
 
 
+def decide(grid: Grid, table: list[Row]) -> list[str]:
+    """The grid's decision rule applied: among ``decision.candidates``, the cheapest (train stage
+    seconds) whose mean paired shortfall on ``SELECT`` to the best variant is at most
+    ``decision.margin``; when none is, the best candidate, with its shortfall stated."""
+    by_name = {r.variant: r for r in table}
+    means = {r.variant: statistics.fmean(v.values()) for r in table if (v := r.values.get(SELECT))}
+    if not means:
+        return ["Decision: no results yet."]
+    best = max(means, key=means.get)
+
+    def shortfall(name: str) -> float:
+        mine, top = by_name[name].values[SELECT], by_name[best].values[SELECT]
+        return statistics.fmean(top[s] - mine[s] for s in set(mine) & set(top))
+
+    cands = [c for c in grid.decision["candidates"] if c in means]
+    cost = {c: statistics.fmean(by_name[c].values[COST].values()) if by_name[c].values.get(COST) else math.inf
+            for c in cands}
+    margin = float(grid.decision["margin"])
+    ok = sorted((c for c in cands if shortfall(c) <= margin + 1e-9), key=cost.get)  # accuracies are k / n: no float noise
+    if ok:
+        pick, why = ok[0], f"the cheapest candidate within {margin:.3f} of the best variant ({best})"
+    else:
+        pick = min(cands, key=shortfall)
+        why = f"no candidate is within {margin:.3f} of the best ({best}); the best candidate"
+    return [f"Decision (rule committed before the grid ran): **{pick}**, {why}: shortfall "
+            f"{shortfall(pick):+.3f} on `{SELECT}`, train stage {cost[pick]:.0f} s. Candidates: "
+            + ", ".join(f"{c} ({shortfall(c):+.3f}, {cost[c]:.0f} s)" for c in cands) + "."]
+
+
 def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:
-    """Paired differences to the reference with their 95% intervals (test and validation), one row
+    """Paired differences to the reference with their 95% intervals (validation and test), one row
     per variant, the per-seed differences as dots."""
     import matplotlib
 
@@ -269,13 +335,14 @@ def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:
 
     others = [r for r in table if r.variant != grid.reference]
     fig, axes = plt.subplots(1, 2, figsize=(9, 0.45 * len(others) + 1.6), sharey=True)
-    for ax, attr, title in ((axes[0], "test_paired", "test accuracy"), (axes[1], "validation_paired", "validation accuracy")):
+    for ax, key, title in ((axes[0], SELECT, "validation, last step"), (axes[1], TEST, "test accuracy")):
         for y, r in enumerate(reversed(others)):
-            p: Paired = getattr(r, attr)
-            if p.low is not None:
-                ax.plot([p.low, p.high], [y, y], color="tab:blue", lw=2)
-            if p.mean is not None:
-                ax.plot(p.mean, y, "s", color="tab:blue")
+            p = r.compared.get(key)
+            if p is None or p.test is None:
+                continue
+            if p.test.low is not None:
+                ax.plot([p.test.low, p.test.high], [y, y], color="tab:blue", lw=2)
+            ax.plot(p.test.mean, y, "s", color="tab:blue")
             ax.plot(p.diffs, [y] * len(p.diffs), "o", color="gray", alpha=0.5, ms=4)
         ax.axvline(0, color="black", lw=0.8)
         ax.set_title(f"{title}: variant - {grid.reference}", fontsize=10)
@@ -334,16 +401,23 @@ def _run(args: argparse.Namespace) -> int:
     return _compare(args)
 
 
+def read_table(root: Path, grid: Grid) -> list[Row]:
+    """The grid's rows from one ``dvc exp show`` of ``root``."""
+    show = exp_show(root)
+    return rows(grid, {key: parse_runs(show, key) for key in METRICS})
+
+
 def _compare(args: argparse.Namespace) -> int:
     root, grid = Path(args.root), load_grid(Path(args.root) / args.grid)
-    table = rows(grid, read_runs(root, TEST), read_runs(root, VALIDATION))
+    table = read_table(root, grid)
     out = root / args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(grid, table)
     (out / "ablations.md").write_text(text)
     (out / "ablations.json").write_text(json.dumps([
-        {"variant": r.variant, "overrides": r.overrides, "test": r.test, "validation": r.validation,
-         "test_paired": r.test_paired.__dict__, "validation_paired": r.validation_paired.__dict__}
+        {"variant": r.variant, "overrides": r.overrides, "values": r.values,
+         "compared": {k: {"seeds": p.seeds, "diffs": p.diffs, "p": p.test.p if p.test else None,
+                          "p_holm": p.p_holm, "verdict": p.verdict} for k, p in r.compared.items()}}
         for r in table], indent=1, default=list) + "\n")
     forest_plot(grid, table, out / "ablations.png")
     print(text, end="")

@@ -117,8 +117,8 @@ class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
     source: Literal["gsm8k", "gsm_symbolic", "arithmetic", "jsonl"] = "arithmetic"
     """``gsm8k`` (``openai/gsm8k`` from the hub; needs internet), ``gsm_symbolic`` (reasoning-gym
-    GSM8K-style word problems, offline), ``arithmetic`` (reasoning-gym ``basic_arithmetic`` in
-    natural phrasing, offline) or ``jsonl`` (your own file, see ``path``)."""
+    GSM8K-style word problems, offline), ``arithmetic`` (``grpo.arithmetic``: flat expressions in a few
+    phrasings, labels computed and checked by the project, offline) or ``jsonl`` (your own file, see ``path``)."""
     path: str = ""
     """``jsonl`` source: file with one ``{"question", "answer"}`` object a line (``id``, ``solution`` optional);
     ``test_size`` rows (seeded) become the test split, at most ``train_size`` of the rest the train split."""
@@ -127,24 +127,26 @@ class DataConfig(Section):
     out_dir: str = "data/raw"
     """Where ``train.jsonl`` and ``test.jsonl`` are written."""
     seed: int = 0
-    """Generator seed (the test split uses ``seed + 1_000_000``: reasoning-gym seeds item i with seed + i)."""
+    """Generator seed: of the problems drawn and of the hash that gives each operand set (arithmetic)
+    or template (gsm_symbolic) to one split (``grpo.data.split_of``)."""
     train_size: Positive = 160
     """Training problems generated (duplicates are dropped)."""
     test_size: Positive = 500
-    """Test problems generated (repeats and questions shared with train are dropped)."""
-    val_size: NonNegative = 400
-    """Validation problems generated (for evaluation during training; questions in train or test
-    and repeats are dropped); 0 writes an empty validation split."""
+    """Test problems: at most this many (fewer where the operand sets or templates run out)."""
+    val_size: NonNegative = 200
+    """Validation problems (for evaluation during training), held out like test; 0 writes an empty
+    validation split."""
     min_terms: Positive = 2
     """Fewest operands per arithmetic problem."""
     max_terms: Positive = 2
     """Most operands per arithmetic problem."""
     min_digits: Positive = 1
     """Fewest digits per operand."""
-    max_digits: Positive = 1
-    """Most digits per operand."""
+    max_digits: Positive = 2
+    """Most digits per operand (each operand draws its digit count, then its value)."""
     operators: list[Literal["+", "-", "*", "/"]] = Field(default_factory=lambda: ["+"])
-    """Operators drawn from ``+ - * /``."""
+    """Operators drawn from ``+ - * /`` (``grpo.arithmetic``: the usual precedence; ``/`` only where
+    the quotient is an integer)."""
 
     @model_validator(mode="after")
     def _check(self):
@@ -381,7 +383,7 @@ class TrainConfig(VLLMEngineConfig):
     """Write a resumable checkpoint every N steps (0: never)."""
     val_path: str = "data/raw/val.jsonl"
     """Validation problems for the evaluation during training (``prepare_data`` writes them)."""
-    eval_every: NonNegative = 5
+    eval_every: NonNegative = 10
     """Greedy accuracy on ``val_path`` every N steps and after the last one, with the rollout
     backend (0: never)."""
     eval_max_new_tokens: Positive = 64

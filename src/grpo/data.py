@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from grpo import arithmetic
-
 from grpo.jsonio import DataError, text_lines
 from grpo.rewards import extract_answer
 

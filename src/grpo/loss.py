@@ -228,18 +228,32 @@ def grpo_loss(
     per_token, stats = policy(logp, old_logp, adv, mask, epsilon=epsilon, epsilon_high=eps_high)  # (N, T)
     if token_weights is not None:
         per_token = per_token * token_weights.detach().to(per_token.dtype)
-    kl = None
+    if normalizer is None:
+        normalizer = aggregation.normalizer(mask, max_length)
+    kl = kl_term = None
     if beta != 0.0 or kl_weights is not None:
         if ref_logp is None:
             raise ValueError(f"{'beta != 0' if beta != 0.0 else 'kl_weights'} needs ref_logp")
         delta = ref_logp - logp  # (N, T)
         kl = torch.exp(delta) - delta - 1  # (N, T), k3 estimator
-        if beta != 0.0:
-            per_token = per_token + beta * kl
-        if kl_weights is not None:
-            per_token = per_token + kl_weights.detach().to(per_token.dtype) * kl
-
-    if normalizer is None:
-        normalizer = aggregation.normalizer(mask, max_length)
-    loss = aggregation.aggregate(per_token, mask, normalizer)
+        coef = beta + (kl_weights.detach().to(per_token.dtype) if kl_weights is not None else 0.0)  # (N, T) or float
+        kl_term = coef * kl  # (N, T)
+        stats.update(term_grad_norms(aggregation, per_token, kl_term, logp, mask, normalizer))
+    loss = aggregation.aggregate(per_token if kl_term is None else per_token + kl_term, mask, normalizer)
     return loss, {**stats, "kl": token_mean(kl, mask) if kl is not None else 0.0}
+
+
+def term_grad_norms(aggregation, policy_term: Tensor, kl_term: Tensor, logp: Tensor, mask: Tensor,
+                    normalizer: float) -> dict[str, float]:
+    """Squared norms of the policy term's and the KL term's gradients with respect to the (N, T)
+    token log-probs, each aggregated as the loss is: ``policy_grad_sq``, ``kl_grad_sq``
+    (``grpo.metrics`` shows ``kl_grad_share = sqrt(kl / policy)``). Both terms reach the LoRA
+    weights through the same log-probs, so this is where their shares of the update are told
+    apart without a second backward through the model; it costs two elementwise backward passes.
+    Empty when ``logp`` carries no gradient (a no-grad pass)."""
+    if not logp.requires_grad:
+        return {}
+    g_pol, g_kl = (torch.autograd.grad(aggregation.aggregate(term, mask, normalizer), logp, retain_graph=True,
+                                       allow_unused=True)[0] for term in (policy_term, kl_term))
+    sq = [0.0 if g is None else float(g.double().pow(2).sum()) for g in (g_pol, g_kl)]
+    return {"policy_grad_sq": sq[0], "kl_grad_sq": sq[1]}

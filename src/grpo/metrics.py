@@ -19,6 +19,7 @@ statistics, ``PolicyPasses.engine_gap``, or the micro-batch's values in ``accumu
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -54,6 +55,8 @@ UPDATE = (
     Stat("loss"),  # the step's loss: each micro-batch's is already divided by the step-wide normaliser
     Stat("kl", per_token=True, token_mean=True),  # k3 estimate against the reference policy
     Stat("clip_frac", per_token=True, token_mean=True),  # tokens whose ratio was clipped
+    # the two terms' squared gradient norms at the token log-probs (grpo.loss.term_grad_norms): kl_grad_share
+    Stat("policy_grad_sq", row=None), Stat("kl_grad_sq", row=None),
     Stat("ratio", per_token=True, token_mean=True),  # pi / pi_old
     Stat("entropy", per_token=True, row="entropy_mean"),
     Stat("kept", per_token=True, row="kept_frac"),  # tokens the entropy mask kept
@@ -149,8 +152,10 @@ def update_row(dist: Dist, sums: dict[str, float], times: dict[str, float], devi
     n_valid = max(1.0, reduced["n_valid"])
     row = {}
     for stat in UPDATE:
-        if stat.name in reduced:
+        if stat.name in reduced and stat.key is not None:
             row[stat.key] = reduced[stat.name] / n_valid if stat.per_token else reduced[stat.name]
+    if reduced.get("policy_grad_sq"):  # a KL term ran: its gradient's norm over the policy term's
+        row["kl_grad_share"] = math.sqrt(reduced["kl_grad_sq"] / reduced["policy_grad_sq"])
     row["completion_len"] = reduced["n_valid_step"] / reduced["n_rows_step"]
     row["update_frac"] = reduced["n_rows"] / reduced["n_rows_step"]  # completions the update back-propagated
     return {**row, **{k: reduced[k] for k in shared}, **{k: times[k] for k in OWN if k in times}}

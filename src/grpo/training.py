@@ -151,6 +151,20 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     log.info("adapter written to %s; summary %s", adapter_dir, summary)
 
 
+def acting(history: list[dict]) -> dict:
+    """Whether the method's parts acted over the run: the mean per step of the fraction of tokens
+    whose clip bound (``clip_frac``) and the steps where it bound at all; with a KL term, the mean
+    of its gradient's share (``kl_grad_share``). A step without the statistic is left out."""
+    out = {}
+    clips = [r["clip_frac"] for r in history if r.get("clip_frac") is not None]
+    if clips:
+        out.update(mean_clip_frac=sum(clips) / len(clips), clip_bound_steps=sum(c > 0 for c in clips))
+    shares = [r["kl_grad_share"] for r in history if r.get("kl_grad_share") is not None]
+    if shares:
+        out["mean_kl_grad_share"] = sum(shares) / len(shares)
+    return out
+
+
 def train_summary(history: list[dict], backend: str, processes: int, selection: dict,
                   engine_weights: str | None = None) -> dict:
     """``metrics/train.json``: the run's shape (with engine rollouts, the engine's weights form:
@@ -174,6 +188,7 @@ def train_summary(history: list[dict], backend: str, processes: int, selection: 
         best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
         summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
                        best_val_step=best["step"])
+    summary.update(acting(history))
     gaps = [r for r in history if r.get("logp_mismatch_mean") is not None]  # None: a step not applied
     if gaps:
         summary["logp_mismatch_mean"] = sum(r["logp_mismatch_mean"] for r in gaps) / len(gaps)

@@ -1,0 +1,54 @@
+"""Paired tests, Holm's adjustment and the detectable difference, against worked cases and a simulation."""
+
+import random
+import statistics
+
+import pytest
+
+from grpo.stats import detectable, holm, paired_test, pooled_sd, power
+
+
+def test_paired_test_matches_the_t_statistic_by_hand():
+    d = [0.04, 0.01, 0.06, -0.01, 0.03, 0.05]
+    r = paired_test(d)
+    mean, sd = statistics.fmean(d), statistics.stdev(d)
+    t = mean / (sd / len(d) ** 0.5)
+    from scipy import stats
+    assert r.mean == pytest.approx(mean) and r.sd == pytest.approx(sd)
+    assert r.p == pytest.approx(2 * stats.t.sf(abs(t), len(d) - 1))
+    assert r.low < mean < r.high
+
+
+def test_holm_worked_example():
+    # sorted p: 0.01 (x3 = 0.03), 0.02 (x2 = 0.04), 0.04 (x1 = 0.04, kept monotone)
+    adj = holm({"a": 0.04, "b": 0.01, "c": 0.02})
+    assert adj == pytest.approx({"b": 0.03, "c": 0.04, "a": 0.04})
+    assert holm({"a": 0.6, "b": 0.5}) == pytest.approx({"b": 1.0, "a": 1.0})  # capped at 1
+
+
+def test_holm_is_monotone_in_the_raw_order():
+    raw = {"x": 0.001, "y": 0.03, "z": 0.02, "w": 0.2}
+    adj = holm(raw)
+    order = sorted(raw, key=raw.get)
+    assert [adj[k] for k in order] == sorted(adj.values())
+    assert all(adj[k] >= raw[k] for k in raw)
+
+
+def test_detectable_difference_has_the_power_it_claims_in_simulation():
+    """Draw many six-seed experiments with the detectable mean: about 80% are rejected at alpha."""
+    from scipy import stats
+
+    sd, n, alpha = 0.04, 6, 0.05
+    delta = detectable(sd, n, alpha)
+    assert power(delta, sd, n, alpha) == pytest.approx(0.8, abs=1e-6)
+    rng = random.Random(0)
+    trials = 4000
+    hits = sum(stats.ttest_1samp([rng.gauss(delta, sd) for _ in range(n)], 0.0).pvalue < alpha for _ in range(trials))
+    assert hits / trials == pytest.approx(0.8, abs=0.03)
+    assert detectable(sd, n, alpha / 5) > delta  # a stricter level needs a larger difference
+
+
+def test_pooled_sd_weights_by_degrees_of_freedom():
+    a, b = (0.0, 0.1, 0.2), (0.0, 0.3)
+    expected = ((2 * statistics.variance(a) + 1 * statistics.variance(b)) / 3) ** 0.5
+    assert pooled_sd([a, b, (0.5,)]) == pytest.approx(expected)

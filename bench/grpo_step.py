@@ -10,7 +10,8 @@ SmolLM2-135M-Instruct from ``dvc repro``; prompts from ``data/raw/train.jsonl``)
 
     python bench/grpo_step.py --trl [--trl-tuned]
 
-  4 prompts x G = 8, at most 64 new tokens, temperature 1, top_entropy_quantile 0.2, beta 0,
+  4 prompts x G = 8, at most 64 new tokens, temperature 1, top_entropy_quantile 0.2 (ours: the ``high``
+  rule at that quantile, the same work; our params' default rule runs beside it as ``ours-default-rule``), beta 0,
   LoRA r16 / alpha 32; the median step time of each, split into phases, and the mean reward.
   ``--rollout both`` (the default where vLLM is installed) runs our step twice in the same run:
   rollouts from a vLLM engine holding the policy (``ours``, synced every step) and from our decode
@@ -108,9 +109,22 @@ def _train_config(args, overrides: dict, workdir: Path):
         warmup_steps=0, micro_batches=args.micro_batches, generation_batch_size=args.generation_batch,
         rewards={"correctness": 1.0, "format_strict": 0.1},
         truncated="score",  # TRL's default (mask_truncated_completions off): the same rewards, the same work
+        entropy_rule="high",  # TRL's top_entropy_quantile: only the top quantile's tokens get gradient, no KL
     )
     fields.update(train_fields(overrides))
     return TrainConfig(**fields)
+
+
+def default_rule_overrides() -> dict:
+    """The token-entropy rule of the params' defaults (``grpo.config.TrainConfig``) with its options,
+    when it is not the ``high`` rule TRL runs; ``{}`` when it is."""
+    from grpo.config import TrainConfig
+
+    d = TrainConfig()
+    if d.entropy_rule == "high":
+        return {}
+    return {"entropy_rule": d.entropy_rule, "entropy_kl_low": d.entropy_kl_low, "entropy_clip_high": d.entropy_clip_high,
+            "mu": d.mu}
 
 
 def train_fields(overrides: dict) -> dict:
@@ -337,7 +351,11 @@ def print_speed(rows: dict[str, dict]) -> None:
               + f"  {s['step_times']}")
     for other in ("trl", "trl-tuned", "ours-transformers", "ours-dense", "ours-nf4"):
         if "ours" in rows and other in rows:
-            print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}")
+            print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}"
+                  + (" (the same rule: top entropy quantile, no KL)" if other.startswith("trl") else ""))
+    if "ours-default-rule" in rows and "trl" in rows:
+        print(f"ours under the params' default rule / trl median step time: "
+              f"{rows['ours-default-rule']['step_s'] / rows['trl']['step_s']:.2f} (not the same work)")
     if "ours" in rows and "ours-transformers" in rows:
         print(f"generation phase, decode loop / engine: "
               f"{rows['ours-transformers']['generate'] / rows['ours']['generate']:.2f}x")
@@ -402,6 +420,11 @@ def main() -> None:
         name = "ours" if i == 0 else f"ours-{form or rollout}"
         results[name] = _worker(args, {"impl": "ours", "rollout": rollout, "form": form})
         speed[name] = summarise(results[name])
+    default_rule = default_rule_overrides()
+    if not args.no_ours and default_rule:  # the params' default rule, beside the rule TRL runs
+        spec = {"impl": "ours", "overrides": default_rule, "rollout": runs[0][0], "form": runs[0][1]}
+        results["ours-default-rule"] = _worker(args, spec)
+        speed["ours-default-rule"] = summarise(results["ours-default-rule"])
     for impl in ("trl", "trl-tuned") if args.trl and args.trl_tuned else ("trl",) if args.trl else ():
         try:
             results[impl] = _worker(args, {"impl": impl})

@@ -3,6 +3,7 @@ on hand-made numbers, and a tiny grid queued, run and compared through the real 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -200,3 +201,21 @@ def test_a_second_reference_is_refused_with_one_line(tmp_path):
     path.write_text(yaml.safe_dump({**raw, "second_reference": "default"}))
     with pytest.raises(ValueError, match="second_reference was dropped"):
         load_grid(path)
+
+
+def test_a_record_carries_finished_experiments_to_another_clone(tmp_path):
+    """compare's record holds every finished experiment of the grid; another clone's plan counts them
+    as done (a failed run of the same name there does not undo it); another CPU kind is refused."""
+    grid = Grid("default", (0, 1), {"default": {}, "g4": {"train.group_size": 4}})
+    runs = {key: [Run("default-seed-0", "a", "success", {}, 0.7), Run("g4-seed-0", "b", "queued", {}, 0.7),
+                  Run("other-seed-0", "c", "success", {}, 0.1)] for key in ablations.METRICS}
+    path = tmp_path / "record.json"
+    ablations.write_record(path, grid, runs)
+    recorded = ablations.record_runs(path)
+    assert [r.name for r in recorded[ablations.TEST]] == ["default-seed-0"]  # not the queued, not another grid's
+    p = plan(grid, recorded[ablations.TEST] + [Run("default-seed-0", "x", "failed", {}, None)])
+    assert p.done == ["default-seed-0"] and ("default", 0) not in p.queue and ("g4", 0) in p.queue
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "cpu": "another CPU"}))
+    with pytest.raises(ValueError, match="recorded on 'another CPU'"):
+        ablations.record_runs(path)

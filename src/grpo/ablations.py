@@ -146,7 +146,10 @@ class Plan:
 def plan(grid: Grid, runs: list[Run]) -> Plan:
     """Sort the grid's experiments by what ``dvc exp show`` says of them: finished (a test
     accuracy), waiting in the queue (queued or running), failed (queued again) or absent."""
-    by_name = {r.name: r for r in runs}
+    by_name: dict[str, Run] = {}
+    for r in runs:  # a finished run (a record's, say) is never replaced by an unfinished one of its name
+        if r.metric is not None or r.name not in by_name or by_name[r.name].metric is None:
+            by_name[r.name] = r
     out = Plan()
     for seed in grid.seeds:
         for variant in grid.variants:
@@ -379,7 +382,8 @@ def clear_stale(root: Path) -> list[str]:
 def _run(args: argparse.Namespace) -> int:
     root, grid = Path(args.root), load_grid(Path(args.root) / args.grid)
     clear_stale(root)
-    todo = plan(grid, read_runs(root, TEST))
+    record = Path(args.record) if args.record else None
+    todo = plan(grid, record_runs(record).get(TEST, []) + read_runs(root, TEST))
     print(f"ablations: {len(todo.done)} finished, {len(todo.waiting)} waiting in the queue, "
           f"{len(todo.queue)} to queue ({len(todo.failed)} of them failed before)", flush=True)
     if todo.failed:
@@ -392,7 +396,7 @@ def _run(args: argparse.Namespace) -> int:
             return 1
     if todo.queue or todo.waiting:
         dvc(root, ["exp", "run", "--run-all", "--jobs", "1"], capture=False)
-    left = plan(grid, read_runs(root, TEST))
+    left = plan(grid, record_runs(record).get(TEST, []) + read_runs(root, TEST))
     if left.queue or left.waiting:
         names = [exp_name(v, s) for v, s in left.queue] + left.waiting
         print(f"ablations: error: not finished: {', '.join(names)}; see `dvc queue status`", file=sys.stderr)
@@ -401,15 +405,58 @@ def _run(args: argparse.Namespace) -> int:
     return _compare(args)
 
 
-def read_table(root: Path, grid: Grid) -> list[Row]:
-    """The grid's rows from one ``dvc exp show`` of ``root``."""
-    show = exp_show(root)
-    return rows(grid, {key: parse_runs(show, key) for key in METRICS})
+def cpu_kind() -> str:
+    """The CPU's model name and whether it has ``avx512_bf16`` (bf16 or float32 stages): results of
+    one grid are comparable only within one kind."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return f"{name}, {'avx512_bf16' if 'avx512_bf16' in info else 'no avx512_bf16'}"
+
+
+def record_runs(path: Path | None) -> dict[str, list[Run]]:
+    """The finished experiments a committed record holds (``--record``, written by ``compare``), as
+    ``dvc exp show`` would list them, per metric: a grid that outlives one workspace goes on where
+    it stopped. A record from another CPU kind is refused (its results would not pair)."""
+    if path is None or not path.exists():
+        return {}
+    rec = json.loads(path.read_text())
+    if rec.get("cpu") != cpu_kind():
+        raise ValueError(f"{path}: recorded on {rec.get('cpu')!r}, this is {cpu_kind()!r}; "
+                         "run the grid on that kind of CPU, or start a new record")
+    return {key: [Run(name, "record", "success", {}, value) for name, value in per.items()]
+            for key, per in rec["values"].items()}
+
+
+def write_record(path: Path, grid: Grid, runs: dict[str, list[Run]]) -> None:
+    """Every finished experiment of the grid with its ``METRICS``, and the CPU kind they ran on."""
+    names = {exp_name(v, s) for v in grid.variants for s in grid.seeds}
+    values = {key: {r.name: r.metric for r in found if r.name in names and r.metric is not None
+                    and r.state in (None, "success")} for key, found in runs.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"cpu": cpu_kind(), "values": values}, indent=1, sort_keys=True) + "\n")
+
+
+def read_all(root: Path, record: Path | None) -> dict[str, list[Run]]:
+    """Per metric of ``METRICS``: the record's experiments, then one ``dvc exp show``'s (which win)."""
+    show, recorded = exp_show(root), record_runs(record)
+    return {key: recorded.get(key, []) + parse_runs(show, key) for key in METRICS}
+
+
+def read_table(root: Path, grid: Grid, record: Path | None = None) -> list[Row]:
+    """The grid's rows from the record and one ``dvc exp show`` of ``root``."""
+    return rows(grid, read_all(root, record))
 
 
 def _compare(args: argparse.Namespace) -> int:
     root, grid = Path(args.root), load_grid(Path(args.root) / args.grid)
-    table = read_table(root, grid)
+    record = Path(args.record) if args.record else None
+    runs = read_all(root, record)
+    table = rows(grid, runs)
+    if record:
+        write_record(record, grid, runs)
     out = root / args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(grid, table)
@@ -431,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", default=".", help="the DVC workspace (default: .)")
     common.add_argument("--grid", default=GRID, help=f"the grid file, relative to --root (default: {GRID})")
+    common.add_argument("--record", help="a JSON file of finished experiments, read first and rewritten by "
+                        "compare: commit it and the grid goes on in another clone")
     common.add_argument("--out-dir", default=OUT_DIR, help=f"the comparison's folder, relative to --root (default: {OUT_DIR})")
     sub.add_parser("run", parents=[common], help="queue the grid's missing experiments, run them one at a time, compare")
     sub.add_parser("compare", parents=[common], help="paired differences to the reference, table and plot")

@@ -1,6 +1,9 @@
 """Generated arithmetic: the evaluator's precedence and exact division, labels checked against the
 question's own text, and splits held out by operand multiset."""
 
+import ast
+from fractions import Fraction
+
 import pytest
 
 from grpo import arithmetic
@@ -46,6 +49,20 @@ def test_parse_round_trips_the_generated_text():
     assert parse(e.text) == e and e.operand_set == (83, 88, 94)
 
 
+def _python_value(text: str) -> Fraction:
+    """An oracle apart from ``grpo.arithmetic``: Python's own parser decides the precedence, exact
+    fractions the values (the AST is walked; nothing is passed to ``eval``)."""
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.Div: lambda a, b: a / b}
+
+    def walk(node):
+        if isinstance(node, ast.BinOp):
+            return ops[type(node.op)](walk(node.left), walk(node.right))
+        return Fraction(node.value)
+
+    return walk(ast.parse(text, mode="eval").body)
+
+
 OPERATOR_SETS = [("+",), ("+", "-"), ("+", "*"), ("+", "-", "*"), ("*", "/"), ("+", "-", "*", "/")]
 
 
@@ -58,6 +75,7 @@ def test_ten_thousand_generated_labels_agree_with_their_expressions(operators):
             check_label(row["question"], row["answer"])
         except ExpressionError:
             wrong += 1
+        assert Fraction(int(row["answer"])) == _python_value(expression_in(row["question"]).text)
     assert len(rows) == 10_000 and wrong == 0
     used = {op for row in rows for op in expression_in(row["question"]).operators}
     assert used == set(operators)  # every operator asked for is drawn, '/' included

@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from flows.pipeline import pipeline
+from flows.server_auth import ALLOW_FLAG, check_api_auth
 
 KEYS = {"name", "cron", "timezone", "parameters"}
 ROOT = Path(__file__).resolve().parents[1]  # the checkout holding this file: the flow's code and workspace
@@ -92,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="flows/schedule.yaml")
     ap.add_argument("--pool", metavar="WORK_POOL",
                     help="register the deployment on this work pool and exit (a worker runs it) instead of serving it")
+    ap.add_argument(ALLOW_FLAG, dest="allow_unauthenticated", action="store_true",
+                    help="talk to a server beyond loopback without PREFECT_API_AUTH_STRING or PREFECT_API_KEY")
     args = ap.parse_args(argv)
     if not os.environ.get("PREFECT_API_URL"):
         raise SystemExit("deploy: error: PREFECT_API_URL is not set; start `prefect server start` and export "
                          "PREFECT_API_URL=http://127.0.0.1:4200/api (schedules need a real server)")
+    refusal = check_api_auth(args.allow_unauthenticated)
+    if refusal:
+        raise SystemExit(f"deploy: error: {refusal}")
     cfg = load_schedule(args.config)
     if args.pool:
         deployment_id = deploy_to_pool(cfg, args.pool)

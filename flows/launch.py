@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from flows.process import StageTimeout
+from flows.process import StageFailed, StageTimeout
+from flows.server_auth import ALLOW_FLAG, check_api_auth
 from flows.workspace import WorkspaceBusy, dvc_stages, workspace_lock
 from grpo.config import DeviceError, ParamsError
 
@@ -60,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stage-timeout", type=_positive, default=STAGE_TIMEOUT_S, metavar="SECONDS",
                     help="stop a stage that runs longer, its processes included, and fail the flow "
                          f"(default {STAGE_TIMEOUT_S:g})")
+    ap.add_argument(ALLOW_FLAG, dest="allow_unauthenticated", action="store_true",
+                    help="report to a Prefect server beyond loopback without PREFECT_API_AUTH_STRING or PREFECT_API_KEY")
     return ap
 
 
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"flow: error: {err}", file=sys.stderr)
         return 2
+    if os.environ.get("PREFECT_API_URL"):  # a server of the user's (unset: Prefect's temporary local one)
+        refusal = check_api_auth(args.allow_unauthenticated)
+        if refusal:
+            print(f"flow: error: {refusal}", file=sys.stderr)
+            return 2
     try:
         with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
             os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkspaceBusy, ParamsError, DeviceError) as err:
         print(f"flow: error: {err}", file=sys.stderr)
         return 2
-    except StageTimeout as err:
+    except (StageTimeout, StageFailed) as err:  # a failed stage's own output is already on the console
         print(f"flow: error: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:

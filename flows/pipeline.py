@@ -46,9 +46,12 @@ own timeout too (the stage's plus ``TASK_SLACK_S``), a backstop over DVC's statu
 the flow fails with the same kind of line, ``stage <name> timed out after <N> s: Prefect's task
 timeout ...``. A timed-out stage is not retried.
 
+Every stage runs with the flow's own interpreter directory first on ``PATH`` (``stage_env``), so
+dvc.yaml's ``python -m tasks.<stage>`` is the environment's python whether or not it was activated.
+
 Prefect's engines log every failure with its traceback. For the errors whose one line says it all
-(``ONE_LINE_ERRORS``: a stage past its timeout, a busy workspace, params or a device the stages
-refuse) the flow's and tasks' loggers drop the traceback (``quiet_tracebacks``): the console and the
+(``ONE_LINE_ERRORS``: a stage that failed, its own output already logged line by line; a stage past
+its timeout; a busy workspace; params or a device the stages refuse) the flow's and tasks' loggers drop the traceback (``quiet_tracebacks``): the console and the
 run's logs on the server show Prefect's one-line entries, and ``main()`` ends with ``flow: error:``
 and the line.
 
@@ -80,7 +83,7 @@ from prefect import flow, get_run_logger, task
 from prefect.task_engine import TaskRunTimeoutError
 
 from flows.launch import STAGE_TIMEOUT_S, select_stages, stages_of
-from flows.process import StageTimeout, run_logged
+from flows.process import StageFailed, StageTimeout, run_logged
 from flows.workspace import WorkspaceBusy, check_no_dvc_run, find_dvc_run, workspace_lock
 from grpo.config import DeviceError, ParamsError
 from grpo.engine.preflight import require_ready_gpu
@@ -90,8 +93,10 @@ SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take 
 # The Prefect task's own timeout is the stage's plus this: a backstop over DVC's status check and the
 # stop of the stage's processes, which the stage's timeout does not cover.
 TASK_SLACK_S = 120.0
+
+
 # Failures whose message is one complete line: Prefect logs them without a traceback (quiet_tracebacks).
-ONE_LINE_ERRORS = (StageTimeout, TaskRunTimeoutError, WorkspaceBusy, ParamsError, DeviceError)
+ONE_LINE_ERRORS = (StageFailed, StageTimeout, TaskRunTimeoutError, WorkspaceBusy, ParamsError, DeviceError)
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # the loggers of Prefect's flow and task engines
 
 
@@ -113,11 +118,23 @@ def quiet_tracebacks() -> None:
             logger.addFilter(_NoTraceback())
 
 
-quiet_tracebacks()
-
-
 def _dvc() -> list[str]:
     return [sys.executable, "-m", "dvc"]
+
+
+def stage_env() -> dict[str, str]:
+    """This process's environment with its interpreter's directory first on ``PATH``: the ``python`` of
+    dvc.yaml's commands (``python -m tasks.<stage>``) and every tool a stage starts come from the
+    environment the flow runs in, activated or not (a worker started as ``<venv>/bin/prefect``, a
+    systemd unit, a cron line)."""
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir]
+    env["PATH"] = os.pathsep.join([bindir, *rest])
+    return env
+
+
+quiet_tracebacks()
 
 
 def stage_changed(root: Path, stage: str) -> bool:
@@ -151,7 +168,7 @@ def run_stage(stage: str, workdir: str, timeout_s: float = STAGE_TIMEOUT_S) -> d
         return {"stage": stage, "status": "skipped", "seconds": round(time.perf_counter() - t0, 1)}
     try:
         code, lines = run_logged([*_dvc(), "repro", "--single-item", stage], root, timeout_s, logger.info,
-                                 what=f"stage {stage} (dvc repro --single-item {stage})")
+                                 what=f"stage {stage} (dvc repro --single-item {stage})", env=stage_env())
     except StageTimeout as err:
         raise StageTimeout(f"{err}; the limit is the flow's stage_timeout_s (python -m flows.pipeline "
                            "--stage-timeout SECONDS)") from None
@@ -159,7 +176,8 @@ def run_stage(stage: str, workdir: str, timeout_s: float = STAGE_TIMEOUT_S) -> d
         other = find_dvc_run(root)  # a DVC run started beside the flow is the likely cause: name it
         if other is not None:
             raise WorkspaceBusy(f"stage {stage}: {other.message(root)}")
-        raise RuntimeError(f"stage {stage} failed (dvc exit {code}); last lines:\n" + "\n".join(lines[-15:]))
+        raise StageFailed(f"stage {stage} failed: dvc repro --single-item {stage} exited with {code} (its output "
+                          "is the log above)")
     return {"stage": stage, "status": "ran", "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -295,7 +313,7 @@ def pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experi
                                    "stage_timeout_s (python -m flows.pipeline --stage-timeout SECONDS)") from None
         if overrides or experiment_name:
             cmd = [*_dvc(), "exp", "save", "--force"] + (["--name", experiment_name] if experiment_name else [])
-            subprocess.run(cmd, cwd=root, check=True)
+            subprocess.run(cmd, cwd=root, check=True, env=stage_env())
             logger.info("recorded as DVC experiment %s", experiment_name or "(auto-named)")
         _publish(root, results)
     return results

@@ -31,6 +31,10 @@ class StageTimeout(RuntimeError):
     """A stage ran past its timeout; its processes were stopped. The message is one line."""
 
 
+class StageFailed(RuntimeError):
+    """A stage's ``dvc repro`` exited non-zero; its output is already in the log. The message is one line."""
+
+
 def _tree(pid: int) -> list:
     """``pid`` and its live descendants as psutil processes (empty when ``pid`` is gone)."""
     import psutil

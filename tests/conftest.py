@@ -8,6 +8,7 @@ session, for the tests that ask for it); no test downloads anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -143,21 +144,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """A real ``prefect server start`` on a free port with its own PREFECT_HOME, stopped at the end of the
-    session: ``{"api": url, "env": environment with PREFECT_API_URL, "home": path}``."""
+@contextlib.contextmanager
+def serve_prefect(home: Path, extra_env: dict[str, str] | None = None):
+    """A real ``prefect server start`` on a free loopback port with ``home`` as PREFECT_HOME (and
+    ``extra_env``, e.g. the server's auth string), stopped on exit: ``{"api", "env", "home"}``, where
+    ``env`` is this process's environment with PREFECT_API_URL set and the test's interpreter first
+    on PATH."""
     import sys
     import time
 
     import httpx
 
-    home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_UI_ENABLED": "false",
            # a run waiting for a concurrency slot asks again after at most this long (default 30 s)
-           "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "2"}
+           "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "2", **(extra_env or {})}
     env.pop("PREFECT_API_URL", None)
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
     log = open(home / "server.log", "w")
@@ -168,7 +170,7 @@ def prefect_server(tmp_path_factory):
     try:
         while time.time() < deadline:
             try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:  # /health needs no auth
                     break
             except httpx.HTTPError:
                 pass
@@ -181,3 +183,10 @@ def prefect_server(tmp_path_factory):
     finally:
         stop_process(proc)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real ``prefect server start`` for the session (``serve_prefect``)."""
+    with serve_prefect(tmp_path_factory.mktemp("prefect-home")) as server:
+        yield server

@@ -110,12 +110,13 @@ def make_stamp_workspace(ws: Path, stamps: Path, gate: Path, env: dict) -> Path:
     return ws
 
 
-def _post(api: str, path: str, body: dict | None, tries: int = 1, method: str = "POST") -> httpx.Response:
+def _post(api: str, path: str, body: dict | None, tries: int = 1, method: str = "POST",
+          headers: dict | None = None) -> httpx.Response:
     """POST to the API, again after a 503 (the server's SQLite was locked: nothing was written), and with
     ``tries`` > 1 (reads only) after a timeout: a loaded 2-core machine can keep the server from answering."""
     for attempt in range(max(tries, 5)):
         try:
-            response = httpx.request(method, f"{api}{path}", json=body, timeout=60)
+            response = httpx.request(method, f"{api}{path}", json=body, timeout=60, headers=headers)
         except httpx.TimeoutException:
             if attempt + 1 >= tries:
                 raise

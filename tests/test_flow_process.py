@@ -55,3 +55,4 @@ def test_a_command_that_ends_in_time_returns_its_code_and_lines(tmp_path):
     logged: list[str] = []
     code, lines = run_logged(["sh", "-c", "echo one; echo two >&2; exit 3"], tmp_path, 30, logged.append, what="x")
     assert (code, lines, logged) == (3, ["one", "two"], ["one", "two"])
+

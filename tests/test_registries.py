@@ -126,7 +126,9 @@ def test_a_toy_aggregation_chosen_in_params_gives_the_loss(default_step, tiny_mo
     logged before clipping)."""
     with AGGREGATIONS.registered("toy_half_mean", HalfTokenMean):
         row, _ = _one_step(tiny_model_dir, tiny_problems, tmp_path, loss_type="toy_half_mean")
-    assert CALLS == ["normalizer", "aggregate"]
+    # the loss's aggregate, then (the default rule has a KL term) one for each term's gradient norm
+    assert CALLS == ["normalizer", "aggregate", "aggregate", "aggregate"]
+    assert row["kl_grad_share"] == pytest.approx(default_step[0]["kl_grad_share"], rel=1e-5)  # both terms doubled
     assert row["grad_norm"] == pytest.approx(2 * default_step[0]["grad_norm"], rel=1e-5)
     assert row["loss"] == pytest.approx(2 * default_step[0]["loss"], rel=1e-5, abs=1e-9)
 

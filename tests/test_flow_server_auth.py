@@ -37,6 +37,7 @@ def _bare(env: dict) -> dict:
     return {k: v for k, v in env.items() if not k.startswith("PREFECT_")}
 
 
+@pytest.mark.slow  # each command imports Prefect: several seconds on 2 cores
 @pytest.mark.parametrize("command", [["flows.deploy", "--pool", "grpo-pool"], ["flows.pipeline", "--stages", "report"]])
 def test_our_commands_refuse_a_remote_server_without_credentials(command, tmp_path):
     env = {**_bare(os.environ), "PREFECT_API_URL": "http://10.255.255.1:4200/api", "PREFECT_HOME": str(tmp_path),

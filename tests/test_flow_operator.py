@@ -108,8 +108,8 @@ def test_a_worker_started_by_its_path_runs_stages_with_the_projects_python(prefe
 
 def test_a_server_with_an_auth_string_refuses_anonymous_calls_and_serves_its_clients(tmp_path):
     secret = "grpo-ci:a-long-random-secret"
+    (tmp_path / "home").mkdir()
     with serve_prefect(tmp_path / "home", {"PREFECT_SERVER_API_AUTH_STRING": secret}) as server:
-        (tmp_path / "home").mkdir(exist_ok=True)
         api = server["api"]
         assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=30).status_code == 401
         wrong = {"Authorization": "Basic " + base64.b64encode(b"grpo-ci:guess").decode()}

@@ -219,3 +219,21 @@ def test_a_record_carries_finished_experiments_to_another_clone(tmp_path):
     path.write_text(json.dumps({**raw, "cpu": "another CPU"}))
     with pytest.raises(ValueError, match="recorded on 'another CPU'"):
         ablations.record_runs(path)
+
+
+def test_a_metric_dvc_exp_show_does_not_list_is_read_from_the_experiments_commit(tmp_path):
+    """metrics/train.json is a stage output, not a declared metric: its keys come from the commit."""
+    import subprocess
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "train.json").write_text(json.dumps({"final_val_accuracy": 0.42, "total_time_s": 150.5}))
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "exp"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True)
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    run = Run("every-token-seed-0", rev, "success", {}, None)
+    assert ablations.from_commit(tmp_path, run, ablations.SELECT).metric == 0.42
+    assert ablations.from_commit(tmp_path, run, ablations.COST).metric == 150.5
+    assert ablations.from_commit(tmp_path, run, ablations.CLIP).metric is None  # not in the file
+    queued = Run("x", rev, "queued", {}, None)
+    assert ablations.from_commit(tmp_path, queued, ablations.SELECT).metric is None  # not finished: not read

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,7 +252,7 @@ def _split_table(grid: Grid, table: list[Row], key: str) -> list[str]:
         changes = ", ".join(f"`{k.rpartition('.')[2]}={cli_value(v)}`" for k, v in r.overrides.items())
         cells = [f"**{r.variant}**" if ref else r.variant, _mean_interval(values),
                  "" if ref or pair is None else _f(pair.mean, True),
-                 "" if ref or pair is None or pair.test is None else f"{pair.test.p:.3f}",
+                 "" if ref or pair is None or pair.test is None or pair.test.n < 2 else f"{pair.test.p:.3f}",
                  "" if ref or pair is None or pair.p_holm is None else f"{pair.p_holm:.3f}",
                  "reference" if ref else (pair.verdict if pair else "-"),
                  " / ".join(_f(values.get(s)) for s in grid.seeds), changes or "params.yaml"]
@@ -439,10 +440,26 @@ def write_record(path: Path, grid: Grid, runs: dict[str, list[Run]]) -> None:
     path.write_text(json.dumps({"cpu": cpu_kind(), "values": values}, indent=1, sort_keys=True) + "\n")
 
 
+def from_commit(root: Path, run: Run, metric: str) -> Run:
+    """``run`` with ``metric`` ("<file>:<key>") read from the file its experiment committed, when
+    ``dvc exp show`` does not list that file (a stage output that is not a declared metric, such as
+    ``metrics/train.json``) and the experiment finished."""
+    if run.metric is not None or run.state not in (None, "success") or not run.rev:
+        return run
+    file, _, key = metric.rpartition(":")
+    proc = subprocess.run(["git", "show", f"{run.rev}:{file}"], cwd=root, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return run
+    value = json.loads(proc.stdout).get(key)
+    return Run(run.name, run.rev, run.state, run.params, float(value) if value is not None else None)
+
+
 def read_all(root: Path, record: Path | None) -> dict[str, list[Run]]:
-    """Per metric of ``METRICS``: the record's experiments, then one ``dvc exp show``'s (which win)."""
+    """Per metric of ``METRICS``: the record's experiments, then one ``dvc exp show``'s (which win),
+    each metric read from the experiment's own commit where ``dvc exp show`` does not list it."""
     show, recorded = exp_show(root), record_runs(record)
-    return {key: recorded.get(key, []) + parse_runs(show, key) for key in METRICS}
+    return {key: recorded.get(key, []) + [from_commit(root, r, key) for r in parse_runs(show, key)]
+            for key in METRICS}
 
 
 def read_table(root: Path, grid: Grid, record: Path | None = None) -> list[Row]:

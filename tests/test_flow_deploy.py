@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -38,6 +37,30 @@ import yaml
 from flows.pipeline import SLOT_ENV, slot_name
 from tests.conftest import REPO, make_dvc_workspace
 from tests.helpers import TINY_PARAMS
+from tests.helpers import (
+    api_call as _post,
+)
+from tests.helpers import (
+    prefect_env as _env,
+)
+from tests.helpers import (
+    run_logs as _logs,
+)
+from tests.helpers import (
+    run_states as _states,
+)
+from tests.helpers import (
+    sh as _sh,
+)
+from tests.helpers import (
+    wait_final as _wait_final,
+)
+from tests.helpers import (
+    wait_log as _wait_log,
+)
+from tests.helpers import (
+    wait_until as _wait_until,
+)
 
 from .conftest import stop_process
 
@@ -82,16 +105,8 @@ def test_scheduled_deployment_runs_on_the_server(prefect_server, tmp_path, tiny_
 POOL = "grpo-pool"
 
 
-def _env(base: dict) -> dict:
-    env = {**base, "DVC_NO_ANALYTICS": "1", "PYTHONPATH": "", "PREFECT_WORKER_QUERY_SECONDS": "5"}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    return env
 
 
-def _sh(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 def make_stamp_workspace(ws: Path, stamps: Path, gate: Path, env: dict) -> Path:
@@ -110,22 +125,6 @@ def make_stamp_workspace(ws: Path, stamps: Path, gate: Path, env: dict) -> Path:
     return ws
 
 
-def _post(api: str, path: str, body: dict | None, tries: int = 1, method: str = "POST",
-          headers: dict | None = None) -> httpx.Response:
-    """POST to the API, again after a 503 (the server's SQLite was locked: nothing was written), and with
-    ``tries`` > 1 (reads only) after a timeout: a loaded 2-core machine can keep the server from answering."""
-    for attempt in range(max(tries, 5)):
-        try:
-            response = httpx.request(method, f"{api}{path}", json=body, timeout=60, headers=headers)
-        except httpx.TimeoutException:
-            if attempt + 1 >= tries:
-                raise
-            continue
-        if response.status_code != 503:
-            break
-        time.sleep(1)
-    response.raise_for_status()
-    return response
 
 
 def _deployment(api: str, name: str) -> dict:
@@ -134,47 +133,16 @@ def _deployment(api: str, name: str) -> dict:
     return found[0]
 
 
-def _wait_final(api: str, ids: list[str], worker: subprocess.Popen, timeout: float = 180) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        runs = {r["id"]: r for r in _post(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3).json()}
-        if all(runs[i]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for i in ids):
-            return runs
-        assert worker.poll() is None, f"the worker exited ({worker.returncode})"
-        assert time.monotonic() < deadline, {i: runs[i]["state"]["name"] for i in ids}
-        time.sleep(0.5)
 
 
-def _states(api: str, ids: list[str]) -> dict[str, str]:
-    runs = _post(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3).json()
-    return {r["id"]: r["state"]["type"] for r in runs}
 
 
-def _wait_until(pred, what: str, worker: subprocess.Popen, timeout: float = 180):
-    deadline = time.monotonic() + timeout
-    while not (found := pred()):
-        assert worker.poll() is None, f"the worker exited ({worker.returncode})"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
-    return found
 
 
-def _log_entries(api: str, run_id: str) -> list[tuple[float, str]]:
-    logs = _post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_ASC"}, tries=3).json()
-    return [(datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp(), e["message"]) for e in logs]
 
 
-def _logs(api: str, run_id: str) -> str:
-    return "\n".join(message for _, message in _log_entries(api, run_id))
 
 
-def _wait_log(api: str, run_id: str, text: str, worker: subprocess.Popen) -> tuple[float, str]:
-    """The first log entry of a run whose message holds ``text``, waiting for it: a run's process
-    ships its logs in batches from a background thread, so the run's state can be final on the server
-    before its last batch of logs has arrived."""
-    def found():
-        return next(((t, m) for t, m in _log_entries(api, run_id) if text in m), None)
-    return _wait_until(found, f"run {run_id}'s log line with {text!r}", worker, timeout=60)
 
 
 def _stamps(path: Path) -> dict[str, dict[str, float]]:

@@ -23,7 +23,12 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, serve_prefect, stop_process
-from tests.test_flow_deploy import _env, _logs, _post, _sh, _wait_final, _wait_log
+from tests.helpers import api_call as _post
+from tests.helpers import prefect_env as _env
+from tests.helpers import run_logs as _logs
+from tests.helpers import sh as _sh
+from tests.helpers import wait_final as _wait_final
+from tests.helpers import wait_log as _wait_log
 
 pytestmark = pytest.mark.slow
 

@@ -237,3 +237,27 @@ def test_a_metric_dvc_exp_show_does_not_list_is_read_from_the_experiments_commit
     assert ablations.from_commit(tmp_path, run, ablations.CLIP).metric is None  # not in the file
     queued = Run("x", rev, "queued", {}, None)
     assert ablations.from_commit(tmp_path, queued, ablations.SELECT).metric is None  # not finished: not read
+
+
+def test_a_variant_paired_with_another_joins_the_same_holm_family():
+    """``shuffled`` is compared to ``rule`` (its own pair), the others to the reference; three
+    comparisons per metric, adjusted together."""
+    grid = Grid("ref", (0, 1, 2), {"ref": {}, "rule": {"train.lr": 1e-3}, "shuffled": {"train.order": "shuffled"}},
+                paired_with={"shuffled": "rule"})
+    val = {"ref": {0: 0.50, 1: 0.52, 2: 0.51}, "rule": {0: 0.60, 1: 0.61, 2: 0.63},
+           "shuffled": {0: 0.40, 1: 0.42, 2: 0.40}}
+    table = ablations.rows(grid, {ablations.SELECT: _runs(val)})
+    shuffled = next(r for r in table if r.variant == "shuffled").compared[ablations.SELECT]
+    assert shuffled.diffs == pytest.approx((-0.20, -0.19, -0.23))  # against rule, not ref
+    raw = {f"{r.variant}": p.test.p for r in table for p in r.compared.values()}
+    assert shuffled.p_holm == pytest.approx(holm(raw)["shuffled"])
+    assert "-0.207 (vs rule)" in ablations.markdown(grid, table)
+
+
+def test_paired_with_names_variants_of_the_grid(tmp_path):
+    path = _grid_file(tmp_path, {"default": {}, "a": {}})
+    raw = yaml.safe_load(path.read_text())
+    for pairs in ({"a": "nope"}, {"default": "a"}, {"a": "a"}):
+        path.write_text(yaml.safe_dump({**raw, "paired_with": pairs}))
+        with pytest.raises(ValueError, match="paired_with"):
+            load_grid(path)

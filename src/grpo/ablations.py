@@ -5,7 +5,9 @@
 
 The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: name -> params overrides
 (``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued;
-optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``; ``decide``).
+optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``; ``decide``),
+and ``paired_with``: variants compared to another variant than the reference (the curriculum against
+shuffled order under one rule), in the same Holm family as the rest.
 Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --queue -S
 train.seed=s -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
 run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queues only the
@@ -62,6 +64,11 @@ class Grid:
     seeds: tuple[int, ...]
     variants: dict[str, dict[str, object]]  # name -> {"train.order": "shuffled", ...}
     decision: dict | None = None  # {"candidates": [variant, ...], "margin": float}: the rule ``decide`` applies
+    paired_with: dict[str, str] = field(default_factory=dict)  # variant -> the variant it is compared to (else reference)
+
+    def partner(self, variant: str) -> str:
+        """The variant ``variant`` is paired with: its ``paired_with`` entry, else the reference."""
+        return self.paired_with.get(variant, self.reference)
 
 
 def _set_dotted(tree: dict, key: str, value: object) -> None:
@@ -90,6 +97,14 @@ def check_overrides(name: str, overrides: dict[str, object], params: dict) -> No
         raise ValueError(f"variant {name!r}: {err}") from None
 
 
+def check_pairs(path: Path, pairs: dict, variants: dict, reference: str) -> dict[str, str]:
+    """``paired_with`` checked: each key and value a variant, none the reference's key, none paired with itself."""
+    if not isinstance(pairs, dict) or any(k not in variants or v not in variants or k == v or k == reference
+                                          for k, v in pairs.items()):
+        raise ValueError(f"{path}: 'paired_with' must map variants (not the reference) to other variants")
+    return dict(pairs)
+
+
 def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     """The grid in ``path``; every variant's overrides validated over ``params_path`` (params.yaml
     beside the grid's repository by default) so that a typo fails here, not an hour into a queue."""
@@ -115,7 +130,8 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
             or len(set(seeds)) != len(seeds):
         raise ValueError(f"{path}: 'seeds' must be a list of distinct integers")
     grid = Grid(reference=reference, seeds=tuple(seeds),
-                variants={name: dict(over or {}) for name, over in variants.items()}, decision=decision)
+                variants={name: dict(over or {}) for name, over in variants.items()}, decision=decision,
+                paired_with=check_pairs(path, raw.get("paired_with") or {}, variants, reference))
     params = read_params_yaml(params_path or Path(path).resolve().parent.parent / "params.yaml")
     for name, overrides in grid.variants.items():
         if SEED_KEY in overrides:
@@ -220,7 +236,7 @@ def rows(grid: Grid, runs: dict[str, list[Run]]) -> list[Row]:
     """The table: ``runs`` maps each metric key of ``METRICS`` to ``dvc exp show``'s runs read for
     it. Every comparison of every compared metric is one member of the Holm family."""
     values = {key: values_by_variant(grid, found) for key, found in runs.items()}
-    raw = {(v, key): paired(values[key][grid.reference], values[key][v])
+    raw = {(v, key): paired(values[key][grid.partner(v)], values[key][v])
            for key in COMPARED if key in values for v in grid.variants if v != grid.reference}
     adjusted = holm({f"{v}|{key}": p.test.p for (v, key), p in raw.items() if p.test and p.test.n >= 2})
     compared = {k: Paired(p.seeds, p.diffs, p.test, adjusted.get(f"{k[0]}|{k[1]}")) for k, p in raw.items()}
@@ -251,7 +267,8 @@ def _split_table(grid: Grid, table: list[Row], key: str) -> list[str]:
         pair = r.compared.get(key)
         changes = ", ".join(f"`{k.rpartition('.')[2]}={cli_value(v)}`" for k, v in r.overrides.items())
         cells = [f"**{r.variant}**" if ref else r.variant, _mean_interval(values),
-                 "" if ref or pair is None else _f(pair.mean, True),
+                 "" if ref or pair is None else _f(pair.mean, True) + (
+                     f" (vs {grid.partner(r.variant)})" if grid.partner(r.variant) != grid.reference else ""),
                  "" if ref or pair is None or pair.test is None or pair.test.n < 2 else f"{pair.test.p:.3f}",
                  "" if ref or pair is None or pair.p_holm is None else f"{pair.p_holm:.3f}",
                  "reference" if ref else (pair.verdict if pair else "-"),

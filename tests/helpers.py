@@ -12,7 +12,9 @@
   ``half_test_dtype``, ``DTYPE_FIXTURES`` (the rules of conftest.py's ``model_dtype``, ``auto_dtype`` and
   ``half_dtype``), ``LogpGap``, ``logp_gap``, ``engine_gap_to_policy`` (the engine tests, test_cuda,
   test_evaluate, test_engine_sampler, test_kernels);
-- ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients.
+- ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients;
+- a Prefect server's API from tests: ``prefect_env``, ``sh``, ``api_call``, ``wait_final``, ``run_states``,
+  ``wait_until``, ``log_entries``, ``run_logs``, ``wait_log`` (test_flow_deploy, test_flow_operator).
 """
 
 from __future__ import annotations

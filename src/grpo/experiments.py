@@ -61,35 +61,13 @@ HEADLINE = (("test before", "metrics/headline.json:test_accuracy_before"),
 # there would mark the stage changed (and be deleted when it re-runs).
 OUT = "outputs/seeds.md"
 
-# t(0.975, df) for df = 1..30 (two-sided 95%), solved from the t distribution's CDF (mpmath, 40 digits);
-# tests/test_experiments.py checks them and the expansion used above 30.
-_T975 = (12.70620473617, 4.302652729749, 3.182446305284, 2.776445105198, 2.570581835636, 2.446911851145,
-         2.364624251593, 2.306004135204, 2.262157162798, 2.228138851986, 2.200985160092, 2.178812829667,
-         2.160368656463, 2.144786687918, 2.131449545560, 2.119905299221, 2.109815577833, 2.100922040241,
-         2.093024054408, 2.085963447266, 2.079613844728, 2.073873067904, 2.068657610419, 2.063898561628,
-         2.059538552753, 2.055529438643, 2.051830516480, 2.048407141795, 2.045229642133, 2.042272456301)
-_Z975 = 1.959963984540054
-
-
 def t975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (scipy's when installed;
-    else the table for df <= 30 and the Cornish-Fisher expansion in 1/df above, within 1e-6)."""
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (scipy's)."""
     if df < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    try:
-        from scipy.stats import t
-    except ImportError:
-        pass
-    else:
-        return float(t.ppf(0.975, df))
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975  # Abramowitz & Stegun 26.7.5
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
-    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
 @dataclass(frozen=True)

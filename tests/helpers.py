@@ -300,10 +300,12 @@ def prefect_env(base: dict) -> dict:
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     return env
 
+
 def sh(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
 
 def api_call(api: str, path: str, body: dict | None, tries: int = 1, method: str = "POST",
           headers: dict | None = None) -> httpx.Response:
@@ -322,19 +324,24 @@ def api_call(api: str, path: str, body: dict | None, tries: int = 1, method: str
     response.raise_for_status()
     return response
 
-def wait_final(api: str, ids: list[str], worker: subprocess.Popen, timeout: float = 180) -> dict[str, dict]:
+
+def wait_final(api: str, ids: list[str], worker: subprocess.Popen, timeout: float = 180,
+               headers: dict | None = None) -> dict[str, dict]:
     deadline = time.monotonic() + timeout
     while True:
-        runs = {r["id"]: r for r in api_call(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3).json()}
+        runs = {r["id"]: r for r in api_call(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3,
+                                             headers=headers).json()}
         if all(runs[i]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for i in ids):
             return runs
         assert worker.poll() is None, f"the worker exited ({worker.returncode})"
         assert time.monotonic() < deadline, {i: runs[i]["state"]["name"] for i in ids}
         time.sleep(0.5)
 
+
 def run_states(api: str, ids: list[str]) -> dict[str, str]:
     runs = api_call(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}}, tries=3).json()
     return {r["id"]: r["state"]["type"] for r in runs}
+
 
 def wait_until(pred, what: str, worker: subprocess.Popen, timeout: float = 180):
     deadline = time.monotonic() + timeout
@@ -344,12 +351,15 @@ def wait_until(pred, what: str, worker: subprocess.Popen, timeout: float = 180):
         time.sleep(0.3)
     return found
 
+
 def log_entries(api: str, run_id: str) -> list[tuple[float, str]]:
     logs = api_call(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_ASC"}, tries=3).json()
     return [(datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp(), e["message"]) for e in logs]
 
+
 def run_logs(api: str, run_id: str) -> str:
     return "\n".join(message for _, message in log_entries(api, run_id))
+
 
 def wait_log(api: str, run_id: str, text: str, worker: subprocess.Popen) -> tuple[float, str]:
     """The first log entry of a run whose message holds ``text``, waiting for it: a run's process

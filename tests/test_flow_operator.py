@@ -124,21 +124,9 @@ def test_a_server_with_an_auth_string_refuses_anonymous_calls_and_serves_its_cli
         deployment, worker = _deploy_and_start_worker(ws, server, "auth-pool", extra)
         try:
             run = _run(api, deployment, ["labels"], extra)
-            final = _wait_final_auth(api, run, worker, extra)
+            final = _wait_final(api, [run], worker, timeout=240, headers=_auth(extra))[run]["state"]["type"]
             assert final == "COMPLETED"
         finally:
             stop_process(worker)
     assert (ws / "labels.jsonl").exists()
 
-
-def _wait_final_auth(api: str, run_id: str, worker: subprocess.Popen, extra: dict, timeout: float = 240) -> str:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        run = _post(api, f"/flow_runs/{run_id}", None, method="GET", headers=_auth(extra)).json()
-        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-            return run["state"]["type"]
-        assert worker.poll() is None, f"the worker exited ({worker.returncode})"
-        assert time.monotonic() < deadline, run["state"]["name"]
-        time.sleep(1)

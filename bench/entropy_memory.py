@@ -29,9 +29,11 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig, TrainConfig
     from grpo.lora_policy import load_policy
     from grpo.loss import group_advantages, loss_normalizer
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
+    from grpo.sections.train import TrainConfig
     from grpo.trainer import GRPOTrainer
     from grpo.types import TrainBatch
 

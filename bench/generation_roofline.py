@@ -54,8 +54,8 @@ def matmul_floor(shapes: list[tuple[int, int]], rows: int, dtype, repeat: int = 
 
 
 def prompts_for(tokenizer, n: int) -> list[str]:
-    from grpo.config import DEFAULT_SYSTEM_PROMPT
     from grpo.data import build_prompt
+    from grpo.sections.shared import DEFAULT_SYSTEM_PROMPT
 
     return [build_prompt(tokenizer, f"What is {17 * i + 3} + {29 * i + 11}?", DEFAULT_SYSTEM_PROMPT) for i in range(n)]
 
@@ -65,9 +65,11 @@ def run_backend(args, which: str) -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.engine.policy_engine import policy_rollouts
     from grpo.lora_policy import load_policy
+    from grpo.sections.engine import VLLMEngineConfig
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     tok = load_tokenizer(args.model)
     model = load_policy(ModelConfig(path=args.model), LoraConfig(rank=16, alpha=32))

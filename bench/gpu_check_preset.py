@@ -124,7 +124,7 @@ STEP = {
     "time_logprob_s": "number?: the no-grad passes", "time_update_s": "number?: forward, backward and optimizer",
     "time_optimizer_s": "number?: clip + AdamW", "peak_mem_mb": "number?: the trainer's peak (CUDA allocated; CPU RSS)",
     "peak_reserved_mb": "number?: CUDA reserved; null on a CPU",
-    "reward_mean": "number?: mean reward", "accuracy": "number?: share of correct completions",
+    "reward_mean": "number?: mean reward", "rollout_accuracy": "number?: share of correct completions",
     "loss": "number?: the loss", "grad_norm": "number?: the gradient norm before clipping",
     "entropy_mean": "number?: mean token entropy", "kept_frac": "number?: tokens the entropy mask kept",
     "logp_mismatch_mean": "number?: engine vs policy log-prob gap, nats per completion token",
@@ -509,7 +509,7 @@ def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) 
     per_step = cfg.prompts_per_step * cfg.group_size
     rec.rec.update(completions=len(rows) * per_step,
                    completion_tokens=round(sum((r.get("completion_len") or 0.0) * per_step for r in rows)),
-                   accuracy=sum(r["accuracy"] or 0.0 for r in rows) / len(rows),
+                   accuracy=sum(r["rollout_accuracy"] or 0.0 for r in rows) / len(rows),
                    nonfinite=any(s["update_skipped"] or s["nonfinite"] for s in steps))
 
 
@@ -586,8 +586,8 @@ def run_child(name: str, work: Path) -> int:
     if name == "machine":
         (work / "machine.json").write_text(json.dumps(machine_phase()))
         return 0
-    from grpo.config import load_params
     from grpo.device import default_device
+    from grpo.params import load_params
 
     if name != "train":  # the probe goes to an engine in another process pickled (module docstring)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -626,8 +626,9 @@ def preset_file(preset: str) -> Path:
 
 def resolve_model(params, root: Path, dry_run: bool, override: str | None) -> tuple[Path, str, str]:
     """``(directory, name, how it was found)`` of the model to run (module docstring)."""
-    from grpo.config import ModelConfigError, load_params
+    from grpo.config import ModelConfigError
     from grpo.memory import prepared_name
+    from grpo.params import load_params
 
     if override:
         path = Path(override).resolve()
@@ -661,7 +662,8 @@ def check_params(params, model_dir: Path, model_name: str, work: Path, dry_run: 
     """The preset's params with what the check changes: the model, the work folder, ``TRAIN_STEPS``
     steps, no checkpoints, validation or wandb, vLLM everywhere, one process; on ``--dry-run``
     short completions and (CPU) small engine shares."""
-    from grpo.config import overlay_params, params_from_dict
+    from grpo.config import overlay_params
+    from grpo.params import params_from_dict
 
     data = str(work / "problems.jsonl")
     over = {"model": {"name": model_name, "path": str(model_dir)},

@@ -100,7 +100,7 @@ def _model_dir(args, workdir: Path) -> str:
 
 
 def _train_config(args, overrides: dict, workdir: Path):
-    from grpo.config import TrainConfig
+    from grpo.sections.train import TrainConfig
 
     fields = dict(
         output_dir=str(workdir / "out"), checkpoint_every=0, wandb_mode="disabled", order="shuffled",
@@ -118,13 +118,12 @@ def _train_config(args, overrides: dict, workdir: Path):
 def default_rule_overrides() -> dict:
     """The token-entropy rule of the params' defaults (``grpo.config.TrainConfig``) with its options,
     when it is not the ``high`` rule TRL runs; ``{}`` when it is."""
-    from grpo.config import TrainConfig
+    from grpo.sections.train import TrainConfig
 
     d = TrainConfig()
     if d.entropy_rule == "high":
         return {}
-    return {"entropy_rule": d.entropy_rule, "entropy_kl_low": d.entropy_kl_low, "entropy_clip_high": d.entropy_clip_high,
-            "mu": d.mu}
+    return {"entropy_rule": d.entropy_rule, "entropy_rule_options": d.model_dump()["entropy_rule_options"], "mu": d.mu}
 
 
 def train_fields(overrides: dict) -> dict:
@@ -153,11 +152,13 @@ def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.device import compute_dtype, default_device
     from grpo.engine.bounds import train_bounds
     from grpo.engine.policy_engine import policy_rollouts
     from grpo.lora_policy import load_policy
+    from grpo.sections.engine import VLLMEngineConfig
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
     from grpo.trainer import GRPOTrainer
 
     device = default_device()
@@ -196,7 +197,7 @@ def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "
                 "fwd_bwd": row["time_update_s"] - row["time_optimizer_s"],
                 "optimizer": row["time_optimizer_s"],
                 "reward": row["reward_mean"],
-                "accuracy": row["accuracy"],
+                "rollout_accuracy": row["rollout_accuracy"],
                 "completion_len": row["completion_len"],
                 "updated": row["update_frac"],  # completions in groups with signal: the update's rows
                 **_memory_fields(device),
@@ -217,11 +218,11 @@ def run_trl(args, tuned: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import ModelConfig
     from grpo.data import build_prompt
     from grpo.device import default_device
     from grpo.lora_policy import load_training_base
     from grpo.rewards import REWARDS
+    from grpo.sections.model import ModelConfig
 
     device = default_device()
     reward_weights = {"correctness": 1.0, "format_strict": 0.1}

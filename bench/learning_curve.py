@@ -48,7 +48,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(out / "params.yaml")], check=True)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "run" / "steps.jsonl").read_text().splitlines()]
-    acc = [r["accuracy"] for r in rows]
+    acc = [r["rollout_accuracy"] for r in rows]
     first, last = sum(acc[:10]) / len(acc[:10]), sum(acc[-10:]) / len(acc[-10:])
     print("step accuracy completion_len step_time_s")
     for r in rows:

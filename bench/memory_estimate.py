@@ -117,8 +117,9 @@ def check_model(model_dir: Path, label: str, *, heavy: bool = True) -> list[tupl
     from transformers import AutoConfig
 
     from grpo import memory
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.lora_policy import load_policy, load_training_base
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     shapes = memory.model_shapes(AutoConfig.from_pretrained(model_dir), str(model_dir))
     rows = []

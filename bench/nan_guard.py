@@ -74,9 +74,11 @@ def build(args, tmp: Path):
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig, TrainConfig
     from grpo.lora_policy import load_policy
     from grpo.rewards import REWARDS
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
+    from grpo.sections.train import TrainConfig
     from grpo.synthetic import architecture_config, random_model_dir
     from grpo.trainer import GRPOTrainer
 

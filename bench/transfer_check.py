@@ -91,7 +91,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from grpo.config import load_params
+    from grpo.params import load_params
 
     params = load_params(args.params)
     sets = {"other-wordings": other_wordings(args.n, params.data, params.data.seed),

@@ -43,12 +43,15 @@ def run(args, way: str) -> dict:
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import DEFAULT_SYSTEM_PROMPT, LoraConfig, ModelConfig, VLLMEngineConfig
     from grpo.data import build_prompt
     from grpo.engine.policy_engine import policy_rollouts
     from grpo.jsonio import read_jsonl
     from grpo.lora_policy import load_policy
     from grpo.rollout_backends import TransformersBackend
+    from grpo.sections.engine import VLLMEngineConfig
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
+    from grpo.sections.shared import DEFAULT_SYSTEM_PROMPT
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=args.model, dtype=args.dtype)

@@ -14,9 +14,9 @@ pool, here or on another machine, runs the scheduled runs:
     prefect worker start --pool grpo-pool                    # on the machine holding this checkout
 
 The deployment's source is the checkout holding this file: each run starts in that directory
-(a ``set_working_directory`` pull step) and runs ``flows/pipeline.py:pipeline`` with
+(a ``set_working_directory`` pull step) and runs ``flows/dvc_flow.py:pipeline`` with
 ``workdir: "."``, so it is the DVC workspace too. Runs of one workspace queue on its Prefect
-concurrency slot (``flows/pipeline.py``): a run due while another runs waits, then runs.
+concurrency slot (``flows/dvc_flow.py``): a run due while another runs waits, then runs.
 
 Watch runs with ``prefect flow-run ls`` or the UI; trigger one now with
 ``prefect deployment run 'grpo-pipeline/grpo-nightly'``.
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import yaml
 
-from flows.pipeline import pipeline
+from flows.dvc_flow import pipeline
 from flows.server_auth import ALLOW_FLAG, check_api_auth
 
 KEYS = {"name", "cron", "timezone", "parameters"}
 ROOT = Path(__file__).resolve().parents[1]  # the checkout holding this file: the flow's code and workspace
-ENTRYPOINT = "flows/pipeline.py:pipeline"
+ENTRYPOINT = "flows/dvc_flow.py:pipeline"
 
 
 def load_schedule(path: str | Path) -> dict:

@@ -1,6 +1,6 @@
 """A stage's ``dvc repro`` as a subprocess with a deadline, and the stop of its whole process tree.
 
-No Prefect import here: ``flows/launch.py`` (the fast refusal path) and the tests use it without Prefect.
+No Prefect import here: ``flows/pipeline.py`` (the fast refusal path) and the tests use it without Prefect.
 
 ``run_logged(cmd, cwd, timeout_s, log)`` starts ``cmd`` in a session of its own, hands each line of its
 output (stdout and stderr together) to ``log`` and returns its exit code and output lines. When it runs

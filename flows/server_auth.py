@@ -1,6 +1,6 @@
 """Refuse to talk to a Prefect server beyond loopback without credentials.
 
-No Prefect import at module level (``flows/launch.py``'s fast path uses it). A server started with
+No Prefect import at module level (``flows/pipeline.py``'s fast path uses it). A server started with
 ``--host 0.0.0.0`` and no ``PREFECT_SERVER_API_AUTH_STRING`` lets anyone who reaches its port trigger
 runs, register a deployment whose pull steps run shell commands on the workers, and read every log.
 ``check_api_auth`` reads Prefect's own settings (environment, ``.env`` or the active profile): an API

@@ -348,3 +348,20 @@ def workspace_lock(root: str | Path) -> Iterator[Path]:
     finally:
         _drop(root)
 
+
+# One stage's limit: long enough for a full training run, short enough that a hung stage frees the
+# workspace (and its scheduled runs) within the night of a daily schedule.
+STAGE_TIMEOUT_S = 6 * 3600.0
+
+
+def stages_of(workdir: str | Path) -> list[str]:
+    """The workspace's stages in ``dvc.yaml``'s order."""
+    return dvc_stages(Path(workdir).resolve())
+
+
+def select_stages(known: list[str], wanted: list[str] | None) -> list[str]:
+    """``wanted`` in ``known``'s order (all of ``known`` when None); ``ValueError`` naming unknown ones."""
+    unknown = [s for s in (wanted or []) if s not in known]
+    if unknown:
+        raise ValueError(f"stages: unknown {', '.join(unknown)}; dvc.yaml has: {', '.join(known)}")
+    return [s for s in known if not wanted or s in wanted]

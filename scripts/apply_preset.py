@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpo.config import ParamsError, read_params_yaml, write_params
+from grpo.config import ParamsError, read_params_yaml
+from grpo.params import write_params
 
 
 def apply_preset(preset: Path, params: Path) -> None:

@@ -1,6 +1,7 @@
 """Shared entry-point plumbing for the stage modules: argument parsing, clean failures, wall time.
 
-``run_stage`` loads ``--params``, runs the stage body and writes ``<train.metrics_dir>/time/<stage>.json``
+``run_stage`` loads the sections of ``--params`` the stage reads (``grpo.config.load_sections``: the
+stage depends on those sections' schemas alone), runs the stage body and writes ``<train.metrics_dir>/time/<stage>.json``
 (``{"seconds": ...}``), a metric of that stage in ``dvc.yaml``, so each run's times live with its
 outputs (an experiment keeps its own). A run of another params file (``--params FILE``, not the
 workspace's ``params.yaml``) writes it only when ``FILE``'s ``train.metrics_dir`` is not the
@@ -28,13 +29,14 @@ from grpo.config import (
     ModelConfigError,
     Params,
     ParamsError,
+    Section,
     StageStop,
-    TrainConfig,
-    load_params,
+    load_sections,
     read_params_yaml,
     reading_params,
 )
 from grpo.jsonio import DataError, write_json
+from grpo.sections.shared import SharedTrainKeys
 
 USER_ERRORS = (ParamsError, DataError, ModelConfigError, DeviceError, StageStop, FileNotFoundError)
 WORKSPACE_PARAMS = Path("params.yaml")
@@ -48,7 +50,7 @@ def _workspace_metrics_dir() -> str:
     except (ParamsError, OSError):
         train = None
     train = train if isinstance(train, dict) else {}
-    return str(train.get("metrics_dir", TrainConfig.model_fields["metrics_dir"].default))
+    return str(train.get("metrics_dir", SharedTrainKeys.model_fields["metrics_dir"].default))
 
 
 def time_file(name: str, params_path: str | Path, metrics_dir: str | Path) -> Path | None:
@@ -64,9 +66,10 @@ def time_file(name: str, params_path: str | Path, metrics_dir: str | Path) -> Pa
     return None if own.resolve() == path.resolve() else path
 
 
-def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None = None, *,
-              writes: bool = True) -> int:
-    """Parse ``--params``, load and validate them, run ``body``; a user error becomes one line
+def run_stage(name: str, body: Callable[[Params], None], sections: tuple[type[Section], ...],
+              argv: list[str] | None = None, *, writes: bool = True) -> int:
+    """Parse ``--params``, load and validate the ``sections`` the stage reads (one of them the
+    ``train`` section, whole or as ``TrainSharedKeys``), run ``body``; a user error becomes one line
     on stderr and exit code 2. ``writes``: whether this process writes the stage's time (where
     ``time_file`` says) and the params-read log; False in the ranks other than 0 of a data-parallel
     stage."""
@@ -76,7 +79,7 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
     t0 = time.perf_counter()
     try:
-        params = load_params(args.params)
+        params = load_sections(args.params, *sections)
         with reading_params() as reads:
             body(params)
             metrics_dir = Path(params.train.metrics_dir)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from grpo.config import Params
+from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.shared import TrainSharedKeys
 from tasks._common import run_stage
 from tasks._eval_stage import run_eval
 
@@ -12,7 +15,7 @@ def baseline_eval(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("baseline_eval", baseline_eval, argv)
+    return run_stage("baseline_eval", baseline_eval, (EvaluateConfig, ModelConfig, TrainSharedKeys), argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from grpo.config import Params
+from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from tasks._common import run_stage
 from tasks._eval_stage import run_eval
 
@@ -12,7 +15,7 @@ def final_eval(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("final_eval", final_eval, argv)
+    return run_stage("final_eval", final_eval, (EvaluateConfig, ModelConfig, TrainConfig), argv)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from grpo.config import Params
 from grpo.jsonio import write_json
+from grpo.params import SECTIONS
 from grpo.report import build_report, headline_of
 from tasks._common import run_stage
 
@@ -22,7 +23,7 @@ def report(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("report", report, argv)
+    return run_stage("report", report, tuple(SECTIONS.values()), argv)
 
 
 if __name__ == "__main__":

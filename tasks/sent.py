@@ -17,6 +17,9 @@ from grpo.data import prompts_that_fit, sequence_positions
 from grpo.device import default_device, sampling_dtype
 from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
+from grpo.sections.model import ModelConfig
+from grpo.sections.sent import SentConfig
+from grpo.sections.shared import TrainSharedKeys
 from grpo.semantic_entropy import score_rows
 from tasks._common import run_stage
 
@@ -63,7 +66,7 @@ def sent(params: Params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("sent", sent, argv)
+    return run_stage("sent", sent, (SentConfig, ModelConfig, TrainSharedKeys), argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ import sys
 from grpo.config import Params
 from grpo.distributed import TIMEOUT_EXIT_CODE, CollectiveTimeout, writes_outputs
 from grpo.launcher import LaunchFailed
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.training import Interrupted, run
 from tasks._common import run_stage
 
@@ -27,7 +30,8 @@ def train(params: Params, argv: list[str] = ()) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return run_stage("train", functools.partial(train, argv=argv), argv, writes=writes_outputs())
+        return run_stage("train", functools.partial(train, argv=argv), (TrainConfig, LoraConfig, ModelConfig), argv,
+                         writes=writes_outputs())
     except Interrupted as err:
         print(f"train: {err}", file=sys.stderr)
         return 130  # the shell's code for a command ended by SIGINT

@@ -80,7 +80,7 @@ def _steps(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "out" / "steps.jsonl").read_text().splitlines()]
 
 
-DETERMINISTIC = ("step", "reward_mean", "accuracy", "reward_format_soft_mean", "loss", "entropy_mean", "kept_frac",
+DETERMINISTIC = ("step", "reward_mean", "rollout_accuracy", "reward_format_soft_mean", "loss", "entropy_mean", "kept_frac",
                  "completion_len", "grad_norm", "lr")
 
 
@@ -90,7 +90,8 @@ TINY_PARAMS = {
     "lora": {"rank": 4, "alpha": 8},
     "sent": {"backend": "transformers", "num_samples": 2, "max_new_tokens": 6, "batch_prompts": 8},
     "evaluate": {"backend": "transformers", "max_new_tokens": 6},
-    "train": {"seed": 0, "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "num_stages": 2,
+    "train": {"seed": 0, "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6,
+              "order_options": {"curriculum": {"num_stages": 2}},
               "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'.",
               "rollout_backend": "transformers", "eval_every": 1, "eval_max_new_tokens": 6},
 }
@@ -208,8 +209,8 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
     import pytest
     import torch
 
-    from grpo.config import TrainConfig
     from grpo.rewards import REWARDS
+    from grpo.sections.train import TrainConfig
     from grpo.trainer import GRPOTrainer
 
     randomise_adapter(model, std=0.02, seed=7)
@@ -246,9 +247,10 @@ def tiny_engine_policy(model_dir, dtype: str = "float32"):
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.device import default_device
     from grpo.lora_policy import load_policy
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=str(model_dir), dtype=dtype)

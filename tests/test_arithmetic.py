@@ -8,9 +8,9 @@ import pytest
 
 from grpo import arithmetic
 from grpo.arithmetic import Expression, ExpressionError, check_label, evaluate, expression_in, parse
-from grpo.config import DataConfig
 from grpo.data import generate_arithmetic, operand_sets_shared, prepare_splits, split_of
 from grpo.jsonio import DataError
+from grpo.sections.data import DataConfig
 
 
 @pytest.mark.parametrize(("question", "value"), [

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("quiet_cli_env")
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir, tmp_path_factory):
     """A LoRA adapter on the tiny model with non-zero B (an untrained adapter changes nothing)."""
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.lora_policy import load_policy
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     torch.manual_seed(1)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(), "cpu")
@@ -38,15 +39,16 @@ def tiny_params(tiny_model_dir, tmp_path_factory):
 def _reference(tiny_model_dir, adapter, tmp_path, max_new_tokens):
     """Greedy completion by the evaluation's own path: dense export + the transformers backend."""
     from grpo.base_model import load_tokenizer
-    from grpo.config import ModelConfig, Params
     from grpo.data import build_prompt
     from grpo.lora_policy import export_dense, load_base_model
+    from grpo.params import AllParams
     from grpo.rollout_backends import TransformersBackend
+    from grpo.sections.model import ModelConfig
 
     export = export_dense(ModelConfig(path=str(tiny_model_dir)), adapter, tmp_path / "ref")
     tok = load_tokenizer(export["path"])
     backend = TransformersBackend(load_base_model(export["path"]), tok)
-    prompt = build_prompt(tok, QUESTION, Params().train.system_prompt)
+    prompt = build_prompt(tok, QUESTION, AllParams().train.system_prompt)
     return backend.generate([prompt], 1, max_new_tokens=max_new_tokens, temperature=0.0).texts[0]
 
 
@@ -113,8 +115,9 @@ def test_ask_refuses_an_empty_question_before_loading_anything(question, monkeyp
 
 
 def _saved_adapter(model_dir, out, **lora):
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.lora_policy import load_policy
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**lora), "cpu").save_pretrained(out)
     return out
@@ -137,7 +140,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_one_line_naming_both(adapter_d
     import json
     import shutil
 
-    from grpo.config import LoraConfig
+    from grpo.sections.lora import LoraConfig
 
     from .conftest import build_tiny_model_dir
 

@@ -216,7 +216,7 @@ def test_the_report_schema_accepts_a_filled_report_and_refuses_a_changed_one(tmp
 
 def _trainer_row(step, gap, **over):
     row = {"step": step, "step_time_s": 9.0, "time_generate_s": 3.0, "time_logprob_s": 0.5, "time_update_s": 5.0,
-           "time_optimizer_s": 0.1, "peak_mem_mb": 2500.0, "reward_mean": 0.1, "accuracy": 0.0, "loss": 0.01,
+           "time_optimizer_s": 0.1, "peak_mem_mb": 2500.0, "reward_mean": 0.1, "rollout_accuracy": 0.0, "loss": 0.01,
            "grad_norm": 0.3, "entropy_mean": 1.2, "kept_frac": 0.2, "logp_mismatch_mean": gap,
            "logp_mismatch_max": 4 * gap, "completion_len": 512.0, "stage": 0}
     return {**row, **over}
@@ -254,10 +254,10 @@ def test_a_phase_that_raises_writes_a_record_that_says_so(tmp_path, monkeypatch)
     steps that ended before it; the record conforms to PHASE."""
     import yaml
 
-    from grpo.config import Params
+    from grpo.params import AllParams
 
     g = _preset_module()
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(Params().model_dump()))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(AllParams().model_dump()))
 
     def fails(params, work, device, rec, extra):
         rec.mark("engine_up")

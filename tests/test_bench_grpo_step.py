@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grpo.config import TrainConfig
+from grpo.sections.train import TrainConfig
 
 from .conftest import REPO
 

@@ -19,9 +19,12 @@ import torch
 
 from grpo import checkpoint
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig, params_from_dict
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
+from grpo.params import params_from_dict
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.trainer import GRPOTrainer
 
 from .helpers import DETERMINISTIC, _steps, _train, _write_params

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from grpo.choices import REGISTRIES, registry
-from grpo.config import ParamsError, params_from_dict
+from grpo.config import ParamsError
+from grpo.params import params_from_dict
 
 
 def _params_with(param: str, name: str):

@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.device import cuda_capability, cuda_half_dtype
 from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.trainer import GRPOTrainer
 
 from .conftest import REPO

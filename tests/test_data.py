@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from grpo.config import DEFAULT_SYSTEM_PROMPT, DataConfig, EvaluateConfig, ParamsError
+from grpo.config import ParamsError
 from grpo.data import (
     build_prompt,
     load_gsm8k,
@@ -15,6 +15,9 @@ from grpo.data import (
     split_disjoint,
 )
 from grpo.jsonio import DataError
+from grpo.sections.data import DataConfig
+from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.shared import DEFAULT_SYSTEM_PROMPT
 
 
 def test_gsm_symbolic_rows_have_solution_and_numeric_answer():

@@ -55,7 +55,9 @@ def test_auto_reads_the_cards_own_capability(monkeypatch):
 def test_float16_is_a_dtype_param():
     import pytest
 
-    from grpo.config import ModelConfig, ParamsError, SentConfig
+    from grpo.config import ParamsError
+    from grpo.sections.model import ModelConfig
+    from grpo.sections.sent import SentConfig
 
     assert ModelConfig(dtype="float16").dtype == SentConfig(dtype="float16").dtype == "float16"
     with pytest.raises(ParamsError, match="model.dtype"):
@@ -120,8 +122,9 @@ def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads
     import pytest
     from transformers import LlamaConfig, Qwen2Config
 
-    from grpo.config import ModelConfig, ModelConfigError
+    from grpo.config import ModelConfigError
     from grpo.lora_policy import load_training_base
+    from grpo.sections.model import ModelConfig
     from grpo.synthetic import char_tokenizer, random_model_dir
 
     small = dict(vocab_size=len(char_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -20,10 +20,12 @@ import torch
 import yaml
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import TIMEOUT_EXIT_CODE, Dist, init_from_env, shutdown
 from grpo.lora_policy import load_policy
 from grpo.loss import group_advantages
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 TABLE = ["exp", "show", "--only-changed", "--drop", ".*/|[a-z_]+$", "--keep", ".*accuracy"]
 HEADLINE = ["test_accuracy_before", "test_accuracy_after", "val_accuracy"]
 HEADLINE_COLUMNS = ["test_accuracy_before", "test_accuracy_after", "metrics/headline.json:val_accuracy"]
-SUMMARY_ACCURACIES = ["accuracy", "metrics/train/metrics.json:val_accuracy"]  # dvclive's: the last step's
+SUMMARY_ACCURACIES = ["rollout_accuracy", "metrics/train/metrics.json:val_accuracy"]  # dvclive's: the last step's
 
 FAKE_STAGE = '''
 import json, random, shutil, sys
@@ -89,7 +89,10 @@ def repo(tmp_path_factory) -> Path:
     for dep in {d for s in stages.values() for d in s.deps} - produced:  # code and data no stage writes
         src, dst = REPO / dep, repo / dep
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() else shutil.copy(src, dst)
+        if src.is_dir():  # a package dep (src/grpo/kernels) may hold files other stages name one by one
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        else:
+            shutil.copy(src, dst)
     shutil.copytree(REPO / "metrics", repo / "committed" / "metrics")  # what the fake stages write
     shutil.copy(REPO / "params.yaml", repo / "params.yaml")
     (repo / "fake_stage.py").write_text(FAKE_STAGE)
@@ -121,9 +124,9 @@ def test_the_declared_metrics_are_the_headline_and_dvclives_summary(repo):
 def test_the_documented_table_has_the_headline_and_the_params_that_differ(repo):
     rows = list(csv.DictReader(io.StringIO(_dvc(repo, *TABLE, "--csv"))))
     meta = {"Experiment", "rev", "typ", "Created", "parent"}
-    # the accuracies of both declared metrics files (the one key they share named with its file), then
+    # the headline accuracies first, then dvclive's (the one key they share named with its file), then
     # the params that differ; none of dvclive's other statistics, though every one differs
-    assert [c for c in rows[0] if c not in meta] == [*SUMMARY_ACCURACIES, *HEADLINE_COLUMNS, "train.seed", "train.lr"]
+    assert [c for c in rows[0] if c not in meta] == [*HEADLINE_COLUMNS, *SUMMARY_ACCURACIES, "train.seed", "train.lr"]
     by_name = {r["Experiment"]: r for r in rows if r["Experiment"]}
     assert [by_name["seed-1"][k] for k in ("train.seed", "train.lr")] == ["1", "0.0003"]
     assert [by_name["lr5e-4"][k] for k in ("train.seed", "train.lr")] == ["0", "0.0005"]
@@ -133,3 +136,12 @@ def test_the_documented_table_has_the_headline_and_the_params_that_differ(repo):
     assert "…" not in table  # nothing cut: every header and value is whole
     assert max(map(len, table.splitlines())) <= 200
     assert all(h in table for h in (*HEADLINE_COLUMNS, *SUMMARY_ACCURACIES, "train.seed", "train.lr", "seed-1", "lr5e-4"))
+
+
+def test_the_whole_table_leads_with_the_headline(repo):
+    """``dvc exp show`` as a user first sees it (every column): the metric columns begin with the
+    headline accuracies, before dvclive's statistics of the last training step."""
+    header = next(csv.reader(io.StringIO(_dvc(repo, "exp", "show", "--csv"))))
+    metrics = [c for c in header if c not in {"Experiment", "rev", "typ", "Created", "parent"}]
+    assert metrics[:len(HEADLINE_COLUMNS)] == HEADLINE_COLUMNS
+    assert "rollout_accuracy" in metrics and "accuracy" not in metrics

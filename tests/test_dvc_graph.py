@@ -113,3 +113,18 @@ def test_sampling_stages_depend_on_the_saved_model_sampler_alone(stage):
                       "src/grpo/engine/sampler.py"}
     training = {"src/grpo/trainer.py", "src/grpo/passes.py", "src/grpo/rollout_phase.py", "src/grpo/memory.py"}
     assert not training & set(spec.deps)
+
+
+@pytest.mark.parametrize(("schema", "readers"), [
+    ("src/grpo/sections/train.py", {"train", "final_eval", "report"}),
+    ("src/grpo/sections/sent.py", {"sent", "report"}),
+    ("src/grpo/sections/data.py", {"prepare_data", "report"}),
+    ("src/grpo/sections/evaluate.py", {"baseline_eval", "final_eval", "report"}),
+])
+def test_a_section_schema_is_a_dependency_of_the_stages_that_read_the_section_only(schema, readers):
+    """An edit of one section's schema file (a docstring, a default) re-runs the stages that read
+    that section, not the whole pipeline: the stages whose deps (following their imports) name it."""
+    stages = _stages()
+    depends = {name for name, spec in stages.items()
+               if any(schema == d or schema.startswith(d.rstrip("/") + "/") for d in spec.deps)}
+    assert depends == readers

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from grpo.config import LoraConfig, ModelConfig
 from grpo.engine.adapter import AdapterSync, policy_lora_rank
 from grpo.lora_policy import load_policy
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 
 def test_the_policy_lora_rank_is_its_largest(tiny_model_dir):
@@ -16,5 +17,5 @@ def test_the_policy_lora_rank_is_its_largest(tiny_model_dir):
 def test_the_sync_counts_the_adapted_layers(tiny_model_dir, tmp_path):
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
     sync = AdapterSync(model, tmp_path)
-    assert sync.form == "nf4" and sync.adapted_layers == 2 * 2 and sync.syncs == 0
+    assert sync.adapted_layers == 2 * 2 and sync.syncs == 0
     assert sync.adapter_dir.parent == tmp_path

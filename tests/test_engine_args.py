@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from grpo.config import TrainConfig, VLLMEngineConfig
 from grpo.engine.args import LORA_RANKS, engine_args, engine_lora_rank, start_environment
 from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds
+from grpo.sections.engine import VLLMEngineConfig
+from grpo.sections.train import TrainConfig
 
 SECTION = VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=512)
 

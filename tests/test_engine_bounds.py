@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.config import EvaluateConfig, SentConfig, TrainConfig, VLLMEngineConfig
 from grpo.engine.bounds import (
     CPU_BLOCK_SIZE,
     SAVED_MODEL_SEQS,
@@ -19,6 +18,10 @@ from grpo.engine.bounds import (
     step_limits,
     train_bounds,
 )
+from grpo.sections.engine import VLLMEngineConfig
+from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.sent import SentConfig
+from grpo.sections.train import TrainConfig
 
 
 @pytest.mark.parametrize(("n", "g", "size", "expected"), [

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import LoraConfig, ModelConfig
 from grpo.engine.dense_form import PolicyWeights, write_into
 from grpo.lora_policy import load_policy
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 from .helpers import randomise_adapter, tiny_engine_policy
 

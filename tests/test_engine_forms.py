@@ -48,9 +48,10 @@ def test_what_each_process_runs():
 
 
 def test_each_form_is_named_by_its_registration_and_nf4_needs_the_4bit_base():
-    from grpo.config import ParamsError, params_from_dict
+    from grpo.config import ParamsError
     from grpo.engine.forms import form_name
     from grpo.engine.forms_catalogue import WEIGHTS_FORMS
+    from grpo.params import params_from_dict
 
     dense, nf4 = WEIGHTS_FORMS["dense"], WEIGHTS_FORMS["nf4"]
     assert object.__new__(nf4).name == "nf4" and object.__new__(dense).name == "dense"

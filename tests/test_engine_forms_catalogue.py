@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.config import params_from_dict
 from grpo.engine.forms_catalogue import WEIGHTS_FORMS, usable_forms, weights_form
+from grpo.params import params_from_dict
 
 
 def test_the_catalogue_registers_every_form_in_its_order():
@@ -15,8 +15,36 @@ def test_the_catalogue_registers_every_form_in_its_order():
     from grpo.engine.nf4_form import NF4Form
 
     assert registry("train.engine_weights") is WEIGHTS_FORMS  # the param's registry
-    assert dict(WEIGHTS_FORMS) == {"dense": DenseForm, "nf4": NF4Form}  # registration order: auto's preference
+    assert dict(WEIGHTS_FORMS) == {"dense": DenseForm, "nf4": NF4Form}
     assert WEIGHTS_FORMS.accepted() == ("auto", "dense", "nf4")
+
+
+def _register_in(order: list[str], entries: dict) -> None:
+    for name in list(WEIGHTS_FORMS):
+        del WEIGHTS_FORMS[name]
+    for name in order:
+        WEIGHTS_FORMS[name] = entries[name]
+
+
+def test_auto_tries_the_forms_by_their_priority_whatever_the_import_order():
+    """``auto``'s order is each form's ``auto_priority``: a form registered last with a priority
+    between dense's and nf4's comes second, and reversing the registration order changes nothing."""
+    from grpo.engine.forms import WeightsForm
+    from grpo.engine.forms_catalogue import auto_order
+
+    class Middle(WeightsForm):
+        auto_priority = (WEIGHTS_FORMS["dense"].auto_priority + WEIGHTS_FORMS["nf4"].auto_priority) // 2
+
+    original = dict(WEIGHTS_FORMS)
+    entries = {**original, "middle": Middle}
+    try:
+        _register_in([*original, "middle"], entries)
+        assert auto_order() == ["dense", "middle", "nf4"]
+        assert usable_forms(params_from_dict({}))[0] == ["dense", "middle", "nf4"]
+        _register_in(["middle", *reversed(original)], entries)
+        assert list(WEIGHTS_FORMS) == ["middle", "nf4", "dense"] and auto_order() == ["dense", "middle", "nf4"]
+    finally:
+        _register_in(list(original), original)
 
 
 def test_a_name_outside_the_registry_fails_naming_the_param():

@@ -11,11 +11,11 @@ import pytest
 
 from grpo import memory
 from grpo.cli import resolve_params
-from grpo.config import params_from_dict
 from grpo.engine import needs
 from grpo.engine.forms import lora_buffer_bytes
 from grpo.engine.forms_catalogue import WEIGHTS_FORMS
 from grpo.model_shapes import prepared_shapes
+from grpo.params import params_from_dict
 
 from .conftest import REPO
 

@@ -20,12 +20,14 @@ import pytest
 import torch
 import yaml
 
-from grpo.config import LoraConfig, ModelConfig, VLLMEngineConfig
 from grpo.engine import nf4_form
 from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
 from grpo.rollout_backends import TransformersBackend
+from grpo.sections.engine import VLLMEngineConfig
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 from .conftest import REPO, build_tiny_model_dir
 from .helpers import ENGINE_LORA as LORA
@@ -198,8 +200,9 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     """The engine keeps the adapter of its last sync while the policy learns (the failure of an
     adapter lost in a wake-up): the per-step log-prob gap grows past ``max_logp_gap`` (the dtype's
     mean bound) and the stage stops after ``max_logp_gap_steps`` such steps in a row, with one line."""
-    from grpo.config import StageStop, TrainConfig
+    from grpo.config import StageStop
     from grpo.rewards import REWARDS
+    from grpo.sections.train import TrainConfig
     from grpo.trainer import GRPOTrainer
 
     model, tok, backend = engine

@@ -23,13 +23,15 @@ import torch
 import yaml
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.engine.bounds import cpu_kv_bytes, train_bounds
 from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
 from grpo.loss import loss_normalizer
 from grpo.rollout_backends import TransformersBackend
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import VLLMEngineConfig
 from grpo.engine.sampler import saved_model_sampler
+from grpo.sections.engine import VLLMEngineConfig
 
 from .helpers import ENGINE_RAM, engine_kv_cache
 
@@ -78,10 +78,10 @@ def test_a_kv_cache_sized_to_the_stage_samples_as_a_share_of_the_ram_does(tiny_v
     stage's size samples the same tokens with the same log-probs as an engine on the RAM share."""
     from transformers import AutoConfig
 
-    from grpo.config import SentConfig
     from grpo.data import sequence_positions
     from grpo.device import compute_dtype
     from grpo.engine.bounds import saved_model_kv_bytes
+    from grpo.sections.sent import SentConfig
 
     tok = load_tokenizer(tiny_vllm_model_dir)
     section = SentConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256, batch_prompts=2, num_samples=4)

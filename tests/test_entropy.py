@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from grpo.config import TrainConfig
 from grpo.entropy import TOKEN_RULES, LossTerms, entropy_threshold, high_entropy_mask, per_response_high, token_entropy
+from grpo.sections.train import TrainConfig
 
 
 def test_entropy_uniform_and_peaked():
@@ -128,7 +128,8 @@ def test_archer_on_hand_worked_entropies():
     gradient, no statistic, the reference pass; KL 0 needs no reference and gives no weights."""
     archer = TOKEN_RULES["archer"]
     cfg = TrainConfig(entropy_rule="archer")
-    assert (cfg.entropy_top_quantile, cfg.entropy_clip_high, cfg.entropy_kl_low) == (0.2, 0.5, 0.001)
+    opts = cfg.entropy_rule_options["archer"]
+    assert (cfg.entropy_top_quantile, opts.clip_high, opts.kl_low) == (0.2, 0.5, 0.001)
     high = torch.tensor([[False, False, True, False, False], [False, True, False, False, False]])
     assert torch.equal(per_response_high(ENT5, MASK5, 0.2), high)
     assert not archer.needs_statistic(cfg) and archer.threshold(ENT5[MASK5.bool()], cfg) is None
@@ -143,7 +144,7 @@ def test_archer_on_hand_worked_entropies():
     torch.testing.assert_close(clip_higher.epsilon, bounds, rtol=0, atol=0)
     torch.testing.assert_close(clip_higher.epsilon_high,
                                torch.tensor([[0.28, 0.28, 0.5, 0.28, 0.28], [0.28, 0.5, 0.28, 0.28, 0.28]]))
-    no_kl = TrainConfig(entropy_rule="archer", entropy_kl_low=0.0)
+    no_kl = TrainConfig(entropy_rule="archer", entropy_rule_options={"archer": {"kl_low": 0.0}})
     assert not archer.needs_reference(no_kl) and archer.loss_terms(ENT5, MASK5, None, no_kl).kl_weights is None
     assert torch.equal(per_response_high(ENT5, MASK5, 1.0), MASK5.bool())  # the top 100%: every valid token
 
@@ -161,7 +162,7 @@ def test_sent_kl_on_hand_worked_entropies():
     terms = sent.loss_terms(ENT5, MASK5, threshold, cfg)
     assert terms.epsilon is None and terms.epsilon_high is None
     torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 0, 0, 1, 0], [1, 1, 1, 0, 0]]))
-    no_kl = TrainConfig(entropy_rule="sent_kl", entropy_kl_low=0.0)
+    no_kl = TrainConfig(entropy_rule="sent_kl", entropy_rule_options={"sent_kl": {"kl_low": 0.0}})
     assert not sent.needs_reference(no_kl) and sent.loss_terms(ENT5, MASK5, threshold, no_kl).kl_weights is None
 
 

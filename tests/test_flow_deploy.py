@@ -34,7 +34,7 @@ import psutil
 import pytest
 import yaml
 
-from flows.pipeline import SLOT_ENV, slot_name
+from flows.dvc_flow import SLOT_ENV, slot_name
 from tests.conftest import REPO, make_dvc_workspace
 from tests.helpers import TINY_PARAMS
 from tests.helpers import (
@@ -190,7 +190,7 @@ def test_deployments_run_the_workspace_code_on_the_pool(pool_setup):
     ws = str(pool_setup["ws"].resolve())
     pulled = {"prefect.deployments.steps.set_working_directory": {"directory": ws}}
     for dep in (pool_setup["by_flows_deploy"], pool_setup["by_prefect_yaml"]):
-        assert dep["work_pool_name"] == POOL and dep["entrypoint"] == "flows/pipeline.py:pipeline", dep
+        assert dep["work_pool_name"] == POOL and dep["entrypoint"] == "flows/dvc_flow.py:pipeline", dep
         assert dep["pull_steps"] == [pulled] and dep["parameters"] == {"workdir": "."}, dep
     assert [s["schedule"]["cron"] for s in pool_setup["by_prefect_yaml"]["schedules"]] == ["0 3 * * *"]
     assert [s["schedule"]["cron"] for s in pool_setup["by_flows_deploy"]["schedules"]] == ["0 3 1 1 *"]

@@ -1,5 +1,5 @@
 """Talking to a Prefect server: credentials beyond loopback (``flows.server_auth``), refused in one
-line by ``flows.deploy`` and ``flows.pipeline``; a stage's interpreter (``flows.pipeline.stage_env``)."""
+line by ``flows.deploy`` and ``flows.pipeline``; a stage's interpreter (``flows.dvc_flow.stage_env``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_our_commands_refuse_a_remote_server_without_credentials(command, tmp_pa
 
 def test_a_stage_runs_with_the_flows_own_interpreter_first_on_path(monkeypatch):
     """stage_env: the directory of this interpreter first on PATH, once, whatever PATH held."""
-    from flows.pipeline import stage_env
+    from flows.dvc_flow import stage_env
 
     bindir = str(Path(sys.executable).parent)
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", bindir, "/bin"]))

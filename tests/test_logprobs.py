@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.logprobs import selected_logprobs
 from grpo.lora_policy import load_policy
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 
 from .helpers import LORA, give_adapter_a_say
 

@@ -328,9 +328,9 @@ def test_archer_and_sent_kl_token_terms_by_hand():
     + k3(0.2) (the high (0, 2)'s k3(0.4) and (1, 1)'s k3(0.3) left out); sent_kl adds (1, 1)'s
     k3(0.3). ``dapo`` divides the sum by the 7 valid tokens, ``grpo`` each row by its own count;
     the ``kl`` statistic is the mean k3 of every valid token either way."""
-    from grpo.config import TrainConfig
     from grpo.entropy import TOKEN_RULES
     from grpo.loss import POLICY_LOSSES
+    from grpo.sections.train import TrainConfig
 
     e01, e04, e03, em01 = math.exp(0.3), math.exp(-0.4), math.exp(-0.3), math.exp(-0.1)
     policy = {"archer": [[-1.0, -1.2, -e01, -em01, 0.0], [0.4, 0.5 * e04, 0.5, 0.0, 0.0]],

@@ -46,8 +46,9 @@ def smol_width_dir(tmp_path_factory):
 def test_lora_nf4_and_kv_cache_terms_equal_the_real_objects(which, tiny_model_dir, smol_width_dir):
     from transformers import AutoConfig
 
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.lora_policy import attach_lora, load_training_base
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     path = tiny_model_dir if which == "tiny" else smol_width_dir
     shapes = memory.model_shapes(AutoConfig.from_pretrained(path))
@@ -69,8 +70,9 @@ def test_lora_nf4_and_kv_cache_terms_equal_the_real_objects(which, tiny_model_di
 def test_activation_term_matches_autograds_saved_tensors(dtype, dropout, checkpointing, shared, tiny_model_dir):
     from transformers import AutoConfig
 
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.lora_policy import load_policy
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     torch.manual_seed(0)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
@@ -93,8 +95,9 @@ def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, t
     full length (the estimate's worst case): one pass over N / G sequences of P + G (C - 1) tokens."""
     from transformers import AutoConfig
 
-    from grpo.config import LoraConfig, ModelConfig
     from grpo.lora_policy import load_policy
+    from grpo.sections.lora import LoraConfig
+    from grpo.sections.model import ModelConfig
 
     torch.manual_seed(0)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
@@ -111,7 +114,7 @@ def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, t
 
 
 def test_shapes_from_a_hub_name_and_the_lora_count_of_seed003():
-    from grpo.config import ModelConfig
+    from grpo.sections.model import ModelConfig
 
     shapes = memory.resolve_shapes(ModelConfig(name="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
                                                path="models/none"), REPO)
@@ -122,14 +125,14 @@ def test_shapes_from_a_hub_name_and_the_lora_count_of_seed003():
 def test_measured_figures_name_real_params_and_a_bad_file_is_one_line(tmp_path):
     """measured.yaml (the one home of the figures ``grpo check`` prints) names params fields that
     exist; an entry missing a key fails with one line naming the file."""
-    from grpo.config import Params
+    from grpo.params import AllParams
 
     entries = memory.load_measured()
     assert {m["device"] for m in entries} == {"cpu", "cuda"}
     for m in entries:
         for key in m["params"]:
             section, name = key.split(".")
-            assert name in type(getattr(Params(), section)).model_fields, key
+            assert name in type(getattr(AllParams(), section)).model_fields, key
     bad = tmp_path / "measured.yaml"
     bad.write_text(yaml.safe_dump([{"what": "x", "device": "cpu"}]))
     with pytest.raises(ValueError, match=r"measured.yaml: entry 0: missing command, date, commit, shape, params, figure"):
@@ -187,10 +190,10 @@ def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
     the KV cache of that call; the budget is the section's share of the card."""
     from transformers import AutoConfig
 
-    from grpo.config import Params
+    from grpo.params import AllParams
 
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
-    params = Params.model_validate({
+    params = AllParams.model_validate({
         "sent": {"batch_prompts": 3, "num_samples": 4, "max_new_tokens": 7, "max_model_len": 256, "dtype": "float32",
                  "gpu_memory_utilization": 0.25},
         "evaluate": {"batch_prompts": 5, "max_new_tokens": 9, "max_model_len": 128, "gpu_memory_utilization": 0.5}})

@@ -154,7 +154,7 @@ def test_reward_statistics_of_a_step_by_hand():
     parts = {"correctness": [1.0, 0.0, 1.0, 1.0, 0.0, 0.0], "format_soft": [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]}
     stats = reward_stats(rewards, parts, group_size=2)
     assert stats == pytest.approx({
-        "reward_mean": 4 / 6, "reward_std": math.sqrt(1 / 6), "accuracy": 0.5,
+        "reward_mean": 4 / 6, "reward_std": math.sqrt(1 / 6), "rollout_accuracy": 0.5,
         "reward_correctness_mean": 0.5, "reward_format_soft_mean": 1 / 3,
         "reward_correctness_std": 0.5, "reward_format_soft_std": math.sqrt(2 / 9),
         "zero_std_frac": 2 / 3}, rel=1e-6)

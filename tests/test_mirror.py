@@ -33,13 +33,14 @@ EXCEPTIONS = {
     "test_mirror.py": "this layout",
     "test_docs.py": "README.md, docs/ and mkdocs.yml: every path and module they name exists; the README's size",
     "test_prefect_yaml.py": "prefect.yaml: the deployment it declares equals flows/schedule.yaml",
-    "test_flow_operator.py": "flows/pipeline.py, deploy.py and server_auth.py as an operator runs them: a worker "
+    "test_flow_operator.py": "flows/pipeline.py, dvc_flow.py, deploy.py and server_auth.py as an operator runs them: a worker "
                              "started by its path, a failed stage's log, a server with an auth string",
     "test_registries.py": "each registry of grpo.choices: a toy entry, registered from the test alone, used by a step",
 }
 
-PACKAGE_TESTS = {"kernels": "test_kernels.py"}
-"""Subpackages tested as a whole by one file (the fused kernels against their torch fallbacks)."""
+PACKAGE_TESTS = {"kernels": "test_kernels.py", "sections": "test_sections.py"}
+"""Subpackages tested as a whole by one file (the fused kernels against their torch fallbacks; the params
+sections, one schema each)."""
 
 PREFIXES = {  # prefix -> (folder, suffixes); the plain test_<name>.py is src/grpo
     "test_stage_": ("tasks", (".py",)),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import LoraConfig, ModelConfig
 from grpo.lora_policy import load_policy
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 from .helpers import LORA, give_adapter_a_say
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
 from grpo.distributed import Dist
 from grpo.entropy import TOKEN_RULES
 from grpo.lora_policy import load_policy
 from grpo.passes import PolicyPasses, micro_slices
 from grpo.rollout_backends import TransformersBackend
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.types import TrainBatch
 from grpo.updater import AdamWUpdater
 
@@ -243,7 +245,8 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
-                  entropy_top_quantile=0.2, entropy_rule=rule, entropy_kl_low=0.0, mu=mu)
+                  entropy_top_quantile=0.2, entropy_rule=rule, mu=mu,
+                  entropy_rule_options={"archer": {"kl_low": 0.0}, "sent_kl": {"kl_low": 0.0}})
     one = _passes(model, TrainConfig(**fields, micro_batches=1))
     four = _passes(model, TrainConfig(**fields, micro_batches=4))
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]

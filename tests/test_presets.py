@@ -26,9 +26,10 @@ import yaml
 import grpo.passes as passes_mod
 import grpo.trainer as trainer_mod
 from grpo.base_model import load_tokenizer
-from grpo.config import overlay_params, params_from_dict
+from grpo.config import overlay_params
 from grpo.entropy import TOKEN_RULES
 from grpo.lora_policy import load_policy
+from grpo.params import params_from_dict
 from grpo.rewards import REWARDS
 from grpo.trainer import GRPOTrainer, lr_lambda
 

@@ -18,7 +18,6 @@ import yaml
 
 from grpo import cli
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, params_from_dict
 from grpo.engine.dense_form import DenseForm
 from grpo.engine.forms import FormNeeds
 from grpo.engine.forms_catalogue import WEIGHTS_FORMS
@@ -26,7 +25,10 @@ from grpo.entropy import TOKEN_RULES, TokenRule
 from grpo.lora_policy import load_policy
 from grpo.loss import AGGREGATIONS, POLICY_LOSSES
 from grpo.model_shapes import prepared_shapes
+from grpo.params import params_from_dict
 from grpo.rewards import REWARDS
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 from grpo.trainer import GRPOTrainer
 
 from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_adapter, tiny_engine_policy

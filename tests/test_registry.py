@@ -60,3 +60,16 @@ def test_monkeypatch_setitem_adds_an_entry_for_the_block_only(monkeypatch):
         patch.setitem(reg, "c", max)
         assert reg["c"] is max
     assert "c" not in reg and reg.names() == ("a", "b")
+
+
+def test_an_entry_declares_its_options_by_its_options_attribute():
+    class Opts:
+        pass
+
+    class WithOptions:
+        Options = Opts
+
+    reg = make()
+    reg.register("c")(WithOptions)
+    assert reg.options("c") is Opts and reg.options("a") is None and reg.options("zz") is None
+    assert reg.with_options() == ("c",)

@@ -64,7 +64,7 @@ def make_steps(same: bool) -> list[dict]:
     steps = []
     for i, stage in enumerate(STAGES):
         acc = round(0.1 + 0.05 * i + 0.1 * math.sin(3 * i), 4)
-        steps.append({"step": i + 1, "stage": stage, "accuracy": acc,
+        steps.append({"step": i + 1, "stage": stage, "rollout_accuracy": acc,
                       "reward_mean": acc if same else round(acc + 0.2 + 0.03 * math.cos(i), 4)})
     return steps
 
@@ -87,7 +87,7 @@ def test_curves_plot_raw_and_smoothed_reward_and_accuracy(tmp_path, figures, win
     plot_curves(steps, tmp_path / "curves.png", window=window)
     raw, smoothed, vlines = curve_lines(figures["curves.png"], steps)
 
-    series = {"reward": [r["reward_mean"] for r in steps], "accuracy": [r["accuracy"] for r in steps]}
+    series = {"reward": [r["reward_mean"] for r in steps], "accuracy": [r["rollout_accuracy"] for r in steps]}
     assert sorted(list(ln.get_ydata()) for ln in raw) == sorted(series.values())
     assert len(smoothed) == 2
     for line in smoothed:
@@ -103,7 +103,7 @@ def test_curves_draw_one_pair_when_reward_is_accuracy(tmp_path, figures):
     steps = make_steps(same=True)
     plot_curves(steps, tmp_path / "curves.png")
     raw, smoothed, vlines = curve_lines(figures["curves.png"], steps)
-    accuracy = [r["accuracy"] for r in steps]
+    accuracy = [r["rollout_accuracy"] for r in steps]
     assert [list(ln.get_ydata()) for ln in raw] == [accuracy]
     assert [list(ln.get_ydata()) for ln in smoothed] == [pytest.approx(trailing_mean(accuracy, 5))]
     assert vlines == BOUNDARIES
@@ -158,7 +158,7 @@ def workspace(tmp_path) -> tuple[Path, list[dict]]:
     steps = make_steps(same=False)
     for i, r in enumerate(steps):
         r.update(entropy_mean=1.5 - 0.05 * i, kl=0.001 * i, kept_frac=0.2 + 0.01 * i, completion_len=40.0 + i)
-    for key in ("accuracy", "reward_mean", "stage", *SIGNALS):
+    for key in ("rollout_accuracy", "reward_mean", "stage", *SIGNALS):
         write_tsv(plots / f"{key}.tsv", key, [float(r[key]) for r in steps], timestamp=key == "reward_mean")
     cache = root / "data" / "cache"
     cache.mkdir(parents=True)
@@ -248,7 +248,7 @@ def test_build_report_from_a_workspace(workspace, tmp_path, figures):
 
     raw, smoothed, vlines = curve_lines(figures["curves.png"], steps)
     assert sorted(list(ln.get_ydata()) for ln in raw) == sorted(
-        [[r["reward_mean"] for r in steps], [r["accuracy"] for r in steps]])
+        [[r["reward_mean"] for r in steps], [r["rollout_accuracy"] for r in steps]])
     assert vlines == BOUNDARIES
 
     signal_axes = figures["signals.png"].axes

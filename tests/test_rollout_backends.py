@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, ParamsError, VLLMEngineConfig
+from grpo.config import ParamsError
 from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
 from grpo.engine.sampler import saved_model_sampler
 from grpo.lora_policy import load_policy
 from grpo.rollout_backends import TransformersBackend, completion_mask_from_eos, fallback_note, uses_engine
+from grpo.sections.engine import VLLMEngineConfig
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 from .helpers import ENGINE_RAM, LORA
 

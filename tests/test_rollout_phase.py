@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import Dist
 from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
 from grpo.rollout_backends import TransformersBackend
 from grpo.rollout_phase import gather_rewards, sample, sample_seed, score, zero_cut_off
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.types import Rollout
 
 from .helpers import LORA

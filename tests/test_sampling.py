@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig
 from grpo.lora_policy import load_policy
 from grpo.sampling import decode, sample_tokens
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 from .helpers import give_adapter_a_say
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from grpo.config import load_params
+from grpo.params import load_params
 
 from .conftest import REPO
 from .helpers import _keys

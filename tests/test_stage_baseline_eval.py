@@ -32,7 +32,7 @@ def test_baseline_eval_names_an_empty_model_folder_and_leaves_nothing(tmp_path, 
 
 def test_an_evaluation_that_fails_midway_removes_its_work_folder(tmp_path, monkeypatch):
     """The exported weights' folder is removed when the evaluation raises after writing it."""
-    from grpo.config import Params
+    from grpo.params import AllParams
     from tasks import _eval_stage
 
     def failing(params, adapter_dir, work):
@@ -42,5 +42,5 @@ def test_an_evaluation_that_fails_midway_removes_its_work_folder(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(_eval_stage, "evaluate", failing)
     with pytest.raises(RuntimeError, match="engine died"):
-        _eval_stage.run_eval(Params(), "baseline", None)
+        _eval_stage.run_eval(AllParams(), "baseline", None)
     assert list((tmp_path / "outputs" / "eval").iterdir()) == []

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
-from grpo.config import Params
+from grpo.params import AllParams
 from grpo.step_loggers import dvclive_logger, step_loggers, wandb_logger
 
 
-def _params(tmp_path, **train) -> Params:
-    return Params.model_validate({"train": {"metrics_dir": str(tmp_path / "metrics"),
+def _params(tmp_path, **train) -> AllParams:
+    return AllParams.model_validate({"train": {"metrics_dir": str(tmp_path / "metrics"),
                                             "output_dir": str(tmp_path / "out"), **train}})
 
 

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.data import build_prompt
 from grpo.lora_policy import load_policy
 from grpo.rewards import REWARDS
 from grpo.rollout_backends import TransformersBackend
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 from grpo.trainer import GRPOTrainer
 from grpo.types import TrainBatch
 
@@ -72,7 +74,8 @@ def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_probl
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, num_stages=3, prompts_per_step=1, group_size=2,
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, order_options={"curriculum": {"num_stages": 3}},
+                      prompts_per_step=1, group_size=2,
                       max_new_tokens=3, checkpoint_every=0, warmup_steps=0)
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
     stage_of_question = {tiny_problems[i]["question"]: s for s, idx in enumerate(trainer.stages) for i in idx}

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from grpo.config import load_params
+from grpo.params import load_params
 from grpo.training import interrupted_line, run, train_summary
 
 from .helpers import _write_params
@@ -28,7 +28,7 @@ def test_a_run_from_python_ships_the_adapter_and_the_summary(tiny_model_dir, tin
 def test_the_summary_leaves_out_the_gap_of_steps_not_applied():
     """A step whose update was not applied (a non-finite value) logs no gap (None): the summary's
     mean and largest gap come from the other steps, and the run does not fail at its end."""
-    row = dict(accuracy=0.5, step_time_s=1.0, loss=0.1, reward_mean=0.5, kl=0.0, entropy_mean=1.0, kept_frac=0.2,
+    row = dict(rollout_accuracy=0.5, step_time_s=1.0, loss=0.1, reward_mean=0.5, kl=0.0, entropy_mean=1.0, kept_frac=0.2,
                peak_mem_mb=100.0)
     history = [{**row, "step": 1, "logp_mismatch_mean": 0.02, "logp_mismatch_max": 0.3},
                {**row, "step": 2, "logp_mismatch_mean": None, "logp_mismatch_max": None, "update_skipped": True},

@@ -10,8 +10,8 @@ import io
 import pytest
 import torch
 
-from grpo.config import TrainConfig
 from grpo.distributed import Dist
+from grpo.sections.train import TrainConfig
 from grpo.updater import AdamWUpdater, make_updater
 
 CFG = TrainConfig(lr=0.1, weight_decay=0.01, max_grad_norm=0.5)

@@ -20,9 +20,11 @@ import torch
 
 from grpo import checkpoint
 from grpo.base_model import load_tokenizer
-from grpo.config import LoraConfig, ModelConfig, TrainConfig
 from grpo.distributed import Dist, init_from_env, shutdown
 from grpo.lora_policy import load_policy
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
+from grpo.sections.train import TrainConfig
 
 from .conftest import REPO
 

@@ -86,7 +86,8 @@ def _set_dotted(tree: dict, key: str, value: object) -> None:
 def check_overrides(name: str, overrides: dict[str, object], params: dict) -> None:
     """Raise ``ValueError`` naming the variant and key unless ``overrides`` applied to the params
     tree ``params`` (params.yaml as read) give valid params."""
-    from grpo.config import ParamsError, params_from_dict
+    from grpo.config import ParamsError
+    from grpo.params import params_from_dict
 
     tree = json.loads(json.dumps(params))
     try:

@@ -29,17 +29,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.config import (
-    DeviceError,
-    ModelConfigError,
-    Params,
-    ParamsError,
-    overlay_params,
-    params_from_dict,
-    read_params_yaml,
-)
+from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, overlay_params, read_params_yaml
 from grpo.dvcfile import find_root
 from grpo.engine.bounds import SAVED_MODEL_SEQS
+from grpo.params import params_from_dict
 
 DEFAULT_PROMPT_TOKENS = 128
 
@@ -92,6 +85,8 @@ def _g(x: float) -> str:
 
 def settings_lines(p: Params) -> list[str]:
     """The main knobs, one line per section."""
+    from grpo.curriculum import num_stages_of
+
     d, m, lo, s, e, t = p.data, p.model, p.lora, p.sent, p.evaluate, p.train
     source = f"jsonl {d.path}" if d.source == "jsonl" else d.source
     gen = f"{t.generation_batch_size} completions" if t.generation_batch_size else "whole step"
@@ -104,7 +99,7 @@ def settings_lines(p: Params) -> list[str]:
         f"  lora      r{lo.rank} alpha {_g(lo.alpha)} dropout {_g(lo.dropout)} on {', '.join(lo.target_modules)}",
         f"  sent      {s.backend}, M={s.num_samples}, <= {s.max_new_tokens} tokens, T={_g(s.temperature)}, "
         f"{s.estimator}",
-        f"  train     {t.order} ({t.num_stages} stages), {t.steps} steps x {t.prompts_per_step} prompts x "
+        f"  train     {t.order} ({num_stages_of(t)} stages), {t.steps} steps x {t.prompts_per_step} prompts x "
         f"G={t.group_size}, <= {t.max_new_tokens} new tokens, T={_g(t.temperature)}, lr {_g(t.lr)} {t.lr_schedule} "
         f"(warm-up {t.warmup_steps}), {t.loss_type}, beta {_g(t.beta)}, clip {clip}, mu {t.mu}",
         f"            entropy top {_g(t.entropy_top_quantile)}, micro-batches {t.micro_batches}, generation "

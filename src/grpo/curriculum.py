@@ -2,7 +2,8 @@
 
 The SENT stage writes the training rows sorted easy -> hard. ``stages_for`` turns them into
 stages of row indices by the order ``train.order`` names (``ORDERS``, one function each, of
-signature ``(n_rows, num_stages, seed) -> list of stages``): ``curriculum`` cuts the file into ``num_stages`` contiguous, near-equal
+signature ``(n_rows, num_stages, seed) -> list of stages``; ``num_stages`` is the order's option,
+``train.order_options.<order>.num_stages``, 1 for an order without): ``curriculum`` cuts the file into ``num_stages`` contiguous, near-equal
 slices, each shuffled by the seed; ``reversed`` is the same slices taken hard -> easy (the
 anti-curriculum); ``shuffled`` is one seeded permutation of all rows (the comparison without a
 curriculum); ``file`` is the file order. A run's steps are split evenly
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import ClassVar
 
+from grpo.config import Positive, Section
 from grpo.registry import Registry
 
 Order = Callable[[int, int, int], list[list[int]]]
@@ -37,18 +40,51 @@ def curriculum_order(n_rows: int, num_stages: int, seed: int) -> list[list[int]]
     return stages
 
 
+class CurriculumOptions(Section):
+    """``train.order_options.curriculum``."""
+
+    SECTION: ClassVar[str] = "train.order_options.curriculum"
+    num_stages: Positive = 4
+    """Slices of the sorted file; the run's steps are split evenly over them."""
+
+
+class ReversedOptions(CurriculumOptions):
+    """``train.order_options.reversed``."""
+
+    SECTION: ClassVar[str] = "train.order_options.reversed"
+
+
+def num_stages_of(cfg) -> int:
+    """The stages the train section ``cfg``'s order cuts the rows into: its option
+    (``train.order_options.<order>.num_stages``), 1 for an order without options."""
+    options = cfg.order_options.get(cfg.order)
+    return options.num_stages if options is not None else 1
+
+
 def stages_for(order: str, n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
     """Row indices per stage for ``train.order`` (an ``ORDERS`` name)."""
     return ORDERS[order](n_rows, num_stages, seed)
 
 
+def _with_options(options: type[Section]):
+    """Decorator: the order function declares ``options`` (``grpo.registry.Registry.options``)."""
+
+    def attach(order: Order) -> Order:
+        order.Options = options  # type: ignore[attr-defined]
+        return order
+
+    return attach
+
+
 @ORDERS.register("curriculum")
+@_with_options(CurriculumOptions)
 def easy_to_hard(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
     """The curriculum; never more stages than rows."""
     return curriculum_order(n_rows, min(num_stages, n_rows), seed)
 
 
 @ORDERS.register("reversed")
+@_with_options(ReversedOptions)
 def hard_to_easy(n_rows: int, num_stages: int, seed: int) -> list[list[int]]:
     """The curriculum's stages, rows within each shuffled alike, in the opposite order (hardest
     slice first)."""

@@ -17,11 +17,11 @@ tokens that learn.
 Two rules discard no token (every valid token gets policy gradient) and treat the classes
 differently in the loss (``TokenRule.loss_terms``). With q = ``entropy_top_quantile`` (0.2),
 rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the reference policy
-(the adapter disabled), c = ``entropy_kl_low`` (0.001):
+(the adapter disabled), c = the rule's ``kl_low`` (0.001; ``train.entropy_rule_options.<rule>``):
 
 * ``archer`` (Archer, arXiv 2507.15778; code github.com/wizard-III/ArcherCodeR @ 8a1785be):
   tau_i = the ``1 - q`` quantile of response i's valid entropies (``torch.nanquantile`` along
-  the row); high_t = H_t > tau_i (ties low). Clip range per token: ``entropy_clip_high`` (0.5) on
+  the row); high_t = H_t > tau_i (ties low). Clip range per token: archer's ``clip_high`` (0.5) on
   both sides for high tokens, ``epsilon`` / ``epsilon_high`` (0.2 / 0.2) for low ones; loss term
   ``clipped(rho_t, eps_t) + c * k3_t * low_t``. Code values: quantile 0.8 per response, clip 0.2 /
   0.5, KL coefficient 0.001 on low tokens and 0 on high ones (``core_algos.py:597-604``,
@@ -49,11 +49,13 @@ of them. The sources line by line: docs/design.md#token-entropy-rules.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, ClassVar, NamedTuple
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from grpo.config import PositiveFloat, Section
 from grpo.registry import Registry
 
 
@@ -103,8 +105,9 @@ class LossTerms(NamedTuple):
 
 class TokenRule:
     """An entry of ``TOKEN_RULES``: what a step does with its tokens by their entropy. Entries are
-    classes of static methods (never instantiated); ``cfg`` is the ``grpo.config.TrainConfig``,
-    from which a rule reads its own params (``entropy_top_quantile`` here). The defaults keep every
+    classes of static methods (never instantiated); ``cfg`` is the ``grpo.sections.train.TrainConfig``,
+    from which a rule reads the section's params (``entropy_top_quantile`` here) and its own options
+    (``rule_options``: its ``Options`` model, under ``train.entropy_rule_options.<name>``). The defaults keep every
     valid token, need no statistic and leave the loss as the params set it.
 
     - ``check(cfg)``: raise ``ValueError`` (one line naming the param) when the params do not
@@ -219,17 +222,42 @@ def per_response_high(entropy: Tensor, mask: Tensor, top_quantile: float) -> Ten
     return (entropy > tau) & valid
 
 
-def low_kl_weights(low: Tensor, cfg: Any) -> Tensor | None:
-    """(N, T) ``entropy_kl_low`` on the tokens of ``low`` (bool), 0 elsewhere; ``None`` at 0."""
-    return low.float() * cfg.entropy_kl_low if cfg.entropy_kl_low > 0 else None
+class SentKLOptions(Section):
+    """``train.entropy_rule_options.sent_kl``."""
+
+    SECTION: ClassVar[str] = "train.entropy_rule_options.sent_kl"
+    kl_low: Annotated[float, Field(ge=0)] = 0.001
+    """The coefficient c of the k3 KL to the reference policy on the low-entropy tokens, which needs
+    the reference pass even at ``train.beta`` 0 (0: no KL, no pass)."""
+
+
+class ArcherOptions(SentKLOptions):
+    """``train.entropy_rule_options.archer``."""
+
+    SECTION: ClassVar[str] = "train.entropy_rule_options.archer"
+    clip_high: PositiveFloat = 0.5
+    """The clip range of the high-entropy tokens, ``1 - x`` to ``1 + x`` (Archer's 0.5; its
+    low-entropy tokens clip at ``train.epsilon`` / ``train.epsilon_high``)."""
+
+
+def rule_options(cfg: Any, name: str) -> Any:
+    """The options of rule ``name`` in the train section ``cfg`` (``train.entropy_rule_options``)."""
+    return cfg.entropy_rule_options[name]
+
+
+def low_kl_weights(low: Tensor, kl_low: float) -> Tensor | None:
+    """(N, T) ``kl_low`` on the tokens of ``low`` (bool), 0 elsewhere; ``None`` at 0."""
+    return low.float() * kl_low if kl_low > 0 else None
 
 
 @TOKEN_RULES.register("archer")
 class Archer(TokenRule):
     """Every valid token gets gradient; per response, the tokens above its ``1 - entropy_top_quantile``
-    entropy quantile clip at ``1 -+ entropy_clip_high``, the others at ``1 - epsilon`` / ``1 +
-    epsilon_high`` and add ``entropy_kl_low`` x k3 to the reference (arXiv 2507.15778; see the module
+    entropy quantile clip at ``1 -+ clip_high``, the others at ``1 - epsilon`` / ``1 +
+    epsilon_high`` and add ``kl_low`` x k3 to the reference (arXiv 2507.15778; see the module
     docstring)."""
+
+    Options = ArcherOptions
 
     @staticmethod
     def check(cfg: Any) -> None:
@@ -239,32 +267,36 @@ class Archer(TokenRule):
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
-        return cfg.entropy_kl_low > 0
+        return rule_options(cfg, "archer").kl_low > 0
 
     @staticmethod
     def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+        opts = rule_options(cfg, "archer")
         high = per_response_high(entropy, mask, cfg.entropy_top_quantile)  # (N, T) bool
         eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        wide = torch.full_like(entropy, cfg.entropy_clip_high, dtype=torch.float32)  # (N, T)
+        wide = torch.full_like(entropy, opts.clip_high, dtype=torch.float32)  # (N, T)
         return LossTerms(epsilon=torch.where(high, wide, cfg.epsilon), epsilon_high=torch.where(high, wide, eps_high),
-                         kl_weights=low_kl_weights(mask.bool() & ~high, cfg))
+                         kl_weights=low_kl_weights(mask.bool() & ~high, opts.kl_low))
 
 
 @TOKEN_RULES.register("sent_kl")
 class SentKL(QuantileRule):
     """Every valid token gets gradient with the configured clip; the tokens below the step's
-    threshold (the bottom ``1 - entropy_top_quantile``) add ``entropy_kl_low`` x k3 to the reference
+    threshold (the bottom ``1 - entropy_top_quantile``) add ``kl_low`` x k3 to the reference
     (after arXiv 2512.04359, without its covariance selection; see the module docstring). At
     ``entropy_top_quantile`` 1 there is no low class: no KL and no reference pass, the step of
     ``high`` at 1 (every token, no entropy treatment), so ``entropy_top_quantile: 1.0`` means
     every token under either rule."""
 
+    Options = SentKLOptions
+
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
-        return cfg.entropy_kl_low > 0 and cfg.entropy_top_quantile < 1
+        return rule_options(cfg, "sent_kl").kl_low > 0 and cfg.entropy_top_quantile < 1
 
     @staticmethod
     def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
         if threshold is None:  # entropy_top_quantile 1 (or no valid token): no low class
             return LossTerms()
-        return LossTerms(kl_weights=low_kl_weights(KeepLow.grad_mask(entropy, mask, threshold, cfg), cfg))
+        return LossTerms(kl_weights=low_kl_weights(KeepLow.grad_mask(entropy, mask, threshold, cfg),
+                                                   rule_options(cfg, "sent_kl").kl_low))

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import LoraConfig, ModelConfig, ModelConfigError
+from grpo.config import ModelConfigError
 from grpo.device import attention_implementation, compute_dtype, default_device, free_cuda_cache, refuse_half_overflow
 from grpo.nf4_layers import dense_weight, keep_standard_nf4_layout, nf4_config
+from grpo.sections.lora import LoraConfig
+from grpo.sections.model import ModelConfig
 
 
 def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:

@@ -168,7 +168,7 @@ def reward_stats(rewards: torch.Tensor, parts: dict[str, list[float]], group_siz
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
-        "accuracy": float(np.mean(parts["correctness"])),
+        "rollout_accuracy": float(np.mean(parts["correctness"])),
         **{f"reward_{k}_mean": float(np.mean(v)) for k, v in parts.items()},
         **{f"reward_{k}_std": float(np.std(v)) for k, v in parts.items()},
         "zero_std_frac": float((grouped.std(dim=1) == 0).float().mean()),  # groups without signal

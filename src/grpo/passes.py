@@ -34,13 +34,13 @@ from dataclasses import replace
 
 import torch
 
-from grpo.config import TrainConfig
 from grpo.distributed import Dist
 from grpo.entropy import TOKEN_RULES
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, packed_layout, selected_logprobs
 from grpo.lora_policy import lm_parts
 from grpo.loss import grpo_loss, loss_normalizer
 from grpo.metrics import Sums
+from grpo.sections.train import TrainConfig
 from grpo.types import TrainBatch
 from grpo.updater import Updater
 

@@ -8,6 +8,11 @@ decorator where it is defined::
     @AGGREGATIONS.register("dapo")
     class TokenMean: ...
 
+An entry may declare its own options as a small typed model, its ``Options`` attribute (a
+``grpo.config.Section``): they sit in the params under the entry's name
+(``train.entropy_rule_options.archer.clip_high``), validated by that model, their defaults its
+own (``grpo.config.EntryOptions``); the section keeps only what every run has.
+
 ``grpo.choices`` lists every registry by the param it serves; ``grpo.config`` validates those
 params against it, so the allowed values have this one home, and adding an entry touches its own
 module (plus the params that choose it). Nothing here imports torch.
@@ -52,6 +57,16 @@ class Registry(Mapping[str, T]):
     def accepted(self) -> tuple[str, ...]:
         """Every value the param accepts: the ``also`` names, then the registered ones."""
         return (*self.also, *self._entries)
+
+    def options(self, name: str) -> type | None:
+        """The options model entry ``name`` declares (its ``Options`` attribute, a
+        ``grpo.config.Section`` whose defaults are the entry's), or None: an entry without options,
+        or a name that is not an entry."""
+        return getattr(self._entries.get(name), "Options", None)
+
+    def with_options(self) -> tuple[str, ...]:
+        """The names of the entries that declare options, in registration order."""
+        return tuple(n for n in self._entries if self.options(n) is not None)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

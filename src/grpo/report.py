@@ -27,9 +27,10 @@ from pathlib import Path
 
 import matplotlib
 
-from grpo.config import Params, ParamsError, load_params
+from grpo.config import Params, ParamsError
 from grpo.device import describe_device
 from grpo.dvcfile import DVC_YAML, read_stages
+from grpo.params import AllParams, load_params
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -124,7 +125,7 @@ def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
     (thick); one pair of lines when the reward is the accuracy (correctness-only rewards)."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
     x = [r["step"] for r in steps]
-    accuracy, reward = [r["accuracy"] for r in steps], [r["reward_mean"] for r in steps]
+    accuracy, reward = [r["rollout_accuracy"] for r in steps], [r["reward_mean"] for r in steps]
     series = ({"rollout accuracy (= mean reward)": accuracy} if reward == accuracy
               else {"mean reward": reward, "rollout accuracy": accuracy})
     for i, (label, y) in enumerate(series.items()):
@@ -286,7 +287,7 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 def params_changed(params: Params) -> list[tuple[str, object, object]]:
     """``(key, value, default)`` of every params field whose value differs from the default in
     ``grpo.config``, in the file's order."""
-    run, default = _flat(params.model_dump()), _flat(Params().model_dump())
+    run, default = _flat(params.model_dump()), _flat(AllParams().model_dump())
     return [(k, v, default.get(k)) for k, v in run.items() if v != default.get(k)]
 
 
@@ -397,8 +398,8 @@ def _result_section(baseline: dict | None, final: dict | None, out: Path) -> lis
 
 TRAIN_ROWS = (  # metrics/train.json key -> its row's words (None: shown elsewhere, or not a result)
     ("steps", "training steps"), ("num_processes", "processes"),
-    ("accuracy_first10", "rollout accuracy on training prompts (sampled), mean of the first 10 steps"),
-    ("accuracy_last10", "rollout accuracy on training prompts (sampled), mean of the last 10 steps"),
+    ("rollout_accuracy_first10", "rollout accuracy on training prompts (sampled), mean of the first 10 steps"),
+    ("rollout_accuracy_last10", "rollout accuracy on training prompts (sampled), mean of the last 10 steps"),
     ("total_time_s", "training time (all steps)"), ("final_step_time_s", "time of the last step"),
     ("final_peak_mem_mb", "peak memory of the training process"), ("final_loss", "loss of the last step"),
     ("final_entropy_mean", "mean token entropy of the last step (nats)"),

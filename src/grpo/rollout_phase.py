@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from grpo.config import TrainConfig
 from grpo.distributed import Dist
 from grpo.engine.bounds import generation_calls
 from grpo.loss import group_advantages
 from grpo.rewards import REWARDS, combined_rewards
+from grpo.sections.train import TrainConfig
 from grpo.types import Rollout, StepRollouts
 
 

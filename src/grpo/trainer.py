@@ -54,8 +54,8 @@ from dataclasses import replace
 import torch
 
 from grpo import checkpoint, metrics, rollout_phase
-from grpo.config import StageStop, TrainConfig
-from grpo.curriculum import batch_indices, stage_of_step, stages_for
+from grpo.config import StageStop
+from grpo.curriculum import batch_indices, num_stages_of, stage_of_step, stages_for
 from grpo.data import build_prompt
 from grpo.distributed import Dist
 from grpo.loss import signal_groups
@@ -63,6 +63,7 @@ from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS
 from grpo.rollout_backends import RolloutBackend, TransformersBackend
 from grpo.run_dir import RunDir
+from grpo.sections.train import TrainConfig
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
 from grpo.updater import make_updater
 
@@ -153,7 +154,7 @@ class GRPOTrainer:
         self.model, self.tokenizer, self.cfg, self.problems = model, tokenizer, cfg, problems
         self.dist = dist or Dist()  # one process unless given
         cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
-        self.stages = stages_for(cfg.order, len(problems), cfg.num_stages, cfg.seed)
+        self.stages = stages_for(cfg.order, len(problems), num_stages_of(cfg), cfg.seed)
         self.device = next(model.parameters()).device
         # the decode loop on the policy (its 4-bit layers dequantised once per call on the CPU)
         self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
@@ -383,7 +384,7 @@ class GRPOTrainer:
                             and not row.get("update_skipped"):  # a checkpoint is a step that updated
                         self.save_checkpoint()
                     bar.update(1)
-                    bar.set_postfix({k: "-" if row[k] is None else f"{row[k]:.3f}" for k in ("reward_mean", "accuracy")})
+                    bar.set_postfix({k: "-" if row[k] is None else f"{row[k]:.3f}" for k in ("reward_mean", "rollout_accuracy")})
                 self.guard.check(row, self.run.latest_checkpoint)  # logged first; every rank stops alike
                 self.gap_guard.check(row)
         return self.history

@@ -48,12 +48,13 @@ from grpo.launcher import launch_processes
 from grpo.lora_policy import load_policy
 from grpo.rollout_backends import uses_engine
 from grpo.run_dir import RunDir
+from grpo.sections.train import check_across_sections
 from grpo.step_loggers import step_loggers
 from grpo.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
 
-SUMMARY_KEYS = ("reward_mean", "accuracy", "loss", "kl", "entropy_mean", "kept_frac", "step_time_s", "peak_mem_mb")
+SUMMARY_KEYS = ("reward_mean", "rollout_accuracy", "loss", "kl", "entropy_mean", "kept_frac", "step_time_s", "peak_mem_mb")
 
 
 class Interrupted(Exception):
@@ -65,7 +66,7 @@ def run(params: Params, worker: Sequence[str] | None = None) -> None:
     no launcher started, in N launched processes of ``python *worker`` (the stage's: ``-m
     tasks.train --params FILE``: each loads the same params and calls ``run``), waiting for them
     (``grpo.launcher.LaunchFailed`` when one fails). Raises ``Interrupted`` on Ctrl-C."""
-    cfg = params.train
+    cfg = check_across_sections(params).train
     if cfg.num_processes > 1 and not launched():
         if worker is None:
             raise ValueError(f"train.num_processes is {cfg.num_processes}: run() needs `worker`, the python "
@@ -178,8 +179,8 @@ def train_summary(history: list[dict], backend: str, processes: int, selection: 
         "engine_weights": engine_weights,
         "num_processes": processes,
         **{f"final_{k}": history[-1][k] for k in SUMMARY_KEYS},
-        "accuracy_first10": sum(r["accuracy"] for r in first) / len(first),
-        "accuracy_last10": sum(r["accuracy"] for r in last) / len(last),
+        "rollout_accuracy_first10": sum(r["rollout_accuracy"] for r in first) / len(first),
+        "rollout_accuracy_last10": sum(r["rollout_accuracy"] for r in last) / len(last),
         "total_time_s": sum(r["step_time_s"] + r.get("time_validate_s", 0.0) for r in history),
         "adapter": selection,
     }

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from grpo.config import TrainConfig
 from grpo.distributed import Dist
+from grpo.sections.train import TrainConfig
 from grpo.types import StepResult
 
 

@@ -51,8 +51,9 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ParamsError, StageStop, TrainConfig
+from grpo.config import ParamsError, StageStop
 from grpo.distributed import Dist
+from grpo.sections.train import TrainConfig
 from grpo.types import StepResult
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,9 @@ def policy_lora_rank(model) -> int:
 
 
 class AdapterSync:
-    """The ``nf4`` form's sync strategy (``grpo.engine.policy_engine.PolicyEngine``); ``engine_dir``: the
-    engine's folder, beside which the adapter is written."""
-
-    form = "nf4"
+    """The sync of a form whose engine takes the policy's adapter as a LoRA adapter (``nf4``'s;
+    ``grpo.engine.policy_engine.PolicyEngine``); ``engine_dir``: the engine's folder, beside which the
+    adapter is written."""
 
     def __init__(self, model, engine_dir: str | Path):
         from peft.tuners.lora.layer import LoraLayer
@@ -59,7 +58,7 @@ class AdapterSync:
         self.syncs += 1
         request = LoRARequest(f"policy-{self.syncs}", self.syncs, str(self.adapter_dir))
         if not engine.add_lora(request) or request.lora_int_id not in engine.list_loras():
-            raise RuntimeError(f"nf4 engine: the adapter of sync {self.syncs} did not load ({self.adapter_dir})")
+            raise RuntimeError(f"engine: the adapter of sync {self.syncs} did not load ({self.adapter_dir})")
         sampler.lora_request = request
         return self.adapted_layers
 

@@ -137,6 +137,7 @@ class DenseForm(WeightsForm):
     """The engine holds a dense copy of the base and takes the merged weights at each sync (module docstring)."""
 
     sync: DenseSync | None = None  # made by ``start``
+    auto_priority = 10  # auto: dense first where it fits (no 4-bit kernels in the engine: the faster sampler)
 
     def write_folder(self, policy, tokenizer, base) -> None:
         """The dense export of ``base`` (nothing written without ``base``: the folder is already there)."""

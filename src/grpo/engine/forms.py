@@ -92,6 +92,9 @@ class WeightsForm:
     """
 
     forces_eager: ClassVar[bool] = False
+    auto_priority: ClassVar[int] = 100
+    """Where ``auto`` tries this form among the usable ones: lowest first, then by name (never by
+    registration or import order, which a formatter may sort)."""
     sync = None  # what ``push`` and ``close`` go through, made by ``start`` (``DenseSync``, ``AdapterSync``)
 
     def __init__(self, engine_dir: Path, dtype):
@@ -173,7 +176,7 @@ def gib(n: float) -> str:
 def choose_form(choice: str, device: str, candidates: Sequence[tuple[str, int | None]], budget: int | None,
                 utilization: float, left_out: Sequence[str] = ()) -> tuple[str, str]:
     """``train.engine_weights`` resolved: ``(form, why)``. ``choice``: the param; ``candidates``: the
-    forms usable with the params, in registration order, each with its engine's needs on CUDA
+    forms usable with the params, in ``auto``'s order (``forms_catalogue.auto_order``), each with its engine's needs on CUDA
     (weights, overhead, one step's KV cache; ``None`` where not computed: only ``auto`` on CUDA
     with more than one candidate reads them); ``budget``: ``gpu_memory_utilization x card``
     (``None``: no card known); ``left_out``: why each other registered form is not usable. The

@@ -6,7 +6,8 @@ The registry's home for everyone who looks a form up by name (``grpo.choices`` f
 entries are there. A module of its own because ``grpo.engine.forms`` (the base class and the
 registry) is imported by the form modules and so cannot import them back (an import cycle), and
 because a stage's code dependencies follow imports (tests/test_dvc_graph.py): the forms are named
-here, statically, one line each. A new form adds its line.
+here, statically, one line each. A new form adds its line; the order of the imports decides
+nothing (``auto`` goes by each form's ``auto_priority``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ def weights_form(name: str) -> type[WeightsForm]:
     return WEIGHTS_FORMS[name]
 
 
+def auto_order() -> list[str]:
+    """The registered forms in the order ``auto`` tries them: by each form's ``auto_priority``,
+    then by name."""
+    return sorted(WEIGHTS_FORMS, key=lambda name: (WEIGHTS_FORMS[name].auto_priority, name))
+
+
 def usable_forms(params) -> tuple[list[str], list[str]]:
-    """``(usable, left_out)``: the names of the forms that can serve ``params``, in registration
-    order, and why each other cannot (its ``unusable``)."""
+    """``(usable, left_out)``: the names of the forms that can serve ``params``, in ``auto``'s order
+    (``auto_order``), and why each other cannot (its ``unusable``)."""
     usable, left_out = [], []
-    for name, form in WEIGHTS_FORMS.items():
+    for name in auto_order():
+        form = WEIGHTS_FORMS[name]
         why = form.unusable(params)
         if why is None:
             usable.append(name)

@@ -191,7 +191,7 @@ def form_here(params, root: Path, device: str) -> tuple[str, str]:
     if not decided_by_needs(params, device):
         return choose_engine_form(params, None, device, 0, None)
     shapes = prepared_shapes(root / params.model.path)
-    found = longest_prompt_tokens(params, root)
+    found = longest_prompt_tokens(params, root, (params.train.data_path,), provenance=False)  # the stage's own rows
     prompt = found[0] if found else max(params.train.max_model_len - params.train.max_new_tokens, 1)
     import torch
 
@@ -207,20 +207,22 @@ def _prepared_source(data_dir: Path) -> str | None:
         return None
 
 
-def longest_prompt_tokens(params, root: Path, paths: tuple[str, ...] | None = None) -> tuple[int, str] | None:
+def longest_prompt_tokens(params, root: Path, paths: tuple[str, ...] | None = None, *,
+                          provenance: bool = True) -> tuple[int, str] | None:
     """Tokens of the longest training prompt (chat template and system prompt included), or of the
     first of ``paths`` found (``evaluate.test_path``: the evaluations'), when the
     rows and the model's tokenizer are in the workspace and were prepared for these params
     (``model.path`` holds ``model.name``, ``data.out_dir/stats.json`` names ``data.source``: a preset
     checked where the default pipeline ran is not measured with another model's tokenizer on
-    another data set)."""
+    another data set; ``provenance`` False skips that check: the train stage, whose rows DVC made
+    for its params, reads only the ``train`` and ``model`` sections)."""
     tok_dir = root / params.model.path
     paths = paths or (params.train.data_path, params.sent.data_path)
     rows_path = next((root / p for p in paths if (root / p).is_file()), None)
     if rows_path is None or not (tok_dir / "tokenizer_config.json").is_file():
         return None
-    if prepared_name(tok_dir) not in (None, params.model.name) or _prepared_source(root / params.data.out_dir) not in (
-            None, params.data.source):
+    if provenance and (prepared_name(tok_dir) not in (None, params.model.name) or
+                       _prepared_source(root / params.data.out_dir) not in (None, params.data.source)):
         return None
     from grpo.base_model import load_tokenizer
     from grpo.data import build_prompt

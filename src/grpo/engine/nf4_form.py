@@ -254,6 +254,8 @@ class NF4Form(WeightsForm):
     """The engine computes with the trainer's 4-bit layers, embedding and head, and takes the policy
     as a LoRA adapter at each sync (module docstring)."""
 
+    auto_priority = 20  # auto: where dense does not fit
+
     forces_eager = True  # bitsandbytes' calls are not captured in CUDA graphs
     sync = None  # an ``AdapterSync``, made by ``start``
 

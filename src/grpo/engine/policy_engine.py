@@ -29,7 +29,7 @@ import logging
 import os
 from pathlib import Path
 
-from grpo.config import ModelConfig, ParamsError, VLLMEngineConfig
+from grpo.config import ParamsError
 from grpo.device import compute_dtype, default_device, free_cuda_cache
 from grpo.engine.adapter import policy_lora_rank
 from grpo.engine.args import engine_args, start_environment
@@ -38,6 +38,8 @@ from grpo.engine.forms import WeightsForm
 from grpo.engine.forms_catalogue import weights_form
 from grpo.engine.sampler import VLLMSampler
 from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
+from grpo.sections.engine import VLLMEngineConfig
+from grpo.sections.model import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import VLLMEngineConfig
 from grpo.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import saved_model_bounds
 from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
+from grpo.sections.engine import VLLMEngineConfig
 from grpo.types import Rollout
 
 log = logging.getLogger(__name__)

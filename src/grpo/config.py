@@ -305,7 +305,7 @@ class TrainConfig(VLLMEngineConfig):
     """Sampling temperature of rollouts."""
     top_p: Fraction = 1.0
     """Nucleus sampling mass of rollouts."""
-    mu: Positive = 1
+    mu: Positive = 2
     """Policy updates per batch of rollouts (against fixed old log-probs)."""
     micro_batches: Positive = 1
     """Gradient accumulation: the step's completions are split into this many forward/backward
@@ -358,9 +358,9 @@ class TrainConfig(VLLMEngineConfig):
     """The fraction q of the step's valid completion tokens, by highest entropy, that the rule counts as
     high-entropy: under ``sent_kl`` the others carry the KL, under ``high`` only these get gradient;
     1.0: every token, no entropy treatment."""
-    entropy_rule: Choice("train.entropy_rule") = "sent_kl"
+    entropy_rule: Choice("train.entropy_rule") = "archer"
     """The token-entropy rule (``grpo.entropy.TOKEN_RULES``), how tokens are treated by their
-    entropy: ``sent_kl`` (the default, chosen on validation over five seeds: docs/results.md), see below;
+    entropy: ``archer`` (the default, with ``mu`` 2: chosen by the decision rule of docs/results.md), see below; ``sent_kl``, see below;
     ``high``, only the top ``entropy_top_quantile`` get gradient (arXiv 2506.01939); ``low``, only
     every other valid token (the bottom ``1 - entropy_top_quantile``: the masking paper's contrast,
     for ablations); ``archer``, every token, the top ``entropy_top_quantile`` of each response

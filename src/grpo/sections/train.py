@@ -84,7 +84,7 @@ class TrainConfig(SharedTrainKeys, VLLMEngineConfig):
     """Sampling temperature of rollouts."""
     top_p: Fraction = 1.0
     """Nucleus sampling mass of rollouts."""
-    mu: Positive = 1
+    mu: Positive = 2
     """Policy updates per batch of rollouts (against fixed old log-probs)."""
     micro_batches: Positive = 1
     """Gradient accumulation: the step's completions are split into this many forward/backward
@@ -137,9 +137,9 @@ class TrainConfig(SharedTrainKeys, VLLMEngineConfig):
     """The fraction q of the step's valid completion tokens, by highest entropy, that the rule counts as
     high-entropy: under ``sent_kl`` the others carry the KL, under ``high`` only these get gradient;
     1.0: every token, no entropy treatment."""
-    entropy_rule: Choice("train.entropy_rule") = "sent_kl"
+    entropy_rule: Choice("train.entropy_rule") = "archer"
     """The token-entropy rule (``grpo.entropy.TOKEN_RULES``), how tokens are treated by their
-    entropy: ``high``, only the top ``entropy_top_quantile`` get gradient (arXiv 2506.01939);
+    entropy (the default ``archer``, with ``mu`` 2, chosen by the decision rule of docs/results.md): ``high``, only the top ``entropy_top_quantile`` get gradient (arXiv 2506.01939);
     ``low``, only the others (the masking paper's contrast, for ablations); ``archer``, every token,
     the top ``entropy_top_quantile`` of each response with a wider clip, the others with a KL
     (Archer); ``sent_kl``, every token, those below the step's threshold with a KL (after SENT).

@@ -4,17 +4,21 @@ command of at most 9 minutes, at seed 003's real shapes.
 Two steps:
 
     python bench/device_check.py pack [DIR]          # here, with the package registry (default DIR .device-wheels)
-    python3 bench/device_check.py run [OUT] --wheels DIR [--budget-s 540]   # there (OUT default: $OUT)
+    python3 bench/device_check.py run [OUT] --wheels DIR --commit SHA [--budget-s 540]   # there (OUT default: $OUT)
     python bench/device_check.py run OUT --dry-run   # the same phases on this CPU, at toy sizes
     python bench/device_check.py validate OUT/device_check.json
 
 ``pack`` downloads the wheels the GPU image lacks (bitsandbytes, pydantic and its three helpers,
 for CPython 3.12 on manylinux x86-64, at the versions this environment runs), cuts bitsandbytes'
 wheel to its Python files and the CUDA 13.0 and CPU libraries (the image's torch is cu130), checks
-that the folder is under ``CARRY_LIMIT_MIB`` and prints the command to run there.
+that the folder is under ``CARRY_LIMIT_MIB`` and prints the command to run there, with ``--commit``
+this tree's commit (``git rev-parse HEAD``, ``+dirty`` when the tree has changes): the device
+machine's copy of the repository carries a stale ``.git``, so the JSON's ``commit`` is the one
+passed (``commit_source`` says ``passed``, or ``git`` when read from the copy's own git).
 
 ``run`` runs the phases below, most valuable first, each a child process under its own time limit
-(``PHASES``, or ``--limit PHASE=SECONDS``, and never past ``--budget-s`` for the whole run). After each
+(``PHASES``, or ``--limit PHASE=SECONDS``, and never past ``--budget-s`` for the whole run; a phase
+whose expected time, ``PHASES``' need, no longer fits in what is left is skipped, saying so). After each
 phase it rewrites ``OUT/device_check.json`` (keys: ``SCHEMA`` below, the one home of the format),
 so a run cut short still leaves what it measured; every phase's output goes to ``OUT/device_check.log``
 under a header line, and the tests' JUnit XML to ``OUT/pytest.xml`` (three files: a device call
@@ -27,14 +31,29 @@ brings back at most eight).
    JUnit XML.
 3. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
    CUDA's peak allocated / reserved and free memory against ``grpo check``'s estimate.
-4. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
-5. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
+4. ``train_stage``: the train stage whole (``bench/device_train.py``): ``tasks.train`` for 2 steps at
+   seed 003's shapes on random weights, unbroken against killed with -9 after its first checkpoint
+   and resumed (the adapters' bytes compared), with validation, the adapter and the dense export.
+5. ``rules``: the update under the params' token rule beside ``high`` (``bench/device_update.py
+   --entropy-rule high``; the default's figures are the ``update`` phase's when it ran).
+6. ``context``: the memory outside torch's allocator with the allocator capped at 7.6 GiB
+   (``bench/device_update.py --memory-cap-gib 7.6``); skipped on a CPU.
+7. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
+8. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
    (``bench/nf4_rows.py``).
-6. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``).
+9. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
+   under ``high`` and under the params' rule.
+
+The limits: the first six phases' sum to the 540 s budget, each about 1.1-1.4x its need (``Phase``:
+what it took in the H100 runs of 2026-11-26, or for the new phases what their parts took there,
+the params' ``mu`` 2 doubling the update), so each gets its whole limit; the last three run in
+what is left. ``step`` (128 s in run 1 with one worker; it now runs two, ``high`` and the params'
+rule, about 250 s) is reached only when the others finish early, or with ``--phases step``: its
+figure (run 1) stands, and the train stage logs the same step's times at the same shapes.
 
 ``--dry-run`` runs the same plumbing on a CPU: toy sizes, Triton under ``TRITON_INTERPRET=1``, no
-wheels; it checks the script and the JSON, not a card. Exit 0 when every phase passed, 1 when one
-failed or ran out of time (the JSON says which), 2 on a usage error.
+wheels; it checks the script and the JSON, not a card. Exit 0 when every phase passed or was
+skipped (the JSON says why), 1 when one failed or ran out of time, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -52,11 +71,13 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path[:0] = [str(BENCH), str(REPO)]
-import device_update  # noqa: E402  (each phase script holds its part of the schema)
+import device_train  # noqa: E402  (each phase script holds its part of the schema)
+import device_update  # noqa: E402
 import nan_guard  # noqa: E402
 import nf4_rows  # noqa: E402
 from gpu_check_preset import blank, schema_errors  # noqa: E402  (the schema checker the preset check uses)
@@ -77,14 +98,35 @@ NO_VLLM_TESTS = ("tests/test_kernels.py", "tests/test_cuda.py")
 SEED003 = "presets/seed003.yaml"
 LOG = "device_check.log"
 
-PHASES = {  # name -> (seconds at most, what it checks)
-    "probe": (90, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
-    "tests": (150, "pytest -m cuda on the test files that need no vLLM"),
-    "update": (150, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
-    "nan_guard": (75, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
-    "nf4_rows": (60, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
-    "step": (180, "one GRPO step through the decode loop at seed 003's call sizes"),
+class Phase(NamedTuple):
+    limit_s: float
+    """Seconds at most (``--limit`` changes it)."""
+    need_s: float
+    """Seconds it is expected to take on a card: with less left in the budget it is skipped (on
+    ``--dry-run`` ``DRY_NEED_S``)."""
+    what: str
+
+
+PHASES = {  # most valuable first; the first six's limits sum to the 540 s budget (module docstring)
+    "probe": Phase(40, 30, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
+    "tests": Phase(50, 40, "pytest -m cuda on the test files that need no vLLM"),
+    "update": Phase(65, 50, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
+    "train_stage": Phase(270, 240, "tasks.train for 2 steps at seed 003's shapes: unbroken against killed with -9 "
+                                   "after a checkpoint and resumed; validation, adapter and dense export"),
+    "rules": Phase(60, 50, "the update under the params' token rule beside high: peak memory and seconds"),
+    "context": Phase(55, 50, "memory outside torch's allocator (total - free - reserved), the allocator capped at "
+                             "7.6 GiB"),
+    "nan_guard": Phase(45, 30, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
+    "nf4_rows": Phase(30, 15, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
+    "step": Phase(270, 250, "one GRPO step through the decode loop at seed 003's call sizes, under high and under "
+                            "the params' rule"),
 }
+DRY_NEED_S = 10
+"""A phase's need on ``--dry-run`` (toy sizes: the floor below which no phase starts)."""
+CONTEXT_CAP_GIB = 7.6
+"""The context phase's allocator cap: seed 003's card (``grpo check --gpu-memory 7.6``)."""
+RULE_BESIDE = "high"
+"""The token rule the rules phase measures beside the params' own."""
 PHASE = {
     "status": "str: passed | failed | timed out | skipped",
     "rc": "int?: the child's exit code (null: killed at its limit or not run)",
@@ -95,7 +137,9 @@ PHASE = {
 SCHEMA = {
     "schema": f"str: this file's format ({SCHEMA_VERSION})",
     "dry_run": "bool: --dry-run (CPU, toy sizes: checks the script, not a card)",
-    "commit": "str?: the repository's git commit (+dirty when the tree has changes); null without git",
+    "commit": "str?: the commit that ran: --commit (pack prints it: git rev-parse HEAD, +dirty when the tree had "
+              "changes), else this copy's git HEAD (+dirty); null without either",
+    "commit_source": "str?: passed (--commit) or git (read here: stale in a device machine's copy); null without a commit",
     "started": "str: UTC start time, ISO 8601",
     "wall_s": "number: seconds so far",
     "budget_s": "number: the run's time limit",
@@ -115,6 +159,16 @@ SCHEMA = {
     "tests": {"passed": "int?: tests passed", "failed": "int?: failed or errors", "skipped": "int?: skipped",
               "failures": "list[str]: the failed tests' ids", "junit": "str?: the JUnit XML, in OUT"},
     "update": device_update.SCHEMA,
+    "train_stage": device_train.SCHEMA,
+    "rules": {
+        "default_rule": "str?: the params' train.entropy_rule",
+        "default_from": "str?: update (the update phase's figures, this run) or rules (measured in this phase)",
+        "default": device_update.SCHEMA,
+        "high": device_update.SCHEMA,
+        "peak_ratio": "number?: the default's peak allocated / high's",
+        "step_ratio": "number?: the default's step seconds / high's",
+    },
+    "context": device_update.SCHEMA,
     "nan_guard": nan_guard.SCHEMA,
     "nf4_rows": nf4_rows.SCHEMA,
     "step": "object?: bench/grpo_step.py's JSON (config, ours: its steps and phases)",
@@ -182,14 +236,21 @@ def cmd_pack(args) -> int:
               "beside the repository", file=sys.stderr)
         return 1
     print(f"device_check: {dest}: {len(wheels)} wheels, {size:.1f} MiB (limit {CARRY_LIMIT_MIB} MiB)")
-    print(f"there: python3 bench/device_check.py run \"$OUT\" --wheels {args.dir}   (carry {args.dir})")
+    print(run_command(args.dir, git_commit()))
     return 0
 
 
-# ------------------------------------------------------------------------------------- run (there)
+def run_command(wheels: str, commit: str | None) -> str:
+    """The line ``pack`` prints: the command to run there, naming this tree's commit."""
+    named = f" --commit {commit}" if commit else ""
+    return f"there: python3 bench/device_check.py run \"$OUT\" --wheels {wheels}{named}   (carry {wheels})"
+
+
 def git_commit() -> str | None:
+    """This tree's commit, ``git rev-parse HEAD``, with ``+dirty`` when the tree has changes
+    (``git status --porcelain``: ignored files such as the wheels do not count); None without git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
         return head + ("+dirty" if dirty.strip() else "")
@@ -197,18 +258,22 @@ def git_commit() -> str | None:
         return None
 
 
+# ------------------------------------------------------------------------------------- run (there)
+
 class Run:
     """One check: the report, the environment the children get, the time left."""
 
-    def __init__(self, out: Path, budget_s: float, dry_run: bool, site: Path, limits: dict[str, float]):
+    def __init__(self, out: Path, budget_s: float, dry_run: bool, site: Path, limits: dict[str, float],
+                 commit: str | None = None):
         self.out, self.budget_s, self.dry_run, self.site, self.limits = out, budget_s, dry_run, site, limits
         self.t0 = time.monotonic()
         self.report = blank(SCHEMA)
-        self.report.update(schema=SCHEMA_VERSION, dry_run=dry_run, commit=git_commit(), budget_s=budget_s,
-                           started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        commit, source = (commit, "passed") if commit else (git_commit(), "git")
+        self.report.update(schema=SCHEMA_VERSION, dry_run=dry_run, commit=commit, commit_source=source if commit else None,
+                           budget_s=budget_s, started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            ok=True, finished=False)
-        for name, (_, what) in PHASES.items():
-            self.report["phases"][name].update(status="skipped", what=what, why="not reached or not asked for")
+        for name, phase in PHASES.items():
+            self.report["phases"][name].update(status="skipped", what=phase.what, why="not reached or not asked for")
         path = os.pathsep.join([str(REPO / "src"), str(REPO), str(site)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
         self.env = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "PYTHONUNBUFFERED": "1",
                     "TQDM_DISABLE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -250,11 +315,15 @@ class Run:
         return rc, text
 
     def phase(self, name: str, body) -> None:
-        """Run phase ``name`` (``body(limit)`` returns (status, why)) and record it."""
-        limit = min(self.limits.get(name, PHASES[name][0]), self.left() - 5)
+        """Run phase ``name`` (``body(limit)`` returns (status, rc, why)) and record it; skipped
+        when the budget left is below what it needs (``Phase.need_s``)."""
+        own = self.limits.get(name, PHASES[name].limit_s)
+        need = min(DRY_NEED_S if self.dry_run else PHASES[name].need_s, own)
+        limit = min(own, self.left() - 5)
         row = self.report["phases"][name]
-        if self.left() - 5 < 10:
-            row.update(status="skipped", why=f"the run's budget ({self.budget_s:.0f} s) is spent")
+        if self.left() - 5 < max(need, DRY_NEED_S):
+            row.update(status="skipped", why=f"the run's budget ({self.budget_s:.0f} s) has {max(self.left() - 5, 0):.0f} s "
+                                             f"left, under the {need:.0f} s it needs")
             self.save()
             return
         t0 = time.monotonic()
@@ -263,20 +332,27 @@ class Run:
         except Exception as err:  # a broken phase is recorded, and the next one runs
             status, rc, why = "failed", None, f"{type(err).__name__}: {err}"
         row.update(status=status, rc=rc, why=why, seconds=round(time.monotonic() - t0, 1), limit_s=round(limit))
-        if status != "passed":
+        if status not in ("passed", "skipped"):  # a phase may skip itself, saying why (context on a CPU)
             self.report["ok"] = False
         print(f"device_check: {name}: {status}{f' ({why})' if why else ''} in {row['seconds']} s", flush=True)
         self.save()
 
-    def script(self, name: str, argv: list[str], limit: float):
-        """A phase that is one bench script writing its JSON (``--json``), kept in the report under
-        ``name`` (one file back from the machine instead of one per phase)."""
+    def script_json(self, name: str, argv: list[str], limit: float) -> tuple[tuple, dict | None]:
+        """A bench script writing its JSON (``--json``) as a child of phase ``name``: (its
+        ``outcome``, the JSON or None). A script cut off at its limit leaves what it wrote."""
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / f"{name}.json"
             rc, text = self.child(name, [sys.executable, *argv, "--json", str(result)], limit)
-            if result.exists():
-                self.report[name] = json.loads(result.read_text())
-        return outcome(rc, text)
+            data = json.loads(result.read_text()) if result.exists() else None
+        return outcome(rc, text), data
+
+    def script(self, name: str, argv: list[str], limit: float):
+        """A phase that is one bench script writing its JSON, kept in the report under ``name``
+        (one file back from the machine instead of one per phase)."""
+        result, data = self.script_json(name, argv, limit)
+        if data is not None:
+            self.report[name] = data
+        return result
 
 
 def outcome(rc: int | None, text: str) -> tuple[str, int | None, str | None]:
@@ -328,12 +404,15 @@ def install_wheels(run: Run, wheels: Path | None, limit: float) -> list[str]:
 
 def phase_probe(run: Run, wheels: Path | None):
     def body(limit):
-        run.report["carried"] = install_wheels(run, wheels, limit / 2)
-        rc, text = run.child("probe", [sys.executable, "-c", PROBE], limit / 4)
+        end = time.monotonic() + limit  # each child gets a share of what the ones before it left
+
+        run.report["carried"] = install_wheels(run, wheels, (end - time.monotonic()) / 2)
+        rc, text = run.child("probe", [sys.executable, "-c", PROBE], (end - time.monotonic()) * 0.4)
         if rc != 0:
             return outcome(rc, text)
         probe = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
-        rc_doc, doc = run.child("probe", [sys.executable, "-m", "grpo.cli", "doctor", "--params", SEED003], limit / 4)
+        rc_doc, doc = run.child("probe", [sys.executable, "-m", "grpo.cli", "doctor", "--params", SEED003],
+                                end - time.monotonic())
         lines = [line for line in doc.split("grpo.cli doctor", 1)[-1].splitlines()[1:] if line.strip()]
         run.report["probe"] = {**probe, "doctor": lines, "doctor_rc": rc_doc}
         if rc_doc is None:
@@ -369,10 +448,52 @@ def phase_tests(run: Run):
 def problems_file() -> Path:
     """Arithmetic prompts for the step phase (no reasoning-gym, no data set)."""
     path = Path(tempfile.gettempdir()) / "device_check_problems.jsonl"
-    rows = [{"id": f"g{i}", "question": f"What is {i % 89 + 7} + {i % 13 + 3}?", "answer": str(i % 89 + 7 + i % 13 + 3),
-             "solution": ""} for i in range(64)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return device_train.write_rows(path, device_train.arithmetic_rows(64))
+
+
+def ratio(a, b) -> float | None:
+    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def phase_rules(run: Run, toy: list[str]):
+    """The update under the params' rule beside ``RULE_BESIDE``: the default's figures are the
+    update phase's when it passed in this run (the same script and params), else measured here
+    first (then each gets half the limit)."""
+    def body(limit):
+        t0 = time.monotonic()
+        rules = run.report["rules"]
+        reuse = run.report["phases"]["update"]["status"] == "passed" and run.report["update"]["entropy_rule"]
+        base = ["bench/device_update.py", "--params", SEED003, *toy]
+        if reuse:
+            rules.update(default=run.report["update"], default_from="update")
+        else:
+            (status, rc, why), data = run.script_json("rules", base, limit / 2)
+            if data is not None:
+                rules.update(default=data, default_from="rules")
+            if status != "passed":
+                return status, rc, f"the default rule: {why}"
+        rules["default_rule"] = rules["default"]["entropy_rule"]
+        result, data = run.script_json("rules", [*base, "--entropy-rule", RULE_BESIDE],
+                                       limit if reuse else limit - (time.monotonic() - t0))
+        if data is not None:
+            rules["high"] = data
+            rules.update(peak_ratio=ratio(rules["default"]["peak_allocated_gib"], data["peak_allocated_gib"]),
+                         step_ratio=ratio(rules["default"]["step_s"], data["step_s"]))
+        return result
+    run.phase("rules", body)
+
+
+def phase_context(run: Run, toy: list[str]):
+    """The update with torch's allocator capped at ``CONTEXT_CAP_GIB``, for the memory outside
+    it; on a CPU the script runs (at toy sizes, no CUDA figures) and the phase is skipped."""
+    def body(limit):
+        status, rc, why = run.script("context", ["bench/device_update.py", "--params", SEED003, *toy,
+                                                 "--memory-cap-gib", str(CONTEXT_CAP_GIB)], limit)
+        if status == "passed" and run.dry_run:
+            return "skipped", rc, ("no CUDA device: the memory outside torch's allocator is a CUDA figure (the script "
+                                   "ran at toy sizes)")
+        return status, rc, why
+    run.phase("context", body)
 
 
 def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
@@ -384,6 +505,13 @@ def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
     if "update" in only:
         run.phase("update", lambda limit: run.script("update", ["bench/device_update.py", "--params", SEED003, *toy],
                                                      limit))
+    if "train_stage" in only:
+        run.phase("train_stage", lambda limit: run.script("train_stage", ["bench/device_train.py", "--params", SEED003,
+                                                                          *toy], limit))
+    if "rules" in only:
+        phase_rules(run, toy)
+    if "context" in only:
+        phase_context(run, toy)
     if "nan_guard" in only:
         run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"], limit))
     if "nf4_rows" in only:
@@ -430,7 +558,7 @@ def cmd_run(args) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     site = Path(tempfile.mkdtemp(prefix="device-check-site-"))
-    run = Run(out.resolve(), args.budget_s, args.dry_run, site, limits)
+    run = Run(out.resolve(), args.budget_s, args.dry_run, site, limits, args.commit)
     run.save()
     try:
         run_all(run, wheels, only)
@@ -439,7 +567,7 @@ def cmd_run(args) -> int:
         run.save()
         shutil.rmtree(site, ignore_errors=True)
     for name, row in run.report["phases"].items():
-        print(f"  {name:<10} {row['status']:<10} {row['seconds'] or 0:>6} s  {row['why'] or ''}")
+        print(f"  {name:<11} {row['status']:<10} {row['seconds'] or 0:>6} s  {row['why'] or ''}")
     print(f"device_check: {'ok' if run.report['ok'] else 'FAILED'}: {out / 'device_check.json'}")
     return 0 if run.report["ok"] else 1
 
@@ -462,6 +590,8 @@ def main(argv=None) -> int:
     run = sub.add_parser("run", help="run the phases (there)")
     run.add_argument("out", nargs="?", help="output folder (default: $OUT)")
     run.add_argument("--wheels", help="the folder that pack made")
+    run.add_argument("--commit", help="the commit that runs (pack prints it); default: this copy's git, which a "
+                                      "device machine's copy has stale")
     run.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit (default 540)")
     run.add_argument("--dry-run", action="store_true", help="on this CPU at toy sizes: checks the script")
     run.add_argument("--phases", help=f"comma-separated, of {','.join(PHASES)} (default: all; the probe always runs)")

@@ -10,7 +10,16 @@ second's (AdamW's moments exist then). It prints and writes (``--json``) ``torch
 ``max_memory_allocated`` / ``max_memory_reserved`` over that step, ``mem_get_info`` after it, and
 ``grpo check``'s training estimate for the same params (``grpo.memory.estimate``), with their ratio.
 
-    python bench/device_update.py [--params presets/seed003.yaml] [--json FILE]
+``--entropy-rule RULE`` measures the update under another token rule than the params' (the device
+check's ``rules`` phase: the default beside ``high``). On CUDA it also reads the memory outside
+torch's allocator, ``total - free - reserved`` (``mem_get_info`` against ``memory_reserved``: the
+CUDA context, the kernels' modules loaded so far, and anything another process holds on the card),
+after CUDA starts, after the load, after the measured step's no-grad forward and after its update;
+``--memory-cap-gib 7.6`` first caps torch's allocator there (``torch.cuda.set_per_process_memory_fraction``,
+the device check's ``context`` phase: the allocator of an 8 GB card), the allowance ``grpo check``
+adds as ``grpo.memory.CUDA_CONTEXT``.
+
+    python bench/device_update.py [--params presets/seed003.yaml] [--entropy-rule high] [--memory-cap-gib 7.6] [--json FILE]
     python bench/device_update.py --dry-run    # on a CPU: the same code at toy sizes (no CUDA figures)
 """
 
@@ -39,6 +48,11 @@ SCHEMA = {
     "estimate_gib": "number?: grpo check's training figure for these params (grpo.memory.estimate)",
     "ratio": "number?: peak allocated / estimate",
     "step_s": "number?: seconds of the second step's passes and update",
+    "memory_cap_gib": "number?: --memory-cap-gib, torch's allocator capped there (CUDA only)",
+    "outside_init_gib": "number?: total - free - reserved once CUDA has started (the context alone)",
+    "outside_load_gib": "number?: the same after the load",
+    "outside_forward_gib": "number?: the same after the second step's no-grad forward (PolicyPasses.fixed_logprobs)",
+    "outside_step_gib": "number?: the same after the second step's update (forward and backward kernels loaded)",
 }
 GiB = 2**30
 
@@ -47,28 +61,54 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="presets/seed003.yaml", help="params file (a preset over params.yaml)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (the preset's cap)")
+    ap.add_argument("--entropy-rule", help="train.entropy_rule to measure under (default: the params')")
+    ap.add_argument("--memory-cap-gib", type=float,
+                    help="on CUDA: cap torch's allocator at this many GiB (set_per_process_memory_fraction)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a toy model, 8 new tokens: checks the script")
     ap.add_argument("--json", help="write the figures here")
     return ap.parse_args(argv)
 
 
+def architecture(params_path: str, p, root: Path, dry_run: bool):
+    """(transformers config, its name, device) of the weights to draw: the params' model
+    (``grpo.memory.resolve_config``) on CUDA; the ``toy`` architecture on the CPU with ``dry_run``
+    (``bench/device_train.py`` draws its base the same way)."""
+    from grpo import memory
+    from grpo.synthetic import architecture_config
+
+    if dry_run:
+        return architecture_config("toy"), "toy", "cpu"
+    found = memory.resolve_config(p.model, root)
+    if isinstance(found, str):
+        raise SystemExit(f"{params_path}: {found}")
+    config, source = found
+    return config, source, "cuda"
+
+
 def setup(args):
     """(params, model config, architecture name, device) for the run."""
-    from grpo import memory
     from grpo.cli import resolve_params
-    from grpo.synthetic import architecture_config
 
     res = resolve_params(args.params)
     p = res.params
+    config, source, device = architecture(args.params, p, res.root, args.dry_run)
+    update = {"entropy_rule": args.entropy_rule} if args.entropy_rule else {}
     if args.dry_run:
-        train = p.train.model_copy(update={"max_new_tokens": 8, "prompts_per_step": 2, "group_size": 2,
-                                           "micro_batches": 2})
-        return p.model_copy(update={"train": train}), architecture_config("toy"), "toy", "cpu"
-    found = memory.resolve_config(p.model, res.root)
-    if isinstance(found, str):
-        raise SystemExit(f"{args.params}: {found}")
-    config, source = found
-    return p, config, source, "cuda"
+        update.update(max_new_tokens=8, prompts_per_step=2, group_size=2, micro_batches=2)
+    if update:
+        from grpo.params import params_from_dict
+
+        raw = p.model_dump()  # validated again: an unknown rule is one line, as in the params
+        raw["train"].update(update)
+        p = params_from_dict(raw)
+    return p, config, source, device
+
+
+def outside_allocator_gib(torch) -> float:
+    """CUDA memory outside torch's allocator: ``total - free - reserved``."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / GiB
 
 
 def measure(args) -> dict:
@@ -92,6 +132,13 @@ def measure(args) -> dict:
     out.update(device=device, model=str(source), dtype=str(dtype).removeprefix("torch."),
                rows=t.prompts_per_step * t.group_size, prompt_tokens=args.prompt_tokens,
                completion_tokens=t.max_new_tokens, micro_batches=t.micro_batches, entropy_rule=t.entropy_rule)
+    if cuda:
+        torch.cuda.init()
+        if args.memory_cap_gib:
+            total = torch.cuda.mem_get_info()[1]
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total))
+            out["memory_cap_gib"] = args.memory_cap_gib
+        out["outside_init_gib"] = outside_allocator_gib(torch)
     with tempfile.TemporaryDirectory() as tmp:
         base = random_model_dir(Path(tmp) / "base", config, dtype=dtype, device=device)
         model_cfg = p.model.model_copy(update={"path": str(base)})
@@ -101,6 +148,7 @@ def measure(args) -> dict:
             torch.cuda.synchronize()
             out["reserved_after_load_gib"] = torch.cuda.memory_reserved() / GiB
             out["resident_gib"] = torch.cuda.memory_allocated() / GiB
+            out["outside_load_gib"] = outside_allocator_gib(torch)
         trainer, batch_of = make_trainer(model, tok, p, args.prompt_tokens, str(Path(tmp) / "run"), torch)
         for _step in (1, 2):  # the second step is measured (AdamW has moments then)
             if cuda:
@@ -109,11 +157,15 @@ def measure(args) -> dict:
             t0 = time.perf_counter()
             batch = batch_of()
             batch, entropy = trainer.passes.fixed_logprobs(batch)
+            if cuda and _step == 2:  # a sync the step does not have: the step's time includes it
+                out["outside_forward_gib"] = outside_allocator_gib(torch)
             trainer.update(batch, entropy, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
             del batch, entropy
             if cuda:
                 torch.cuda.synchronize()
             out["step_s"] = time.perf_counter() - t0
+        if cuda:
+            out["outside_step_gib"] = outside_allocator_gib(torch)
         if cuda:
             free, total = torch.cuda.mem_get_info()
             out.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
@@ -134,7 +186,8 @@ def main(argv=None) -> dict:
           f"({out['prompt_tokens']} + {out['completion_tokens']}) tokens, {out['micro_batches']} micro-batches, "
           f"entropy rule {out['entropy_rule']}")
     for key in ("reserved_after_load_gib", "resident_gib", "peak_allocated_gib", "peak_reserved_gib", "free_gib", "total_gib", "estimate_gib",
-                "ratio", "step_s"):
+                "ratio", "step_s", "memory_cap_gib", "outside_init_gib", "outside_load_gib", "outside_forward_gib",
+                "outside_step_gib"):
         print(f"  {key:<20} {out[key]}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -60,7 +60,7 @@ PHASES = ("generate", "logprob", "fwd_bwd", "optimizer")
 
 # saving -> the overrides that switch it off (everything else as configured)
 SAVINGS: dict[str, dict] = {
-    "entropy mask: LM-head grad at kept tokens only": {"entropy_top_quantile": 1.0},
+    "entropy mask: LM-head grad at kept tokens only": {"entropy_rule": "high", "entropy_top_quantile": 1.0},
     "chunked fused entropy/log-prob (no full-vocab fp32 logits)": {"kernel": "torch", "logprob_chunk": 1 << 30},
     "gradient checkpointing": {"gradient_checkpointing": False},
     "micro-batched generation and training forward": {"generation_batch_size": 0, "micro_batches": 1},

@@ -7,6 +7,7 @@ Here it runs as it runs there (the same children, limits and JSON), at toy sizes
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -27,17 +28,26 @@ def run_check(out: Path, *extra: str, timeout: float = 600) -> subprocess.Comple
 
 @pytest.mark.slow
 def test_the_dry_run_passes_every_phase_and_writes_three_files_that_conform(tmp_path):
-    """Every phase passes on the CPU, the JSON conforms to SCHEMA (each phase's part filled in by
-    its own script), and OUT holds at most the 8 files a device call brings back."""
-    done = run_check(tmp_path / "out")
+    """Every phase passes on the CPU (the context phase, a CUDA figure, is skipped saying why), the
+    JSON conforms to SCHEMA (each phase's part filled in by its own script) and names the commit
+    passed, and OUT holds at most the 8 files a device call brings back."""
+    done = run_check(tmp_path / "out", "--commit", "0123abc+dirty")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert device_check.schema_errors(report, device_check.SCHEMA) == []
     assert report["finished"] and report["ok"] and report["dry_run"]
-    assert {name: row["status"] for name, row in report["phases"].items()} == dict.fromkeys(device_check.PHASES, "passed")
+    assert (report["commit"], report["commit_source"]) == ("0123abc+dirty", "passed")
+    assert {name: row["status"] for name, row in report["phases"].items()} == {
+        **dict.fromkeys(device_check.PHASES, "passed"), "context": "skipped"}
+    assert report["phases"]["context"]["why"].startswith("no CUDA device") and report["phases"]["context"]["rc"] == 0
     assert report["tests"]["passed"] > 0 and report["tests"]["failed"] == 0
     assert report["nan_guard"]["ok"] and report["nan_guard"]["lr_advanced_on_skip"] is False
     assert report["update"]["estimate_gib"] > 0 and report["nf4_rows"]["rows"]
+    assert report["train_stage"]["ok"] and report["train_stage"]["resumed_from"] == 1
+    rules = report["rules"]
+    assert rules["default_from"] == "update" and rules["default"] == report["update"]
+    assert rules["high"]["entropy_rule"] == "high" and rules["default_rule"] == report["update"]["entropy_rule"]
+    assert report["context"]["memory_cap_gib"] is None  # a CUDA figure: null on the CPU
     assert report["step"]["ours"]["steps"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device_check.json", "device_check.log", "pytest.xml"]
     log = (tmp_path / "out" / "device_check.log").read_text()
@@ -63,7 +73,8 @@ def test_usage_errors_are_one_line(tmp_path):
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--phases", "probe,gpu"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "device_check: --phases/--limit: unknown gpu (phases: probe, tests, update, nan_guard, nf4_rows, step)"]
+        "device_check: --phases/--limit: unknown gpu (phases: probe, tests, update, train_stage, rules, context, "
+        "nan_guard, nf4_rows, step)"]
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--wheels", "no-such"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "--wheels no-such: no such folder" in done.stderr
@@ -94,3 +105,43 @@ def test_a_report_missing_a_phase_part_does_not_conform():
     report.pop("nan_guard")
     errors = device_check.schema_errors(report, device_check.SCHEMA)
     assert "nan_guard: missing" in errors
+
+
+def test_pack_prints_the_command_with_the_commit_of_this_tree():
+    """The device machine's git is stale: the command pack prints passes the commit, HEAD with
+    +dirty when the tree has changes."""
+    commit = device_check.git_commit()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert commit == head + ("+dirty" if dirty else "") and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit)
+    assert device_check.run_command(".device-wheels", commit) == (
+        f'there: python3 bench/device_check.py run "$OUT" --wheels .device-wheels --commit {commit}   '
+        "(carry .device-wheels)")
+
+
+def test_the_report_names_the_commit_passed_or_else_git(tmp_path):
+    passed = device_check.Run(tmp_path, 540, True, tmp_path / "site", {}, "0123abc+dirty").report
+    assert (passed["commit"], passed["commit_source"]) == ("0123abc+dirty", "passed")
+    read = device_check.Run(tmp_path, 540, True, tmp_path / "site", {}).report
+    assert (read["commit"], read["commit_source"]) == (device_check.git_commit(), "git")
+
+
+def test_the_first_six_phases_fit_the_budget_and_each_needs_less_than_its_limit():
+    """The limits were rebalanced for the train stage: probe to context sum to the default 540 s
+    budget, so each of them gets its whole limit; the rest run in what is left."""
+    names = list(device_check.PHASES)
+    first = names[:names.index("context") + 1]
+    assert first == ["probe", "tests", "update", "train_stage", "rules", "context"]
+    assert sum(device_check.PHASES[n].limit_s for n in first) <= 540
+    assert all(p.need_s <= p.limit_s for p in device_check.PHASES.values())
+
+
+def test_a_phase_that_would_not_finish_in_what_is_left_is_skipped(tmp_path):
+    """On a card a phase starts only when the budget left holds its expected time."""
+    run = device_check.Run(tmp_path, 100, False, tmp_path / "site", {})
+    ran = []
+    run.phase("step", lambda limit: ran.append(limit) or ("passed", 0, None))  # needs 250 s of the 100 left
+    row = run.report["phases"]["step"]
+    assert ran == [] and row["status"] == "skipped" and "under the 250 s it needs" in row["why"]
+    run.phase("nf4_rows", lambda limit: ran.append(limit) or ("passed", 0, None))
+    assert ran == [30] and run.report["phases"]["nf4_rows"]["status"] == "passed" and run.report["ok"]

@@ -95,12 +95,14 @@ def test_a_cuda_build_without_a_usable_gpu_stops_with_one_line(monkeypatch):
 
 
 def test_a_stage_on_such_a_build_exits_2_with_that_line(monkeypatch, capsys):
+    from grpo.sections.train import TrainConfig
     from tasks._common import run_stage
 
     from .conftest import REPO
 
     _cuda_build_without_gpu(monkeypatch, cuda="12.8")
-    code = run_stage("train", lambda params: device.default_device(), ["--params", str(REPO / "params.yaml")])
+    code = run_stage("train", lambda params: device.default_device(), (TrainConfig,),
+                     ["--params", str(REPO / "params.yaml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith("train: error: torch ") and "branch 525 or newer" in err[0] and "GRPO_DEVICE=cpu" in err[0]

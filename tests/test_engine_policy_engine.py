@@ -152,7 +152,8 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
     _randomise_adapter(model, std=0.3, seed=1)
     rollout = TransformersBackend(model, tok, min_new_tokens=4).generate(PROMPTS[:2], 2, max_new_tokens=6)
     base = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.device("cpu"))
-    fields = dict(output_dir=str(tmp_path), group_size=2, entropy_top_quantile=1.0, max_new_tokens=6)
+    fields = dict(output_dir=str(tmp_path), group_size=2, entropy_rule="high", entropy_top_quantile=1.0,
+                  max_new_tokens=6, mu=1)
     own_logp = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems).passes.no_grad_pass(base, adapter=True)[1]
 
     def grads(correct: bool, shift: float | None):

@@ -101,7 +101,7 @@ def test_rules_on_the_hand_worked_entropies():
     assert high.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[False, True, False, False], [False, True, False, False]]
     assert low.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[True, False, True, False], [True, False, False, False]]
     assert (high.grad_fraction(cfg), low.grad_fraction(cfg)) == pytest.approx((0.4, 0.6))
-    every = TrainConfig(entropy_top_quantile=1.0)
+    every = TrainConfig(entropy_rule="high", entropy_top_quantile=1.0)
     assert not high.needs_statistic(every) and high.threshold(ENT[MASK.bool()], every) is None
     assert high.grad_mask(ENT, MASK, None, every).tolist() == MASK.bool().tolist()
     assert entropy_threshold(ENT[MASK.bool()], 1.0) is None

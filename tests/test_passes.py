@@ -126,7 +126,7 @@ def test_the_step_threshold_is_the_quantile_of_the_valid_entropies(policy):
         for quantile, threshold in ((0.25, 0.7), (0.4, 0.58)):
             passes = _passes(model, TrainConfig(entropy_top_quantile=quantile, entropy_rule=keep))
             assert passes.step_threshold(entropy, mask).item() == pytest.approx(threshold, abs=1e-6)
-    assert _passes(model, TrainConfig(entropy_top_quantile=1.0)).step_threshold(entropy, mask) is None
+    assert _passes(model, TrainConfig(entropy_rule="high", entropy_top_quantile=1.0)).step_threshold(entropy, mask) is None
 
 
 def test_step_normalizer_of_one_process_by_hand(policy):
@@ -299,7 +299,7 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
             cfg = TrainConfig(output_dir=str(tmp_path / rule), steps=1, prompts_per_step=2, group_size=4,
                               max_new_tokens=8, checkpoint_every=0, eval_every=0, warmup_steps=0,
                               rewards={"toy_chars": 1.0}, truncated="score", rollout_backend="transformers",
-                              wandb_mode="disabled", entropy_rule=rule)
+                              wandb_mode="disabled", entropy_rule=rule, mu=1)
             torch.manual_seed(0)
             model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
             give_adapter_a_say(model, std=0.3)

@@ -35,8 +35,8 @@ from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_ad
 
 STEP = dict(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=8, checkpoint_every=0, eval_every=0,
             warmup_steps=0, rewards={"toy_chars": 1.0}, truncated="score", rollout_backend="transformers",
-            wandb_mode="disabled")
-"""One step of the tiny model; a reward that differs within a group (the completion's characters:
+            wandb_mode="disabled", mu=1)
+"""One step (one update) of the tiny model; a reward that differs within a group (the completion's characters:
 the random model seldom ends on EOS, so its completions are scored as cut off)."""
 CALLS: list[str] = []
 

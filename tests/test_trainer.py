@@ -100,7 +100,7 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)
     fields = dict(output_dir=str(tmp_path), prompts_per_step=3, group_size=4, max_new_tokens=8, checkpoint_every=0,
-                  entropy_top_quantile=1.0)
+                  entropy_rule="high", entropy_top_quantile=1.0, mu=1)
     trainer = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:3]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)

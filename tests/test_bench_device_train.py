@@ -1,0 +1,67 @@
+"""bench/device_train.py on the CPU: the train stage whole at toy sizes, an unbroken run against one
+killed with -9 after its first checkpoint and resumed, and the params it runs with."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+import yaml
+
+from .conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import device_train  # noqa: E402
+from gpu_check_preset import schema_errors  # noqa: E402
+
+
+def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_decode_loop(tmp_path):
+    """The params file: the preset over params.yaml, the base given, a checkpoint every step,
+    validation at step N, the decode loop, and the added reward beside the preset's."""
+    from grpo.cli import resolve_params
+    from grpo.params import params_from_dict
+    from grpo.rewards import REWARDS
+
+    args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=64, dry_run=False)
+    path, train = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")
+    seed003 = resolve_params(REPO / "presets" / "seed003.yaml").params.train
+    with REWARDS.registered("text_length", device_train.text_length):
+        written = params_from_dict(yaml.safe_load(path.read_text()))
+    assert written.train.model_dump() == train and written.model.path == str(tmp_path / "base")
+    assert (train["prompts_per_step"], train["group_size"], train["max_new_tokens"], train["micro_batches"]) == (
+        seed003.prompts_per_step, seed003.group_size, seed003.max_new_tokens, seed003.micro_batches)
+    assert train["entropy_rule"] == seed003.entropy_rule and train["mu"] == seed003.mu
+    assert (train["steps"], train["checkpoint_every"], train["eval_every"], train["rollout_backend"]) == (
+        2, 1, 2, "transformers")
+    assert train["rewards"] == {**seed003.rewards, "text_length": 1.0} and "text_length" not in REWARDS
+    assert train["output_dir"] == str(tmp_path / "unbroken" / "out")
+
+
+def test_fewer_than_two_steps_is_a_usage_error():
+    with pytest.raises(SystemExit) as err:
+        device_train.parse_args(["--steps", "1"])
+    assert err.value.code == 2
+
+
+@pytest.mark.slow
+def test_the_dry_run_kills_resumes_and_ships_the_unbroken_runs_adapter_bytes(tmp_path):
+    """On the CPU the resumed run's adapter is the unbroken run's byte for byte; each completed run
+    validated at step 2 and wrote its adapter, the dense export exists; no CUDA figures."""
+    out = tmp_path / "train.json"
+    done = subprocess.run([sys.executable, "bench/device_train.py", "--dry-run", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert schema_errors(report, device_train.SCHEMA) == []
+    assert report["ok"] and report["device"] == "cpu"
+    assert [report[r]["steps"] for r in ("unbroken", "killed", "resumed")] == [[1, 2], [1], [2]]
+    assert report["killed"]["rc"] == -9 and report["killed_after"] == ["step_000001"] and not report["killed"]["adapter"]
+    assert report["resumed_from"] == 1 and report["steps_complete"]
+    assert report["same_adapter_bytes"] and report["adapter_max_abs_diff"] == 0.0
+    for run in ("unbroken", "resumed"):
+        assert report[run]["rc"] == 0 and report[run]["adapter"] and report[run]["val_accuracy"] is not None
+        assert report[run]["peak_allocated_gib"] is None  # a CUDA figure
+    assert report["dense_export"]["files"] and report["dense_export"]["gib"] > 0

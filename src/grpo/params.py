@@ -3,7 +3,7 @@
 A stage loads only the sections it reads (``grpo.config.load_sections``); the tools that see a run
 whole (``grpo check``, the report, the flow's ``--set``, presets, ablations) validate every section
 here, with the rules that tie two sections together (``grpo.sections.train.check_across_sections``). ``AllParams()`` is
-the embedded default run, equal to ``params.yaml`` key for key (tests/test_config.py).
+the embedded default run, equal to ``params.yaml`` key for key (tests/test_params.py).
 """
 
 from __future__ import annotations

@@ -216,9 +216,17 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     expected_policy_passes = (2 if cfg.mu > 1 else 0) + (2 * (cfg.mu - (cfg.mu > 1)) if statistic else 0)
     assert calls["policy_pass"] == expected_policy_passes
     assert clip_norms == [cfg.max_grad_norm] * (2 * cfg.mu)
-    # the loss got the preset's loss type, policy loss and clip range
-    assert {(kw["loss_type"], kw["policy_loss"], kw["epsilon"], kw["epsilon_high"], kw["max_length"])
-            for kw in loss_kwargs} == {(cfg.loss_type, cfg.policy_loss, cfg.epsilon, cfg.epsilon_high, cfg.max_new_tokens)}
+    # the loss got the preset's loss type, policy loss and clip range (a rule with per-token bounds, archer:
+    # the params' clip on its low-entropy tokens, its own clip_high on the others)
+    assert {(kw["loss_type"], kw["policy_loss"], kw["max_length"]) for kw in loss_kwargs} == {
+        (cfg.loss_type, cfg.policy_loss, cfg.max_new_tokens)}
+    wide = {round(o.clip_high, 6) for o in cfg.entropy_rule_options.values() if hasattr(o, "clip_high")}
+    for kw in loss_kwargs:
+        for got, own in ((kw["epsilon"], cfg.epsilon), (kw["epsilon_high"], cfg.epsilon_high)):
+            if torch.is_tensor(got):
+                assert {round(x, 6) for x in got.unique().tolist()} <= {round(own or cfg.epsilon, 6), *wide}
+            else:
+                assert got == own
     # entropy mask: about the top quantile of tokens kept (all of them at 1.0)
     for r in rows:
         if cfg.entropy_top_quantile >= 1.0:

@@ -104,7 +104,7 @@ def EntryOptions(param: str):  # noqa: N802 (a type)
             if not isinstance(values, (dict, model)):
                 raise ValueError(f"{key}.{name}: must be a mapping, got {values!r}")
             out[name] = values if isinstance(values, model) else model(**values)
-        return {name: out.get(name) or reg.options(name)() for name in reg.with_options()}
+        return {**entry_defaults(param)(), **out}  # the entries left out at their defaults, in registration order
 
     return Annotated[dict[str, Any], AfterValidator(check)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
@@ -82,3 +83,35 @@ def test_finished_rows_leave_the_batch_and_min_new_tokens_holds(tiny_model_dir):
     assert first[0] == 1  # the prompt is prefilled once for its 8 samples
     assert first[1:] == sorted(first[1:], reverse=True) and first[-1] < 8  # the batch shrinks
     assert fixed.shape == (4, 6) and not torch.isin(fixed, torch.tensor(sorted(stop))).any()
+
+
+def test_static_loop_gives_the_dynamic_loops_tokens(tiny_model_dir):
+    """The static loop (fixed shapes, EOS checked every few tokens) against the dynamic one, same
+    row seeds: left-padded prompts of three lengths, rows finishing at different steps, sampled at
+    temperature 1.5 with top-p and at temperature 0, with and without ``min_new_tokens``; the
+    tokens must be equal, trailing pads and the returned length included."""
+    model, tok = _policy(tiny_model_dir)
+    tok.padding_side = "left"
+    enc = tok(["What is 1 + 2?", "Hi", "7 * 8 = ?"], return_tensors="pt", padding=True, add_special_tokens=False)
+    stop = set(range(3, 40))
+    seeds = list(range(100, 112))
+    finished_early = False
+    for temperature, top_p, min_new in [(1.5, 0.9, 0), (1.5, 1.0, 5), (0.0, 1.0, 0)]:
+        kw = dict(max_new_tokens=20, eos_ids=stop, pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
+                  min_new_tokens=min_new, row_seeds=seeds)
+        dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="dynamic", **kw)
+        for check_every in (1, 3, 16):
+            static = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="static",
+                            check_every=check_every, **kw)
+            assert static.shape == dynamic.shape and torch.equal(static, dynamic), (temperature, check_every)
+        finished_early |= bool((dynamic == tok.pad_token_id).any())
+    assert finished_early  # some row did leave the dynamic batch
+
+
+def test_auto_loop_is_dynamic_on_the_cpu_and_a_bad_name_is_one_line():
+    from grpo.sampling import resolve_loop
+
+    assert resolve_loop("auto", "cpu") == "dynamic" and resolve_loop("auto", "cuda") == "static"
+    assert resolve_loop("static", "cpu") == "static"
+    with pytest.raises(ValueError, match="loop: must be one of auto, dynamic, static; got 'fast'"):
+        resolve_loop("fast", "cpu")

@@ -240,3 +240,28 @@ def test_the_saved_model_verdicts_of_seed003_name_the_knob():
     assert verdict("evaluate", 24).startswith("card 24.00 GiB: fits: ")
     assert "is not free at its start" in verdict("evaluate", 2) and verdict("evaluate", 2).endswith(
         "turn evaluate.backend: transformers (the decode loop: no engine)")
+
+
+def test_on_cuda_the_decode_loops_dense_copies_are_a_term_and_left_out_where_they_do_not_fit():
+    """Seed 003 with the decode loop on CUDA: the dense copies count in the generation phase; on a
+    card where only the 4-bit decode fits, the verdict says so (and which term it left out); on a
+    card too small for either, it names the knob."""
+    params = _preset("seed003")
+    params = params.model_copy(update={"train": params.train.model_copy(update={"rollout_backend": "transformers"})})
+    shapes = memory.resolve_shapes(params.model, REPO)
+    est = memory.estimate(params, shapes, "cuda", 128)
+    dense = next(t for t in est.terms if t.name == memory.DENSE_COPIES)
+    assert dense.phase == "generate" and dense.bytes == (shapes.quantized_params + sum(
+        x.params for x in memory.lora_targets(shapes, params.lora.target_modules) if x.quantized)) * 2
+    lean_peak = max(est.total("generate") - dense.bytes, est.total("train"))
+    gib = 2**30
+
+    def verdict(card: int) -> str:
+        return memory.verdict(params, est, card)
+
+    roomy = est.peak + memory.CUDA_CONTEXT + gib
+    assert " fits: peak " in verdict(roomy) and "4-bit decoding" not in verdict(roomy)
+    tight = lean_peak + memory.CUDA_CONTEXT + 1
+    assert tight < est.peak + memory.CUDA_CONTEXT  # the dense copies make the difference
+    assert " fits with 4-bit decoding: " in verdict(tight) and memory.gib(dense.bytes) in verdict(tight)
+    assert " does not fit: " in verdict(lean_peak // 2)

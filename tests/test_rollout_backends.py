@@ -168,3 +168,21 @@ def test_fallback_logprobs_match_a_plain_forward(tiny_model_dir):
     expected = torch.log_softmax(logits[:, p - 1:-1], -1).gather(2, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(roll.logprobs, expected * roll.completion_mask, atol=1e-4)
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
+
+
+def test_decode_working_bytes_counts_the_static_cache_and_the_dense_rule(tiny_model_dir):
+    """The KV part of ``decode_working_bytes`` against the static loop's real cache (4 rows of 12 +
+    5 positions), and ``dense_decode`` on the CPU; ``dense_fits`` by hand."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.rollout_backends import decode_working_bytes, dense_decode, dense_fits
+    from grpo.sampling import prefill, static_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    cache = static_cache(model, prefill(model, ids, torch.ones_like(ids), 2)[0], 2, 12 + 5)
+    real = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    logits = 4 * 4 * model.config.vocab_size * 4
+    assert decode_working_bytes(model, 4, 12 + 5) == real + logits
+    assert dense_decode(model, 4, 17) == (True, "on the CPU")
+    assert dense_fits(5, 4, 10) and not dense_fits(5, 5, 10)

@@ -23,8 +23,11 @@ rounded to whole groups, or the whole step, ``prompts_per_step * G``):
 * KV cache: ``L * 2 * k * d * (P + C) * rows_gen * b`` (``transformers.DynamicCache``);
 * sampling: ``rows_gen * V * (b + 8 + 4 [b = 2])`` (the step's logits, their fp32 copy, softmax
   and CDF), ``+ 13`` per entry with ``top_p < 1`` (sorted probabilities, int64 order, mask);
-* CPU only: the dense copies of the 4-bit layers that decoding uses (``grpo.nf4_layers.dequantized_weights``),
-  ``n * b`` for every quantised weight plus another for each one a LoRA adapter wraps.
+* the dense copies of the 4-bit layers that decoding uses (``grpo.nf4_layers.dequantized_weights``),
+  ``n * b`` for every quantised weight plus another for each one a LoRA adapter wraps: a term of its
+  own, always taken on a CPU; on CUDA the decode loop takes them where they fit the free memory
+  (``grpo.rollout_backends.dense_decode``), so ``verdict`` also tries the step without them (4-bit
+  decoding, slower) before it says the step does not fit.
 
 Training phase, per micro-batch of ``n`` rows (``prompts_per_step * G / micro_batches``, rounded up
 to whole groups as the trainer slices them), with ``T = P + C``:
@@ -106,7 +109,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grpo.device import attention_implementation
@@ -490,6 +493,10 @@ def _engine_awake(engine: EnginePlan) -> Term:
                 "weights, overhead, KV cache)")
 
 
+DENSE_COPIES = "dense 4-bit copies (decode)"
+"""The name of the term ``verdict`` may leave out on CUDA (the decode loop then stays 4-bit)."""
+
+
 def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The generation phase's terms with rollouts from the decode loop on the policy."""
     from grpo.engine.bounds import largest_call
@@ -504,9 +511,9 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
     per_entry = b + 8 + (4 if b != 4 else 0) + (13 if train.top_p < 1 else 0)
     add(Term("sampling logits", "generate", rows_gen * shapes.vocab * per_entry,
              f"{rows_gen} rows x {shapes.vocab} vocab x {per_entry} B"))
-    if device == "cpu" and nf4:
+    if nf4:
         wrapped = sum(x.params for x in lora_targets(shapes, lora.target_modules) if x.quantized)
-        add(Term("dense 4-bit copies (CPU)", "generate", (qn + wrapped) * b,
+        add(Term(DENSE_COPIES, "generate", (qn + wrapped) * b,
                  f"({_n(qn)} + {_n(wrapped)} LoRA-merged) params x {b} B"))
 
 
@@ -666,6 +673,14 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
         return (f"{head} does not fit: the engine's budget {gib(plan.budget)} < its needs {gib(plan.need)} "
                 f"({plan.form}); turn {_engine_knob(plan, others, free, card)}")
     total = est.peak + CUDA_CONTEXT
+    dense = next((t for t in est.terms if t.name == DENSE_COPIES), None)
+    if total > card and dense is not None and est.device == "cuda":
+        lean = replace(est, terms=[t for t in est.terms if t is not dense])
+        if lean.peak + CUDA_CONTEXT <= card:
+            return (f"{head} fits with 4-bit decoding: peak {gib(lean.peak)} ({lean.peak_phase}) + CUDA context "
+                    f"allowance {gib(CUDA_CONTEXT)} = {gib(lean.peak + CUDA_CONTEXT)}; the decode loop's dense copies "
+                    f"({gib(dense.bytes)}) do not fit beside it, so generation keeps the 4-bit layers (slower)")
+        est, total = lean, lean.peak + CUDA_CONTEXT
     if total > card:
         if est.peak_phase == "training":
             knob = ("model.gradient_checkpointing: true" if not params.model.gradient_checkpointing

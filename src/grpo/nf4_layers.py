@@ -58,6 +58,22 @@ def dense_weight(layer, dtype: torch.dtype | None = None) -> torch.Tensor:
     return bnb.functional.dequantize_4bit(layer.weight.data, state)
 
 
+def dense_copy_bytes(model) -> int:
+    """Bytes that ``dequantized_weights`` holds inside its block: each bitsandbytes ``Linear4bit``'s
+    dense weight in its compute dtype, plus the LoRA-merged copy of each one an adapter wraps."""
+    import bitsandbytes as bnb
+    from peft.tuners.lora.layer import LoraLayer
+
+    def size(layer) -> int:
+        out, inp = layer.out_features, layer.in_features
+        return out * inp * torch.empty((), dtype=layer.compute_dtype or torch.float32).element_size()
+
+    quantized = {m: size(m) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
+    merged = sum(quantized.get(getattr(m, "base_layer", None), 0) for m in model.modules()
+                 if isinstance(m, LoraLayer) and not m.merged)
+    return sum(quantized.values()) + merged
+
+
 @contextlib.contextmanager
 def dequantized_weights(model):
     """Inside the block, every bitsandbytes ``Linear4bit`` uses a dense copy of its weight,

@@ -13,9 +13,11 @@ backend:`` calls it), and ``name`` says which backend it is.
 distinct prompt prefilled once, finished rows leave the batch) on the policy being trained, so
 its rollouts are always on-policy; ``min_new_tokens`` forbids EOS before that many tokens
 (``min_new_tokens == max_new_tokens`` gives fixed-length completions, the memory benchmark's
-worst case); with ``dequantize=True`` the
-4-bit layers are dequantised once per call instead of once per token (the trainer turns this on
-for CPU runs, where it is faster at the cost of a temporary dense copy); with
+worst case); the 4-bit layers are dequantised once per call instead of once per token, LoRA
+folded in (``grpo.nf4_layers.dequantized_weights``: one dense matmul per layer instead of a
+bitsandbytes call and two adapter matmuls), where the copies fit (``dense_decode``: always on a CPU;
+on CUDA when the free memory holds them beside the call's KV cache and logits, else the layers stay
+4-bit and one line says so); ``loop`` picks the decode loop (``grpo.sampling.DECODE_LOOPS``); with
 ``return_logprobs=True`` it also returns the raw-model log-prob of every sampled token.
 Two factories make every backend: ``grpo.engine.sampler.saved_model_sampler`` for a model
 saved in Hugging Face format (SENT, evaluation: a vLLM engine, or the decode loop), and
@@ -97,16 +99,54 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: set[int]) ->
     return (before == 0).long()
 
 
+def decode_working_bytes(model, rows: int, positions: int) -> int:
+    """The decode loop's own memory for ``rows`` completions of ``positions`` tokens: the KV cache
+    (layers x 2 x KV heads x head dim x positions x rows, in the weights' dtype) and four (rows, V)
+    fp32 tensors (the logits, the probabilities, their CDF, one more copy)."""
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    b = model.get_input_embeddings().weight.element_size()
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * positions * rows * b + 4 * rows * cfg.vocab_size * 4
+
+
+def dense_fits(copies: int, working: int, free: int, share: float = 0.9) -> bool:
+    """Whether ``copies`` bytes of dense weights and ``working`` bytes of the call fit in ``share``
+    of ``free`` bytes."""
+    return copies + working <= share * free
+
+
+def dense_decode(model, rows: int, positions: int) -> tuple[bool, str]:
+    """Whether the decode loop uses ``dequantized_weights`` for a call of ``rows`` x ``positions``,
+    and why: always on a CPU (bitsandbytes dequantises a whole weight per token there); on CUDA when
+    ``dense_fits`` the memory free now (``torch.cuda.mem_get_info``)."""
+    from grpo.nf4_layers import dense_copy_bytes
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return True, "on the CPU"
+    copies, working = dense_copy_bytes(model), decode_working_bytes(model, rows, positions)
+    free = torch.cuda.mem_get_info(device)[0]
+    gib = 2**30
+    why = (f"dense copies {copies / gib:.2f} GiB + KV cache and logits {working / gib:.2f} GiB against "
+           f"{free / gib:.2f} GiB free")
+    return dense_fits(copies, working, free), why
+
+
 class TransformersBackend(RolloutBackend):
     """Sampling on the (peft) policy itself with ``grpo.sampling.decode`` (transformers forward passes)."""
 
     name = "transformers"
 
     def __init__(
-        self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool = False,
-        return_logprobs: bool = False, min_new_tokens: int = 0,
+        self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool | None = None,
+        return_logprobs: bool = False, min_new_tokens: int = 0, loop: str = "auto", **loop_options,
     ):
+        """``dequantize``: ``None`` (where it fits, ``dense_decode``), or forced on or off;
+        ``loop``, ``loop_options``: the decode loop and its options (``grpo.sampling.decode``)."""
         self.model = model
+        self.loop, self.loop_options = loop, loop_options
+        self._dense_said: bool | None = None
         self.min_new_tokens = min_new_tokens
         self.dequantize = dequantize
         self.return_logprobs = return_logprobs
@@ -150,13 +190,15 @@ class TransformersBackend(RolloutBackend):
         prompt_mask = mask.repeat_interleave(num_samples, dim=0)  # (N, P)
         was_training = self.model.training
         self.model.eval()
-        dense = dequantized_weights(self.model) if self.dequantize else contextlib.nullcontext()
+        dense = dequantized_weights(self.model) if self._dense(prompt_ids.shape[0], ids.shape[1] + max_new_tokens) \
+            else contextlib.nullcontext()
         try:
             with dense:
                 completion_ids = decode(
                     self.model, ids, mask, num_samples, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
                     pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
-                    min_new_tokens=min(self.min_new_tokens, max_new_tokens), row_seeds=seeds,
+                    min_new_tokens=min(self.min_new_tokens, max_new_tokens), row_seeds=seeds, loop=self.loop,
+                    **self.loop_options,
                 )  # (N, C); the KV cache is gone when decode returns
         finally:
             self.model.train(was_training)
@@ -168,6 +210,18 @@ class TransformersBackend(RolloutBackend):
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs, finished.cpu())
 
+
+    def _dense(self, rows: int, positions: int) -> bool:
+        """``dequantize``, or where it is ``None`` ``dense_decode``'s answer, logged when it changes."""
+        if self.dequantize is not None:
+            return self.dequantize
+        dense, why = dense_decode(self.model, rows, positions)
+        if dense != self._dense_said:
+            log.log(logging.INFO if dense else logging.WARNING, "decode loop: %s (%s)",
+                    "dense copies of the 4-bit layers, LoRA folded in" if dense else
+                    "the 4-bit layers as they are (slower: the dense copies do not fit)", why)
+            self._dense_said = dense
+        return dense
 
     @torch.no_grad()
     def _teacher_forced_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, group: int,

@@ -156,8 +156,8 @@ class GRPOTrainer:
         cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
         self.stages = stages_for(cfg.order, len(problems), num_stages_of(cfg), cfg.seed)
         self.device = next(model.parameters()).device
-        # the decode loop on the policy (its 4-bit layers dequantised once per call on the CPU)
-        self.backend = backend or TransformersBackend(model, tokenizer, dequantize=self.device.type == "cpu")
+        # the decode loop on the policy (its 4-bit layers dequantised once per call where that fits)
+        self.backend = backend or TransformersBackend(model, tokenizer)
         self.callbacks = callbacks or []
         self.val_problems = val_problems or []
         self._synced_step: int | None = None  # the step whose weights the backend's engine holds

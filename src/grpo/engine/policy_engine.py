@@ -108,7 +108,7 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     """The trainer's rollout backend for ``policy`` (the peft policy in training).
 
     ``choice``: ``vllm``, ``transformers`` or ``auto``. The decode loop samples the policy itself
-    (its 4-bit layers dequantised once per call on the CPU), without log-probs. The engine:
+    (its 4-bit layers dequantised once per call where that fits), without log-probs. The engine:
     ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when ``None``),
     ``engine_dir`` (its folder, which the form writes: for ``dense`` from ``base`` when given, else
     it is already there), ``form`` (the weights form's registered name: ``dense``, ``nf4``; resolved,
@@ -120,8 +120,7 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     if not uses_engine(choice):
         if note := fallback_note(choice):
             log.warning(note)
-        on_cpu = next(policy.parameters()).device.type == "cpu"
-        return TransformersBackend(policy, tokenizer, dequantize=on_cpu, **lengths)
+        return TransformersBackend(policy, tokenizer, **lengths)
     if engine_dir is None:
         raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
     kind = weights_form(form)  # before the engine's folder is written

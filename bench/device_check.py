@@ -27,29 +27,34 @@ brings back at most eight).
 1. ``probe``: Python, torch, the driver, the card and its compute capability, the C compiler and
    ``Python.h`` that Triton needs; installs the carried wheels into a ``--target`` folder; ``grpo
    doctor --params presets/seed003.yaml`` on the real card.
-2. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
-   JUnit XML.
-3. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
+2. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
    CUDA's peak allocated / reserved and free memory against ``grpo check``'s estimate.
+3. ``generation``: the decode loop without vLLM at 16 rows x 512 tokens (``bench/decode_speed.py
+   --profile``): the 4-bit loop CUDA ran before against the dense copies, the static cache and the
+   CUDA graph, milliseconds per token, the same tokens, and a profiler split before and after.
 4. ``train_stage``: the train stage whole (``bench/device_train.py``): ``tasks.train`` for 2 steps at
    seed 003's shapes on random weights, unbroken against killed with -9 after its first checkpoint
-   and resumed (the adapters' bytes compared), with validation, the adapter and the dense export.
+   and resumed (the adapters' bytes compared), with validation, the adapter and the dense export;
+   its steps' seconds are seed 003's whole step through the decode loop ``auto`` picks.
 5. ``rules``: the update under the params' token rule beside ``high`` (``bench/device_update.py
    --entropy-rule high``; the default's figures are the ``update`` phase's when it ran).
 6. ``context``: the memory outside torch's allocator with the allocator capped at 7.6 GiB
    (``bench/device_update.py --memory-cap-gib 7.6``); skipped on a CPU.
-7. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
-8. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
+7. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
+   JUnit XML.
+8. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
+9. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
    (``bench/nf4_rows.py``).
-9. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
-   under ``high`` and under the params' rule.
+10. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
+    under ``high`` and under the params' rule.
 
-The limits: the first six phases' sum to the 540 s budget, each about 1.1-1.4x its need (``Phase``:
-what it took in the H100 runs of 2026-11-26, or for the new phases what their parts took there,
-the params' ``mu`` 2 doubling the update), so each gets its whole limit; the last three run in
-what is left. ``step`` (128 s in run 1 with one worker; it now runs two, ``high`` and the params'
-rule, about 250 s) is reached only when the others finish early, or with ``--phases step``: its
-figure (run 1) stands, and the train stage logs the same step's times at the same shapes.
+The limits: the first five phases' (``BUDGETED``) sum to the 540 s budget, each about 1.1-1.4x its
+need (``Phase``: what it took in the H100 runs of 2026-11-26, or for the new phases what their parts
+took there, the params' ``mu`` 2 doubling the update; ``generation``: the model's load as in
+``update``, 64 tokens of the old loop at its measured 54.8 ms, three 512-token calls and one
+compilation), so each gets its whole limit; the rest run in what is left, ``context`` first (the
+first five's needs leave it room). ``tests`` (which passed in all three H100 runs) and ``step``
+(128 s in run 1; the train stage logs the same step's times) come late.
 
 ``--dry-run`` runs the same plumbing on a CPU: toy sizes, Triton under ``TRITON_INTERPRET=1``, no
 wheels; it checks the script and the JSON, not a card. Exit 0 when every phase passed or was
@@ -76,7 +81,8 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path[:0] = [str(BENCH), str(REPO)]
-import device_train  # noqa: E402  (each phase script holds its part of the schema)
+import decode_speed  # noqa: E402  (each phase script holds its part of the schema)
+import device_train  # noqa: E402
 import device_update  # noqa: E402
 import nan_guard  # noqa: E402
 import nf4_rows  # noqa: E402
@@ -107,20 +113,26 @@ class Phase(NamedTuple):
     what: str
 
 
-PHASES = {  # most valuable first; the first six's limits sum to the 540 s budget (module docstring)
+PHASES = {  # most valuable first; the first five's limits sum to the 540 s budget (module docstring)
     "probe": Phase(40, 30, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
-    "tests": Phase(50, 40, "pytest -m cuda on the test files that need no vLLM"),
-    "update": Phase(65, 50, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
+    "update": Phase(60, 50, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
+    "generation": Phase(110, 90, "the decode loop at 16 rows x 512 tokens: 4-bit before, dense copies, static "
+                                 "cache, CUDA graph; a profiler split before and after"),
     "train_stage": Phase(270, 240, "tasks.train for 2 steps at seed 003's shapes: unbroken against killed with -9 "
                                    "after a checkpoint and resumed; validation, adapter and dense export"),
     "rules": Phase(60, 50, "the update under the params' token rule beside high: peak memory and seconds"),
     "context": Phase(55, 50, "memory outside torch's allocator (total - free - reserved), the allocator capped at "
                              "7.6 GiB"),
+    "tests": Phase(50, 40, "pytest -m cuda on the test files that need no vLLM (the packed layout's included)"),
     "nan_guard": Phase(45, 30, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
     "nf4_rows": Phase(30, 15, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
     "step": Phase(270, 250, "one GRPO step through the decode loop at seed 003's call sizes, under high and under "
                             "the params' rule"),
 }
+BUDGETED = ("probe", "update", "generation", "train_stage", "rules")
+"""The phases whose limits sum to the default budget: each gets its whole limit; the rest run in
+what their needs leave (``context``'s need fits what the first five leave when they take their
+needs, not their limits)."""
 DRY_NEED_S = 10
 """A phase's need on ``--dry-run`` (toy sizes: the floor below which no phase starts)."""
 CONTEXT_CAP_GIB = 7.6
@@ -159,6 +171,7 @@ SCHEMA = {
     "tests": {"passed": "int?: tests passed", "failed": "int?: failed or errors", "skipped": "int?: skipped",
               "failures": "list[str]: the failed tests' ids", "junit": "str?: the JUnit XML, in OUT"},
     "update": device_update.SCHEMA,
+    "generation": decode_speed.SCHEMA,
     "train_stage": device_train.SCHEMA,
     "rules": {
         "default_rule": "str?: the params' train.entropy_rule",
@@ -496,28 +509,7 @@ def phase_context(run: Run, toy: list[str]):
     run.phase("context", body)
 
 
-def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
-    """The phases of ``only`` in ``PHASES`` order (the probe always: it installs the wheels)."""
-    toy = ["--dry-run"] if run.dry_run else []
-    phase_probe(run, wheels)
-    if "tests" in only:
-        phase_tests(run)
-    if "update" in only:
-        run.phase("update", lambda limit: run.script("update", ["bench/device_update.py", "--params", SEED003, *toy],
-                                                     limit))
-    if "train_stage" in only:
-        run.phase("train_stage", lambda limit: run.script("train_stage", ["bench/device_train.py", "--params", SEED003,
-                                                                          *toy], limit))
-    if "rules" in only:
-        phase_rules(run, toy)
-    if "context" in only:
-        phase_context(run, toy)
-    if "nan_guard" in only:
-        run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"], limit))
-    if "nf4_rows" in only:
-        run.phase("nf4_rows", lambda limit: run.script("nf4_rows", ["bench/nf4_rows.py", *toy], limit))
-    if "step" not in only:
-        return
+def phase_step(run: Run, toy: list[str]):
     shape = (["--arch", "toy", "--prompts", "2", "--group", "2", "--prompt-tokens", "24", "--new-tokens", "4",
               "--micro-batches", "2"] if run.dry_run else
              ["--arch", "qwen2-1.5b", "--prompts", "2", "--group", "8", "--prompt-tokens", "128", "--new-tokens", "512",
@@ -525,6 +517,35 @@ def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
     run.phase("step", lambda limit: run.script(
         "step", ["bench/grpo_step.py", *shape, "--fixed-length", "--gradient-checkpointing", "--steps", "1",
                  "--rollout", "transformers", "--data", str(problems_file())], limit))
+
+
+def one_script(name: str, script: str, *argv: str):
+    """A phase that is ``script`` with ``argv`` (and ``--dry-run`` on a dry run), kept under ``name``."""
+    return lambda run, toy: run.phase(name, lambda limit: run.script(name, [script, *argv, *toy], limit))
+
+
+RUNNERS = {
+    "update": one_script("update", "bench/device_update.py", "--params", SEED003),
+    "generation": one_script("generation", "bench/decode_speed.py", "--params", SEED003, "--profile"),
+    "train_stage": one_script("train_stage", "bench/device_train.py", "--params", SEED003),
+    "rules": phase_rules,
+    "context": phase_context,
+    "tests": lambda run, toy: phase_tests(run),
+    "nan_guard": lambda run, toy: run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"],
+                                                                                  limit)),
+    "nf4_rows": one_script("nf4_rows", "bench/nf4_rows.py"),
+    "step": phase_step,
+}
+"""Phase name -> ``runner(run, toy)`` (``probe`` apart: it takes the wheels)."""
+
+
+def run_all(run: Run, wheels: Path | None, only: set[str]) -> None:
+    """The phases of ``only`` in ``PHASES`` order (the probe always: it installs the wheels)."""
+    toy = ["--dry-run"] if run.dry_run else []
+    phase_probe(run, wheels)
+    for name in PHASES:
+        if name != "probe" and name in only:
+            RUNNERS[name](run, toy)
 
 
 def parse_limits(items: list[str]) -> dict[str, float] | None:

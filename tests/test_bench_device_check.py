@@ -43,6 +43,11 @@ def test_the_dry_run_passes_every_phase_and_writes_three_files_that_conform(tmp_
     assert report["tests"]["passed"] > 0 and report["tests"]["failed"] == 0
     assert report["nan_guard"]["ok"] and report["nan_guard"]["lr_advanced_on_skip"] is False
     assert report["update"]["estimate_gib"] > 0 and report["nf4_rows"]["rows"]
+    generation = report["generation"]["variants"]
+    assert all(generation[v]["ms_per_token"] > 0 for v in ("nf4-dynamic", "dense-dynamic", "dense-static"))
+    assert generation["dense-static"]["same_tokens"] == 1.0  # the toy model in fp32: the same tokens
+    assert generation["dense-static-graph"]["error"] == "a CUDA graph needs CUDA"
+    assert report["generation"]["profile_before"]["cpu_ms_per_token"] > 0
     assert report["train_stage"]["ok"] and report["train_stage"]["resumed_from"] == 1
     rules = report["rules"]
     assert rules["default_from"] == "update" and rules["default"] == report["update"]
@@ -73,8 +78,8 @@ def test_usage_errors_are_one_line(tmp_path):
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--phases", "probe,gpu"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "device_check: --phases/--limit: unknown gpu (phases: probe, tests, update, train_stage, rules, context, "
-        "nan_guard, nf4_rows, step)"]
+        "device_check: --phases/--limit: unknown gpu (phases: probe, update, generation, train_stage, rules, context, "
+        "tests, nan_guard, nf4_rows, step)"]
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--wheels", "no-such"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "--wheels no-such: no such folder" in done.stderr
@@ -126,14 +131,16 @@ def test_the_report_names_the_commit_passed_or_else_git(tmp_path):
     assert (read["commit"], read["commit_source"]) == (device_check.git_commit(), "git")
 
 
-def test_the_first_six_phases_fit_the_budget_and_each_needs_less_than_its_limit():
-    """The limits were rebalanced for the train stage: probe to context sum to the default 540 s
-    budget, so each of them gets its whole limit; the rest run in what is left."""
+def test_the_budgeted_phases_fit_the_budget_context_fits_their_needs_and_each_needs_less_than_its_limit():
+    """The first five phases (``BUDGETED``, in ``PHASES`` order) sum to the default 540 s budget, so
+    each gets its whole limit; when they take their needs, ``context``'s need fits what is left."""
     names = list(device_check.PHASES)
-    first = names[:names.index("context") + 1]
-    assert first == ["probe", "tests", "update", "train_stage", "rules", "context"]
-    assert sum(device_check.PHASES[n].limit_s for n in first) <= 540
+    budgeted = list(device_check.BUDGETED)
+    assert names[:len(budgeted)] == budgeted and names[len(budgeted)] == "context"
+    assert sum(device_check.PHASES[n].limit_s for n in budgeted) <= 540
+    assert sum(device_check.PHASES[n].need_s for n in budgeted) + device_check.PHASES["context"].need_s <= 540 - 5
     assert all(p.need_s <= p.limit_s for p in device_check.PHASES.values())
+    assert set(device_check.RUNNERS) == set(names) - {"probe"}
 
 
 def test_a_phase_that_would_not_finish_in_what_is_left_is_skipped(tmp_path):

@@ -40,12 +40,14 @@ brings back at most eight).
    --entropy-rule high``; the default's figures are the ``update`` phase's when it ran).
 6. ``context``: the memory outside torch's allocator with the allocator capped at 7.6 GiB
    (``bench/device_update.py --memory-cap-gib 7.6``); skipped on a CPU.
-7. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
+7. ``samplers``: SENT's and the evaluations' decode loop at seed 003's call sizes, as they run
+   where vLLM is missing (``bench/sampler_calls.py``): seconds and peak memory per call.
+8. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
    JUnit XML.
-8. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
-9. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
+9. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
+10. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
    (``bench/nf4_rows.py``).
-10. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
+11. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
     under ``high`` and under the params' rule.
 
 The limits: the first five phases' (``BUDGETED``) sum to the 540 s budget, each about 1.1-1.4x its
@@ -86,6 +88,7 @@ import device_train  # noqa: E402
 import device_update  # noqa: E402
 import nan_guard  # noqa: E402
 import nf4_rows  # noqa: E402
+import sampler_calls  # noqa: E402
 from gpu_check_preset import blank, schema_errors  # noqa: E402  (the schema checker the preset check uses)
 
 from flows.process import StageTimeout, run_logged  # noqa: E402  (the one stop of a child's process tree)
@@ -99,7 +102,7 @@ CARRIED = ("bitsandbytes", "pydantic", "pydantic-core", "annotated-types", "typi
 numpy, pytest, pyyaml, safetensors, tokenizers): fetched at the versions installed here."""
 BNB_KEEP = ("libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so")
 """bitsandbytes' native libraries kept in the cut wheel: the image's torch is built for CUDA 13.0."""
-NO_VLLM_TESTS = ("tests/test_kernels.py", "tests/test_cuda.py")
+NO_VLLM_TESTS = ("tests/test_kernels.py", "tests/test_cuda.py", "tests/test_logprobs.py")
 """The cuda-marked test files whose tests need no vLLM (the other cuda-marked files start engines)."""
 SEED003 = "presets/seed003.yaml"
 LOG = "device_check.log"
@@ -123,6 +126,8 @@ PHASES = {  # most valuable first; the first five's limits sum to the 540 s budg
     "rules": Phase(60, 50, "the update under the params' token rule beside high: peak memory and seconds"),
     "context": Phase(55, 50, "memory outside torch's allocator (total - free - reserved), the allocator capped at "
                              "7.6 GiB"),
+    "samplers": Phase(60, 45, "SENT's and the evaluations' decode loop (no vLLM) at seed 003's call sizes: seconds, "
+                              "peak memory against the prediction"),
     "tests": Phase(50, 40, "pytest -m cuda on the test files that need no vLLM (the packed layout's included)"),
     "nan_guard": Phase(45, 30, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
     "nf4_rows": Phase(30, 15, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
@@ -182,6 +187,7 @@ SCHEMA = {
         "step_ratio": "number?: the default's step seconds / high's",
     },
     "context": device_update.SCHEMA,
+    "samplers": sampler_calls.SCHEMA,
     "nan_guard": nan_guard.SCHEMA,
     "nf4_rows": nf4_rows.SCHEMA,
     "step": "object?: bench/grpo_step.py's JSON (config, ours: its steps and phases)",
@@ -530,6 +536,7 @@ RUNNERS = {
     "train_stage": one_script("train_stage", "bench/device_train.py", "--params", SEED003),
     "rules": phase_rules,
     "context": phase_context,
+    "samplers": one_script("samplers", "bench/sampler_calls.py", "--params", SEED003),
     "tests": lambda run, toy: phase_tests(run),
     "nan_guard": lambda run, toy: run.phase("nan_guard", lambda limit: run.script("nan_guard", ["bench/nan_guard.py"],
                                                                                   limit)),

@@ -20,13 +20,13 @@ from .helpers import LORA, give_adapter_a_say
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5): G = 3, left padding
 
 
-def adapter_policy(model_dir, checkpointing: bool):
-    """A float32 NF4 + LoRA policy whose adapter changes the output, in train mode, and its body."""
+def adapter_policy(model_dir, checkpointing: bool, dtype: str = "float32", device: str = "cpu"):
+    """An NF4 + LoRA policy whose adapter changes the output, in train mode, and its body."""
     from grpo.lora_policy import lm_parts
 
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=str(model_dir), dtype="float32", gradient_checkpointing=checkpointing),
-                        LoraConfig(**LORA))
+    model = load_policy(ModelConfig(path=str(model_dir), dtype=dtype, gradient_checkpointing=checkpointing),
+                        LoraConfig(**LORA), device)
     give_adapter_a_say(model, std=0.3)
     model.train()
     return model, lm_parts(model)[0]
@@ -39,21 +39,25 @@ def states_and_grads(model, body, c_mask: torch.Tensor, **layout) -> tuple[torch
 
     torch.manual_seed(1)
     completions = torch.randint(3, 90, c_mask.shape) * c_mask  # padding holds token 0
-    ids, mask = torch.cat([PROMPTS, completions], 1), torch.cat([(PROMPTS != 0).long(), c_mask], 1)
-    weights = torch.randn(*c_mask.shape, 64)
+    device = next(model.parameters()).device
+    ids = torch.cat([PROMPTS, completions], 1).to(device)
+    mask = torch.cat([(PROMPTS != 0).long(), c_mask], 1).to(device)
+    weights = torch.randn(*c_mask.shape, 64).to(device)
+    c_mask = c_mask.to(device)
     model.zero_grad()
     hidden = completion_hidden(body, ids, mask, 5, **layout)  # (6, C, 64)
     (hidden * weights * c_mask.unsqueeze(-1)).sum().backward()
     return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def assert_same_states(got, want, c_mask: torch.Tensor) -> None:
-    """The same states at valid positions and the same LoRA gradients, up to float reassociation."""
-    valid = c_mask.unsqueeze(-1)
-    torch.testing.assert_close(got[0] * valid, want[0] * valid, rtol=1e-4, atol=1e-5)
+def assert_same_states(got, want, c_mask: torch.Tensor, loose: float = 1.0) -> None:
+    """The same states at valid positions and the same LoRA gradients, up to float reassociation
+    (tolerances times ``loose``: 16-bit compute rounds more)."""
+    valid = c_mask.to(got[0].device).unsqueeze(-1)
+    torch.testing.assert_close(got[0] * valid, want[0] * valid, rtol=1e-4 * loose, atol=1e-5 * loose)
     assert got[1].keys() == want[1].keys()
     for n in want[1]:
-        torch.testing.assert_close(got[1][n], want[1][n], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(got[1][n], want[1][n], rtol=1e-3 * loose, atol=1e-4 * loose)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -77,6 +81,19 @@ def test_packed_groups_equal_padded_rows_values_and_lora_grads(tiny_model_dir, c
     c_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 2, 6, 4]).unsqueeze(1)).long()  # (6, 6)
     rows = states_and_grads(model, body, c_mask, group_size=3)
     assert_same_states(states_and_grads(model, body, c_mask, group_size=3, packed=True), rows, c_mask)
+
+
+@pytest.mark.cuda
+def test_packed_groups_equal_padded_rows_on_the_default_device(tiny_model_dir, model_dtype):
+    """The packed layout against padded rows where ``pytest -m cuda`` runs it: on a card in its
+    16-bit dtype (SDPA with the block mask; tolerances for 16-bit rounding), on a CPU in fp32."""
+    from grpo.device import default_device
+
+    model, body = adapter_policy(tiny_model_dir, False, model_dtype, default_device())
+    c_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 2, 6, 4]).unsqueeze(1)).long()  # (6, 6)
+    rows = states_and_grads(model, body, c_mask, group_size=3)
+    loose = 1.0 if model_dtype == "float32" else 300.0  # bf16: 8 bits of mantissa, fp16: 11
+    assert_same_states(states_and_grads(model, body, c_mask, group_size=3, packed=True), rows, c_mask, loose)
 
 
 def log_softmax_head(hidden_rows, lm_head, targets, *_):

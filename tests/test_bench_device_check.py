@@ -79,7 +79,7 @@ def test_usage_errors_are_one_line(tmp_path):
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "device_check: --phases/--limit: unknown gpu (phases: probe, update, generation, train_stage, rules, context, "
-        "tests, nan_guard, nf4_rows, step)"]
+        "samplers, tests, nan_guard, nf4_rows, step)"]
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--wheels", "no-such"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "--wheels no-such: no such folder" in done.stderr

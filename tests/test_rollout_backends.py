@@ -30,12 +30,13 @@ def policy(tiny_model_dir):
 
 def test_the_policy_decode_loop_is_the_trainers_default(policy):
     """``transformers`` on a policy: the decode loop on the policy itself, 4-bit layers dequantised
-    once per call on the CPU, no log-probs; sync, sleep and close change nothing."""
+    once per call where they fit (always on the CPU), no log-probs; sync, sleep and close change
+    nothing."""
     model, tok = policy
     with policy_rollouts("transformers", tok, model) as backend:
         assert isinstance(backend, TransformersBackend)
         assert backend.name == "transformers" and backend.model is model
-        assert backend.dequantize and not backend.return_logprobs
+        assert backend.dequantize is None and backend._dense(4, 10) and not backend.return_logprobs
         backend.sync(model)
         torch.manual_seed(0)
         first = backend.generate(["Hi", "What is 1 + 2?"], 2, max_new_tokens=5)

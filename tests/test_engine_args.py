@@ -85,3 +85,14 @@ def test_every_engine_starts_with_the_flashinfer_sampler_off_unless_the_user_set
     monkeypatch.setattr(os, "environ", {**env, "VLLM_USE_FLASHINFER_SAMPLER": "1"})
     start_environment(device, in_process=in_process)
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_request_amx_asks_where_the_cpu_has_amx():
+    """vLLM's bf16 CPU attention runs AMX tiles; a process that never asked the kernel dies of
+    SIGILL (an engine started before any oneDNN matmul: tests/test_engine_sampler.py run alone).
+    ``request_amx`` asks on an AMX CPU and is a harmless False elsewhere."""
+    import torch
+
+    from grpo.engine.args import request_amx
+
+    assert request_amx() == torch.cpu._is_amx_tile_supported()

@@ -35,10 +35,21 @@ def engine_lora_rank(rank: int) -> int:
                      "(train.engine_weights: dense)")
 
 
+def request_amx() -> bool:
+    """Ask the kernel for this process's AMX tile state (``torch.cpu._init_amx``, a no-op False on
+    a CPU without AMX). vLLM's CPU attention runs AMX tiles for bf16 and dies of SIGILL in a process
+    that has not asked: oneDNN asks on its first AMX matmul, so an engine started before any bf16
+    matmul of its process (a test alone, a fresh worker) crashed where one started later did not."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 def start_environment(device: str, in_process: bool) -> None:
     """Before an engine starts: FlashInfer's top-k/top-p sampler off (on CUDA vLLM turns it on by
     default and FlashInfer compiles it with nvcc at the engine's first sampling, which torch's
-    wheels do not ship: docs/gpu-notes.md#flashinfer-sampler); on a CPU compute on every core this
+    wheels do not ship: docs/gpu-notes.md#flashinfer-sampler); on a CPU the AMX tile state
+    requested (``request_amx``) and compute on every core this
     process may run on (vLLM's CPU default binds one core and reserves the rest) and keep the engine
     in this process; with ``in_process`` (the policy's engine) keep it in this process on any
     device. A variable the user set wins. The variables stay set, and an engine core started in
@@ -46,6 +57,7 @@ def start_environment(device: str, in_process: bool) -> None:
     after the first in-process engine, every later engine of the process runs in it too."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if device == "cpu":
+        request_amx()
         cpus = sorted(os.sched_getaffinity(0))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

@@ -184,4 +184,4 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
 
     torch.manual_seed(seed)
     model = load_base_model(model_dir, dtype, default_device())
-    return TransformersBackend(model, tokenizer, return_logprobs=True, **lengths)
+    return TransformersBackend(model, tokenizer, return_logprobs=True, dequantize=False, **lengths)  # no 4-bit layers

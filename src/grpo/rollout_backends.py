@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from grpo.engine.bounds import kv_cache_bytes
 from grpo.nf4_layers import dequantized_weights
 from grpo.registry import Registry
 from grpo.sampling import decode
@@ -107,7 +108,7 @@ def decode_working_bytes(model, rows: int, positions: int) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     b = model.get_input_embeddings().weight.element_size()
-    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * positions * rows * b + 4 * rows * cfg.vocab_size * 4
+    return kv_cache_bytes(cfg.num_hidden_layers, kv_heads, head_dim, rows, positions, b) + 4 * rows * cfg.vocab_size * 4
 
 
 def dense_fits(copies: int, working: int, free: int, share: float = 0.9) -> bool:

@@ -1,9 +1,10 @@
-"""The per-step loggers of training: dvclive (``<train.metrics_dir>/train/``, for ``dvc plots``)
-and wandb (unless disabled). Each is a callback the trainer calls with every step's row, and a
-function that closes it once the run has shipped."""
+"""The per-step loggers of training: dvclive (``<train.metrics_dir>/train/``, for ``dvc plots``;
+optional: without it one warning and no step files) and wandb (unless disabled). Each is a callback
+the trainer calls with every step's row, and a function that closes it once the run has shipped."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -12,12 +13,20 @@ from pathlib import Path
 from grpo.config import Params
 
 Logger = Callable[[dict], None]
+log = logging.getLogger(__name__)
 
 
-def dvclive_logger(metrics_dir: Path) -> tuple[Logger, Callable[[], None]]:
+def dvclive_logger(metrics_dir: Path) -> tuple[Logger | None, Callable[[], None] | None]:
     """dvclive's step files and summary under ``metrics_dir / "train"`` (``dvcyaml=None``: it leaves
-    ``dvc.yaml`` alone); a statistic that is None in a row is not logged at that step."""
-    from dvclive import Live
+    ``dvc.yaml`` alone); a statistic that is None in a row is not logged at that step. Where dvclive
+    (or a module it imports) cannot be imported, as on a GPU machine without DVC: one WARNING line
+    naming the missing module and what is lost, and ``(None, None)``; training goes on without it."""
+    try:
+        from dvclive import Live
+    except ImportError as exc:
+        log.warning("dvclive is not importable (%s): no per-step metrics under %s for `dvc plots`; "
+                    "training goes on and still writes %s", exc, metrics_dir / "train", metrics_dir / "train.json")
+        return None, None
 
     live = Live(dir=str(metrics_dir / "train"), dvcyaml=None, save_dvc_exp=False, report=None)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grpo.config import Params
-from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.train import TrainConfig
 from tasks._common import run_stage

@@ -8,7 +8,7 @@ from pathlib import Path
 from grpo.config import Params
 from grpo.data import prepare_splits
 from grpo.jsonio import write_json, write_jsonl
-from grpo.sections.data import DataConfig
+from grpo.sections.data_section import DataConfig
 from grpo.sections.shared import TrainSharedKeys
 from tasks._common import run_stage
 

@@ -10,7 +10,7 @@ from grpo import arithmetic
 from grpo.arithmetic import Expression, ExpressionError, check_label, evaluate, expression_in, parse
 from grpo.data import generate_arithmetic, operand_sets_shared, prepare_splits, split_of
 from grpo.jsonio import DataError
-from grpo.sections.data import DataConfig
+from grpo.sections.data_section import DataConfig
 
 
 @pytest.mark.parametrize(("question", "value"), [

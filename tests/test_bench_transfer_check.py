@@ -7,7 +7,7 @@ import importlib.util
 import re
 
 from grpo.data import split_of
-from grpo.sections.data import DataConfig
+from grpo.sections.data_section import DataConfig
 from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location("transfer_check", REPO / "bench" / "transfer_check.py")

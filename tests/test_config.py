@@ -63,7 +63,7 @@ def test_load_sections_validates_the_sections_named_and_only_checks_the_others_a
     """A stage loads what it reads: a bad key of a section it does not load is the other stages'
     to refuse; an unknown section is refused by every stage."""
     from grpo.config import load_sections
-    from grpo.sections.data import DataConfig
+    from grpo.sections.data_section import DataConfig
     from grpo.sections.shared import TrainSharedKeys
     from grpo.sections.train import TrainConfig
 

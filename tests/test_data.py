@@ -15,8 +15,8 @@ from grpo.data import (
     split_disjoint,
 )
 from grpo.jsonio import DataError
-from grpo.sections.data import DataConfig
-from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.data_section import DataConfig
+from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.shared import DEFAULT_SYSTEM_PROMPT
 
 

@@ -118,8 +118,8 @@ def test_sampling_stages_depend_on_the_saved_model_sampler_alone(stage):
 @pytest.mark.parametrize(("schema", "readers"), [
     ("src/grpo/sections/train.py", {"train", "final_eval", "report"}),
     ("src/grpo/sections/sent.py", {"sent", "report"}),
-    ("src/grpo/sections/data.py", {"prepare_data", "report"}),
-    ("src/grpo/sections/evaluate.py", {"baseline_eval", "final_eval", "report"}),
+    ("src/grpo/sections/data_section.py", {"prepare_data", "report"}),
+    ("src/grpo/sections/evaluate_section.py", {"baseline_eval", "final_eval", "report"}),
 ])
 def test_a_section_schema_is_a_dependency_of_the_stages_that_read_the_section_only(schema, readers):
     """An edit of one section's schema file (a docstring, a default) re-runs the stages that read

@@ -19,7 +19,7 @@ from grpo.engine.bounds import (
     train_bounds,
 )
 from grpo.sections.engine import VLLMEngineConfig
-from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.sent import SentConfig
 from grpo.sections.train import TrainConfig
 

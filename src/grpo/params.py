@@ -15,8 +15,8 @@ import yaml
 from pydantic import ConfigDict, Field
 
 from grpo.config import Params, ParamsError, overlay_params, read_params_yaml, section_mappings
-from grpo.sections.data import DataConfig
-from grpo.sections.evaluate import EvaluateConfig
+from grpo.sections.data_section import DataConfig
+from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.sent import SentConfig

@@ -261,3 +261,74 @@ def test_paired_with_names_variants_of_the_grid(tmp_path):
         path.write_text(yaml.safe_dump({**raw, "paired_with": pairs}))
         with pytest.raises(ValueError, match="paired_with"):
             load_grid(path)
+
+
+def test_the_rule_mu_grid_runs_each_rule_at_both_mus_on_seed_triples_with_every_token_a_candidate():
+    """Issue 58's controls: every variant names its mu, rule and checkpoint choice; every-token and
+    archer each at mu 1 and mu 2; at least eight seeds, each setting the data, SENT and training seeds."""
+    grid = load_grid(ROOT / "experiments" / "rule_mu_grid.yaml")
+    pairs = {(o["train.entropy_rule"], o["train.entropy_top_quantile"], o["train.mu"]) for o in grid.variants.values()}
+    assert pairs == {("high", 1.0, 1), ("high", 1.0, 2), ("archer", 0.2, 1), ("archer", 0.2, 2)}
+    assert all(o["train.keep_best"] is False for o in grid.variants.values())  # last step only: no checkpoint chosen
+    assert len(grid.seeds) >= 8 and set(grid.seed_keys) == {"data.seed", "sent.seed", "train.seed"}
+    assert set(grid.decision["candidates"]) == set(grid.variants)
+    # rules are compared at equal mu: archer-mu2 with every-token-mu2, archer-mu1 with the mu-1 reference
+    assert grid.variants[grid.partner("archer-mu2")]["train.mu"] == 2
+    assert grid.variants[grid.partner("archer-mu1")]["train.mu"] == 1
+    args = queue_args(grid, "archer-mu1", 5)
+    assert all(f"{key}=5" in args for key in grid.seed_keys)
+
+
+def test_the_reasoning_grid_names_each_variants_mu_as_run():
+    grid = load_grid(ROOT / "experiments" / "reasoning_grid.yaml")
+    assert grid.seed_keys == ("train.seed",)  # as run: data and SENT seeds fixed
+    assert {v: o["train.mu"] for v, o in grid.variants.items()} == {
+        "every-token": 1, "top-0.2": 1, "top-0.5": 1, "sent_kl": 1, "archer-mu2": 2, "shuffled-archer-mu2": 2}
+
+
+def test_a_pinned_key_a_variant_leaves_to_the_default_fails_naming_both(tmp_path):
+    path = _grid_file(tmp_path, {"default": {"train.mu": 1}, "loose": {"train.lr": 1e-3}})
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "pinned": ["train.mu"]}))
+    with pytest.raises(ValueError, match="'loose': does not set train.mu"):
+        load_grid(path)
+
+
+@pytest.mark.parametrize(("seed_keys", "variants", "words"), [
+    (["data.seed", "train.seed"], {"default": {}, "bad": {"data.seed": 3}}, "'bad': data.seed is set per experiment"),
+    (["data.sead"], {"default": {}}, "data.sead"),
+])
+def test_seed_keys_are_params_keys_no_variant_sets(tmp_path, seed_keys, variants, words):
+    path = _grid_file(tmp_path, variants)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "seed_keys": seed_keys}))
+    with pytest.raises(ValueError, match=words):
+        load_grid(path)
+
+
+def test_queue_args_set_every_seed_key_to_the_experiments_seed():
+    grid = Grid("a", (0, 3), {"a": {"train.mu": 2}}, seed_keys=("data.seed", "sent.seed", "train.seed"))
+    assert queue_args(grid, "a", 3) == ["exp", "run", "--queue", "-S", "data.seed=3", "-S", "sent.seed=3",
+                                        "-S", "train.seed=3", "-S", "train.mu=2", "-n", "a-seed-3"]
+
+
+def test_the_decision_at_equal_mu_picks_every_token_when_the_entropy_treatment_does_not_pay():
+    """archer-mu2 is the best on validation, every-token-mu2 0.01 behind and cheaper: the rule
+    picks every-token-mu2; every-token-mu1 (cheapest) is 0.05 behind, beyond the margin."""
+    names = ("et1", "et2", "ar1", "ar2")
+    grid = Grid("et1", (0, 1, 2), {n: {"train.mu": 1 + n.endswith("2")} for n in names},
+                decision={"candidates": list(names), "margin": 0.03}, paired_with={"ar2": "et2"})
+    best = {0: 0.60, 1: 0.55, 2: 0.58}
+    behind = {"et1": (0.05, 0.04, 0.06), "et2": (0.01, 0.0, 0.02), "ar1": (0.05, 0.05, 0.05), "ar2": (0, 0, 0)}
+    val = {n: {s: best[s] - d[s] for s in best} for n, d in behind.items()}
+    cost = {"et1": 150.0, "et2": 250.0, "ar1": 180.0, "ar2": 290.0}
+    table = ablations.rows(grid, {ablations.SELECT: _runs(val),
+                                  ablations.COST: _runs({n: dict.fromkeys(best, c) for n, c in cost.items()})})
+    line = ablations.decide(grid, table)[0]
+    assert "**et2**, the cheapest candidate within 0.030 of the best variant (ar2)" in line
+    assert f"train stage {cost['et2']:.0f} s" in line
+    shortfalls = [behind[n] for n in ("et1", "et2", "ar1")]
+    sd = ablations.pooled_sd(shortfalls)
+    assert f"sd {sd:.3f} over 3 seeds" in line and f"{ablations.detectable(sd, 3):.3f}" in line
+    ar2 = next(r for r in table if r.variant == "ar2").compared[ablations.SELECT]
+    assert ar2.diffs == pytest.approx(behind["et2"])  # ar2 - et2, seed by seed: paired at equal mu

@@ -7,9 +7,13 @@ The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: nam
 (``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued;
 optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``; ``decide``),
 and ``paired_with``: variants compared to another variant than the reference (the curriculum against
-shuffled order under one rule), in the same Holm family as the rest.
+shuffled order under one rule), in the same Holm family as the rest; ``seed_keys``: the params keys
+that take the experiment's seed (default ``[train.seed]``; ``[data.seed, sent.seed, train.seed]``
+varies which problems are drawn and SENT's samples with the training seed, a seed triple); and
+``pinned``: params keys every variant must set itself (``[train.mu]``: a variant's meaning does not
+move when params.yaml's default does).
 Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --queue -S
-train.seed=s -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
+<seed key>=s ... -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
 run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queues only the
 experiments that have no result and are not waiting in the queue (failed ones are removed from
 the queue and queued again; tasks left "running" by a worker that died are removed first:
@@ -65,6 +69,8 @@ class Grid:
     variants: dict[str, dict[str, object]]  # name -> {"train.order": "shuffled", ...}
     decision: dict | None = None  # {"candidates": [variant, ...], "margin": float}: the rule ``decide`` applies
     paired_with: dict[str, str] = field(default_factory=dict)  # variant -> the variant it is compared to (else reference)
+    seed_keys: tuple[str, ...] = (SEED_KEY,)  # the params keys set to the experiment's seed
+    pinned: tuple[str, ...] = ()  # params keys every variant sets itself
 
     def partner(self, variant: str) -> str:
         """The variant ``variant`` is paired with: its ``paired_with`` entry, else the reference."""
@@ -106,6 +112,27 @@ def check_pairs(path: Path, pairs: dict, variants: dict, reference: str) -> dict
     return dict(pairs)
 
 
+def check_keys(path: Path, raw: dict, name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """The grid's list ``name`` of dotted params keys (``default`` when absent): distinct strings."""
+    keys = raw.get(name, list(default))
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys) \
+            or (name == "seed_keys" and not keys):
+        raise ValueError(f"{path}: '{name}' must be a list of distinct params keys")
+    return tuple(keys)
+
+
+def check_seed_and_pinned_keys(grid: Grid, params: dict) -> None:
+    """Raise ``ValueError`` unless every seed key is a params key, no variant sets one, and every
+    variant sets every ``pinned`` key."""
+    check_overrides("(seed keys)", dict.fromkeys(grid.seed_keys, 0), params)
+    for name, overrides in grid.variants.items():
+        if set(grid.seed_keys) & set(overrides):
+            raise ValueError(f"variant {name!r}: {', '.join(sorted(set(grid.seed_keys) & set(overrides)))} "
+                             "is set per experiment by the grid's seeds")
+        if missing := [k for k in grid.pinned if k not in overrides]:
+            raise ValueError(f"variant {name!r}: does not set {', '.join(missing)} (the grid's 'pinned' keys)")
+
+
 def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     """The grid in ``path``; every variant's overrides validated over ``params_path`` (params.yaml
     beside the grid's repository by default) so that a typo fails here, not an hour into a queue."""
@@ -132,11 +159,11 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
         raise ValueError(f"{path}: 'seeds' must be a list of distinct integers")
     grid = Grid(reference=reference, seeds=tuple(seeds),
                 variants={name: dict(over or {}) for name, over in variants.items()}, decision=decision,
-                paired_with=check_pairs(path, raw.get("paired_with") or {}, variants, reference))
+                paired_with=check_pairs(path, raw.get("paired_with") or {}, variants, reference),
+                seed_keys=check_keys(path, raw, "seed_keys", (SEED_KEY,)), pinned=check_keys(path, raw, "pinned", ()))
     params = read_params_yaml(params_path or Path(path).resolve().parent.parent / "params.yaml")
+    check_seed_and_pinned_keys(grid, params)
     for name, overrides in grid.variants.items():
-        if SEED_KEY in overrides:
-            raise ValueError(f"variant {name!r}: {SEED_KEY} is set per experiment by the grid's seeds")
         check_overrides(name, overrides, params)
     return grid
 
@@ -146,9 +173,10 @@ def exp_name(variant: str, seed: int) -> str:
 
 
 def queue_args(grid: Grid, variant: str, seed: int) -> list[str]:
-    """The ``dvc`` arguments that queue ``variant`` with ``seed``."""
+    """The ``dvc`` arguments that queue ``variant`` with ``seed`` (every one of ``grid.seed_keys`` set to it)."""
+    seeds = [arg for key in grid.seed_keys for arg in ("-S", f"{key}={seed}")]
     sets = [arg for key, value in grid.variants[variant].items() for arg in ("-S", f"{key}={cli_value(value)}")]
-    return ["exp", "run", "--queue", "-S", f"{SEED_KEY}={seed}", *sets, "-n", exp_name(variant, seed)]
+    return ["exp", "run", "--queue", *seeds, *sets, "-n", exp_name(variant, seed)]
 
 
 @dataclass
@@ -344,7 +372,24 @@ def decide(grid: Grid, table: list[Row]) -> list[str]:
         why = f"no candidate is within {margin:.3f} of the best ({best}); the best candidate"
     return [f"Decision (rule committed before the grid ran): **{pick}**, {why}: shortfall "
             f"{shortfall(pick):+.3f} on `{SELECT}`, train stage {cost[pick]:.0f} s. Candidates: "
-            + ", ".join(f"{c} ({shortfall(c):+.3f}, {cost[c]:.0f} s)" for c in cands) + "."]
+            + ", ".join(f"{c} ({shortfall(c):+.3f}, {cost[c]:.0f} s)" for c in cands) + "."
+            + _decision_power(by_name, best, [c for c in cands if c != best])]
+
+
+def _decision_power(by_name: dict[str, Row], best: str, others: list[str]) -> str:
+    """What the decision's comparisons detect: the paired differences (on ``SELECT``, per shared
+    seed) of every other candidate to the best variant, their spread pooled (``grpo.stats.pooled_sd``)
+    and the smallest mean shortfall a paired t-test at ``ALPHA`` finds with 80% power on the fewest
+    shared seeds; empty with fewer than two seeds or no spread."""
+    top = by_name[best].values[SELECT]
+    diffs = [tuple(top[s] - by_name[c].values[SELECT][s] for s in sorted(set(top) & set(by_name[c].values[SELECT])))
+             for c in others]
+    diffs = [d for d in diffs if len(d) >= 2]
+    if not diffs or (sd := pooled_sd(diffs)) == 0:
+        return ""
+    n = min(len(d) for d in diffs)
+    return (f" The candidates' paired shortfalls to {best} spread with sd {sd:.3f} over {n} seeds: a true "
+            f"shortfall is found with 80% power from {detectable(sd, n, ALPHA):.3f} (alpha {ALPHA}).")
 
 
 def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:

@@ -4,7 +4,7 @@ weights, an unbroken run against one killed with -9 after its first checkpoint a
 The base is the preset's architecture with random weights, drawn as ``bench/device_update.py`` draws
 it (``device_update.architecture``, ``grpo.synthetic.random_model_dir``: no download); with
 ``--dry-run`` the ``toy`` architecture on the CPU at toy sizes. The params are the preset put over the
-workspace's ``params.yaml`` (``grpo.config.overlay_params``, validated by ``grpo.params.params_from_dict``)
+workspace's ``params.yaml`` (``grpo.overlay.overlay_params``, validated by ``grpo.params.params_from_dict``)
 with, for this check (``STAGE_KEYS``): ``--steps`` N steps, a checkpoint every step, validation
 (``eval_every``) at step N on ``VAL_ROWS`` problems of at most ``--eval-tokens`` new tokens, the decode
 loop (``rollout_backend: transformers``), no warmup, truncated completions scored, and one reward
@@ -144,7 +144,8 @@ def stage_params(args, work: Path, base: Path, folder: str) -> tuple[Path, dict]
     import yaml
 
     from grpo.cli import workspace_root
-    from grpo.config import overlay_params, read_params_yaml
+    from grpo.config import read_params_yaml
+    from grpo.overlay import overlay_params
     from grpo.params import params_from_dict
 
     preset = Path(args.params)

@@ -626,7 +626,7 @@ def preset_file(preset: str) -> Path:
 
 def resolve_model(params, root: Path, dry_run: bool, override: str | None) -> tuple[Path, str, str]:
     """``(directory, name, how it was found)`` of the model to run (module docstring)."""
-    from grpo.config import ModelConfigError
+    from grpo.errors import ModelConfigError
     from grpo.memory import prepared_name
     from grpo.params import load_params
 
@@ -662,7 +662,7 @@ def check_params(params, model_dir: Path, model_name: str, work: Path, dry_run: 
     """The preset's params with what the check changes: the model, the work folder, ``TRAIN_STEPS``
     steps, no checkpoints, validation or wandb, vLLM everywhere, one process; on ``--dry-run``
     short completions and (CPU) small engine shares."""
-    from grpo.config import overlay_params
+    from grpo.overlay import overlay_params
     from grpo.params import params_from_dict
 
     data = str(work / "problems.jsonl")
@@ -776,8 +776,8 @@ def summary_lines(report: dict) -> list[str]:
 def run_check(args) -> int:
     """The parent: params, model, the four phase processes, the file."""
     from grpo.cli import resolve_params
-    from grpo.config import DeviceError, ParamsError
     from grpo.device import default_device
+    from grpo.errors import DeviceError, ParamsError
 
     t0, started = time.perf_counter(), datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     path = preset_file(args.preset)

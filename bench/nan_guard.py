@@ -99,7 +99,7 @@ def build(args, tmp: Path):
 def run(args) -> dict:
     import torch
 
-    from grpo.config import StageStop
+    from grpo.errors import StageStop
 
     out = {k: None for k in SCHEMA}
     out.update(poison=args.poison, limit=args.limit, skipped=[], dtype="bfloat16")

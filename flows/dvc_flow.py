@@ -83,8 +83,8 @@ from flows.workspace import (
     stages_of,
     workspace_lock,
 )
-from grpo.config import DeviceError, ParamsError
 from grpo.engine.preflight import require_ready_gpu
+from grpo.errors import DeviceError, ParamsError
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
 SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take no workspace slot

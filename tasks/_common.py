@@ -24,17 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo.config import (
-    DeviceError,
-    ModelConfigError,
-    Params,
-    ParamsError,
-    Section,
-    StageStop,
-    load_sections,
-    read_params_yaml,
-    reading_params,
-)
+from grpo.config import Params, Section, load_sections, read_params_yaml, reading_params
+from grpo.errors import DeviceError, ModelConfigError, ParamsError, StageStop
 from grpo.jsonio import DataError, write_json
 from grpo.sections.shared import SharedTrainKeys
 

@@ -125,7 +125,7 @@ def make_dvc_workspace(ws: Path, params: dict) -> Path:
     for name in ("tasks", "src", "flows"):
         shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
-    from grpo.config import overlay_params
+    from grpo.overlay import overlay_params
 
     full = overlay_params(yaml.safe_load((REPO / "params.yaml").read_text()), params)
     (ws / "params.yaml").write_text(yaml.safe_dump(full, sort_keys=False))

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from grpo.base_model import SMOLLM2_GGUF, fetch_smollm2_gguf, load_tokenizer, resolve_base_model
-from grpo.config import ModelConfigError
+from grpo.errors import ModelConfigError
 
 
 def test_a_local_directory_is_copied_with_its_manifest(tiny_model_dir, tmp_path):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.config import ParamsError, overlay_params, read_params_yaml, reading_params
+from grpo.config import ParamsError, read_params_yaml, reading_params
+from grpo.overlay import overlay_params
 from grpo.params import AllParams, load_params
 
 

@@ -73,7 +73,7 @@ def _cuda_build_without_gpu(monkeypatch, cuda: str | None = "13.0"):
 def test_a_cuda_build_without_a_usable_gpu_stops_with_one_line(monkeypatch):
     import pytest
 
-    from grpo.config import DeviceError
+    from grpo.errors import DeviceError
 
     _cuda_build_without_gpu(monkeypatch)
     with pytest.raises(DeviceError) as err:
@@ -124,7 +124,7 @@ def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads
     import pytest
     from transformers import LlamaConfig, Qwen2Config
 
-    from grpo.config import ModelConfigError
+    from grpo.errors import ModelConfigError
     from grpo.lora_policy import load_training_base
     from grpo.sections.model import ModelConfig
     from grpo.synthetic import char_tokenizer, random_model_dir

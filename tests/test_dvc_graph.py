@@ -1,5 +1,6 @@
 """dvc.yaml follows from the code: each stage depends on exactly the project files its entry
-module imports (transitively, lazy imports included), and declares every params field it reads."""
+module imports (transitively, lazy imports included; not those that run only for a type checker or
+on the way to an error), and declares every params field it reads."""
 
 from __future__ import annotations
 
@@ -28,10 +29,36 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
+def _never_run_for_an_output(tree: ast.AST) -> set[int]:
+    """The ids of import statements that cannot change what a stage writes: those under ``if
+    TYPE_CHECKING:`` (never run) and those in a block that ends by raising (an ``except`` handler or
+    an ``if`` body whose last statement is ``raise``: they only word an error, ``grpo.messages``)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        blocks = []
+        if isinstance(node, ast.If):
+            test = node.test
+            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+                blocks.append(node.body)
+            elif node.body and isinstance(node.body[-1], ast.Raise):
+                blocks.append(node.body)
+        elif isinstance(node, ast.ExceptHandler) and node.body and isinstance(node.body[-1], ast.Raise):
+            blocks.append(node.body)
+        for block in blocks:
+            skipped |= {id(n) for stmt in block for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return skipped
+
+
 def _imports(path: Path) -> set[str]:
-    """Project modules imported anywhere in ``path`` (top level or inside functions)."""
+    """Project modules imported anywhere in ``path`` (top level or inside functions), but for
+    imports that never run on the way to an output (``_never_run_for_an_output``)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = _never_run_for_an_output(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -128,3 +155,53 @@ def test_a_section_schema_is_a_dependency_of_the_stages_that_read_the_section_on
     depends = {name for name, spec in stages.items()
                if any(schema == d or schema.startswith(d.rstrip("/") + "/") for d in spec.deps)}
     assert depends == readers
+
+
+def _sections_served() -> dict[str, set[str]]:
+    """Each module of ``grpo.sections`` (repo-relative path) -> the params sections whose keys it
+    declares: the ``SECTION`` of each section class defined in it, and for a base class with no
+    section of its own (``VLLMEngineConfig``) the sections of the classes that inherit from it."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import grpo.sections
+    from grpo.config import Section
+
+    modules = [importlib.import_module(f"grpo.sections.{m.name}") for m in pkgutil.iter_modules(grpo.sections.__path__)]
+    classes = [c for mod in modules for _, c in inspect.getmembers(mod, inspect.isclass)
+               if issubclass(c, Section) and c.__module__ == mod.__name__]
+    served = {}
+    for mod in modules:
+        own = [c for c in classes if c.__module__ == mod.__name__]
+        served[str(Path(mod.__file__).relative_to(REPO))] = {
+            c.SECTION for c in classes if c.SECTION and any(issubclass(c, base) for base in own)}
+    return served
+
+
+def section_leaks(stages: dict) -> dict[str, list[str]]:
+    """Per stage, the section modules among its deps whose sections it reads no key of (its
+    ``params:`` name neither the section nor one of its keys): an edit of such a module would re-run
+    the stage for nothing."""
+    served, leaks = _sections_served(), {}
+    for name, spec in stages.items():
+        if spec.all_params:  # `- params.yaml:`: the stage reads every section
+            continue
+        reads = {p.split(".")[0] for p in spec.params}
+        modules = {m for d in spec.deps for m in served if m == d or m.startswith(d.rstrip("/") + "/")}
+        wasted = sorted(m for m in modules if not served[m] & reads)
+        if wasted:
+            leaks[name] = wasted
+    return leaks
+
+
+def test_a_stage_depends_on_no_section_module_whose_keys_it_does_not_read():
+    assert section_leaks(_stages()) == {}
+
+
+def test_the_leak_check_names_a_section_a_stage_does_not_read():
+    """The lora section as a dep of SENT (through ``grpo.lora_policy``, before it imported the
+    section for type checking only): SENT reads no ``lora.*`` key."""
+    sent = _stages()["sent"]
+    leaked = type(sent)(deps=(*sent.deps, "src/grpo/sections/lora.py"), params=sent.params)
+    assert section_leaks({"sent": leaked}) == {"sent": ["src/grpo/sections/lora.py"]}

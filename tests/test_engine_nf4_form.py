@@ -200,7 +200,7 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     """The engine keeps the adapter of its last sync while the policy learns (the failure of an
     adapter lost in a wake-up): the per-step log-prob gap grows past ``max_logp_gap`` (the dtype's
     mean bound) and the stage stops after ``max_logp_gap_steps`` such steps in a row, with one line."""
-    from grpo.config import StageStop
+    from grpo.errors import StageStop
     from grpo.rewards import REWARDS
     from grpo.sections.train import TrainConfig
     from grpo.trainer import GRPOTrainer

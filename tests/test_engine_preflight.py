@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.config import DeviceError
 from grpo.engine import preflight
 from grpo.engine.preflight import BLOCKER, OK, SKIP, WARN
+from grpo.errors import DeviceError
 
 from .conftest import REPO
 from .helpers import run

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import ModelConfigError
+from grpo.errors import ModelConfigError
 from grpo.lora_policy import load_policy
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig

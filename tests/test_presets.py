@@ -1,7 +1,7 @@
 """Every GPU preset's training switches, run together for two optimizer steps on the CPU.
 
 A preset (``presets/*.yaml``) is put over ``params.yaml`` as ``scripts/apply_preset.py`` does
-(``grpo.config.overlay_params``); then only size knobs are shrunk (steps, prompts per step, new
+(``grpo.overlay.overlay_params``); then only size knobs are shrunk (steps, prompts per step, new
 tokens, output directories, and the model: the tiny random Llama of ``conftest.py`` stands in for
 the preset's hub id, keeping its quantization, dtype and gradient checkpointing). Every other key the
 preset sets in ``train``, ``lora`` and ``model`` is asserted to be in the run's config, and the
@@ -26,9 +26,9 @@ import yaml
 import grpo.passes as passes_mod
 import grpo.trainer as trainer_mod
 from grpo.base_model import load_tokenizer
-from grpo.config import overlay_params
 from grpo.entropy import TOKEN_RULES
 from grpo.lora_policy import load_policy
+from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
 from grpo.rewards import REWARDS
 from grpo.trainer import GRPOTrainer, lr_lambda

@@ -196,7 +196,7 @@ def test_with_mu_2_a_non_finite_second_update_undoes_the_first(tiny_model_dir, t
 def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
     """Every step from the third on is infinite: with ``max_nonfinite_steps`` 2 training stops after
     step 4 with one line naming the steps and the last good checkpoint (step 2's)."""
-    from grpo.config import StageStop
+    from grpo.errors import StageStop
 
     trainer, _ = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(range(3, 10)),
                               steps=6, checkpoint_every=2, max_nonfinite_steps=2)
@@ -212,7 +212,7 @@ def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, t
 def test_the_engine_gap_guard_warns_then_stops_after_steps_in_a_row(caplog):
     """Rows as the trainer logs them: a gap above the bound warns, one at or below it (or none: the
     decode loop measures none) resets the count, the limit stops with one line naming the steps."""
-    from grpo.config import StageStop
+    from grpo.errors import StageStop
     from grpo.trainer import EngineGapGuard
 
     guard = EngineGapGuard(bound=0.1, limit=2)

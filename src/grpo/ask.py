@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
-from grpo.config import ModelConfigError
+from grpo.errors import ModelConfigError
 
 
 def check_dirs(model_path: Path, adapter_dir: Path | None) -> None:

@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from grpo.config import ModelConfigError
+from grpo.errors import ModelConfigError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.config import DeviceError, ModelConfigError, Params, ParamsError, overlay_params, read_params_yaml
+from grpo.config import Params, read_params_yaml
+from grpo.errors import DeviceError, ModelConfigError, ParamsError
+from grpo.overlay import overlay_params
 from grpo.dvcfile import find_root
 from grpo.engine.bounds import SAVED_MODEL_SEQS
 from grpo.params import params_from_dict

@@ -1,16 +1,19 @@
-"""Typed, validated parameters: the base every ``params.yaml`` section is built on.
+"""Typed, validated parameters: the base every ``params.yaml`` section is built on, and loading.
 
 Each section is a pydantic model in a module of its own (``grpo.sections.<section>``);
-``grpo.params`` gathers them all. This module holds what they share, and nothing of any one
-section, so a stage depends (in DVC's sense: ``dvc.yaml``'s deps follow imports) on the schemas of
-the sections it reads and on this file.
+``grpo.params`` gathers them all. This module holds what they share and the reading of a params
+file, nothing of any one section, so a stage depends (in DVC's sense: ``dvc.yaml``'s deps follow
+imports) on the schemas of the sections it reads, on this file and on ``grpo.errors``. What changes
+more often lives apart: the wording of every message (``grpo.messages``, imported only on the way
+to a ``ParamsError``, so no stage depends on it) and the overlay of params
+(``grpo.overlay.overlay_params``, imported by its users alone).
 
 Contract:
 
 * Every params file is read by ``read_params_yaml`` (``UniqueKeyLoader``): bad YAML, a key that a
   mapping repeats (PyYAML would keep the last silently) or a document that is not a mapping is a
-  ``ParamsError`` of one line naming the file and line (``params.yaml:7: duplicate key 'steps'
-  (first at line 3); ...``).
+  ``ParamsError`` (``grpo.errors``) of one line naming the file and line (``params.yaml:7: duplicate
+  key 'steps' (first at line 3); ...``).
 * A stage loads the sections it reads (``load_sections(path, *classes)``, a ``Params`` holding
   them); ``grpo.params.load_params`` loads every section. An unknown key, a value of the wrong type
   or out of range fails with a ``ParamsError`` whose message is one line naming the field
@@ -26,43 +29,19 @@ Contract:
   an entry's own options are its ``Options`` model, under its name (``EntryOptions``).
 * ``reading_params()`` records which ``section.key`` fields are read while it is active (the
   stages run under it when asked, so a test can check each stage's ``params:`` in ``dvc.yaml``).
-* ``overlay_params(base, overrides)`` is the one way params are put over ``params.yaml`` (a preset's
-  sections, or dotted keys as the flow's ``--set`` gives them; ``grpo check --params`` and the
-  tests use it in memory); ``grpo.params.write_params(path, overrides)`` writes its result into the
-  file, comments kept, once it validates (``scripts/apply_preset.py``, the flow's ``--set``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
-import difflib
-import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-
-class ParamsError(ValueError):
-    """Invalid parameters; the message names the offending field."""
-
-
-class ModelConfigError(ValueError):
-    """A model-related parameter names something that does not exist (a module, a directory)."""
-
-
-class DeviceError(RuntimeError):
-    """The device to compute on cannot be used (``grpo.device.default_device``); the message is one
-    line saying what to do."""
-
-
-class StageStop(RuntimeError):
-    """A stage stops on purpose (training that keeps producing non-finite values); the message is
-    one line saying where and what is left."""
-
+from grpo.errors import ParamsError
 
 Positive = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -149,7 +128,9 @@ class Section(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as err:
-            raise ParamsError(_one_line(err, type(self))) from None
+            from grpo.messages import one_line  # the wording: a failure path's, no stage's dep
+
+            raise ParamsError(one_line(err, type(self))) from None
 
     def __getattribute__(self, name: str):
         reads = _READS.get()
@@ -170,95 +151,6 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def _describe(err: dict) -> str:
-    """One error of a pydantic ``ValidationError`` in this project's words."""
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
-    if kind == "value_error":
-        return str(ctx.get("error", err["msg"]))
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "literal_error":
-        return f"must be one of {ctx['expected'].replace(' or ', ', ').replace(chr(39), '')}; got {value!r}"
-    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-    if kind in bounds:
-        limit = next(iter(ctx.values()))
-        limit = int(limit) if isinstance(limit, float) and limit.is_integer() else limit
-        return f"must be {bounds[kind]} {limit}, got {value!r}"
-    words = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-             "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
-             "too_short": "non-empty"}
-    if kind in words:
-        return f"must be {words[kind]}, got {value!r}{_number_as_text_hint(kind, value)}"
-    return f"{err['msg'][0].lower()}{err['msg'][1:]}, got {value!r}"
-
-
-_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-
-
-def _number_as_text_hint(kind: str, value: Any) -> str:
-    """For a number that reached a numeric field as text, how to write it; else nothing (a word
-    like ``"fast"`` gets no hint: the message says what type the field takes)."""
-    if not isinstance(value, str) or kind not in ("float_type", "int_type"):
-        return ""
-    text = value.strip()
-    if kind == "int_type":
-        return f" (quoted: write {text} without quotes)" if re.fullmatch(r"[+-]?\d+", text) else ""
-    if not _DECIMAL.fullmatch(text):
-        return ""
-    mantissa, e, exponent = text.lower().partition("e")
-    if e and "." not in mantissa:  # 5e-4: YAML 1.1 (PyYAML, the stages) needs a dot in the mantissa
-        return f" (YAML reads {text} as text: write {mantissa}.0e{exponent})"
-    return f" (quoted: write {text} without quotes)"
-
-
-ALIASES: dict[str, str] = {
-    # TRL's GRPOConfig / transformers' TrainingArguments names -> this project's train keys
-    "learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens",
-    "max_steps": "steps", "num_iterations": "mu", "gradient_accumulation_steps": "micro_batches",
-    "lr_scheduler_type": "lr_schedule", "scale_rewards": "advantage_scale", "reward_weights": "rewards",
-    "top_entropy_quantile": "entropy_top_quantile", "save_steps": "checkpoint_every", "eval_steps": "eval_every",
-    "use_vllm": "rollout_backend", "vllm_gpu_memory_utilization": "gpu_memory_utilization",
-    "vllm_importance_sampling_correction": "importance_sampling_correction",
-    "vllm_importance_sampling_cap": "importance_sampling_cap", "kl_coef": "beta", "cliprange": "epsilon",
-    "per_device_train_batch_size": "prompts_per_step", "epsilon_low": "epsilon",
-    # peft's LoraConfig names -> the lora keys
-    "r": "rank", "lora_r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
-    # the model
-    "torch_dtype": "dtype", "model_name": "name", "model_name_or_path": "name", "load_in_4bit": "quantization",
-}
-"""Keys people bring from other tools -> the nearest key here (suggested where the section has it)."""
-
-
-def suggest(name: str, known: list[str] | set[str] | tuple[str, ...], n: int = 3) -> list[str]:
-    """The known names nearest to ``name``: its alias (``ALIASES``), then the closest spellings."""
-    out = [ALIASES[name]] if ALIASES.get(name) in known else []
-    out += [k for k in difflib.get_close_matches(name, sorted(known), n=n, cutoff=0.6) if k not in out]
-    return out[:n]
-
-
-def _did_you_mean(prefix: str, names: list[str]) -> str:
-    names = [f"{prefix}{n}" for n in names]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _one_line(err: ValidationError, cls: type[Section]) -> str:
-    """The first error of ``err`` (building ``cls``) as ``section.key: what is wrong`` (one line)."""
-    first = err.errors(include_url=False)[0]
-    if first["type"] == "value_error":  # a cross-field rule: its message already names the field
-        return _describe(first)
-    section = cls.SECTION
-    loc = ".".join(str(p) for p in (section, *first["loc"]) if p != "")
-    message = f"{loc}: {_describe(first)}"
-    if first["type"] == "extra_forbidden":
-        key = str(first["loc"][-1]) if first["loc"] else ""
-        if key in cls.MOVED:
-            return f"{loc}: moved to {cls.MOVED[key]}"
-        near = suggest(key, set(cls.model_fields))
-        message += (f"; did you mean {_did_you_mean(f'{section}.', near)}?" if near else
-                    f"; {section} has no key like it ({len(cls.model_fields)} keys: docs/configuration.md)")
-    return message.replace("\n", " ")
-
-
 def section_mappings(raw: dict | None) -> dict[str, dict]:
     """The sections of a params mapping, each a mapping (``{}`` for one left empty); ``ParamsError``
     of one line for a document that is not a mapping, a section name outside ``SECTION_NAMES``
@@ -268,9 +160,9 @@ def section_mappings(raw: dict | None) -> dict[str, dict]:
         raise ParamsError(f"params: must be a mapping of sections, got {raw!r}")
     for key in raw:
         if key not in SECTION_NAMES:
-            near = suggest(str(key), set(SECTION_NAMES))
-            guess = f"did you mean {_did_you_mean('', near)}? " if near else ""
-            raise ParamsError(f"{key}: unknown params section; {guess}(sections: {', '.join(sorted(SECTION_NAMES))})")
+            from grpo.messages import unknown_section
+
+            raise ParamsError(unknown_section(key, SECTION_NAMES))
     out = {}
     for name, values in raw.items():
         if values is not None and not isinstance(values, dict):
@@ -285,42 +177,6 @@ def load_sections(path: str | Path, *classes: type[Section]) -> Params:
     loads what it reads, so it imports (and DVC makes it depend on) those sections' schemas alone."""
     raw = section_mappings(read_params_yaml(path))
     return Params(**{cls.SECTION: cls(**raw.get(cls.SECTION, {})) for cls in classes})
-
-
-def overlay_params(base: dict, overrides: dict | None) -> dict:
-    """A copy of ``base`` (a params mapping: sections of keys) with ``overrides`` put over it; ``base``
-    is left as it was (a ruamel document's comments and order are copied along).
-
-    An override is a section with any subset of its keys (a preset: ``{"train": {"lr": 5e-4}}``) or a
-    dotted key of any depth (``{"train.lr": 5e-4}``, as ``dvc exp run -S`` and the flow's ``--set``
-    write them). Either way each key named gets the new value whole (a preset's ``rewards`` is the
-    run's rewards, not a merge). A section left empty in ``base`` (``train:``) counts as one with no
-    keys; a section or key missing from ``base`` is added, and an unknown one is left for validation
-    to name. The one error here: the way to a key passes through a value that is not a mapping
-    (``ParamsError`` naming the key)."""
-    out = copy.deepcopy(base) if base is not None else {}
-    for section in list(out):
-        if out[section] is None:
-            out[section] = {}
-    for key, value in (overrides or {}).items():
-        parts = str(key).split(".")
-        if len(parts) == 1:  # a section and some of its keys
-            if not isinstance(value, dict):
-                raise ParamsError(f"{key}: must be a mapping, got {value!r}")
-            parts, items = [key], value.items()
-        else:
-            parts, items = parts[:-1], [(parts[-1], value)]
-        node = out
-        for i, part in enumerate(parts):
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict):
-                where = ".".join(parts[:i + 1])
-                raise ParamsError(f"{where}: must be a mapping, got {node!r}" + (f" (to set {key})" if where != key else ""))
-        for name, new in items:
-            node[name] = new
-    return out
 
 
 class DuplicateKey(yaml.MarkedYAMLError):
@@ -348,18 +204,6 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def yaml_error_line(path: Path, err: yaml.YAMLError) -> str:
-    """One line for a YAML file PyYAML refuses: ``FILE:LINE: what``, where it can tell the line."""
-    if isinstance(err, DuplicateKey):
-        return (f"{path}:{err.again}: duplicate key {err.key!r} (first at line {err.first}); a mapping takes each "
-                "key once")
-    mark = getattr(err, "problem_mark", None)
-    what = " ".join(": ".join(x for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x).split())
-    if mark is None:
-        return f"{path}: not valid YAML ({' '.join(str(err).split())})"
-    return f"{path}:{mark.line + 1}: not valid YAML ({what or 'unreadable'}, column {mark.column + 1})"
-
-
 def read_params_yaml(path: str | Path) -> dict:
     """The mapping in the params file ``path`` (``{}`` when empty), read by ``UniqueKeyLoader``: every
     reader of params goes through here. A missing file, a YAML error, a repeated key or a
@@ -370,6 +214,8 @@ def read_params_yaml(path: str | Path) -> dict:
     try:
         raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
+        from grpo.messages import yaml_error_line
+
         raise ParamsError(yaml_error_line(path, err)) from None
     if raw is not None and not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of sections, got {raw!r}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import DeviceError, ModelConfigError
+from grpo.errors import DeviceError, ModelConfigError
 
 DEVICE_ENV = "GRPO_DEVICE"
 """Environment variable: ``cpu`` or ``cuda`` chooses the device on purpose; unset: the GPU when usable."""

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config import yaml_error_line
 from grpo.dvcfile import DVC_DIR, DVC_YAML, Stage, read_stages
+from grpo.messages import yaml_error_line
 
 
 def _under(path: str, out: str) -> bool:

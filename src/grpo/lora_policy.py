@@ -14,14 +14,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from grpo.config import ModelConfigError
 from grpo.device import attention_implementation, compute_dtype, default_device, free_cuda_cache, refuse_half_overflow
+from grpo.errors import ModelConfigError
 from grpo.nf4_layers import dense_weight, keep_standard_nf4_layout, nf4_config
-from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
+
+if TYPE_CHECKING:  # the lora section is the train stage's: the samplers that load a saved adapter read no lora key
+    from grpo.sections.lora import LoraConfig
 
 
 def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:

@@ -14,7 +14,9 @@ from pathlib import Path
 import yaml
 from pydantic import ConfigDict, Field
 
-from grpo.config import Params, ParamsError, overlay_params, read_params_yaml, section_mappings
+from grpo.config import Params, read_params_yaml, section_mappings
+from grpo.errors import ParamsError
+from grpo.overlay import overlay_params
 from grpo.sections.data_section import DataConfig
 from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.lora import LoraConfig

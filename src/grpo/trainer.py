@@ -54,10 +54,10 @@ from dataclasses import replace
 import torch
 
 from grpo import checkpoint, metrics, rollout_phase
-from grpo.config import StageStop
 from grpo.curriculum import batch_indices, num_stages_of, stage_of_step, stages_for
 from grpo.data import build_prompt
 from grpo.distributed import Dist
+from grpo.errors import StageStop
 from grpo.loss import signal_groups
 from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS

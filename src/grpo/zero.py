@@ -51,8 +51,8 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ParamsError, StageStop
 from grpo.distributed import Dist
+from grpo.errors import ParamsError, StageStop
 from grpo.sections.train import TrainConfig
 from grpo.types import StepResult
 

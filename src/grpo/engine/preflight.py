@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.config import DeviceError
+from grpo.errors import DeviceError
 
 OK, WARN, BLOCKER, SKIP = "ok", "warn", "BLOCKER", "skip"
 

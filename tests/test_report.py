@@ -18,7 +18,17 @@ import pytest
 from matplotlib.figure import Figure
 from PIL import Image
 
-from grpo.report import adapter_in_words, build_report, headline, moving_average, plot_curves, read_step_metrics
+from grpo.answers import CLASS_WORDS
+from grpo.report import (
+    TRAIN_ROWS,
+    adapter_in_words,
+    build_report,
+    headline,
+    moving_average,
+    plot_curves,
+    read_step_metrics,
+)
+from grpo.rewards import extract_answer
 
 
 def trailing_mean(values, window):
@@ -408,3 +418,41 @@ def test_inline_images_inlines_existing_pngs_and_keeps_other_links(tmp_path):
     encoded = base64.b64encode(png).decode()
     assert inline_images(text, tmp_path) == (f"x ![one](data:image/png;base64,{encoded}) y "
                                              "![two](missing.png) [a link](a.png)\n")
+
+
+def test_the_report_says_what_was_learned_with_intervals_that_count_a_problem_once(workspace, tmp_path):
+    """Metrics with the clustered interval and the answers' classes: the result table shows the
+    clustered bounds, distinct problems and effective n and names the method; the classes and the
+    digit groups come out as tables with a few answers of each class; the train summary states
+    where archer's band acted."""
+    from grpo.evaluate import what_was_learned
+
+    root, _ = workspace
+    records = {"baseline": [("Compute 5 + 1.", "6", "To solve 5 + 1, we add 5 and 1."),
+                            ("Compute 1 + 5.", "6", "It is 7."), ("What is 25 + 8?", "33", "no idea")],
+               "final": [("Compute 5 + 1.", "6", "5 + 1 = 6"), ("Compute 1 + 5.", "6", "1 + 5 = 6"),
+                         ("What is 25 + 8?", "33", "25 + 8 = 33, plus 1 is 34")]}
+    metrics = {}
+    for name, rows in records.items():
+        recs = [{"id": f"p{i}", "question": q, "answer": a, "completion": c,
+                 "correct": extract_answer(c) == a} for i, (q, a, c) in enumerate(rows)]
+        (root / "outputs" / "eval" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        base = BASELINE if name == "baseline" else FINAL
+        metrics[name] = {**base, **what_was_learned(recs, [float(r["correct"]) for r in recs])}
+        (root / "metrics" / f"{name}.json").write_text(json.dumps(metrics[name]))
+    (root / "metrics" / "train.json").write_text(json.dumps({**TRAIN, "mean_wide_band_frac": 0.0123,
+                                                             "mean_wide_band_grad_share": 0.0456}))
+    md = build_report(root, tmp_path / "reports").read_text()
+    for name, m in (("before training", metrics["baseline"]), ("after training", metrics["final"])):
+        cells = table_row(md, name)
+        assert [float(v) for v in re.findall(r"\d\.\d+", cells[2])] == pytest.approx([m["ci_low"], m["ci_high"]],
+                                                                                    abs=5e-4)
+        assert cells[4] == f"{m['clusters']}; {m['effective_n']:.0f}" and m["clusters"] == 2
+    assert metrics["final"]["ci_method"] in md
+    learned = md.split("## What was learned", 1)[1].split("\n## ", 1)[0]
+    for cls, words in CLASS_WORDS.items():
+        b, f = metrics["baseline"]["failure_classes"][cls], metrics["final"]["failure_classes"][cls]
+        assert table_row(learned, words)[1].startswith(f"{b} (") and table_row(learned, words)[2].startswith(f"{f} (")
+    assert table_row(learned, "1 & 1")[1:] == ["2", "0.00 (0/2)", "1.00 (2/2)"]
+    assert f"*{CLASS_WORDS['sum_not_last']}, after training*" in learned and "plus 1 is 34" in learned
+    assert "1.23%" in table_row(md, next(w for k, w in TRAIN_ROWS if k == "mean_wide_band_frac"))[1]

@@ -52,3 +52,40 @@ def test_pooled_sd_weights_by_degrees_of_freedom():
     a, b = (0.0, 0.1, 0.2), (0.0, 0.3)
     expected = ((2 * statistics.variance(a) + 1 * statistics.variance(b)) / 3) ** 0.5
     assert pooled_sd([a, b, (0.5,)]) == pytest.approx(expected)
+
+
+def test_clustered_interval_of_single_row_clusters_is_wilsons():
+    from grpo.evaluate import wilson_interval
+    from grpo.stats import clustered_interval
+
+    outcomes = [True] * 41 + [False] * 459
+    ci = clustered_interval(outcomes, list(range(500)))
+    assert (ci.low, ci.high) == pytest.approx(wilson_interval(41, 500))
+    assert (ci.clusters, ci.design_effect, ci.effective_n) == (500, 1.0, 500)
+
+
+def test_clustered_interval_counts_a_repeated_problem_once():
+    """Ten problems each asked twice, both askings answered alike: the pairs are 10 draws, not 20.
+    By hand: p = 0.5, y_g - p n_g = +-1 in every cluster, var = 10 / 400 = 0.025, binomial
+    0.25 / 20 = 0.0125, deff = 2, n_eff = 10: the clusters."""
+    from grpo.stats import clustered_interval, wilson
+
+    outcomes = [g < 5 for g in range(10) for _ in range(2)]
+    keys = [g for g in range(10) for _ in range(2)]
+    ci = clustered_interval(outcomes, keys)
+    assert ci.accuracy == 0.5 and ci.clusters == 10 and ci.n == 20
+    assert ci.design_effect == pytest.approx((10 / 400) / (0.25 / 20))
+    assert ci.effective_n == pytest.approx(ci.clusters)
+    assert (ci.low, ci.high) == pytest.approx(wilson(0.5, ci.clusters))
+    independent = clustered_interval(outcomes, list(range(20)))
+    assert ci.high - ci.low > independent.high - independent.low
+
+
+def test_clustered_interval_never_narrows_below_independent_rows():
+    """Mixed clusters (one right, one wrong each) vary less than independent rows: deff is floored at 1."""
+    from grpo.stats import clustered_interval
+
+    ci = clustered_interval([True, False] * 10, [g for g in range(10) for _ in range(2)])
+    assert ci.design_effect == 1.0 and ci.effective_n == 20
+    with pytest.raises(ValueError):
+        clustered_interval([True], [0, 1])

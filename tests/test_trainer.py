@@ -222,3 +222,18 @@ def test_the_engine_gap_guard_warns_then_stops_after_steps_in_a_row(caplog):
     assert [m.split(":")[0] for m in caplog.messages] == ["step 2", "step 5"] and guard.count == 1
     with pytest.raises(StageStop, match=r"^train: steps 5-6: the engine's log-probs 1.26 nats/token"):
         guard.check({"step": 6, "logp_mismatch_mean": 1.26})
+
+
+def test_the_validation_interval_counts_a_problem_asked_twice_once():
+    """Two wordings of 3 + 4 (one cluster, both right) and 5 + 6 asked once (wrong): 3 rows, 2
+    clusters; the interval is the evaluations' (``grpo.stats.clustered_interval``) on those keys."""
+    from grpo.answers import cluster_key
+    from grpo.stats import clustered_interval
+    from grpo.trainer import validation_interval
+
+    questions = ["What is 3 + 4?", "Compute 4 + 3.", "What is 5 + 6?"]
+    outcomes = [(True, cluster_key(questions[0])), (True, cluster_key(questions[1])), (False, cluster_key(questions[2]))]
+    got = validation_interval(outcomes)
+    want = clustered_interval([True, True, False], ["3,4", "3,4", "5,6"])
+    assert got == {"val_ci_low": want.low, "val_ci_high": want.high, "val_clusters": 2, "val_effective_n": want.effective_n}
+    assert validation_interval([]) == {}

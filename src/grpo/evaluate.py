@@ -7,16 +7,20 @@ evaluation. That directory is then decoded greedily by vLLM when installed (tran
 otherwise, logged), so the two evaluations differ by the adapter only.
 
 Metrics: ``accuracy`` (final answer equals the reference, ``grpo.rewards.correctness``),
-``format_rate`` (the completion ends with a strict ``#### N`` line), ``n``, and the 95% Wilson
-interval of the accuracy.
+``format_rate`` (the completion ends with a strict ``#### N`` line), ``n``; the accuracy's 95%
+interval that counts a problem once (``ci_low``, ``ci_high``: ``grpo.stats.clustered_interval`` over
+the operand multisets, ``grpo.answers.cluster_key``), with ``clusters`` (distinct problems),
+``effective_n``, ``design_effect`` and ``ci_method``; what the answers show (``grpo.answers``):
+``failure_classes`` (counts per class) and ``accuracy_by_operand_digits``. ``accuracy_ci95_low`` /
+``accuracy_ci95_high`` are the Wilson interval of independent rows, kept for earlier readers.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
+from grpo.answers import accuracy_by_digits, class_counts, cluster_key
 from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.data import prompts_that_fit, sequence_positions
 from grpo.engine.sampler import saved_model_sampler
@@ -24,16 +28,22 @@ from grpo.jsonio import read_jsonl
 from grpo.lora_policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
 from grpo.rollout_backends import generate_in_batches
+from grpo.stats import CLUSTERED_METHOD, clustered_interval, wilson
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% (z = 1.96) Wilson score interval of a binomial proportion k / n."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return wilson(k / n if n else 0.0, n, z)
+
+
+def what_was_learned(rows: list[dict], correct: list[float]) -> dict:
+    """The metrics of ``score`` beyond accuracy: the interval that counts each operand multiset once
+    and the answers' failure classes and accuracy by operand digits (``grpo.answers``), from the
+    rows with their per-problem ``completion`` and ``correct``."""
+    ci = clustered_interval([c > 0 for c in correct], [cluster_key(r["question"]) for r in rows])
+    return {"ci_low": ci.low, "ci_high": ci.high, "ci_method": CLUSTERED_METHOD, "clusters": ci.clusters,
+            "effective_n": ci.effective_n, "design_effect": ci.design_effect,
+            "failure_classes": class_counts(rows), "accuracy_by_operand_digits": accuracy_by_digits(rows)}
 
 
 def score(rows: list[dict], completions: list[str]) -> tuple[dict, list[dict]]:
@@ -50,6 +60,7 @@ def score(rows: list[dict], completions: list[str]) -> tuple[dict, list[dict]]:
          "extracted": extract_answer(c), "correct": bool(ok), "formatted": f > 0}
         for r, c, ok, f in zip(rows, completions, correct, formatted)
     ]
+    metrics.update(what_was_learned(per_problem, correct))
     return metrics, per_problem
 
 

@@ -4,7 +4,8 @@ same text with the plots inlined as ``data:`` URIs), and the headline metric tha
 Reads the stage outputs of the contract (metrics/*.json, the trainer's per-step log, the SENT
 cache, per-problem evaluation outputs) and writes, in plain words: a header (date, git commit,
 seeds, the params that differ from ``grpo.config``'s defaults); baseline vs final accuracy with
-95% Wilson intervals; reward and accuracy curves (curriculum stage boundaries marked), validation
+95% intervals that count a repeated problem once (``interval``); what was learned (the answers'
+failure classes and accuracy by operand digits, with examples: ``grpo.answers``); reward and accuracy curves (curriculum stage boundaries marked), validation
 accuracy with the evaluated adapter marked, entropy / KL / kept-token fraction / length (a panel
 that carries nothing, such as the KL when ``train.beta`` is 0, is left out and said so); the SENT
 entropy histogram; example completions before and after; library versions, device and wall time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import matplotlib
 
+from grpo.answers import CLASS_WORDS, CLASSES, examples_by_class
 from grpo.config import Params, ParamsError
 from grpo.device import describe_device
 from grpo.dvcfile import DVC_YAML, read_stages
@@ -196,12 +198,26 @@ def plot_signals(steps: list[dict], out: Path, panels: list[tuple[str, str]] | N
     _save(fig, out)
 
 
+def interval(m: dict) -> tuple[float, float]:
+    """The accuracy interval of an evaluation's metrics: the one that counts a problem once
+    (``ci_low``, ``ci_high``: ``grpo.stats.clustered_interval``), or, in metrics written before it
+    existed, the Wilson interval of independent rows."""
+    return (m["ci_low"], m["ci_high"]) if "ci_low" in m else (m["accuracy_ci95_low"], m["accuracy_ci95_high"])
+
+
+def interval_words(m: dict) -> str:
+    """How ``interval`` was made, in words."""
+    if "ci_low" not in m:
+        return "Wilson interval, every row counted as independent (metrics written before the clustered interval)"
+    return m.get("ci_method", "clustered by operand multiset")
+
+
 @_styled
 def plot_accuracy(baseline: dict, final: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
     names, ms = ["before training", "after training"], [baseline, final]
     acc = [m["accuracy"] for m in ms]
-    err = [[a - m["accuracy_ci95_low"] for a, m in zip(acc, ms)], [m["accuracy_ci95_high"] - a for a, m in zip(acc, ms)]]
+    err = [[a - interval(m)[0] for a, m in zip(acc, ms)], [interval(m)[1] - a for a, m in zip(acc, ms)]]
     ax.bar(names, acc, yerr=err, capsize=8, color=["#999999", "#3b7dd8"])
     for i, a in enumerate(acc):
         ax.text(i, a / 2, f"{a:.3f}", ha="center", color="white")
@@ -326,8 +342,9 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     md += _result_section(baseline, final, out)
     md += _training_section(read_step_metrics(metrics / "train" / "plots" / "metrics"), train, final, out)
     md += _sent_section(_jsonl(root / "data/cache/train_sorted.jsonl"), sent, out)
-    md += _examples_section(_jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl"),
-                            evaluated=bool(baseline and final))
+    before, after = _jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl")
+    md += _learned_section(baseline, final, before, after)
+    md += _examples_section(before, after, evaluated=bool(baseline and final))
     md += _run_section(stage_times(metrics / "time", root / DVC_YAML), root / params_path)
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)
@@ -373,9 +390,13 @@ def _result_section(baseline: dict | None, final: dict | None, out: Path) -> lis
     delta = final["accuracy"] - baseline["accuracy"]
     md += [f"Test accuracy **{baseline['accuracy']:.3f} -> {final['accuracy']:.3f}**, a change of "
            f"**{delta:+.3f}**, on the same {final['n']} test problems, greedy decoding.", "",
-           "| model | test accuracy | 95% interval | problems |", "|---|---|---|---|",
-           *(f"| {name} | {m['accuracy']:.3f} | {m['accuracy_ci95_low']:.3f} to {m['accuracy_ci95_high']:.3f} | {m['n']} |"
-             for name, m in (("before training", baseline), ("after training", final))), ""]
+           "| model | test accuracy | 95% interval | problems | distinct problems; effective n |",
+           "|---|---|---|---|---|",
+           *(f"| {name} | {m['accuracy']:.3f} | {interval(m)[0]:.3f} to {interval(m)[1]:.3f} | {m['n']} | "
+             + (f"{m['clusters']}; {m['effective_n']:.0f} |" if "clusters" in m else "- |")
+             for name, m in (("before training", baseline), ("after training", final))), "",
+           f"The intervals: {interval_words(final)}. A problem asked twice (its operands in another order "
+           "or wording) is one draw, not two.", ""]
     how = []
     if final.get("adapter"):
         how.append(f"The adapter evaluated after training: {adapter_in_words(final['adapter'])}.")
@@ -405,16 +426,26 @@ TRAIN_ROWS = (  # metrics/train.json key -> its row's words (None: shown elsewhe
     ("final_entropy_mean", "mean token entropy of the last step (nats)"),
     ("final_kept_frac", "tokens the entropy mask kept in the loss, last step"),
     ("final_kl", "KL to the reference policy, last step"),
+    ("mean_clip_frac", "tokens whose clip bound, mean per step"), ("clip_bound_steps", "steps the clip bound"),
+    ("mean_wide_band_frac", "tokens of archer's wider clip whose ratio plain PPO would clip and archer "
+                            "does not, mean per step"),
+    ("mean_wide_band_grad_share", "their share of the policy gradient (|dL/dlogp|), mean per step"),
+    ("mean_kept_grad_share", "the kept tokens' share of the policy gradient (|dL/dlogp| as if every token "
+                             "had gradient), mean per step"),
+    ("mean_kl_grad_share", "the KL term's gradient norm over the policy term's, mean per step"),
 )
 SHOWN_ELSEWHERE = {"rollout_backend", "engine_weights", "adapter", "final_val_accuracy", "best_val_accuracy",
                    "best_val_step", "logp_mismatch_mean", "logp_mismatch_max",
-                   "final_reward_mean", "final_accuracy"}  # the last step's rollout accuracy: one noisy step
+                   "final_reward_mean", "final_accuracy", "final_val_ci_low", "final_val_ci_high",
+                   "final_val_clusters", "final_val_effective_n"}  # the last step's rollout accuracy: one noisy step
 
 
 def _train_rows(train: dict) -> list[tuple[str, str]]:
     """``metrics/train.json`` as (words, value) rows."""
     fmt = {"total_time_s": lambda v: f"{v:.0f} s", "final_step_time_s": lambda v: f"{v:.1f} s",
-           "final_peak_mem_mb": lambda v: f"{v:,.0f} MB", "final_kept_frac": _pct}
+           "final_peak_mem_mb": lambda v: f"{v:,.0f} MB", "final_kept_frac": _pct,
+           **dict.fromkeys(("mean_clip_frac", "mean_wide_band_frac", "mean_wide_band_grad_share",
+                            "mean_kept_grad_share", "mean_kl_grad_share"), lambda v: f"{v:.2%}")}
     rows = []
     if "rollout_backend" in train:
         form = train.get("engine_weights")
@@ -426,6 +457,12 @@ def _train_rows(train: dict) -> list[tuple[str, str]]:
             continue
         v = train[key]
         rows.append((words, fmt[key](v) if key in fmt else f"{v:.3g}" if isinstance(v, float) else str(v)))
+    if "final_val_ci_low" in train and "final_val_accuracy" in train:
+        rows.append(("validation accuracy at the last step (95% interval counting a problem once; distinct "
+                     "problems; effective n)",
+                     f"{train['final_val_accuracy']:.3f} ({train['final_val_ci_low']:.3f} to "
+                     f"{train['final_val_ci_high']:.3f}; {train['final_val_clusters']}; "
+                     f"{train['final_val_effective_n']:.0f})"))
     if "logp_mismatch_mean" in train:
         rows.append(("sampler vs trainer log-prob gap per token (mean of the steps; largest)",
                      f"{train['logp_mismatch_mean']:.2g}; {train.get('logp_mismatch_max', float('nan')):.2g}"))
@@ -484,6 +521,55 @@ def _sent_section(sorted_rows: list[dict], sent: dict | None, out: Path) -> list
         return md + ["The histogram of the entropies: " + _missing(["data/cache/train_sorted.jsonl"]), ""]
     plot_entropy_hist(sorted_rows, out / "sent_entropy.png")
     return md + ["![semantic entropy histogram](sent_entropy.png)", ""]
+
+
+def _class_table(baseline: dict, final: dict) -> list[str]:
+    """The answers' failure classes before and after (``grpo.answers``), counts and shares."""
+    b, f = baseline["failure_classes"], final["failure_classes"]
+    nb, nf = sum(b.values()) or 1, sum(f.values()) or 1
+    return ["| answer | before training | after training |", "|---|---|---|",
+            *(f"| {CLASS_WORDS[c]} | {b.get(c, 0)} ({b.get(c, 0) / nb:.0%}) | {f.get(c, 0)} ({f.get(c, 0) / nf:.0%}) |"
+              for c in CLASSES), ""]
+
+
+def _digits_table(baseline: dict, final: dict) -> list[str]:
+    """Accuracy by the operands' digit counts (``grpo.answers.digit_group``) before and after."""
+    b, f = baseline["accuracy_by_operand_digits"], final["accuracy_by_operand_digits"]
+    groups = sorted(set(b) | set(f))
+    if not groups:
+        return []
+    return ["| operand digits | problems | before training | after training |", "|---|---|---|---|",
+            *(f"| {g} | {(f.get(g) or b[g])['n']} | {_acc(b.get(g))} | {_acc(f.get(g))} |" for g in groups), ""]
+
+
+def _acc(cell: dict | None) -> str:
+    return "-" if cell is None else f"{cell['accuracy']:.2f} ({cell['correct']}/{cell['n']})"
+
+
+def _class_examples(before: list[dict], after: list[dict], k: int = 2) -> list[str]:
+    """Up to ``k`` answers of each failure class, before training first, then after (the first in
+    the split's order: no choosing)."""
+    md = []
+    for c, rows in (("before", examples_by_class(before, k)), ("after", examples_by_class(after, k))):
+        for cls, found in rows.items():
+            if cls == "correct" and c == "before":
+                continue
+            for r in found:
+                md += [f"*{CLASS_WORDS[cls]}, {c} training*: **{r['question']}** (answer {r['answer']})",
+                       _fence(r["completion"][:240]), ""]
+    return md
+
+
+def _learned_section(baseline: dict | None, final: dict | None, before: list[dict], after: list[dict]) -> list[str]:
+    """What was learned: the failure classes and the accuracy by operand digits, before and after,
+    from the evaluations' metrics, and a few answers of each class from their per-problem files."""
+    if not (baseline and final and "failure_classes" in baseline and "failure_classes" in final):
+        return []
+    md = ["## What was learned", "",
+          "Each test answer in one class, the first that holds: correct; no number; the final number is one "
+          "of the operands; the right value is written but is not the final number; another number "
+          "(`grpo.answers`).", "", *_class_table(baseline, final), *_digits_table(baseline, final)]
+    return md + _class_examples(before, after)
 
 
 def _examples_section(before: list[dict], after: list[dict], evaluated: bool = False) -> list[str]:

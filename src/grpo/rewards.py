@@ -85,6 +85,14 @@ def _number(text: str, last: bool) -> str | None:
     return None if value is None else format_number(value)
 
 
+def numbers_in(text: str) -> list[str]:
+    """Every number of ``text`` in order, normalised as ``extract_answer``'s (``\\frac{a}{b}`` as ``a/b``;
+    a token too long to be a number is left out)."""
+    text = _FRAC_RE.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text)
+    values = (_to_fraction(m.group(0)) for m in _NUM_RE.finditer(text))
+    return [format_number(v) for v in values if v is not None]
+
+
 def _marked_number(segment: str) -> str | None:
     """The number a marker points at: after the last '=' when the marked text is an equation
     (``#### 3 + 2 = 5`` -> 5), else the first number (``#### 18 apples`` -> 18)."""

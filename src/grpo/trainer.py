@@ -54,6 +54,7 @@ from dataclasses import replace
 import torch
 
 from grpo import checkpoint, metrics, rollout_phase
+from grpo.answers import cluster_key
 from grpo.curriculum import batch_indices, num_stages_of, stage_of_step, stages_for
 from grpo.data import build_prompt
 from grpo.distributed import Dist
@@ -64,6 +65,7 @@ from grpo.rewards import REWARDS
 from grpo.rollout_backends import RolloutBackend, TransformersBackend
 from grpo.run_dir import RunDir
 from grpo.sections.train import TrainConfig
+from grpo.stats import clustered_interval
 from grpo.types import Rollout, StepRollouts, TrainBatch, UpdateStats
 from grpo.updater import make_updater
 
@@ -93,6 +95,18 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def validation_interval(outcomes: list[tuple[bool, str]]) -> dict[str, float]:
+    """The validation accuracy's 95% interval that counts a problem once, from every validation
+    problem's ``(correct, cluster key)`` (``grpo.answers.cluster_key``: its operand multiset), as
+    the evaluations' (``grpo.stats.clustered_interval``): ``val_ci_low``, ``val_ci_high``,
+    ``val_clusters``, ``val_effective_n``; empty without problems."""
+    if not outcomes:
+        return {}
+    ci = clustered_interval([ok for ok, _ in outcomes], [key for _, key in outcomes])
+    return {"val_ci_low": ci.low, "val_ci_high": ci.high, "val_clusters": ci.clusters,
+            "val_effective_n": ci.effective_n}
 
 
 class NonFiniteGuard:
@@ -324,7 +338,10 @@ class GRPOTrainer:
         correct = REWARDS["correctness"](texts, [str(r["answer"]) for r in rows])
         counts = torch.tensor([float(sum(correct)), float(len(rows))], device=self.device)
         right, n = self.dist.all_reduce(counts).tolist()
-        return {"val_accuracy": right / max(n, 1.0), "val_n": int(n), "time_validate_s": time.perf_counter() - t0}
+        every = [x for part in self.dist.all_gather_object([(c > 0, cluster_key(r["question"]))
+                                                            for r, c in zip(rows, correct)]) for x in part]
+        return {"val_accuracy": right / max(n, 1.0), "val_n": int(n), **validation_interval(every),
+                "time_validate_s": time.perf_counter() - t0}
 
     def eval_due(self) -> bool:
         """Validation after this step: every ``eval_every`` steps and after the last one."""

@@ -189,6 +189,9 @@ def train_summary(history: list[dict], backend: str, processes: int, selection: 
         best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
         summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
                        best_val_step=best["step"])
+        # the last validation's interval that counts a problem once (grpo.trainer.validation_interval)
+        summary.update({f"final_{k}": evals[-1][k] for k in ("val_ci_low", "val_ci_high", "val_clusters",
+                                                              "val_effective_n") if k in evals[-1]})
     summary.update(acting(history))
     gaps = [r for r in history if r.get("logp_mismatch_mean") is not None]  # None: a step not applied
     if gaps:

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import AGGREGATIONS, group_advantages, grpo_loss, loss_normalizer
+from grpo.loss import AGGREGATIONS, group_advantages, grpo_loss, loss_normalizer, policy_token_grads, wide_clip_band
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
 OLD = torch.tensor([[-1.3, -1.8, -0.5], [-0.6, -0.9, 0.0]])
@@ -381,3 +381,47 @@ def test_term_gradient_norms_are_those_of_each_term_alone(loss_type):
     assert stats["policy_grad_sq"] == pytest.approx(float(g_policy.pow(2).sum()), rel=1e-9)
     assert stats["kl_grad_sq"] == pytest.approx(float((g_both - g_policy).pow(2).sum()), rel=1e-9)
     assert stats["kl_grad_sq"] > 0
+
+
+# ---------------------------------------------------------------------- where a rule acts
+def test_policy_token_grads_are_the_losss_own_gradient_at_every_token():
+    """With every token carrying gradient, |d grpo_loss / d logp| at beta 0 equals
+    ``policy_token_grads`` token by token, for both aggregations and with importance weights; 0 off
+    the mask."""
+    weights = torch.tensor([[1.0, 0.5, 2.0], [1.5, 1.0, 1.0]])
+    for loss_type in ("dapo", "grpo"):
+        logp = LOGP.clone().requires_grad_(True)
+        loss, _ = grpo_loss(logp, OLD, None, ADV, MASK, epsilon=0.2, loss_type=loss_type, token_weights=weights)
+        (want,) = torch.autograd.grad(loss, logp)
+        got = policy_token_grads(LOGP, OLD, ADV, MASK, epsilon=0.2, epsilon_high=0.2, loss_type=loss_type,
+                                 token_weights=weights)
+        torch.testing.assert_close(got, want.abs() * MASK)
+        assert got[1, 2] == 0 and (got[0, 0] == 0) and got[0, 1] > 0  # padding; clipped (ratio e^0.3, A > 0); inside
+
+
+def test_policy_token_grads_on_policy_are_the_advantage_over_the_normaliser():
+    """At ratio 1 (mu 1) the clipped term's gradient is -A: with ``dapo`` |A_i| / (valid tokens)."""
+    got = policy_token_grads(LOGP, LOGP, ADV, MASK, epsilon=0.2, epsilon_high=0.2, loss_type="dapo")
+    want = ADV.abs().unsqueeze(1) * MASK / MASK.sum()
+    torch.testing.assert_close(got, want.to(got.dtype))
+
+
+def test_the_wide_clip_band_is_where_ppo_clips_and_the_wider_clip_does_not():
+    """Row 0 (A > 0) and row 1 (A < 0) with ratios on both sides of 1 +- 0.2 and 1 +- 0.5; the first
+    five tokens of each row carry the wider clip 0.5, the sixth the ordinary 0.2, the seventh is
+    padding (ratio in the band). The band is exactly the wider-clip tokens where plain PPO's gradient
+    is 0 and the wider clip's is not; its members by hand: row 0 ratios 1.3 and 1.45, row 1 0.7 and 0.55."""
+    ratio = torch.tensor([[1.0, 1.1, 1.3, 1.45, 1.6, 1.3, 1.3], [1.0, 0.9, 0.7, 0.55, 0.4, 0.7, 0.7]])
+    old = torch.zeros_like(ratio)
+    logp = ratio.log()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]] * 2)
+    wide_eps = torch.tensor([[0.5] * 5 + [0.2, 0.5]] * 2)
+    wide, band = wide_clip_band(ratio, adv.unsqueeze(1), mask, 0.2, 0.2, wide_eps, wide_eps)
+    assert torch.equal(wide, (wide_eps > 0.2) & mask.bool())
+    by_hand = torch.zeros_like(band)
+    by_hand[0, 2] = by_hand[0, 3] = by_hand[1, 2] = by_hand[1, 3] = True
+    assert torch.equal(band, by_hand)
+    ppo = policy_token_grads(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.2)
+    rule = policy_token_grads(logp, old, adv, mask, epsilon=wide_eps, epsilon_high=wide_eps)
+    assert torch.equal(band, wide & (ppo == 0) & (rule > 0))

@@ -32,7 +32,8 @@ def test_every_statistic_is_declared_once_and_shown_under_its_own_key():
     assert len(names) == len(set(names)) and set(names) <= set(STATS)
     keys = [s.key for s in UPDATE if s.key is not None]
     assert len(keys) == len(set(keys))
-    assert {s.name for s in UPDATE if s.key is None} == {"policy_grad_sq", "kl_grad_sq"}  # inputs of kl_grad_share
+    assert {s.name for s in UPDATE if s.key is None} == {  # inputs of kl_grad_share and of rule_action_row
+        "policy_grad_sq", "kl_grad_sq", "policy_grad_abs", "kept_grad", "wide_tokens", "band_tokens", "band_grad"}
     assert not set(keys) & set(TIMES) and not set(keys) & set(OWN)
     assert STATS["entropy"].key == "entropy_mean" and STATS["loss"].key == "loss"
     assert all(STATS[n].key is None for n in ("n_valid", "n_rows", "n_valid_step", "n_rows_step"))
@@ -158,3 +159,27 @@ def test_reward_statistics_of_a_step_by_hand():
         "reward_correctness_mean": 0.5, "reward_format_soft_mean": 1 / 3,
         "reward_correctness_std": 0.5, "reward_format_soft_std": math.sqrt(2 / 9),
         "zero_std_frac": 2 / 3}, rel=1e-6)
+
+
+def test_where_the_rule_acted_is_shown_as_shares_of_summed_micro_batches():
+    """Two micro-batches: |dL/dlogp| 0.3 + 0.1 in all, 0.1 + 0.0 at kept tokens, 0.05 + 0.05 in the
+    band; 6 + 4 wider-clip tokens of which 1 + 1 in the band: shares 0.25, 0.25, 0.2."""
+    sums = Sums()
+    for part in ({"policy_grad_abs": 0.3, "kept_grad": 0.1, "wide_tokens": 6.0, "band_tokens": 1.0, "band_grad": 0.05},
+                 {"policy_grad_abs": 0.1, "kept_grad": 0.0, "wide_tokens": 4.0, "band_tokens": 1.0, "band_grad": 0.05}):
+        sums.add_micro_batch(part, n_tokens=7.0)
+    base = {"n_valid": 4.0, "n_rows": 2.0, "n_valid_step": 4.0, "n_rows_step": 2.0}
+    row = update_row(Dist(), {**sums.values, **base}, {}, torch.device("cpu"))
+    total = 0.3 + 0.1
+    assert row["kept_grad_share"] == pytest.approx(0.1 / total)
+    assert row["wide_band_grad_share"] == pytest.approx(0.1 / total)
+    assert row["wide_band_frac"] == pytest.approx(2.0 / 10.0)
+    assert not {"policy_grad_abs", "kept_grad", "wide_tokens", "band_tokens", "band_grad"} & set(row)
+
+
+def test_a_share_without_its_denominator_is_left_out():
+    from grpo.metrics import rule_action_row
+
+    assert rule_action_row({"policy_grad_abs": 0.0, "kept_grad": 0.0, "wide_tokens": 0.0, "band_tokens": 0.0,
+                            "band_grad": 0.0}) == {}
+    assert set(rule_action_row({"policy_grad_abs": 2.0})) == set()  # every-token: nothing to share out

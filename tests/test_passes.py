@@ -311,3 +311,40 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
         assert row["kept_frac"] == 1.0 and row["update_frac"] == 1.0 and row["kl"] > 0
         assert row["loss"] > high["loss"] and row["loss"] - high["loss"] < 0.001 * row["kl"] + 1e-6
         assert row["reward_mean"] == high["reward_mean"]  # the same rollouts
+
+
+def test_where_the_rule_acts_is_counted_from_the_update_itself(policy):
+    """``loss_backward``'s counters on the hand batch. ``high`` and ``low`` at 0.3 keep complementary
+    tokens, so their kept parts of the (same) policy gradient add up to all of it, and ``high`` keeps
+    less than all. ``archer`` with old log-probs set so that every ratio is 1.3 on rewarded rows and
+    0.7 on the others: its high-entropy tokens (``per_response_high``) are its wider-clip tokens,
+    every one in the band plain PPO clips (1.2) and archer does not (1.5), and the ordinary tokens
+    are clipped, so the band carries all of the policy gradient."""
+    from dataclasses import replace
+
+    from grpo.entropy import per_response_high
+
+    model, tok = policy
+    batch = _hand_batch(tok, [1.0, -1.0, 0.5, -0.5])
+    normalizer = float(batch.mask.sum())
+    kept = {}
+    for rule in ("high", "low"):
+        passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=0.3, entropy_rule=rule))
+        stats = passes.loss_backward(batch, normalizer)[1]
+        kept[rule] = stats["kept_grad"]
+        assert "wide_tokens" not in stats and stats["policy_grad_abs"] > 0
+    assert kept["high"] + kept["low"] == pytest.approx(stats["policy_grad_abs"], rel=1e-5)
+    assert 0 < kept["high"] < stats["policy_grad_abs"]
+
+    cfg = TrainConfig(group_size=4, entropy_top_quantile=0.2, entropy_rule="archer", mu=2)
+    passes = _passes(model, cfg)
+    entropy, logp = passes.no_grad_pass(batch, adapter=True)
+    shift = torch.where(batch.advantages > 0, math.log(1.3), math.log(0.7)).unsqueeze(1)  # (4, 1)
+    moved = replace(batch, old_logp=logp - shift, ref_logp=logp)
+    stats = passes.loss_backward(moved, normalizer)[1]
+    model.zero_grad(set_to_none=True)
+    high = per_response_high(entropy, batch.mask, 0.2)
+    assert 0 < stats["wide_tokens"] == float(high.sum()) < float(batch.mask.sum())
+    assert stats["band_tokens"] == stats["wide_tokens"]
+    assert stats["band_grad"] == pytest.approx(stats["policy_grad_abs"], rel=1e-5)
+    assert "kept_grad" not in stats  # archer drops no token

@@ -51,3 +51,17 @@ def test_several_processes_need_the_command_of_a_worker(tiny_model_dir, tiny_pro
     with pytest.raises(ValueError, match="train.num_processes is 2: run.. needs `worker`"):
         run(params)
     assert not (tmp_path / "out").exists()
+
+
+def test_acting_averages_where_the_rule_acted_over_the_steps_that_logged_it():
+    """``metrics/train.json``'s means of the per-step shares (``grpo.metrics.rule_action_row``): a
+    step without a share (no gradient, or no wider-clip token) is left out of its mean."""
+    from grpo.training import acting
+
+    history = [{"wide_band_frac": 0.0, "wide_band_grad_share": 0.0}, {"wide_band_frac": 0.1},
+               {"wide_band_frac": 0.2, "wide_band_grad_share": 0.3, "kept_grad_share": 0.6}]
+    out = acting(history)
+    assert out["mean_wide_band_frac"] == pytest.approx((0.0 + 0.1 + 0.2) / 3)
+    assert out["mean_wide_band_grad_share"] == pytest.approx((0.0 + 0.3) / 2)
+    assert out["mean_kept_grad_share"] == pytest.approx(0.6)
+    assert acting([{"step": 1}]) == {}

@@ -55,8 +55,11 @@ COST = "metrics/train.json:total_time_s"
 CLIP = "metrics/train.json:mean_clip_frac"
 CLIP_STEPS = "metrics/train.json:clip_bound_steps"
 KL_SHARE = "metrics/train.json:mean_kl_grad_share"
+BAND = "metrics/train.json:mean_wide_band_frac"  # archer: wider-clip tokens beyond the ordinary clip
+BAND_SHARE = "metrics/train.json:mean_wide_band_grad_share"  # ... and their share of the policy gradient
+KEPT_SHARE = "metrics/train.json:mean_kept_grad_share"  # high: the kept tokens' share of the policy gradient
 COMPARED = (SELECT, TEST)
-METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE)
+METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE, BAND, BAND_SHARE, KEPT_SHARE)
 ALPHA = 0.05
 
 
@@ -307,12 +310,16 @@ def _split_table(grid: Grid, table: list[Row], key: str) -> list[str]:
 
 
 def _acting_table(grid: Grid, table: list[Row]) -> list[str]:
-    """Cost and whether the parts acted: train stage seconds, clip-binding fraction, KL share."""
+    """Cost and whether the parts acted: train stage seconds, clip-binding fraction, KL share, and
+    where the entropy rule acted (archer's band beyond the ordinary clip: its tokens' fraction and
+    gradient share; the kept tokens' gradient share of a rule that drops tokens), means over seeds."""
     lines = ["| variant | train stage s (mean) | tokens clipped (mean per step) | steps the clip bound "
-             "| KL share of the gradient (mean) |", "|---|---|---|---|---|"]
+             "| KL share of the gradient (mean) | wide-clip tokens in the band | their gradient share "
+             "| kept tokens' gradient share |", "|---|---|---|---|---|---|---|---|"]
     for r in table:
         cells = [r.variant] + [_f(statistics.fmean(v.values()), digits=d) if (v := r.values.get(k)) else "-"
-                               for k, d in ((COST, 0), (CLIP, 4), (CLIP_STEPS, 1), (KL_SHARE, 4))]
+                               for k, d in ((COST, 0), (CLIP, 4), (CLIP_STEPS, 1), (KL_SHARE, 4), (BAND, 4),
+                                            (BAND_SHARE, 4), (KEPT_SHARE, 3))]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -134,6 +134,49 @@ def clip_stats(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon: float | Tensor
 
 
 @torch.no_grad()
+def wide_clip_band(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon: float, epsilon_high: float,
+                   rule_epsilon: Tensor, rule_epsilon_high: Tensor) -> tuple[Tensor, Tensor]:
+    """Where a token-entropy rule's wider clip (archer's high-entropy tokens) changes the update.
+
+    ``ratio``: (N, T) pi / pi_old; ``adv``: (N, 1); ``mask``: (N, T); ``epsilon``, ``epsilon_high``:
+    the ordinary clip (``train.epsilon`` / ``train.epsilon_high``); ``rule_epsilon``,
+    ``rule_epsilon_high``: (N, T) the rule's per-token bounds (``grpo.entropy.LossTerms``). Returns
+    two (N, T) bool masks within ``mask``: ``wide``, the tokens whose rule bound is wider than the
+    ordinary one on either side, and ``band``, those of them that plain PPO would clip and the rule
+    does not: ``A > 0`` and ``1 + epsilon_high < ratio <= 1 + rule_epsilon_high``, or ``A < 0`` and
+    ``1 - rule_epsilon <= ratio < 1 - epsilon`` (the sides on which the clip removes the gradient,
+    as ``clip_stats`` counts them)."""
+    valid = mask.bool()
+    wide = ((rule_epsilon > epsilon) | (rule_epsilon_high > epsilon_high)) & valid
+    above = (adv > 0) & (ratio > 1 + epsilon_high) & (ratio <= 1 + rule_epsilon_high)
+    below = (adv < 0) & (ratio < 1 - epsilon) & (ratio >= 1 - rule_epsilon)
+    return wide, wide & (above | below)
+
+
+def policy_token_grads(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                       epsilon: float | Tensor, epsilon_high: float | Tensor, loss_type: str = "dapo",
+                       policy_loss: str = "clipped", normalizer: float | None = None, max_length: int | None = None,
+                       token_weights: Tensor | None = None) -> Tensor:
+    """(N, T) |d L_policy / d logp_t|: the magnitude of the policy term's gradient (``grpo_loss``'s
+    arguments, without the KL) at every valid token's log-prob, as if every token carried gradient
+    (a token an entropy mask drops gets the gradient it would have had). Exact: the term is
+    rebuilt on a detached copy of ``logp`` and differentiated by autograd, one elementwise backward
+    over (N, T), never through the model. 0 outside ``mask``."""
+    aggregation, policy = AGGREGATIONS[loss_type], POLICY_LOSSES[policy_loss]
+    mask = mask.to(logp.dtype)  # (N, T)
+    with torch.enable_grad():
+        x = logp.detach().requires_grad_(True)  # (N, T)
+        per_token, _ = policy(x, old_logp.detach(), advantages.detach().to(x.dtype).unsqueeze(1), mask,
+                              epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high)
+        if token_weights is not None:
+            per_token = per_token * token_weights.detach().to(per_token.dtype)
+        if normalizer is None:
+            normalizer = aggregation.normalizer(mask, max_length)
+        (grad,) = torch.autograd.grad(aggregation.aggregate(per_token, mask, normalizer), x)
+    return grad.abs() * mask  # (N, T)
+
+
+@torch.no_grad()
 def token_mean(values: Tensor, mask: Tensor) -> float:
     """The mean of (N, T) ``values`` over the valid tokens of ``mask`` (0 without any)."""
     return float((values * mask).sum() / mask.sum().clamp(min=1))

@@ -64,6 +64,12 @@ UPDATE = (
     Stat("mismatch_sum", per_token=True, over_mu="first", row="logp_mismatch_mean"),
     Stat("mismatch_max", reduce="max", over_mu="first", row="logp_mismatch_max"),
     Stat("is_weight_sum", per_token=True, over_mu="first", row="is_weight_mean"),  # truncated IS weights
+    # where the token-entropy rule acted (grpo.passes.PolicyPasses.rule_action): the policy term's summed
+    # |dL/dlogp| over every valid token, and its part at the kept tokens (a rule that drops tokens):
+    # kept_grad_share; archer's wider-clip tokens, those in the band plain PPO clips and the rule does
+    # not, and their part of the gradient: wide_band_frac, wide_band_grad_share
+    Stat("policy_grad_abs", row=None), Stat("kept_grad", row=None),
+    Stat("wide_tokens", row=None), Stat("band_tokens", row=None), Stat("band_grad", row=None),
 )
 COUNTS = (  # completion tokens and completions: of the update (the per-token denominator) and of the whole step
     Stat("n_valid", row=None), Stat("n_rows", row=None), Stat("n_valid_step", row=None), Stat("n_rows_step", row=None))
@@ -156,9 +162,26 @@ def update_row(dist: Dist, sums: dict[str, float], times: dict[str, float], devi
             row[stat.key] = reduced[stat.name] / n_valid if stat.per_token else reduced[stat.name]
     if reduced.get("policy_grad_sq"):  # a KL term ran: its gradient's norm over the policy term's
         row["kl_grad_share"] = math.sqrt(reduced["kl_grad_sq"] / reduced["policy_grad_sq"])
+    row.update(rule_action_row(reduced))
     row["completion_len"] = reduced["n_valid_step"] / reduced["n_rows_step"]
     row["update_frac"] = reduced["n_rows"] / reduced["n_rows_step"]  # completions the update back-propagated
     return {**row, **{k: reduced[k] for k in shared}, **{k: times[k] for k in OWN if k in times}}
+
+
+def rule_action_row(reduced: dict[str, float]) -> dict[str, float]:
+    """The step row's shares of where the token-entropy rule acted, from the reduced sums: the
+    kept tokens' share of the policy gradient's magnitude (``kept_grad_share``, a rule that drops
+    tokens), the fraction of the wider-clip tokens in the band beyond the ordinary clip
+    (``wide_band_frac``) and their share of the gradient (``wide_band_grad_share``, archer). A share
+    whose denominator is 0 (no gradient, no wider-clip token) is left out."""
+    row, grad = {}, reduced.get("policy_grad_abs", 0.0)
+    if grad > 0 and "kept_grad" in reduced:
+        row["kept_grad_share"] = reduced["kept_grad"] / grad
+    if grad > 0 and "band_grad" in reduced:
+        row["wide_band_grad_share"] = reduced["band_grad"] / grad
+    if reduced.get("wide_tokens", 0.0) > 0:
+        row["wide_band_frac"] = reduced["band_tokens"] / reduced["wide_tokens"]
+    return row
 
 
 def reward_stats(rewards: torch.Tensor, parts: dict[str, list[float]], group_size: int) -> dict[str, float]:

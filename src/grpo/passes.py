@@ -35,10 +35,10 @@ from dataclasses import replace
 import torch
 
 from grpo.distributed import Dist
-from grpo.entropy import TOKEN_RULES
+from grpo.entropy import TOKEN_RULES, LossTerms
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, packed_layout, selected_logprobs
 from grpo.lora_policy import lm_parts
-from grpo.loss import grpo_loss, loss_normalizer
+from grpo.loss import grpo_loss, loss_normalizer, policy_token_grads, wide_clip_band
 from grpo.metrics import Sums
 from grpo.sections.train import TrainConfig
 from grpo.types import TrainBatch
@@ -155,7 +155,39 @@ class PolicyPasses:
                                 policy_loss=cfg.policy_loss, normalizer=normalizer,
                                 max_length=cfg.max_new_tokens, token_weights=weights)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
-        return loss.item(), {**stats, **engine}, entropy, keep
+        acted = self.rule_action(batch, logp_all, old_logp, keep, terms, weights, normalizer)
+        return loss.item(), {**stats, **engine, **acted}, entropy, keep
+
+    @torch.no_grad()
+    def rule_action(self, batch: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor, keep: torch.Tensor,
+                    terms: LossTerms, weights: torch.Tensor | None, normalizer: float) -> dict[str, float]:
+        """Where the token-entropy rule acted in this micro-batch, as sums over its valid tokens (the
+        statistics ``grpo.metrics`` turns into ``kept_grad_share``, ``wide_band_frac`` and
+        ``wide_band_grad_share``): ``policy_grad_abs``, the summed |d L_policy / d logp_t| of every
+        valid token (``grpo.loss.policy_token_grads``: as if every token carried gradient; ``logp``
+        (m, C) the detached current log-probs, the loss's values); for a rule that drops tokens
+        (``grad_fraction`` below 1, ``high``) ``kept_grad``, the part of it at the kept tokens; for a
+        rule with its own clip bounds (``archer``) ``wide_tokens``, ``band_tokens`` and ``band_grad``
+        (``grpo.loss.wide_clip_band``: the tokens of the wider clip, those of them whose ratio plain
+        PPO would clip and the rule does not, and their part of the gradient). Observes only: the
+        update is the same with or without it."""
+        cfg = self.cfg
+        eps = cfg.epsilon
+        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        rule_eps = eps if terms.epsilon is None else terms.epsilon
+        rule_eps_high = eps_high if terms.epsilon_high is None else terms.epsilon_high
+        grads = policy_token_grads(logp, old_logp, batch.advantages, batch.mask, epsilon=rule_eps,
+                                   epsilon_high=rule_eps_high, loss_type=cfg.loss_type, policy_loss=cfg.policy_loss,
+                                   normalizer=normalizer, max_length=cfg.max_new_tokens, token_weights=weights)  # (m, C)
+        out = {"policy_grad_abs": float(grads.sum())}
+        if self.rule.grad_fraction(cfg) < 1:
+            out["kept_grad"] = float(grads[keep].sum())
+        if terms.epsilon is not None or terms.epsilon_high is not None:
+            as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
+            wide, band = wide_clip_band(torch.exp(logp - old_logp), batch.advantages.unsqueeze(1), batch.mask, eps,
+                                        eps_high, as_tensor(rule_eps), as_tensor(rule_eps_high))  # (m, C) each
+            out.update(wide_tokens=float(wide.sum()), band_tokens=float(band.sum()), band_grad=float(grads[band].sum()))
+        return out
 
     def engine_gap(self, batch: TrainBatch, old_logp: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
         """With an engine's sampling log-probs: the (m, C) truncated importance weights (or ``None``

@@ -155,7 +155,10 @@ def _train(params: Params, dist: Dist, device: str) -> None:
 def acting(history: list[dict]) -> dict:
     """Whether the method's parts acted over the run: the mean per step of the fraction of tokens
     whose clip bound (``clip_frac``) and the steps where it bound at all; with a KL term, the mean
-    of its gradient's share (``kl_grad_share``). A step without the statistic is left out."""
+    of its gradient's share (``kl_grad_share``); where the token-entropy rule acted
+    (``grpo.metrics.rule_action_row``): the mean per step of archer's wider-clip tokens in the band
+    beyond the ordinary clip and of their share of the policy gradient, and of the kept tokens'
+    share (a rule that drops tokens). A step without the statistic is left out."""
     out = {}
     clips = [r["clip_frac"] for r in history if r.get("clip_frac") is not None]
     if clips:
@@ -163,6 +166,10 @@ def acting(history: list[dict]) -> dict:
     shares = [r["kl_grad_share"] for r in history if r.get("kl_grad_share") is not None]
     if shares:
         out["mean_kl_grad_share"] = sum(shares) / len(shares)
+    for key in ("wide_band_frac", "wide_band_grad_share", "kept_grad_share"):
+        values = [r[key] for r in history if r.get(key) is not None]
+        if values:
+            out[f"mean_{key}"] = sum(values) / len(values)
     return out
 
 

@@ -179,12 +179,16 @@ def resident_tensors(model) -> list:
 def make_trainer(model, tok, p, prompt: int, out_dir: str, torch):
     """The real ``GRPOTrainer`` (its passes, updater and schedule) and a function that makes one
     step's ``TrainBatch`` from random rollouts (the rollout phase replaced)."""
-    from grpo.trainer import GRPOTrainer
+    from grpo.rollout_backends import TransformersBackend
+    from grpo.trainer_builder import build_trainer, depart
     from grpo.types import Rollout, TrainBatch
 
-    cfg = p.train.model_copy(update={"output_dir": out_dir, "checkpoint_every": 0})
+    # the params' trainer, but for its folder and no checkpoints; no engine starts (the rollout phase is replaced)
+    params = depart(p, {"train.output_dir": out_dir, "train.checkpoint_every": 0})
     problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
-    trainer = GRPOTrainer(model, tok, cfg, problems)
+    trainer = build_trainer(params, "cuda", problems=problems, model=model, tokenizer=tok,
+                            backend=TransformersBackend(model, tok)).trainer
+    cfg = trainer.cfg
     n, c = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     engine = cfg.rollout_backend != "transformers"
 

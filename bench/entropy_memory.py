@@ -28,23 +28,17 @@ from _memory import CPU_MALLOC_ENV, RssPeak
 def measure(model_dir: str, quantile: float, completions: int, tokens: int, prompt_tokens: int) -> dict:
     import torch
 
-    from grpo.base_model import load_tokenizer
-    from grpo.lora_policy import load_policy
+    from grpo.device import default_device
     from grpo.loss import group_advantages, loss_normalizer
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
-    from grpo.sections.train import TrainConfig
-    from grpo.trainer import GRPOTrainer
+    from grpo.params import AllParams
+    from grpo.trainer_builder import build_trainer, depart
     from grpo.types import TrainBatch
 
-    torch.manual_seed(0)
-    from grpo.device import default_device
-
     device = default_device()
-    tok = load_tokenizer(model_dir)
-    model = load_policy(ModelConfig(path=model_dir), LoraConfig(), device)
-    cfg = TrainConfig(group_size=completions, entropy_top_quantile=quantile, max_new_tokens=tokens)
-    trainer = GRPOTrainer(model, tok, cfg, problems=[{"question": "", "answer": "0"}])
+    changes = {"model.path": model_dir, "train.group_size": completions, "train.entropy_top_quantile": quantile,
+               "train.max_new_tokens": tokens, "train.rollout_backend": "transformers"}
+    built = build_trainer(depart(AllParams(), changes), device, problems=[{"id": "p0", "question": "", "answer": "0"}])
+    trainer, model, cfg = built.trainer, built.model, built.trainer.cfg
     vocab = model.get_base_model().config.vocab_size
     ids = torch.randint(100, min(vocab, 30000), (completions, prompt_tokens + tokens), device=device)
     attn = torch.ones_like(ids)

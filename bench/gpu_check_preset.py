@@ -12,8 +12,8 @@ OOM killer) leaves the others' figures:
    ``sent`` section) and one call of the stage, ``sent.batch_prompts`` prompts (at most
    ``N_PROBLEMS``), scored as the stage scores them (``grpo.semantic_entropy.score_rows``: ``sent.num_samples``
    answers each);
-2. ``train``: the policy (``grpo.lora_policy.load_policy``), its engine (``grpo.engine.policy_engine.policy_rollouts``
-   in the form ``grpo.engine.needs.form_here`` picks, bounded by ``grpo.engine.bounds.train_bounds``) and
+2. ``train``: the train stage's trainer (``grpo.trainer_builder.build_trainer``: the policy, its
+   engine in the form ``grpo.engine.needs.form_here`` picks, bounded by ``grpo.engine.bounds.train_bounds``) and
    ``TRAIN_STEPS`` steps of ``grpo.trainer.GRPOTrainer.train_step`` at the preset's call size
    (``prompts_per_step x group_size`` completions of up to ``max_new_tokens``), then the adapter
    shipped as the stage ships it;
@@ -465,38 +465,33 @@ def sent_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -
 
 
 def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -> None:
-    """The train stage's pieces (grpo.training) for ``train.steps`` steps; the adapter shipped.
-    ``extra`` gets the kernels, the engine's form and each step's row as it ends."""
+    """The train stage's trainer (``grpo.trainer_builder.build_trainer``) for ``train.steps`` steps;
+    the adapter shipped. One departure from the params, printed: the rollouts come from the vLLM
+    engine (``train.rollout_backend`` vllm). ``extra`` gets the kernels, the engine's form and each
+    step's row as it ends."""
     import torch
 
-    from grpo.base_model import load_tokenizer
     from grpo.device import attention_implementation, compute_dtype
-    from grpo.engine.bounds import train_bounds
     from grpo.engine.needs import form_here
-    from grpo.engine.policy_engine import policy_rollouts
     from grpo.jsonio import read_jsonl
     from grpo.kernels.entropy_logprob import use_triton
-    from grpo.lora_policy import load_policy
-    from grpo.trainer import GRPOTrainer
+    from grpo.trainer_builder import build_trainer, depart, departure_line
 
+    changes = {"train.rollout_backend": "vllm"}
+    print(f"train phase: the preset's params but {departure_line(changes)}", flush=True)
+    params = depart(params, changes)
     cfg = params.train
     dtype = compute_dtype(params.model.dtype, device)
     extra.update({"steps": [], "engine_weights": None, "engine_weights_why": None,
                   "kernels": {"entropy_logprob": "triton" if use_triton(torch.empty(0, device=device), cfg.kernel) else "torch",
                               "policy_attention": attention_implementation(device),
                               "compute_dtype": str(dtype).removeprefix("torch.")}})
-    torch.manual_seed(cfg.seed)
-    tokenizer = load_tokenizer(params.model.path)
-    model = load_policy(params.model, params.lora, device)
-    bounds = train_bounds(cfg, model.config, device, dtype.itemsize)
     form, why = form_here(params, Path("."), device)
     extra.update(engine_weights=form, engine_weights_why=why)
-    t0 = time.perf_counter()
-    backend = policy_rollouts("vllm", tokenizer, model, section=cfg, engine_dir=work / "engine", base=params.model,
-                              form=form, bounds=bounds, seed=cfg.seed, dtype=params.model.dtype)
+    built = build_trainer(params, device, problems=read_jsonl(cfg.data_path), engine_dir=work / "engine", form=form)
+    trainer, model, tokenizer, backend = built.trainer, built.model, built.tokenizer, built.backend
     try:
-        rec.engine_up(backend.sampler.engine(), t0)
-        trainer = GRPOTrainer(model, tokenizer, cfg, read_jsonl(cfg.data_path), backend=backend)
+        rec.engine_up(backend.sampler.engine(), time.perf_counter() - built.backend_start_s)
         rows = extra["steps"]
         for _ in range(cfg.steps):
             rows.append(trainer.train_step())

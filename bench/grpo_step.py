@@ -99,36 +99,39 @@ def _model_dir(args, workdir: Path) -> str:
     return str(random_model_dir(workdir / args.arch, architecture_config(args.arch), dtype=dtype, device=device))
 
 
-def _train_config(args, overrides: dict, workdir: Path):
-    from grpo.sections.train import TrainConfig
-
-    fields = dict(
-        output_dir=str(workdir / "out"), checkpoint_every=0, wandb_mode="disabled", order="shuffled",
-        steps=args.steps + 1, prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
-        temperature=1.0, top_p=1.0, entropy_top_quantile=args.quantile, beta=args.beta, lr=args.lr,
-        warmup_steps=0, micro_batches=args.micro_batches, generation_batch_size=args.generation_batch,
-        rewards={"correctness": 1.0, "format_strict": 0.1},
-        truncated="score",  # TRL's default (mask_truncated_completions off): the same rewards, the same work
-        entropy_rule="high",  # TRL's top_entropy_quantile: only the top quantile's tokens get gradient, no KL
-    )
-    fields.update(train_fields(overrides))
-    return TrainConfig(**fields)
+def departures(args, overrides: dict, workdir: Path, model_dir: str, rollout: str) -> dict:
+    """Our step's departures from the embedded default params (``grpo.params.AllParams``), as dotted
+    keys for ``grpo.trainer_builder.depart``: the bench's sizes, and TRL's rule (the top entropy
+    quantile's tokens get gradient, no KL, one update per batch: ``mu`` 1 as TRL's
+    ``num_iterations``), then ``overrides`` (a saving switched off, or the params' default rule)."""
+    out = {
+        "model.path": model_dir, "model.gradient_checkpointing": args.gradient_checkpointing,
+        "train.output_dir": str(workdir / "out"), "train.checkpoint_every": 0, "train.wandb_mode": "disabled",
+        "train.order": "shuffled", "train.steps": args.steps + 1, "train.prompts_per_step": args.prompts,
+        "train.group_size": args.group, "train.max_new_tokens": args.new_tokens, "train.temperature": 1.0,
+        "train.top_p": 1.0, "train.entropy_top_quantile": args.quantile, "train.beta": args.beta, "train.lr": args.lr,
+        "train.warmup_steps": 0, "train.micro_batches": args.micro_batches,
+        "train.generation_batch_size": args.generation_batch, "train.rewards": {"correctness": 1.0, "format_strict": 0.1},
+        "train.truncated": "score",  # TRL's default (mask_truncated_completions off): the same rewards, the same work
+        "train.entropy_rule": "high",  # TRL's top_entropy_quantile: only the top quantile's tokens get gradient, no KL
+        "train.mu": 1,  # TRL's num_iterations: one update per batch
+        "train.rollout_backend": rollout, "train.gpu_memory_utilization": args.gpu_memory_utilization,
+        "train.max_model_len": 2048,
+    }
+    for key, value in overrides.items():
+        out[f"model.{key}" if key == "gradient_checkpointing" else f"train.{key}"] = value
+    return out
 
 
 def default_rule_overrides() -> dict:
-    """The token-entropy rule of the params' defaults (``grpo.config.TrainConfig``) with its options,
-    when it is not the ``high`` rule TRL runs; ``{}`` when it is."""
+    """The token-entropy rule of the params' defaults (``grpo.sections.train.TrainConfig``) with its
+    options and ``mu``, when it is not the ``high`` rule TRL runs; ``{}`` when it is."""
     from grpo.sections.train import TrainConfig
 
     d = TrainConfig()
     if d.entropy_rule == "high":
         return {}
     return {"entropy_rule": d.entropy_rule, "entropy_rule_options": d.model_dump()["entropy_rule_options"], "mu": d.mu}
-
-
-def train_fields(overrides: dict) -> dict:
-    """The ``TrainConfig`` part of a saving switch (gradient checkpointing is a model setting)."""
-    return {k: v for k, v in overrides.items() if k != "gradient_checkpointing"}
 
 
 def _memory_fields(device: str) -> dict:
@@ -146,40 +149,28 @@ def _memory_fields(device: str) -> dict:
 
 # ---------------------------------------------------------------------------- our step
 def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "dense") -> dict:
-    """Our ``train_step`` with rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
-    synced every step, in the weights ``form``: ``grpo.engine.policy_engine.policy_rollouts``) or
-    ``transformers`` (the project's decode loop)."""
+    """Our ``train_step`` as the train stage builds it (``grpo.trainer_builder.build_trainer``) with
+    this bench's ``departures``, rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
+    synced every step, in the weights ``form``) or ``transformers`` (the project's decode loop)."""
     import torch
 
     from grpo.base_model import load_tokenizer
-    from grpo.device import compute_dtype, default_device
-    from grpo.engine.bounds import train_bounds
-    from grpo.engine.policy_engine import policy_rollouts
-    from grpo.lora_policy import load_policy
-    from grpo.sections.engine import VLLMEngineConfig
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
-    from grpo.trainer import GRPOTrainer
+    from grpo.device import default_device
+    from grpo.params import AllParams
+    from grpo.trainer_builder import build_trainer, depart
 
     device = default_device()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model_dir = _model_dir(args, workdir)
-        torch.manual_seed(0)
+        changes = departures(args, overrides, workdir, model_dir, rollout)
+        params = depart(AllParams(), changes)
         tok = load_tokenizer(model_dir)
         tok.truncation_side = "left"  # a cut prompt keeps its end (the assistant turn)
-        gc_on = overrides.get("gradient_checkpointing", args.gradient_checkpointing)
-        model = load_policy(ModelConfig(path=model_dir, gradient_checkpointing=gc_on),
-                            LoraConfig(rank=16, alpha=32), device)
-        cfg = _train_config(args, overrides, workdir)
-        lengths = dict(max_prompt_tokens=args.prompt_tokens or None, min_new_tokens=args.new_tokens if args.fixed_length else 0)
-        engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
-        # the engine as the train stage bounds it: one call's sequences and KV cache
-        bounds = train_bounds(cfg.model_copy(update={"max_model_len": engine.max_model_len}), model.config, device,
-                              compute_dtype("auto", device).itemsize)
-        backend = policy_rollouts(rollout, tok, model, section=engine, engine_dir=workdir / "engine",
-                                  base=ModelConfig(path=model_dir), form=form, bounds=bounds, **lengths)
-        trainer = GRPOTrainer(model, tok, cfg, _problems(args), backend=backend)
+        built = build_trainer(params, device, problems=_problems(args), engine_dir=workdir / "engine", form=form,
+                              tokenizer=tok, max_prompt_tokens=args.prompt_tokens or None,
+                              min_new_tokens=args.new_tokens if args.fixed_length else 0)
+        trainer, backend = built.trainer, built.backend
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted
             if device == "cuda":
@@ -203,7 +194,8 @@ def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "
                 **_memory_fields(device),
             })
         backend.close()
-    return {"impl": f"ours-{rollout}", "form": form if rollout == "vllm" else None, "device": device, "steps": steps}
+    return {"impl": f"ours-{rollout}", "form": form if rollout == "vllm" else None, "device": device, "steps": steps,
+            "departures": {k: v for k, v in changes.items() if not k.endswith(("_dir", ".path"))}}
 
 
 # ---------------------------------------------------------------------------- TRL's step
@@ -337,6 +329,7 @@ def summarise(result: dict) -> dict:
     out["updated"] = statistics.fmean(s.get("updated", 1.0) for s in steps)  # TRL back-propagates every row
     out["step_times"] = [round(s["step_s"], 2) for s in steps]
     out["peak_mb"] = max(s[_peak_key(result)] for s in steps)
+    out["departures"] = result.get("departures", {})
     if result["device"] == "cuda":
         out["peak_reserved_mb"] = max(s["peak_reserved_mb"] for s in steps)
     return out
@@ -353,10 +346,16 @@ def print_speed(rows: dict[str, dict]) -> None:
     for other in ("trl", "trl-tuned", "ours-transformers", "ours-dense", "ours-nf4"):
         if "ours" in rows and other in rows:
             print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}"
-                  + (" (the same rule: top entropy quantile, no KL)" if other.startswith("trl") else ""))
+                  + (" (the same rule: top entropy quantile, no KL, mu 1)" if other.startswith("trl") else ""))
     if "ours-default-rule" in rows and "trl" in rows:
-        print(f"ours under the params' default rule / trl median step time: "
+        mu = rows["ours-default-rule"]["departures"].get("train.mu")
+        print(f"ours under the params' default rule (mu {mu}) / trl median step time: "
               f"{rows['ours-default-rule']['step_s'] / rows['trl']['step_s']:.2f} (not the same work)")
+    from grpo.trainer_builder import departure_line
+
+    for name, s in rows.items():  # what each of our lines ran: the default params but for these keys
+        if s.get("departures"):
+            print(f"{name}: the default params but {departure_line(s['departures'])}")
     if "ours" in rows and "ours-transformers" in rows:
         print(f"generation phase, decode loop / engine: "
               f"{rows['ours-transformers']['generate'] / rows['ours']['generate']:.2f}x")

@@ -73,27 +73,25 @@ def same(a, b) -> tuple[bool, bool]:
 def build(args, tmp: Path):
     import torch
 
-    from grpo.base_model import load_tokenizer
-    from grpo.lora_policy import load_policy
+    from grpo.params import AllParams
     from grpo.rewards import REWARDS
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
-    from grpo.sections.train import TrainConfig
     from grpo.synthetic import architecture_config, random_model_dir
-    from grpo.trainer import GRPOTrainer
+    from grpo.trainer_builder import build_trainer, depart, departure_line
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     REWARDS["varied"] = varied_reward
     base = random_model_dir(tmp / "base", architecture_config("toy"), dtype=torch.bfloat16, device=device)
-    torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=str(base), dtype="bfloat16", gradient_checkpointing=True),
-                        LoraConfig(rank=8, alpha=16), device)
-    cfg = TrainConfig(output_dir=str(tmp / "run"), steps=2 + args.limit, prompts_per_step=2, group_size=4,
-                      max_new_tokens=8, checkpoint_every=0, eval_every=0, rewards={"varied": 1.0}, truncated="score", warmup_steps=0,
-                      lr=1e-2, lr_schedule="cosine", max_nonfinite_steps=args.limit)
+    changes = {"model.path": str(base), "model.dtype": "bfloat16", "model.gradient_checkpointing": True,
+               "lora.rank": 8, "lora.alpha": 16.0, "train.output_dir": str(tmp / "run"), "train.steps": 2 + args.limit,
+               "train.prompts_per_step": 2, "train.group_size": 4, "train.max_new_tokens": 8, "train.checkpoint_every": 0,
+               "train.eval_every": 0, "train.rewards": {"varied": 1.0}, "train.truncated": "score",
+               "train.warmup_steps": 0, "train.lr": 1e-2, "train.lr_schedule": "cosine",
+               "train.max_nonfinite_steps": args.limit, "train.rollout_backend": "transformers"}
+    print(f"the default params but {departure_line({k: v for k, v in changes.items() if 'path' not in k and 'dir' not in k})}",
+          file=sys.stderr)
     problems = [{"id": f"p{i}", "question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1), "solution": ""}
                 for i in range(8)]
-    return GRPOTrainer(model, load_tokenizer(base), cfg, problems), device
+    return build_trainer(depart(AllParams(), changes), device, problems=problems).trainer, device
 
 
 def run(args) -> dict:

@@ -31,26 +31,19 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from grpo.base_model import check_model_dir, load_tokenizer
+from grpo.base_model import check_model_dir
 from grpo.checkpoint import reset_if_changed
 from grpo.config import Params, ParamsError
-from grpo.data import prompts_that_fit
-from grpo.device import compute_dtype, default_device
+from grpo.device import default_device
 from grpo.distributed import Dist, die_with_parent, init_from_env, launched, shutdown
-from grpo.engine.bounds import train_bounds
-from grpo.engine.forms import rollouts_per_process
-from grpo.engine.needs import form_here
-from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
+from grpo.engine.policy_engine import check_engine_memory
 from grpo.jsonio import read_jsonl, write_json
 from grpo.launcher import launch_processes
-from grpo.lora_policy import load_policy
 from grpo.rollout_backends import uses_engine
 from grpo.run_dir import RunDir
 from grpo.sections.train import check_across_sections
 from grpo.step_loggers import step_loggers
-from grpo.trainer import GRPOTrainer
+from grpo.trainer_builder import build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +90,6 @@ def interrupted_line(params: Params) -> str:
             f"completed run's, if any); {resume}")
 
 
-def _engine_form(params: Params, device: str) -> str:
-    """The weights form of the training engine on this machine."""
-    return form_here(params, Path("."), device)[0]
-
-
 def _train(params: Params, dist: Dist, device: str) -> None:
     """The run's work in one process of ``dist`` (rank 0 writes every output)."""
     cfg = params.train
@@ -116,24 +104,14 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     adapter_dir, summary_path = Path(cfg.adapter_dir), Path(cfg.metrics_dir) / "train.json"
     if dist.is_main:  # the shipped adapter and summary stay until new ones replace them (RunDir.ship)
         reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
-    torch.manual_seed(cfg.seed)
     if dist.active and device == "cuda":
         device = f"cuda:{dist.local_rank}"
-    tokenizer = load_tokenizer(params.model.path)
-    problems, _ = prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg, cfg.data_path)
-    model = load_policy(params.model, params.lora, device)
-    callbacks, closers = step_loggers(params) if dist.is_main else ([], [])
     val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
-    bounds = train_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device).itemsize,
-                          dist.world_size)
-    backend = policy_rollouts(cfg.rollout_backend, tokenizer, model, section=cfg, engine_dir=Path(cfg.output_dir) / "engine",
-                              base=params.model, form=_engine_form(params, device), bounds=bounds,
-                              seed=cfg.seed, dtype=params.model.dtype, dist=dist)
-    weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
-    rollouts = rollouts_per_process(weights_form is not None, dist.world_size, weights_form)
+    built = build_trainer(params, device, problems=problems, dist=dist, val_problems=val_problems,
+                          loggers=(lambda: step_loggers(params)) if dist.is_main else None)
+    trainer, model, tokenizer, backend = built.trainer, built.model, built.tokenizer, built.backend
+    weights_form, rollouts, closers = built.weights_form, built.rollouts, built.closers
     log.info("rollouts: %s (rank %d of %d)", rollouts, dist.rank, dist.world_size)
-    trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
-                          val_problems=val_problems, dist=dist)
     try:
         history = trainer.train(progress=True)
         dist.barrier()  # closing an engine ends torch.distributed's group: after every rank's last collective
@@ -155,10 +133,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
 def acting(history: list[dict]) -> dict:
     """Whether the method's parts acted over the run: the mean per step of the fraction of tokens
     whose clip bound (``clip_frac``) and the steps where it bound at all; with a KL term, the mean
-    of its gradient's share (``kl_grad_share``); where the token-entropy rule acted
-    (``grpo.metrics.rule_action_row``): the mean per step of archer's wider-clip tokens in the band
-    beyond the ordinary clip and of their share of the policy gradient, and of the kept tokens'
-    share (a rule that drops tokens). A step without the statistic is left out."""
+    of its gradient's share (``kl_grad_share``). A step without the statistic is left out."""
     out = {}
     clips = [r["clip_frac"] for r in history if r.get("clip_frac") is not None]
     if clips:
@@ -166,10 +141,6 @@ def acting(history: list[dict]) -> dict:
     shares = [r["kl_grad_share"] for r in history if r.get("kl_grad_share") is not None]
     if shares:
         out["mean_kl_grad_share"] = sum(shares) / len(shares)
-    for key in ("wide_band_frac", "wide_band_grad_share", "kept_grad_share"):
-        values = [r[key] for r in history if r.get(key) is not None]
-        if values:
-            out[f"mean_{key}"] = sum(values) / len(values)
     return out
 
 
@@ -196,9 +167,6 @@ def train_summary(history: list[dict], backend: str, processes: int, selection: 
         best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
         summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
                        best_val_step=best["step"])
-        # the last validation's interval that counts a problem once (grpo.trainer.validation_interval)
-        summary.update({f"final_{k}": evals[-1][k] for k in ("val_ci_low", "val_ci_high", "val_clusters",
-                                                              "val_effective_n") if k in evals[-1]})
     summary.update(acting(history))
     gaps = [r for r in history if r.get("logp_mismatch_mean") is not None]  # None: a step not applied
     if gaps:

@@ -133,7 +133,10 @@ def _train(params: Params, dist: Dist, device: str) -> None:
 def acting(history: list[dict]) -> dict:
     """Whether the method's parts acted over the run: the mean per step of the fraction of tokens
     whose clip bound (``clip_frac``) and the steps where it bound at all; with a KL term, the mean
-    of its gradient's share (``kl_grad_share``). A step without the statistic is left out."""
+    of its gradient's share (``kl_grad_share``); where the token-entropy rule acted
+    (``grpo.metrics.rule_action_row``): the mean per step of archer's wider-clip tokens in the band
+    beyond the ordinary clip and of their share of the policy gradient, and of the kept tokens'
+    share (a rule that drops tokens). A step without the statistic is left out."""
     out = {}
     clips = [r["clip_frac"] for r in history if r.get("clip_frac") is not None]
     if clips:
@@ -141,6 +144,10 @@ def acting(history: list[dict]) -> dict:
     shares = [r["kl_grad_share"] for r in history if r.get("kl_grad_share") is not None]
     if shares:
         out["mean_kl_grad_share"] = sum(shares) / len(shares)
+    for key in ("wide_band_frac", "wide_band_grad_share", "kept_grad_share"):
+        values = [r[key] for r in history if r.get(key) is not None]
+        if values:
+            out[f"mean_{key}"] = sum(values) / len(values)
     return out
 
 
@@ -167,6 +174,9 @@ def train_summary(history: list[dict], backend: str, processes: int, selection: 
         best = max(evals, key=lambda r: r["val_accuracy"])  # the earliest of equals
         summary.update(final_val_accuracy=evals[-1]["val_accuracy"], best_val_accuracy=best["val_accuracy"],
                        best_val_step=best["step"])
+        # the last validation's interval that counts a problem once (grpo.trainer.validation_interval)
+        summary.update({f"final_{k}": evals[-1][k] for k in ("val_ci_low", "val_ci_high", "val_clusters",
+                                                              "val_effective_n") if k in evals[-1]})
     summary.update(acting(history))
     gaps = [r for r in history if r.get("logp_mismatch_mean") is not None]  # None: a step not applied
     if gaps:

@@ -66,7 +66,7 @@ def calls(p, dry_run: bool) -> dict[str, tuple[int, int, int]]:
 def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, weights: int, cuda: bool) -> dict:
     import torch
 
-    from grpo.rollout_backends import decode_working_bytes
+    from grpo.decode_memory import decode_working_bytes
 
     row = {k: None for k in CALL} | {"prompts": len(prompts), "samples": samples, "new_tokens": new_tokens}
     rows = len(prompts) * samples

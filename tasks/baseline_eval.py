@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from grpo.config import Params
 from grpo.sections.evaluate_section import EvaluateConfig
+from grpo.sections.decode import DecodeConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.shared import TrainSharedKeys
 from tasks._common import run_stage
@@ -15,7 +16,7 @@ def baseline_eval(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("baseline_eval", baseline_eval, (EvaluateConfig, ModelConfig, TrainSharedKeys), argv)
+    return run_stage("baseline_eval", baseline_eval, (EvaluateConfig, ModelConfig, DecodeConfig, TrainSharedKeys), argv)
 
 
 if __name__ == "__main__":

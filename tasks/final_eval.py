@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from grpo.config import Params
 from grpo.sections.evaluate_section import EvaluateConfig
+from grpo.sections.decode import DecodeConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.train import TrainConfig
 from tasks._common import run_stage
@@ -15,7 +16,7 @@ def final_eval(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("final_eval", final_eval, (EvaluateConfig, ModelConfig, TrainConfig), argv)
+    return run_stage("final_eval", final_eval, (EvaluateConfig, ModelConfig, DecodeConfig, TrainConfig), argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from grpo.config import Params
 from grpo.data import prompts_that_fit, sequence_positions
 from grpo.device import default_device, sampling_dtype
 from grpo.engine.sampler import saved_model_sampler
+from grpo.rollout_backends import planned_tokens
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
+from grpo.sections.decode import DecodeConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.sent import SentConfig
 from grpo.sections.shared import TrainSharedKeys
@@ -36,7 +38,8 @@ def sent(params: Params) -> dict:
     dtype = sampling_dtype(cfg.dtype, default_device())
     with saved_model_sampler(cfg.backend, tokenizer, params.model.path, cfg, seed=cfg.seed, dtype=dtype,
                              enforce_eager=cfg.enforce_eager,
-                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens)
+                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens),
+                             decode=params.decode, planned_tokens=planned_tokens(len(prompts), cfg)
                              ) as sampler:  # the engine is closed after sampling
         t_ready = time.perf_counter()
         log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", sampler.name, dtype, t_ready - t0,
@@ -66,7 +69,7 @@ def sent(params: Params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("sent", sent, (SentConfig, ModelConfig, TrainSharedKeys), argv)
+    return run_stage("sent", sent, (SentConfig, ModelConfig, DecodeConfig, TrainSharedKeys), argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 from grpo.config import Params
 from grpo.distributed import TIMEOUT_EXIT_CODE, CollectiveTimeout, writes_outputs
 from grpo.launcher import LaunchFailed
+from grpo.sections.decode import DecodeConfig
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.train import TrainConfig
@@ -30,7 +31,7 @@ def train(params: Params, argv: list[str] = ()) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return run_stage("train", functools.partial(train, argv=argv), (TrainConfig, LoraConfig, ModelConfig), argv,
+        return run_stage("train", functools.partial(train, argv=argv), (TrainConfig, LoraConfig, ModelConfig, DecodeConfig), argv,
                          writes=writes_outputs())
     except Interrupted as err:
         print(f"train: {err}", file=sys.stderr)

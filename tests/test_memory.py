@@ -172,9 +172,10 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
         return memory.verdict(p, est, card, plan, needs.other_plans(p, shapes, "cuda", 128, plan))
 
     assert " fits: peak 2.52 GiB (generation)" in verdict(8)
-    # 0.12 x 4.1 GiB = 0.49 GiB < the nf4 engine's 0.70: more of the card, which has room for it
+    # 0.12 x 4.1 GiB = 0.49 GiB < the nf4 engine's 0.70: more of the card, which has room for it (up to
+    # what the policy and the measured CUDA context leave free)
     assert "budget 503.8 MiB < its needs 714.6 MiB (nf4); turn train.gpu_memory_utilization: between 0.18 " \
-           "and 0.49" in verdict(4.1)
+           "and 0.43" in verdict(4.1)
     # 2.5 GiB: the engine's weights and overhead alone do not fit beside the policy
     assert verdict(2.5).endswith("turn train.rollout_backend: transformers (the decode loop: no engine)")
     # a dense engine at 0.75 of 5.5 GiB is not free beside the policy, nor would its needs be; the nf4 one's are
@@ -216,7 +217,8 @@ def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
 
 def test_the_saved_model_verdicts_of_seed003_name_the_knob():
     """Seed 003 on a card that reports 7.6 GiB (dense 1.5B in bf16: 3.31 GiB): the preset's SENT (16
-    prompts x 8) and evaluation engines fit at 0.85 of the card; at the earlier 0.6 share SENT's 256
+    prompts x 8) and evaluation engines fit (at 0.85 and 0.78 of the card: the evaluation
+    process holds two CUDA contexts); at the earlier 0.6 share SENT's 256
     sequences of 640 tokens have no KV room and the evaluation's 64 do not fit; on 24 GiB both fit."""
     shipped = _preset("seed003")
     shapes = memory.resolve_shapes(shipped.model, REPO)
@@ -235,7 +237,7 @@ def test_the_saved_model_verdicts_of_seed003_name_the_knob():
     assert "(the engine does not start); turn sent.batch_prompts: at most " in sent
     evaluation = verdict("evaluate", 7.6)
     assert "64 sequences x 640 tokens" in evaluation and "(vLLM keeps fewer in flight)" in evaluation
-    assert evaluation.endswith("turn evaluate.gpu_memory_utilization: between 0.68 and 0.86")
+    assert evaluation.endswith("turn evaluate.gpu_memory_utilization: between 0.68 and 0.80")
     assert verdict("sent", 24).startswith("card 24.00 GiB: fits: ")
     assert verdict("evaluate", 24).startswith("card 24.00 GiB: fits: ")
     assert "is not free at its start" in verdict("evaluate", 2) and verdict("evaluate", 2).endswith(

@@ -176,7 +176,8 @@ def test_decode_working_bytes_counts_the_static_cache_and_the_dense_rule(tiny_mo
     5 positions), and ``dense_decode`` on the CPU; ``dense_fits`` by hand."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.rollout_backends import decode_working_bytes, dense_decode, dense_fits
+    from grpo.decode_memory import decode_working_bytes
+    from grpo.rollout_backends import dense_decode, dense_fits
     from grpo.sampling import prefill, static_cache
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -187,3 +188,57 @@ def test_decode_working_bytes_counts_the_static_cache_and_the_dense_rule(tiny_mo
     assert decode_working_bytes(model, 4, 12 + 5) == real + logits
     assert dense_decode(model, 4, 17) == (True, "on the CPU")
     assert dense_fits(5, 4, 10) and not dense_fits(5, 5, 10)
+
+
+def test_a_call_split_to_fit_the_memory_left_gives_the_one_calls_rows(tiny_model_dir, monkeypatch, caplog):
+    """On CUDA ``generate`` makes a call whose predicted bytes exceed what the allocator has left as
+    calls of fewer prompts. Here the memory reading (CUDA's, ``allocator_budget``) is replaced by a
+    budget of two prompts' prediction; the split itself is the real one: a saved model's sampler
+    (SENT's and the evaluations') gives the same tokens, masks, texts and log-probs as one call, fp32."""
+    from grpo.decode_memory import sampler_call_bytes
+
+    tok = load_tokenizer(tiny_model_dir)
+    prompts = ["What is 1 + 2?", "Hi", "7 * 8 = ?", "Add 12 and 30.", "9 - 4"]
+    kw = dict(max_new_tokens=10, temperature=1.2, seeds=list(range(15)))
+    with saved_model_sampler("transformers", tok, tiny_model_dir, dtype="float32") as sampler:
+        whole = sampler.generate(prompts, 3, **kw)
+        width = sampler.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)["input_ids"]
+        two = sampler_call_bytes(sampler.model, 2, 3, width.shape[1], 10, sampler.LOGPROB_ROWS)
+        monkeypatch.setattr("grpo.rollout_backends.allocator_budget", lambda device: two)
+        with caplog.at_level(logging.INFO, logger="grpo.rollout_backends"):
+            split = sampler.generate(prompts, 3, **kw)
+    assert any("2 prompts a call" in m for m in caplog.messages)
+    assert split.texts == whole.texts
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "finished"):
+        assert torch.equal(getattr(split, field), getattr(whole, field)), field
+    torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+
+
+def test_the_call_prediction_covers_the_h200_measurement():
+    """SENT's call on the H200 (docs/gpu-runs/2026-11-28-h200: 16 prompts x 8 answers x 512 tokens of
+    seed 003's 1.5B, dense bf16, log-probs): the prediction the check held it against was 7.961 GiB
+    and the peak 8.731; the weights plus ``sampler_call_bytes`` must cover the peak. The prompt
+    length is recovered from the recorded prediction (the weights plus ``decode_working_bytes``)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo.decode_memory import decode_working_bytes, prompts_per_call, sampler_call_bytes
+    from grpo.synthetic import architecture_config
+
+    run = json.loads(Path("docs/gpu-runs/2026-11-28-h200/device_check.json").read_text())["samplers"]
+    call, gib = run["sent"], 2**30
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(architecture_config("qwen2-1.5b"), dtype=torch.bfloat16)
+    rows = call["prompts"] * call["samples"]
+    positions = next(p for p in range(call["new_tokens"], 4096)
+                     if run["weights_gib"] * gib + decode_working_bytes(model, rows, p) >= call["predicted_gib"] * gib)
+    prompt = positions - call["new_tokens"]
+    need = sampler_call_bytes(model, call["prompts"], call["samples"], prompt, call["new_tokens"], 64)
+    assert run["weights_gib"] + need / gib >= call["peak_allocated_gib"] > call["predicted_gib"]
+    # under the 8 GB card's cap (7.6 GiB; the weights already held) the call is split
+    left = int((7.6 - run["weights_gib"]) * gib)
+    fits = prompts_per_call(model, call["prompts"], call["samples"], prompt, call["new_tokens"], left, 64)
+    assert 1 <= fits < call["prompts"]
+    assert sampler_call_bytes(model, fits, call["samples"], prompt, call["new_tokens"], 64) <= left

@@ -115,3 +115,78 @@ def test_auto_loop_is_dynamic_on_the_cpu_and_a_bad_name_is_one_line():
     assert resolve_loop("static", "cpu") == "static"
     with pytest.raises(ValueError, match="loop: must be one of auto, dynamic, static; got 'fast'"):
         resolve_loop("fast", "cpu")
+
+
+def _dense_fp32(tiny_model_dir):
+    from grpo.lora_policy import load_base_model
+
+    torch.manual_seed(0)
+    return load_base_model(tiny_model_dir, "float32", "cpu"), load_tokenizer(tiny_model_dir)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_gives_the_uncompiled_tokens_and_compiles_once_per_bucket(tiny_model_dir):
+    """The static loop with its step compiled (torch.compile, Inductor on the CPU) against the
+    dynamic loop, fp32, the same row seeds: three calls of other prompt lengths (up to 50 tokens,
+    one 64-token bucket) and other prompt counts (3 and 4: one power-of-two bucket) give the
+    uncompiled loop's tokens, and only the first call compiles (dynamo's graph count stays)."""
+    from torch._dynamo.utils import counters
+
+    from grpo.sampling import compiled_steps
+
+    model, tok = _dense_fp32(tiny_model_dir)
+    tok.padding_side = "left"
+    calls = [["What is 1 + 2?", "Hi", "7 * 8 = ?"],
+             ["Add 12 and 30, then say the sum twice please.", "2 + 2", "9 - 4", "Ten"],
+             ["What is 45 + 67 + 12? Say the number, only that.", "1", "x"]]
+    graphs = []
+    for i, prompts in enumerate(calls):
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        seeds = list(range(10 * i, 10 * i + 4 * len(prompts)))
+        kw = dict(max_new_tokens=12, eos_ids=set(range(3, 40)), pad_id=tok.pad_token_id, temperature=1.5, top_p=0.9,
+                  row_seeds=seeds)
+        dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="dynamic", **kw)
+        compiled = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="static", compile_step=True,
+                          length_bucket=64, **kw)
+        assert compiled.shape == dynamic.shape and torch.equal(compiled, dynamic), i
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[1] == graphs[0] and graphs[2] == graphs[0], graphs
+    assert list(compiled_steps(model)) == [(16, 64 + 12)]  # 4 prompts x 4 rows, one length bucket
+
+
+def test_a_call_is_padded_to_its_bucket_and_the_extra_rows_repeat_the_last_prompts():
+    """``bucketed_call``: 3 prompts of 5 tokens -> 4 prompts of 8 (bucket 8), the added prompt a copy
+    of the last, its completions drawing the last prompt's uniform numbers; masks 0 on the padding."""
+    from grpo.sampling import Sampling, bucketed_call
+
+    ids = torch.arange(15).reshape(3, 5) + 1
+    mask = torch.ones(3, 5, dtype=torch.long)
+    uniforms = torch.rand(6, 7)  # 3 prompts x 2 completions, 7 tokens
+    s = Sampling(7, torch.tensor([0]), 0, 1.0, 1.0, 0, uniforms)
+    ids2, mask2, s2 = bucketed_call(ids, mask, s, 2, 8)
+    assert ids2.shape == mask2.shape == (4, 8)
+    assert torch.equal(ids2[:3, 3:], ids) and torch.equal(ids2[3], ids2[2]) and mask2[:, :3].sum() == 0
+    assert torch.equal(s2.uniforms[:6], uniforms) and torch.equal(s2.uniforms[6:], uniforms[4:])
+    same, _, same_s = bucketed_call(ids[:2, :4], mask[:2, :4], s, 2, 4)  # already a bucket's shape
+    assert same.shape == (2, 4) and same_s is s
+
+
+def test_plan_decode_picks_the_loop_and_the_compile_by_device_and_call_size():
+    """``decode.loop``/``decode.compile_step`` -> ``plan_decode``: auto is dynamic on a CPU, static on
+    CUDA with the step compiled once the planned token steps reach ``compile_min_tokens``; ``on``
+    picks the static loop under ``auto``; a dynamic loop cannot be compiled (one line naming the key)."""
+    from grpo.sampling import plan_decode
+    from grpo.sections.decode import DecodeConfig
+
+    auto = DecodeConfig()
+    assert plan_decode(auto, "cpu", 10**6).loop == "dynamic" and plan_decode(auto, "cpu").options == {}
+    big, small = plan_decode(auto, "cuda", 40 * 512), plan_decode(auto, "cuda", 8 * 64)
+    assert big.loop == small.loop == "static"
+    assert big.options["compile_step"] and not small.options["compile_step"]
+    assert "20480 planned token steps >= decode.compile_min_tokens 1024" in big.why
+    assert "512 planned token steps < decode.compile_min_tokens 1024" in small.why
+    on = plan_decode(DecodeConfig(compile_step="on"), "cpu", 1)
+    assert on.loop == "static" and on.options["compile_step"]
+    assert not plan_decode(DecodeConfig(loop="static", compile_step="off"), "cuda", 10**6).options["compile_step"]
+    with pytest.raises(ValueError, match="decode.compile_step: on needs the static loop"):
+        plan_decode(DecodeConfig(loop="dynamic", compile_step="on"), "cuda", 10**6)

@@ -54,8 +54,8 @@ def test_bad_values_name_the_field(raw, field):
     ({"model": {"torch_dtype": "bfloat16"}}, "model.torch_dtype: unknown key; did you mean model.dtype?"),
     ({"train": {"zzz": 1}}, f"train.zzz: unknown key; train has no key like it ({len(TrainConfig.model_fields)} keys: "
                             "docs/configuration.md)"),
-    ({"trainer": {}}, "trainer: unknown params section; did you mean train? (sections: data, evaluate, lora, model, "
-                      "sent, train)"),
+    ({"trainer": {}}, "trainer: unknown params section; did you mean train? (sections: data, decode, evaluate, lora, "
+                      "model, sent, train)"),
     ({"train": {"lr": "fast"}}, "train.lr: must be a number, got 'fast'"),
     ({"train": {"lr": "5e-4"}}, "train.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
     ({"train": {"lr": "0.5"}}, "train.lr: must be a number, got '0.5' (quoted: write 0.5 without quotes)"),

@@ -24,6 +24,7 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "train.policy_loss": ("grpo.loss", "POLICY_LOSSES"),
     "train.entropy_rule": ("grpo.entropy", "TOKEN_RULES"),
     "train.engine_weights": ("grpo.engine.forms_catalogue", "WEIGHTS_FORMS"),
+    "decode.loop": ("grpo.sampling", "DECODE_LOOPS"),
 }
 """``section.key`` -> (module, attribute) of the registry whose names the param takes."""
 

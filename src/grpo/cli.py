@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.config import Params, read_params_yaml
-from grpo.errors import DeviceError, ModelConfigError, ParamsError
-from grpo.overlay import overlay_params
 from grpo.dvcfile import find_root
 from grpo.engine.bounds import SAVED_MODEL_SEQS
+from grpo.errors import DeviceError, ModelConfigError, ParamsError
+from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
 
 DEFAULT_PROMPT_TOKENS = 128
@@ -127,6 +127,7 @@ def cmd_check(args) -> int:
 
     device = args.device or default_device()
     engine = uses_engine(p.train.rollout_backend)  # the train stage's rule
+    print(f"decode: {decode_line(p, device, engine)}")
     shapes = memory.resolve_shapes(p.model, res.root)
     if isinstance(shapes, str):
         known = not (device == "cuda" and p.train.engine_weights == "auto")  # auto on CUDA needs the shapes
@@ -215,6 +216,20 @@ def saved_model_plans(p: Params, root: Path, shapes, device: str, prompt: tuple[
         print("\n".join(f"  {line}" for line in memory.format_engine(plan, shapes)))
         out[section] = (plan, tokens)
     return out
+
+
+def decode_line(p: Params, device: str, engine: bool) -> str:
+    """What ``decode.*`` picks on ``device`` (``grpo.sampling.plan_decode``) for training's rollouts
+    (when no engine samples them), and the rule SENT and the evaluations apply at their start."""
+    from grpo.sampling import plan_decode
+
+    try:
+        train = plan_decode(p.decode, device, p.train.steps * p.train.max_new_tokens).why
+    except ValueError as err:
+        return f"error: {err}"
+    train = "a vLLM engine samples (train.rollout_backend)" if engine else train
+    return (f"train: {train}; sent and evaluate (where the decode loop samples): the same rule, with their own "
+            "token steps (rows / batch_prompts x max_new_tokens), logged at their start")
 
 
 def rollouts_line(p: Params, engine: bool, form: str | None) -> str:

@@ -139,7 +139,7 @@ class Section(BaseModel):
         return super().__getattribute__(name)
 
 
-SECTION_NAMES = ("data", "model", "lora", "sent", "evaluate", "train")
+SECTION_NAMES = ("data", "model", "lora", "sent", "evaluate", "decode", "train")
 """The sections of a params file, in ``params.yaml``'s order (``grpo.params.AllParams`` has one field each)."""
 
 

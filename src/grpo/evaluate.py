@@ -27,7 +27,7 @@ from grpo.engine.sampler import saved_model_sampler
 from grpo.jsonio import read_jsonl
 from grpo.lora_policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
-from grpo.rollout_backends import generate_in_batches
+from grpo.rollout_backends import generate_in_batches, planned_tokens
 from grpo.stats import CLUSTERED_METHOD, clustered_interval, wilson
 
 
@@ -80,7 +80,8 @@ def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tu
     completions = []
     with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg, dtype=params.model.dtype,
                              dtype_key="model.dtype",
-                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens)
+                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens),
+                             decode=params.decode, planned_tokens=planned_tokens(len(prompts), cfg)
                              ) as sampler:  # closed after
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
                                            max_new_tokens=cfg.max_new_tokens, temperature=0.0):

@@ -290,8 +290,10 @@ def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
 
 
 # ------------------------------------------------------------------------------------- the engine
-CUDA_CONTEXT = 512 * 2**20
-"""Allowance for the process's CUDA context (outside every allocator). Never measured."""
+CUDA_CONTEXT = 768 * 2**20
+"""Allowance for the memory a CUDA process holds outside torch's allocator (the context, cuBLAS's
+workspace, kernels loaded after a forward): the H200 check's figure after a forward and a step,
+rounded (docs/gpu-runs/2026-11-28-h200/, the `update` phase's ``outside_forward_gib``)."""
 
 
 # ------------------------------------------------------------------------------------- saved models

@@ -18,6 +18,7 @@ from grpo.config import Params, read_params_yaml, section_mappings
 from grpo.errors import ParamsError
 from grpo.overlay import overlay_params
 from grpo.sections.data_section import DataConfig
+from grpo.sections.decode import DecodeConfig
 from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
@@ -34,6 +35,7 @@ class AllParams(Params):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     sent: SentConfig = Field(default_factory=SentConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
 

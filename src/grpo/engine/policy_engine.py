@@ -37,7 +37,14 @@ from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
 from grpo.engine.forms import WeightsForm
 from grpo.engine.forms_catalogue import weights_form
 from grpo.engine.sampler import VLLMSampler
-from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
+from grpo.rollout_backends import (
+    ROLLOUT_BACKENDS,
+    RolloutBackend,
+    TransformersBackend,
+    engine_failed,
+    fallback_note,
+    uses_engine,
+)
 from grpo.sections.engine import VLLMEngineConfig
 from grpo.sections.model import ModelConfig
 
@@ -104,7 +111,7 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
                     engine_dir: str | Path | None = None, base: ModelConfig | None = None, form: str = "dense",
                     bounds: Bounds | None = None, seed: int = 0, dtype: str = "auto",
                     enforce_eager: bool = True, dist=None, max_prompt_tokens: int | None = None,
-                    min_new_tokens: int = 0) -> RolloutBackend:
+                    min_new_tokens: int = 0, decode=None, planned_tokens: int | None = None) -> RolloutBackend:
     """The trainer's rollout backend for ``policy`` (the peft policy in training).
 
     ``choice``: ``vllm``, ``transformers`` or ``auto``. The decode loop samples the policy itself
@@ -115,14 +122,31 @@ def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig
     not ``auto``), ``bounds`` (``grpo.engine.bounds.train_bounds``; default: a saved model's),
     ``seed`` (+ rank), ``dtype``, ``enforce_eager`` (forced by a form that needs it: ``nf4``,
     whose bitsandbytes calls are not captured), ``dist`` (this process's
-    ``grpo.distributed.Dist``; ``None``: one process)."""
+    ``grpo.distributed.Dist``; ``None``: one process); ``decode``, ``planned_tokens``: the decode
+    loop's section and the run's token steps (``TransformersBackend``). Under ``auto`` in one process
+    an engine that fails to start is one logged line and the decode loop samples instead."""
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
+    loop = dict(decode=decode, planned_tokens=planned_tokens)
     if not uses_engine(choice):
         if note := fallback_note(choice):
             log.warning(note)
-        return TransformersBackend(policy, tokenizer, **lengths)
+        return TransformersBackend(policy, tokenizer, **lengths, **loop)
     if engine_dir is None:
         raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
+    one_process = dist is None or not dist.active or dist.world_size == 1
+    try:
+        return _policy_engine(tokenizer, policy, section, engine_dir, base, form, bounds, seed, dtype, enforce_eager,
+                              dist, lengths)
+    except Exception as err:
+        if choice not in ROLLOUT_BACKENDS.also or not one_process:
+            raise
+        log.warning(engine_failed(err))
+        return TransformersBackend(policy, tokenizer, **lengths, **loop)
+
+
+def _policy_engine(tokenizer, policy, section, engine_dir, base, form: str, bounds, seed: int, dtype: str,
+                   enforce_eager: bool, dist, lengths: dict) -> PolicyEngine:
+    """``policy_rollouts``' vLLM engine holding ``policy``."""
     kind = weights_form(form)  # before the engine's folder is written
     device, engine_dir = default_device(), Path(engine_dir)
     processes = dist.world_size if dist is not None and dist.active else 1

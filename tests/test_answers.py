@@ -29,6 +29,15 @@ from grpo.rewards import correctness
     ("What is 12 + 7?", "19", "12 + 7 = 19. Adding one more for the carry gives 20.", "sum_not_last"),
     ("Evaluate 34 + 58.", "92", "34 + 58 = 82", "wrong_number"),
     ("Evaluate 34 + 58.", "92", "34 + 58 = 92 - 10 = 82", "sum_not_last"),
+    # the base model's own answers (the committed run's baseline evaluation, cut where it was cut)
+    ("Evaluate 8 + 4.", "12", "To evaluate 8 + 4, we need to add 8 and 4. 8 + 4 is 12, and 12 is 14. So, we can "
+     "add these numbers together. 14 + 14 = 18, and 14 + ", "sum_not_last"),
+    ("Compute 2 + 2.", "4", "To solve 2 + 2, we need to add 2 and 2. This is done by adding 2 and 2, which is 2. "
+     "So, we add 2 and 2, which is 2. So, we get 2. So, we add 2 and ", "operand"),
+    ("Compute 25 + 8.", "33", "To compute 25 + 8, we need to add 2 + 8 = 10. So, we can add 10 to 2 and 8, which "
+     "gives us 10 + 8 = 18. Now, we can add 18 to 2 and", "wrong_number"),  # 2: a digit of 25, not an operand
+    ("Calculate 8 + 79.", "87", "To calculate 8 + 79, we need to add 8 and 7. We can do this by adding 8 and 7 "
+     "using the number 8. We add 8 and 7, which is 10. Then we add 10, which is 10. Finally", "wrong_number"),
     # the value equals an operand (0 + 7): a final 7 is right, not an operand
     ("What is 0 + 7?", "7", "0 + 7 = 7", "correct"),
     # a word problem has no operands: a wrong final number is wrong, whatever it is
@@ -45,9 +54,11 @@ def test_correct_is_exactly_the_rewards_correctness():
         assert (failure_class(q, a, c) == "correct") == (correctness([c], [a])[0] == 1.0)
 
 
-def test_the_operand_class_is_tested_before_the_value_appearing():
-    """12 + 7 answered 12 after writing 19: the final number is an operand (the earlier test wins)."""
-    assert failure_class("What is 12 + 7?", "19", "12 + 7 = 19, so the answer is 12") == "operand"
+def test_the_value_appearing_is_tested_before_the_operand_class():
+    """12 + 7 answered 12 after writing 19: the right value was written, not last (the earlier test
+    wins); answered 12 without writing 19: an operand."""
+    assert failure_class("What is 12 + 7?", "19", "12 + 7 = 19, so the answer is 12") == "sum_not_last"
+    assert failure_class("What is 12 + 7?", "19", "12 + 7 is 12") == "operand"
 
 
 def test_digit_groups_and_clusters_read_the_expression_back():

@@ -10,10 +10,15 @@ Failure classes (``failure_class``), the first that holds, in this order:
 1. ``correct``: the final answer (``grpo.rewards.extract_answer``) equals the reference
    (``grpo.rewards.correctness``'s rule).
 2. ``no_number``: the completion has no final answer (no number at all).
-3. ``operand``: the final answer is one of the expression's operands (``12 + 7`` answered ``12``).
-4. ``sum_not_last``: the reference value is among the completion's numbers (``grpo.rewards.numbers_in``)
-   but is not its final answer (``12 + 7 = 19, so the answer is 20``).
+3. ``sum_not_last``: the reference value is among the completion's numbers (``grpo.rewards.numbers_in``)
+   but is not its final answer (``12 + 7 = 19, so the answer is 20``; also ``12 + 7 = 19, so 12``).
+4. ``operand``: the final answer is one of the expression's operands (``12 + 7`` answered ``12``)
+   and the reference value is nowhere in the completion.
 5. ``wrong_number``: any other number.
+
+The order is the one that reproduces issue 58's count of the committed run's base model (293 wrong
+numbers, 132 operands, 31 right values not last): a completion that wrote the right value and then
+ended on something else is counted as the first, whatever it ended on.
 
 Operand digits (``digit_group``): the digit counts of the expression's operands, sorted, joined by
 ``" & "``: ``"1 & 1"`` (both one digit), ``"1 & 2"``, ``"2 & 2"``; an expression of three terms is
@@ -27,7 +32,7 @@ from collections import Counter
 from grpo.arithmetic import ExpressionError, expression_in
 from grpo.rewards import extract_answer, normalize_answer, numbers_in
 
-CLASSES = ("correct", "no_number", "operand", "sum_not_last", "wrong_number")
+CLASSES = ("correct", "no_number", "sum_not_last", "operand", "wrong_number")
 """The failure classes in the order they are tested (``failure_class``)."""
 
 CLASS_WORDS = {"correct": "correct", "no_number": "no number in the answer",
@@ -51,11 +56,10 @@ def failure_class(question: str, answer: str, completion: str) -> str:
         return "correct"
     if got is None:
         return "no_number"
-    operands = operands_of(question) or ()
-    if got in {str(x) for x in operands}:
-        return "operand"
     if want in numbers_in(completion):
         return "sum_not_last"
+    if got in {str(x) for x in operands_of(question) or ()}:
+        return "operand"
     return "wrong_number"
 
 

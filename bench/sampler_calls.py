@@ -7,9 +7,10 @@ saves it, opens it as those stages do, and makes each stage's largest call once:
 ``sent.batch_prompts`` prompts x ``sent.num_samples`` answers of ``sent.max_new_tokens`` tokens,
 the evaluation's ``evaluate.batch_prompts`` prompts x 1 of ``evaluate.max_new_tokens`` (every
 completion full length: the worst case; prompts of ``--prompt-tokens``). Per call: seconds,
-milliseconds per token, CUDA's peak allocated, and the prediction it is held against: the dense
-weights plus ``grpo.rollout_backends.decode_working_bytes`` for the call (the KV cache and the
-sampling logits; the log-prob pass after the loop reuses that room in 64-row chunks).
+milliseconds per token, CUDA's peak allocated with the allocator capped at ``--memory-cap-gib``
+(seed 003's card), the prompts one decode call took (``TransformersBackend.prompts_per_call``: the
+split under the cap) and the prediction it is held against: the dense weights plus
+``grpo.decode_memory.sampler_call_bytes`` for one such call.
 
     python bench/sampler_calls.py [--params presets/seed003.yaml] [--json FILE]
     python bench/sampler_calls.py --dry-run    # on a CPU: the toy model, small calls (checks the script)
@@ -31,13 +32,15 @@ CALL = {
     "prompts": "int?: prompts in the call", "samples": "int?: completions per prompt",
     "new_tokens": "int?: tokens per completion", "seconds": "number?: the call's wall seconds, log-probs included",
     "ms_per_token": "number?: seconds / new_tokens, in ms", "peak_allocated_gib": "number?: CUDA's max_memory_allocated",
-    "predicted_gib": "number?: dense weights + decode_working_bytes for the call",
+    "predicted_gib": "number?: dense weights + sampler_call_bytes for one call of prompts_per_call prompts",
+    "prompts_per_call": "int?: the prompts one decode call took (the split under the cap)",
     "error": "str?: why the call did not run, one line",
 }
 SCHEMA = {
     "device": "str?: cuda, or cpu on --dry-run", "model": "str?: the architecture the weights were drawn for",
     "dtype": "str?: the compute dtype", "prompt_tokens": "int?: prompt length",
     "weights_gib": "number?: the dense model's parameters in the compute dtype",
+    "memory_cap_gib": "number?: the allocator's per-process cap (seed 003's card), or null",
     "sent": CALL, "evaluate": CALL,
 }
 
@@ -48,6 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the toy model, small calls: checks the script")
     ap.add_argument("--json", help="write the figures here (after each call)")
+    ap.add_argument("--memory-cap-gib", type=float, default=7.6,
+                    help="cap the CUDA allocator at this many GiB (seed 003's card; 0: no cap)")
     args = ap.parse_args(argv)
     args.entropy_rule = None  # device_update.setup's other knobs
     if args.dry_run:
@@ -66,12 +71,15 @@ def calls(p, dry_run: bool) -> dict[str, tuple[int, int, int]]:
 def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, weights: int, cuda: bool) -> dict:
     import torch
 
-    from grpo.decode_memory import decode_working_bytes
+    from grpo.decode_memory import sampler_call_bytes
 
     row = {k: None for k in CALL} | {"prompts": len(prompts), "samples": samples, "new_tokens": new_tokens}
     rows = len(prompts) * samples
-    positions = max(len(t) for t in sampler.tokenizer(prompts, add_special_tokens=False)["input_ids"]) + new_tokens
-    row["predicted_gib"] = round((weights + decode_working_bytes(model, rows, positions)) / 2**30, 3)
+    prompt_len = max(len(t) for t in sampler.tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    device = next(model.parameters()).device
+    per_call = sampler.prompts_per_call(len(prompts), samples, prompt_len, new_tokens, device)
+    work = sampler_call_bytes(model, per_call, samples, prompt_len, new_tokens, sampler.LOGPROB_ROWS)
+    row.update(prompts_per_call=per_call, predicted_gib=round((weights + work) / 2**30, 3))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -96,9 +104,12 @@ def measure(args) -> dict:
     from grpo.synthetic import random_model_dir
 
     p, config, source, device = device_update.setup(args)
+    if device == "cuda" and args.memory_cap_gib:
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     dtype = compute_dtype(p.model.dtype, device)
     out = {k: None for k in SCHEMA} | {"device": device, "model": str(source), "prompt_tokens": args.prompt_tokens,
-                                       "dtype": str(dtype).removeprefix("torch.")}
+                                       "dtype": str(dtype).removeprefix("torch."),
+                                       "memory_cap_gib": args.memory_cap_gib if device == "cuda" else None}
 
     def save() -> None:
         if args.json:

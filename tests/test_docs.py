@@ -58,13 +58,17 @@ def undated(text: str) -> str:
     return "".join(s for s in sections if not re.match(r"## \d{4}-", s))
 
 
+GIT_SHOW = re.compile(r"git show [0-9a-f]{7,40}\^?:\S+")
+"""``git show REV:path``: a file as it was at REV (a removed bench's rerun), not one the tree holds."""
+
+
 def mentions() -> list[tuple[str, str, bool]]:
     """(file, name, exists) for every path and module the docs mention (the lab notebook's dated
-    entries left out)."""
+    entries and ``git show REV:path`` left out)."""
     out = []
     for path in doc_files():
         rel = str(path.relative_to(REPO))
-        text = text_of(path)
+        text = GIT_SHOW.sub("", text_of(path))
         if path.name == "lab-notebook.md":
             text = undated(text)
         out += [(rel, m, (REPO / m).exists()) for m in PATH.findall(text)]
@@ -77,6 +81,7 @@ def test_the_scan_finds_paths_and_modules_and_spots_a_missing_one():
     assert {"src/grpo/trainer.py", "tests/test_dvc_graph.py", "grpo.experiments", "tasks.train"} <= found
     assert PATH.findall("see tasks/<stage>.py and `src/grpo/models.py`.") == ["src/grpo/models.py"]
     assert MODULE.findall("loaded through grpo.models, or python -m tasks.<stage>") == ["grpo.models"]
+    assert not PATH.findall(GIT_SHOW.sub("", "rerun: `git show 5e80033^:bench/gone.py`"))
     assert not module_exists("grpo.models") and module_exists("grpo.kernels") and module_exists("tasks._common")
 
 

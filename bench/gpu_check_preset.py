@@ -32,7 +32,7 @@ that cannot be read is null and ``unread`` says why. From the steps: times per p
 log-prob gap to the policy against ``train.max_logp_gap``, and NaN flags. ``SCHEMA`` below is the
 one definition of the file's keys; ``schema_errors`` checks a file against it.
 
-Problems are generated here (``problems``: arithmetic word problems, no hub, no reasoning-gym):
+Problems are generated here (``problems``: ``grpo.data.generate_arithmetic``, no hub, no reasoning-gym):
 the preset's GSM8K needs the hub, and the check measures the engines and the step, not accuracy.
 The model is the preset's (``model.path`` where prepare_model put it there, else downloaded once
 to ``GPU_CHECK_MODELS``, default ``~/.cache/grpo-gpu-check``); ``--model DIR`` (or
@@ -57,7 +57,6 @@ import datetime
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -138,7 +137,7 @@ SCHEMA = {
     "preset_file": "str: the preset file, put over params.yaml",
     "dry_run": "bool: --dry-run (the embedded default's model, short completions: checks the script, not a card)",
     "device": "str: cuda or cpu",
-    "commit": "str?: the repository's git commit (+dirty when the tree has changes)",
+    "commit": "str?: the repository's commit and date, noting uncommitted changes to the code (grpo.report.git_commit)",
     "started": "str: UTC start time, ISO 8601",
     "wall_s": "number: seconds of the whole check",
     "ok": "bool: no failed check",
@@ -308,35 +307,14 @@ def failed_checks(report: dict) -> list[str]:
     return failed
 
 
-TEMPLATES = (
-    ("{name} has {a} apples. She buys {b} bags with {c} apples in each. How many apples does she have now?",
-     lambda a, b, c: a + b * c),
-    ("A train runs {a} km an hour for {b} hours, then {c} km more. How many km does it run in all?",
-     lambda a, b, c: a * b + c),
-    ("{name} earns ${a} a day for {b} days and then spends ${c}. How many dollars are left?",
-     lambda a, b, c: a * b - c),
-    ("A school has {b} classes of {a} students. {c} students are absent today. How many students are present?",
-     lambda a, b, c: a * b - c),
-    ("{name} reads {a} pages on Monday, {b} times as many on Tuesday and {c} on Wednesday. How many pages in all?",
-     lambda a, b, c: a + a * b + c),
-)
-NAMES = ("Mia", "Ana", "Lena", "Sara", "Noor", "Ines")
-
-
 def problems(n: int, seed: int = 0) -> list[dict]:
-    """``n`` arithmetic word problems with their answers, seeded (offline: no hub, no reasoning-gym)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        text, answer = TEMPLATES[i % len(TEMPLATES)]
-        a, b = rng.randint(3, 40), rng.randint(2, 12)
-        c = rng.randint(1, a * b - 1)
-        rows.append({"id": f"check{i}", "question": text.format(name=rng.choice(NAMES), a=a, b=b, c=c),
-                     "answer": str(answer(a, b, c)), "solution": ""})
-    return rows
+    """``n`` arithmetic problems with their answers, seeded (``grpo.data.generate_arithmetic``: offline)."""
+    from grpo.data import generate_arithmetic
+
+    return generate_arithmetic(n, seed, max_digits=2, operators=("+", "-", "*"), prefix="check")
 
 
-PROBLEMS_TEXT = f"{N_PROBLEMS} generated arithmetic word problems (bench/gpu_check_preset.py's problems; offline)"
+PROBLEMS_TEXT = f"{N_PROBLEMS} generated arithmetic problems (grpo.data.generate_arithmetic, 2 digits, + - *; offline)"
 
 
 def engine_choices(worker) -> dict:
@@ -696,19 +674,6 @@ def config_record(preset_params, params, model_source: str) -> dict:
             "engine_weights": None, "engine_weights_why": None, "problems": PROBLEMS_TEXT}
 
 
-def git_commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=30)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if head.returncode:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def spawn(name: str, work: Path) -> dict | None:
     """Run phase ``name`` in a fresh process (its output goes to ours); its record, or None."""
     print(f"gpu_check: phase {name}", flush=True)
@@ -773,6 +738,7 @@ def run_check(args) -> int:
     from grpo.cli import resolve_params
     from grpo.device import default_device
     from grpo.errors import DeviceError, ParamsError
+    from grpo.report import git_commit
 
     t0, started = time.perf_counter(), datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     path = preset_file(args.preset)
@@ -801,7 +767,7 @@ def run_check(args) -> int:
     (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(), sort_keys=False))
     report = blank(SCHEMA)
     report.update(schema=SCHEMA_VERSION, preset=path.stem, preset_file=str(path), dry_run=bool(args.dry_run),
-                  device=device, commit=git_commit(), started=started,
+                  device=device, commit=git_commit(REPO), started=started,
                   config=config_record(resolved.params, params, source))
     report["logp_gap"]["bound"] = params.train.max_logp_gap
     parts = {}

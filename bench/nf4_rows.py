@@ -40,14 +40,15 @@ def parse_args(argv=None):
 
 
 def linear_shapes(arch: str) -> dict[str, tuple[int, int]]:
-    """(in, out) of each distinct linear of a transformer layer of ``arch``."""
-    from grpo.synthetic import ARCHITECTURES
+    """(in, out) of each distinct linear of a transformer layer of ``arch`` (``grpo.model_shapes``),
+    the linears of one shape named together: ``q_proj/o_proj``, ``k_proj/v_proj``, ..."""
+    from grpo.model_shapes import model_shapes
+    from grpo.synthetic import architecture_config
 
-    a = ARCHITECTURES[arch]
-    hidden, heads, kv = a["hidden_size"], a["num_attention_heads"], a["num_key_value_heads"]
-    kv_out = hidden // heads * kv
-    return {"q_proj/o_proj": (hidden, hidden), "k_proj/v_proj": (hidden, kv_out),
-            "gate_proj/up_proj": (hidden, a["intermediate_size"]), "down_proj": (a["intermediate_size"], hidden)}
+    by_shape: dict[tuple[int, int], list[str]] = {}
+    for x in model_shapes(architecture_config(arch)).layer_linears():
+        by_shape.setdefault((x.in_features, x.out_features), []).append(x.leaf)
+    return {"/".join(names): shape for shape, names in by_shape.items()}
 
 
 def run(args) -> dict:

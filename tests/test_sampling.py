@@ -190,3 +190,30 @@ def test_plan_decode_picks_the_loop_and_the_compile_by_device_and_call_size():
     assert not plan_decode(DecodeConfig(loop="static", compile_step="off"), "cuda", 10**6).options["compile_step"]
     with pytest.raises(ValueError, match="decode.compile_step: on needs the static loop"):
         plan_decode(DecodeConfig(loop="dynamic", compile_step="on"), "cuda", 10**6)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_follows_the_policy_as_its_adapter_moves(tiny_model_dir):
+    """Training's rollouts (a 4-bit policy with LoRA, decoded on dense copies with the adapter
+    folded in) through a compiled step: the dynamic loop's tokens at every call, after the adapter
+    moved between calls as an optimizer step moves it, with one compilation: the copies are kept
+    and refilled in place (``dequantized_weights(persistent=True)``), not made anew."""
+    from torch._dynamo.utils import counters
+
+    from grpo.nf4_layers import holds_dense_copies
+    from grpo.rollout_backends import TransformersBackend
+
+    model, tok = _policy(tiny_model_dir)
+    eager = TransformersBackend(model, tok, loop="dynamic")
+    compiled = TransformersBackend(model, tok, loop="static", compile_step=True, length_bucket=64)
+    prompts, kw = ["What is 1 + 2?", "Hi", "7 * 8 = ?"], dict(max_new_tokens=10, temperature=1.3, seeds=list(range(12)))
+    graphs = []
+    for step in range(3):
+        want, got = eager.generate(prompts, 4, **kw), compiled.generate(prompts, 4, **kw)
+        assert torch.equal(got.completion_ids, want.completion_ids) and got.texts == want.texts, step
+        graphs.append(counters["stats"]["unique_graphs"])
+        with torch.no_grad():  # an optimizer step's worth of change in every lora_B
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(0.2 * torch.randn_like(p))
+    assert holds_dense_copies(model) and graphs[1] == graphs[0] == graphs[2], graphs

@@ -514,9 +514,14 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
     add(Term("sampling logits", "generate", rows_gen * shapes.vocab * per_entry,
              f"{rows_gen} rows x {shapes.vocab} vocab x {per_entry} B"))
     if nf4:
+        from grpo.sampling import plan_decode
+
         wrapped = sum(x.params for x in lora_targets(shapes, lora.target_modules) if x.quantized)
-        add(Term(DENSE_COPIES, "generate", (qn + wrapped) * b,
-                 f"({_n(qn)} + {_n(wrapped)} LoRA-merged) params x {b} B"))
+        kept = plan_decode(params.decode, device, train.steps * c).options.get("compile_step", False)
+        add(Term(DENSE_COPIES, "both" if kept else "generate", (qn + wrapped) * b,
+                 f"({_n(qn)} + {_n(wrapped)} LoRA-merged) params x {b} B"
+                 + ("; kept through the update: the compiled decode step holds them (decode.compile_step)" if kept
+                    else "")))
 
 
 def forward_tokens(n: int, g: int, p: int, c: int, *, packed: bool, shared: bool) -> tuple[int, int]:

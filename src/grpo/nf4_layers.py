@@ -7,6 +7,8 @@ This module and ``grpo.lora_policy`` are the only ones that touch bitsandbytes.
 from __future__ import annotations
 
 import contextlib
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -74,8 +76,86 @@ def dense_copy_bytes(model) -> int:
     return sum(quantized.values()) + merged
 
 
+_PERSISTENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> its ``DenseLayer`` list, kept by ``dequantized_weights(persistent=True)``."""
+
+
+@dataclass
+class DenseLayer:
+    """One patched layer of ``dequantized_weights``: a ``Linear4bit`` (``quantized``) with its dense
+    copy, or a LoRA layer over one with the adapter folded into a second copy; ``forward`` the
+    patched forward, ``refill`` recomputes the copy in place (the weights it reads may have moved)."""
+
+    module: torch.nn.Module
+    forward: object
+    refill: object
+    quantized: bool
+
+
+def _dense_linear(dense: torch.Tensor, bias):
+    import torch.nn.functional as F
+
+    def forward(x, *_, **__):
+        return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype))
+
+    return forward
+
+
+def _fold_adapter(module, dense: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (in place) = ``dense`` + each active adapter's ``scaling * B @ A``."""
+    out.copy_(dense)
+    for name in module.active_adapters:
+        if name in module.lora_A:
+            delta = module.lora_B[name].weight @ module.lora_A[name].weight  # (out, in)
+            out += module.scaling[name] * delta.to(out.dtype).detach()
+    return out
+
+
+def _dense_layers(model, static: bool) -> list[DenseLayer]:
+    """The ``DenseLayer`` of every 4-bit layer of ``model`` and of every unmerged LoRA layer over
+    one; ``static``: their copies marked as static addresses for a compiled step."""
+    import bitsandbytes as bnb
+    from peft.tuners.lora.layer import LoraLayer
+
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        if static:
+            torch._dynamo.mark_static_address(t)
+        return t
+
+    layers, dense_of = [], {}
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            dense = mark(dense_weight(module).to(module.compute_dtype or torch.float32))
+            dense_of[module] = dense
+
+            def refill(_m=module, _d=dense):
+                _d.copy_(dense_weight(_m).to(_d.dtype))
+
+            layers.append(DenseLayer(module, _dense_linear(dense, module.bias), refill, True))
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(module, LoraLayer) and base in dense_of and not module.merged:
+            dense = dense_of[base]
+            merged = mark(_fold_adapter(module, dense, torch.empty_like(dense)))
+            on, off = _dense_linear(merged, base.bias), _dense_linear(dense, base.bias)
+
+            def forward(x, *args, _m=module, _on=on, _off=off, **kwargs):
+                return (_off if _m.disable_adapters else _on)(x)
+
+            def refill(_m=module, _d=dense, _o=merged):
+                _fold_adapter(_m, _d, _o)
+
+            layers.append(DenseLayer(module, forward, refill, False))
+    return layers
+
+
+def holds_dense_copies(model) -> bool:
+    """Whether ``dequantized_weights(model, persistent=True)`` keeps copies of ``model``."""
+    return model in _PERSISTENT
+
+
 @contextlib.contextmanager
-def dequantized_weights(model):
+def dequantized_weights(model, persistent: bool = False):
     """Inside the block, every bitsandbytes ``Linear4bit`` uses a dense copy of its weight,
     dequantised once on entry, instead of dequantising at every call; where a LoRA adapter wraps
     the layer, the adapter is folded into a second copy (``W + scaling * B @ A``), so the layer is
@@ -86,42 +166,24 @@ def dequantized_weights(model):
     faster decode. Base weights are frozen and the adapter does not change inside the block (no
     optimizer step runs there), so the copies stay exact for its duration. Returns the number of
     4-bit layers patched.
+
+    ``persistent``: the copies and the patched forwards are made once per model and kept after the
+    block (``dense_copy_bytes`` stay allocated); each entry refills the copies in place. A compiled
+    decode step needs this: it captured their addresses (marked static, as transformers marks its
+    static cache) and the forwards' identity, which new copies would change (a recompile per call).
     """
-    import bitsandbytes as bnb
-    import torch.nn.functional as F
-    from peft.tuners.lora.layer import LoraLayer
-
-    def linear(dense, bias):
-        def forward(x, *_, **__):
-            return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype))
-
-        return forward
-
-    patched, dense_of = [], {}
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            dense_of[module] = dense_weight(module).to(module.compute_dtype or torch.float32)
-            module.forward = linear(dense_of[module], module.bias)
-            patched.append(module)
-    n_4bit = len(patched)
-    for module in model.modules():
-        base = getattr(module, "base_layer", None)
-        if isinstance(module, LoraLayer) and base in dense_of and not module.merged:
-            dense = dense_of[base]
-            merged = dense.clone()
-            for name in module.active_adapters:
-                if name in module.lora_A:
-                    delta = module.lora_B[name].weight @ module.lora_A[name].weight  # (out, in)
-                    merged += module.scaling[name] * delta.to(merged.dtype)
-            with_adapter, without = linear(merged.detach(), base.bias), linear(dense, base.bias)
-
-            def forward(x, *args, _m=module, _on=with_adapter, _off=without, **kwargs):
-                return (_off if _m.disable_adapters else _on)(x)
-
-            module.forward = forward
-            patched.append(module)
+    layers = _PERSISTENT.get(model) if persistent else None
+    if layers is None:
+        layers = _dense_layers(model, static=persistent)
+        if persistent:
+            _PERSISTENT[model] = layers
+    else:
+        for layer in layers:
+            layer.refill()
+    for layer in layers:
+        layer.module.forward = layer.forward
     try:
-        yield n_4bit
+        yield sum(layer.quantized for layer in layers)
     finally:
-        for module in patched:
-            del module.forward  # back to the class's forward
+        for layer in layers:
+            del layer.module.forward  # back to the class's forward

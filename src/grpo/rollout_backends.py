@@ -112,11 +112,13 @@ def dense_decode(model, rows: int, positions: int) -> tuple[bool, str]:
     """Whether the decode loop uses ``dequantized_weights`` for a call of ``rows`` x ``positions``,
     and why: always on a CPU (bitsandbytes dequantises a whole weight per token there); on CUDA when
     ``dense_fits`` the memory free now (``torch.cuda.mem_get_info``)."""
-    from grpo.nf4_layers import dense_copy_bytes
+    from grpo.nf4_layers import dense_copy_bytes, holds_dense_copies
 
     device = next(model.parameters()).device
     if device.type != "cuda":
         return True, "on the CPU"
+    if holds_dense_copies(model):
+        return True, "the compiled step's dense copies are kept"
     copies, working = dense_copy_bytes(model), decode_working_bytes(model, rows, positions)
     free = torch.cuda.mem_get_info(device)[0]
     gib = 2**30
@@ -225,8 +227,9 @@ class TransformersBackend(RolloutBackend):
         plan = self.decode_plan(ids.device)
         was_training = self.model.training
         self.model.eval()
-        dense = dequantized_weights(self.model) if self._dense(prompt_ids.shape[0], ids.shape[1] + max_new_tokens) \
-            else contextlib.nullcontext()
+        compiled = bool(plan.options.get("compile_step"))  # the copies stay: the compiled step holds their addresses
+        dense = dequantized_weights(self.model, persistent=compiled) \
+            if self._dense(prompt_ids.shape[0], ids.shape[1] + max_new_tokens) else contextlib.nullcontext()
         try:
             with dense:
                 completion_ids = decode(

@@ -16,7 +16,8 @@ and is timed whole (prefill, dense copies, every decode step):
   only: its first call compiles, so it is timed on a second call).
 
 Per variant: seconds, milliseconds per token (seconds / tokens), and the share of rows whose
-tokens equal ``dense-dynamic``'s (same seeds; bf16 rounding may differ with the batch's shape).
+tokens equal the reference's: ``dense-dynamic``'s, or without it the first variant run's (same
+seeds; bf16 rounding may differ with the batch's shape, and a compiled step's kernels round apart).
 ``--profile`` adds a ``torch.profiler`` split of ``--profile-tokens`` tokens for the first and the
 last variant run: CPU and CUDA self time per token, kernel launches per token, the top operators.
 The JSON is rewritten after each variant, so a run cut off keeps what it measured.
@@ -47,7 +48,8 @@ VARIANT = {
     "tokens": "int?: tokens per completion", "seconds": "number?: the call's wall seconds (the second call for a graph)",
     "ms_per_token": "number?: seconds / tokens, in ms: one decode step of every row",
     "first_call_s": "number?: the first call's seconds (compilation included), graph variant only",
-    "same_tokens": "number?: share of rows equal to dense-dynamic's over the shorter length (same seeds)",
+    "same_tokens": "number?: share of rows equal to the reference's over the shorter length (same seeds): "
+                   "dense-dynamic's, else the first variant run's (null for the reference itself)",
     "peak_allocated_gib": "number?: CUDA's max_memory_allocated during the call",
     "error": "str?: why the variant did not run, one line",
 }
@@ -192,6 +194,8 @@ def same_share(a, b) -> float:
 def measure(args) -> dict:
     out = {k: None for k in SCHEMA}
     out["variants"] = {name: {k: None for k in VARIANT} for name in VARIANTS}
+    for key in ("profile_before", "profile_after"):  # without --profile: present, every figure null
+        out[key] = {k: [] if v.startswith("list") else None for k, v in PROFILE.items()}
 
     def save() -> None:
         if args.json:
@@ -202,7 +206,7 @@ def measure(args) -> dict:
         out.update(device=model.device, model=str(model.source), dtype=str(model.dtype).removeprefix("torch."),
                    rows=model.rows, group=model.group, prompt_tokens=args.prompt_tokens)
         names = args.variants.split(",")
-        reference = None
+        reference, ref_name = None, "dense-dynamic" if "dense-dynamic" in names else names[0]
         for name in names:
             tokens = args.before_tokens if name == "nf4-dynamic" else args.new_tokens
             try:
@@ -210,9 +214,9 @@ def measure(args) -> dict:
             except Exception as err:  # one variant failing (a compile on a new card) leaves the others
                 row = {k: None for k in VARIANT} | {"error": f"{type(err).__name__}: {err}"[:300]}
             got = row.pop("_out", None)
-            if name == "dense-dynamic":
+            if name == ref_name:
                 reference = got
-            if got is not None and reference is not None:
+            elif got is not None and reference is not None:
                 row["same_tokens"] = same_share(got, reference)
             out["variants"][name] = row
             print(f"  {name:<20} " + ", ".join(f"{k} {v}" for k, v in row.items() if v is not None), flush=True)

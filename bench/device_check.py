@@ -1,11 +1,11 @@
-"""The GPU check for a machine without network and without vLLM: everything but the engine, in one
-command of at most 9 minutes, at seed 003's real shapes.
+"""The GPU check for a machine without network and without vLLM: everything but the engine, at seed
+003's real shapes; the default phases in one command of at most 570 s (all of them: two).
 
 Two steps:
 
     python bench/device_check.py pack [DIR]          # here, with the package registry (default DIR .device-wheels)
-    python3 bench/device_check.py run [OUT] --wheels DIR --commit SHA [--budget-s 540]   # there (OUT default: $OUT)
-    python bench/device_check.py run OUT --dry-run   # the same phases on this CPU, at toy sizes
+    python3 bench/device_check.py run [OUT] --wheels DIR --commit SHA [--budget-s 570]   # there (OUT default: $OUT)
+    python bench/device_check.py run OUT --dry-run [--phases all] [--without dvclive]   # on this CPU, toy sizes
     python bench/device_check.py validate OUT/device_check.json
 
 ``pack`` downloads the wheels the GPU image lacks (bitsandbytes, pydantic and its three helpers,
@@ -16,7 +16,8 @@ this tree's commit (``git rev-parse HEAD``, ``+dirty`` when the tree has changes
 machine's copy of the repository carries a stale ``.git``, so the JSON's ``commit`` is the one
 passed (``commit_source`` says ``passed``, or ``git`` when read from the copy's own git).
 
-``run`` runs the phases below, most valuable first, each a child process under its own time limit
+``run`` runs the phases below in this order (``PHASES``; without ``--phases`` the four of
+``DEFAULT_PHASES``, ``--phases all`` every one), each a child process under its own time limit
 (``PHASES``, or ``--limit PHASE=SECONDS``, and never past ``--budget-s`` for the whole run; a phase
 whose expected time, ``PHASES``' need, no longer fits in what is left is skipped, saying so). After each
 phase it rewrites ``OUT/device_check.json`` (keys: ``SCHEMA`` below, the one home of the format),
@@ -27,21 +28,23 @@ brings back at most eight).
 1. ``probe``: Python, torch, the driver, the card and its compute capability, the C compiler and
    ``Python.h`` that Triton needs; installs the carried wheels into a ``--target`` folder; ``grpo
    doctor --params presets/seed003.yaml`` on the real card.
-2. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
+2. ``train_stage``: the train stage whole (``bench/device_train.py``, the phase's limit its budget):
+   ``tasks.train`` for 2 steps at seed 003's shapes on random weights, two unbroken runs, one killed
+   with -9 after its first checkpoint and resumed (the adapters' bytes compared pair by pair), and
+   two runs with ``train.deterministic: true`` when a pair differs and the time left holds them;
+   validation, the adapter and the dense export; its steps' seconds are seed 003's whole step
+   through the decode loop ``auto`` picks.
+3. ``samplers``: SENT's and the evaluations' decode loop at seed 003's call sizes, as they run
+   where vLLM is missing (``bench/sampler_calls.py``): seconds and peak memory per call.
+4. ``generation``: the loop ``auto`` picks on CUDA at 16 rows x 512 tokens (``bench/decode_speed.py
+   --variants`` ``GENERATION_VARIANTS``): static, then static with the compiled step; milliseconds
+   per token, the compile's first call, the share of rows with the same tokens.
+5. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
    CUDA's peak allocated / reserved and free memory against ``grpo check``'s estimate.
-3. ``generation``: the decode loop without vLLM at 16 rows x 512 tokens (``bench/decode_speed.py
-   --profile``): the 4-bit loop CUDA ran before against the dense copies, the static cache and the
-   CUDA graph, milliseconds per token, the same tokens, and a profiler split before and after.
-4. ``train_stage``: the train stage whole (``bench/device_train.py``): ``tasks.train`` for 2 steps at
-   seed 003's shapes on random weights, unbroken against killed with -9 after its first checkpoint
-   and resumed (the adapters' bytes compared), with validation, the adapter and the dense export;
-   its steps' seconds are seed 003's whole step through the decode loop ``auto`` picks.
-5. ``rules``: the update under the params' token rule beside ``high`` (``bench/device_update.py
-   --entropy-rule high``; the default's figures are the ``update`` phase's when it ran).
 6. ``context``: the memory outside torch's allocator with the allocator capped at 7.6 GiB
    (``bench/device_update.py --memory-cap-gib 7.6``); skipped on a CPU.
-7. ``samplers``: SENT's and the evaluations' decode loop at seed 003's call sizes, as they run
-   where vLLM is missing (``bench/sampler_calls.py``): seconds and peak memory per call.
+7. ``rules``: the update under the params' token rule beside ``high`` (``bench/device_update.py
+   --entropy-rule high``; the default's figures are the ``update`` phase's when it ran).
 8. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
    JUnit XML.
 9. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
@@ -50,16 +53,16 @@ brings back at most eight).
 11. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
     under ``high`` and under the params' rule.
 
-The limits: the first five phases' (``BUDGETED``) sum to the 540 s budget, each about 1.1-1.4x its
-need (``Phase``: what it took in the H100 runs of 2026-11-26, or for the new phases what their parts
-took there, the params' ``mu`` 2 doubling the update; ``generation``: the model's load as in
-``update``, 64 tokens of the old loop at its measured 54.8 ms, three 512-token calls and one
-compilation), so each gets its whole limit; the rest run in what is left, ``context`` first (the
-first five's needs leave it room). ``tests`` (which passed in all three H100 runs) and ``step``
-(128 s in run 1; the train stage logs the same step's times) come late.
+The limits come from what the phases took on an H200 at d650e3f, or for the ones not measured
+there from the parts that were (docs/gpu-notes.md#the-device-check-phase-by-phase has the table);
+the default phases' limits with ``RUN_MARGIN_S`` fill the default budget, 570 s, one device call.
+``--without dvclive`` runs every phase as on a machine without dvclive (``hide_modules``), which the
+GPU machine lacks: the train stage then logs one warning and goes on (``grpo.step_loggers``), and
+``pack`` does not carry it (dvclive needs dvc and its dependencies).
 
 ``--dry-run`` runs the same plumbing on a CPU: toy sizes, Triton under ``TRITON_INTERPRET=1``, no
-wheels; it checks the script and the JSON, not a card. Exit 0 when every phase passed or was
+wheels, the limits and the default budget ``DRY_SCALE`` times longer; it checks the script and the
+JSON, not a card. Exit 0 when every phase passed or was
 skipped (the JSON says why), 1 when one failed or ran out of time, 2 on a usage error.
 """
 
@@ -116,32 +119,47 @@ class Phase(NamedTuple):
     what: str
 
 
-PHASES = {  # most valuable first; the first five's limits sum to the 540 s budget (module docstring)
-    "probe": Phase(40, 30, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
-    "update": Phase(60, 50, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
-    "generation": Phase(110, 90, "the decode loop at 16 rows x 512 tokens: 4-bit before, dense copies, static "
-                                 "cache, CUDA graph; a profiler split before and after"),
-    "train_stage": Phase(270, 240, "tasks.train for 2 steps at seed 003's shapes: unbroken against killed with -9 "
-                                   "after a checkpoint and resumed; validation, adapter and dense export"),
-    "rules": Phase(60, 50, "the update under the params' token rule beside high: peak memory and seconds"),
-    "context": Phase(55, 50, "memory outside torch's allocator (total - free - reserved), the allocator capped at "
+PHASES = {  # the default ones (DEFAULT_PHASES) first, most valuable first; limits from the H200 run (docs/gpu-notes.md)
+    "probe": Phase(35, 25, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
+    "train_stage": Phase(330, 290, "tasks.train for 2 steps at seed 003's shapes (512 new tokens): two unbroken runs, "
+                                   "one killed with -9 after a checkpoint and resumed, the deterministic switch when "
+                                   "a pair differs and time allows; validation, adapter and dense export"),
+    "samplers": Phase(100, 85, "SENT's and the evaluations' decode loop (no vLLM) at seed 003's call sizes: seconds, "
+                               "peak memory against the prediction"),
+    "generation": Phase(100, 85, "the decode loop auto picks on CUDA at 16 rows x 512 tokens: static, then static with "
+                                 "the compiled step (its first call, the compile, timed apart); the same tokens"),
+    "update": Phase(75, 62, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
+    "context": Phase(55, 45, "memory outside torch's allocator (total - free - reserved), the allocator capped at "
                              "7.6 GiB"),
-    "samplers": Phase(60, 45, "SENT's and the evaluations' decode loop (no vLLM) at seed 003's call sizes: seconds, "
-                              "peak memory against the prediction"),
+    "rules": Phase(75, 62, "the update under the params' token rule beside high: peak memory and seconds"),
     "tests": Phase(50, 40, "pytest -m cuda on the test files that need no vLLM (the packed layout's included)"),
     "nan_guard": Phase(45, 30, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
     "nf4_rows": Phase(30, 15, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
-    "step": Phase(270, 250, "one GRPO step through the decode loop at seed 003's call sizes, under high and under "
+    "step": Phase(150, 120, "one GRPO step through the decode loop at seed 003's call sizes, under high and under "
                             "the params' rule"),
 }
-BUDGETED = ("probe", "update", "generation", "train_stage", "rules")
-"""The phases whose limits sum to the default budget: each gets its whole limit; the rest run in
-what their needs leave (``context``'s need fits what the first five leave when they take their
-needs, not their limits)."""
+DEFAULT_PHASES = ("probe", "train_stage", "samplers", "generation")
+"""What ``run`` runs without ``--phases``: their limits and ``RUN_MARGIN_S`` sum to at most the
+default budget, one device call (``--phases all``: every phase, about two calls)."""
+DEFAULT_BUDGET_S = 570
+"""The run's default time limit: a device call may run 600 s."""
+RUN_MARGIN_S = 5
+"""Seconds a phase leaves of the budget (``Run.phase``): the report's last save and the summary."""
+GENERATION_VARIANTS = "dense-static,dense-static-graph"
+"""``bench/decode_speed.py``'s variants in the generation phase: the loop ``auto`` picks on CUDA,
+uncompiled and compiled (the 4-bit and dynamic loops were measured at d650e3f)."""
+DRY_SCALE = 3
+"""On ``--dry-run`` the phases' own limits (``PHASES``) and the default budget are this many times
+longer: the toy sizes run on a CPU at whatever speed it has (one shared with other work runs them
+several times slower), and the dry run checks the plumbing, not the time; a ``--limit`` or
+``--budget-s`` given is kept as given."""
 DRY_NEED_S = 10
 """A phase's need on ``--dry-run`` (toy sizes: the floor below which no phase starts)."""
 CONTEXT_CAP_GIB = 7.6
 """The context phase's allocator cap: seed 003's card (``grpo check --gpu-memory 7.6``)."""
+TRAIN_MARGIN_S = 10
+"""Seconds of the train_stage phase's limit that ``bench/device_train.py``'s budget leaves: its last
+part's save and its exit."""
 RULE_BESIDE = "high"
 """The token rule the rules phase measures beside the params' own."""
 PHASE = {
@@ -163,6 +181,7 @@ SCHEMA = {
     "ok": "bool: every phase run passed",
     "finished": "bool: the run reached its end (false while it runs or when cut off)",
     "carried": "list[str]: the wheels installed from --wheels",
+    "without": "list[str]: modules made unimportable for the phases (--without: as on a machine that lacks them)",
     "probe": {
         "python": "str: the Python version", "executable": "str: its path", "torch": "str: torch's version",
         "torch_cuda": "str?: the CUDA torch was built for", "device": "str: the card's name, or cpu",
@@ -279,21 +298,35 @@ def git_commit() -> str | None:
 
 # ------------------------------------------------------------------------------------- run (there)
 
+def hide_modules(folder: Path, names: tuple[str, ...]) -> Path:
+    """``folder`` holding, for each of ``names``, a package whose import raises
+    ``ModuleNotFoundError`` as a module that is not installed does (``--without``): first on the
+    children's PYTHONPATH, it makes ``import NAME`` fail through the real import machinery, as on a
+    GPU machine that lacks it (dvclive there)."""
+    for name in names:
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}' (hidden by device_check --without)\", name={name!r})\n")
+    return folder
+
+
 class Run:
     """One check: the report, the environment the children get, the time left."""
 
     def __init__(self, out: Path, budget_s: float, dry_run: bool, site: Path, limits: dict[str, float],
-                 commit: str | None = None):
+                 commit: str | None = None, without: tuple[str, ...] = ()):
         self.out, self.budget_s, self.dry_run, self.site, self.limits = out, budget_s, dry_run, site, limits
         self.t0 = time.monotonic()
         self.report = blank(SCHEMA)
         commit, source = (commit, "passed") if commit else (git_commit(), "git")
         self.report.update(schema=SCHEMA_VERSION, dry_run=dry_run, commit=commit, commit_source=source if commit else None,
                            budget_s=budget_s, started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                           ok=True, finished=False)
+                           ok=True, finished=False, without=list(without))
         for name, phase in PHASES.items():
             self.report["phases"][name].update(status="skipped", what=phase.what, why="not reached or not asked for")
-        path = os.pathsep.join([str(REPO / "src"), str(REPO), str(site)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
+        hidden = [str(hide_modules(site / "without", without))] if without else []
+        path = os.pathsep.join([*hidden, str(REPO / "src"), str(REPO), str(site)]
+                               + os.environ.get("PYTHONPATH", "").split(os.pathsep))
         self.env = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "PYTHONUNBUFFERED": "1",
                     "TQDM_DISABLE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
         if dry_run:
@@ -336,12 +369,13 @@ class Run:
     def phase(self, name: str, body) -> None:
         """Run phase ``name`` (``body(limit)`` returns (status, rc, why)) and record it; skipped
         when the budget left is below what it needs (``Phase.need_s``)."""
-        own = self.limits.get(name, PHASES[name].limit_s)
+        own = self.limits.get(name, PHASES[name].limit_s * (DRY_SCALE if self.dry_run else 1))
         need = min(DRY_NEED_S if self.dry_run else PHASES[name].need_s, own)
-        limit = min(own, self.left() - 5)
+        left = self.left() - RUN_MARGIN_S
+        limit = min(own, left)
         row = self.report["phases"][name]
-        if self.left() - 5 < max(need, DRY_NEED_S):
-            row.update(status="skipped", why=f"the run's budget ({self.budget_s:.0f} s) has {max(self.left() - 5, 0):.0f} s "
+        if left < max(need, DRY_NEED_S):
+            row.update(status="skipped", why=f"the run's budget ({self.budget_s:.0f} s) has {max(left, 0):.0f} s "
                                              f"left, under the {need:.0f} s it needs")
             self.save()
             return
@@ -525,6 +559,17 @@ def phase_step(run: Run, toy: list[str]):
                  "--rollout", "transformers", "--data", str(problems_file())], limit))
 
 
+def phase_train_stage(run: Run, toy: list[str]):
+    """``bench/device_train.py`` with the phase's limit as its budget (less ``TRAIN_MARGIN_S``), so
+    it leaves out the parts that would not fit instead of being killed in one; on a dry run the
+    deterministic runs always (the path checked), on a card when a pair's bytes differ."""
+    def body(limit):
+        how = "always" if run.dry_run else "auto"
+        return run.script("train_stage", ["bench/device_train.py", "--params", SEED003, "--budget-s",
+                                          str(round(limit - TRAIN_MARGIN_S)), "--deterministic", how, *toy], limit)
+    run.phase("train_stage", body)
+
+
 def one_script(name: str, script: str, *argv: str):
     """A phase that is ``script`` with ``argv`` (and ``--dry-run`` on a dry run), kept under ``name``."""
     return lambda run, toy: run.phase(name, lambda limit: run.script(name, [script, *argv, *toy], limit))
@@ -532,8 +577,9 @@ def one_script(name: str, script: str, *argv: str):
 
 RUNNERS = {
     "update": one_script("update", "bench/device_update.py", "--params", SEED003),
-    "generation": one_script("generation", "bench/decode_speed.py", "--params", SEED003, "--profile"),
-    "train_stage": one_script("train_stage", "bench/device_train.py", "--params", SEED003),
+    "generation": one_script("generation", "bench/decode_speed.py", "--params", SEED003, "--variants",
+                             GENERATION_VARIANTS),
+    "train_stage": phase_train_stage,
     "rules": phase_rules,
     "context": phase_context,
     "samplers": one_script("samplers", "bench/sampler_calls.py", "--params", SEED003),
@@ -577,7 +623,7 @@ def cmd_run(args) -> int:
         print(f"device_check: --wheels {args.wheels}: no such folder (make it with: python bench/device_check.py "
               "pack)", file=sys.stderr)
         return 2
-    only = set(args.phases.split(",")) if args.phases else set(PHASES)
+    only = set(PHASES) if args.phases == "all" else set(args.phases.split(",")) if args.phases else set(DEFAULT_PHASES)
     limits = parse_limits(args.limit)
     unknown = (only | set(limits or {})) - set(PHASES)
     if unknown or limits is None:
@@ -586,7 +632,8 @@ def cmd_run(args) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     site = Path(tempfile.mkdtemp(prefix="device-check-site-"))
-    run = Run(out.resolve(), args.budget_s, args.dry_run, site, limits, args.commit)
+    budget = args.budget_s or DEFAULT_BUDGET_S * (DRY_SCALE if args.dry_run else 1)
+    run = Run(out.resolve(), budget, args.dry_run, site, limits, args.commit, tuple(args.without))
     run.save()
     try:
         run_all(run, wheels, only)
@@ -594,8 +641,9 @@ def cmd_run(args) -> int:
         run.report["finished"] = True
         run.save()
         shutil.rmtree(site, ignore_errors=True)
+    print(f"  {'phase':<11} {'status':<10} {'seconds':>7} {'limit':>6}  why")
     for name, row in run.report["phases"].items():
-        print(f"  {name:<11} {row['status']:<10} {row['seconds'] or 0:>6} s  {row['why'] or ''}")
+        print(f"  {name:<11} {row['status']:<10} {row['seconds'] or 0:>7} {row['limit_s'] or '-':>6}  {row['why'] or ''}")
     print(f"device_check: {'ok' if run.report['ok'] else 'FAILED'}: {out / 'device_check.json'}")
     return 0 if run.report["ok"] else 1
 
@@ -620,9 +668,14 @@ def main(argv=None) -> int:
     run.add_argument("--wheels", help="the folder that pack made")
     run.add_argument("--commit", help="the commit that runs (pack prints it); default: this copy's git, which a "
                                       "device machine's copy has stale")
-    run.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit (default 540)")
+    run.add_argument("--budget-s", type=float, help=f"the whole run's time limit (default {DEFAULT_BUDGET_S}; "
+                                                    f"on --dry-run {DRY_SCALE}x)")
     run.add_argument("--dry-run", action="store_true", help="on this CPU at toy sizes: checks the script")
-    run.add_argument("--phases", help=f"comma-separated, of {','.join(PHASES)} (default: all; the probe always runs)")
+    run.add_argument("--phases", help=f"comma-separated, of {','.join(PHASES)}, or all (default: "
+                                      f"{','.join(DEFAULT_PHASES)}; the probe always runs)")
+    run.add_argument("--without", action="append", default=[], metavar="MODULE",
+                     help="make MODULE unimportable for every phase, as on a machine without it (repeatable; e.g. "
+                          "dvclive, which the GPU machine lacks)")
     run.add_argument("--limit", action="append", default=[], metavar="PHASE=SECONDS",
                      help="a phase's own time limit instead of PHASES' (repeatable)")
     run.set_defaults(func=cmd_run)

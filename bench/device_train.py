@@ -14,26 +14,35 @@ the adapter never moved from its start: the comparison below would hold whatever
 stage is therefore its own ``tasks.train.main`` (what ``python -m tasks.train --params FILE`` runs)
 started as ``python -c`` after that one registration; nothing else differs.
 
-Three processes of the stage, one after the other, then the dense export:
+The parts, one process of the stage after the other, most valuable first:
 
-1. ``unbroken``: N steps in one process.
-2. ``killed``: the same params in another folder; SIGKILL to its process group as soon as
+1. ``unbroken``: N steps in one process (its step times are seed 003's step at its shapes).
+2. ``dense_export``: ``grpo.lora_policy.export_dense`` of the unbroken run's adapter in this process,
+   what the final evaluation writes (the train stage itself ships the PEFT adapter only).
+3. ``unbroken_again``: the same params in another folder, N steps: two unbroken runs, so a
+   difference of the resumed run below can be told from the kernels' own run-to-run difference.
+4. ``killed``: the same params in a third folder; SIGKILL to its process group as soon as
    ``checkpoints/step_000001`` exists (``grpo.checkpoint.save`` renames a complete checkpoint into
    place, so its appearance is the moment after it was written).
-3. ``resumed``: the same params file again: the stage resumes from the newest checkpoint (its
+5. ``resumed``: the killed run's params file again: the stage resumes from the newest checkpoint (its
    ``resumed from`` line) and runs to step N.
-4. ``dense_export``: ``grpo.lora_policy.export_dense`` of the unbroken run's adapter in this process,
-   what the final evaluation writes (the train stage itself ships the PEFT adapter only).
+6. ``deterministic`` and ``deterministic_again``: two unbroken runs with ``train.deterministic: true``
+   (``--deterministic``: ``auto`` when one of the pairs above differs, ``always``, ``never``): the
+   switch's cost (its step seconds against the unbroken run's) and whether it makes two runs equal.
+
+With ``--budget-s`` a part starts only when its expected time (``EXPECTED``: a multiple of the
+unbroken run's seconds) fits what is left; a part left out is named in ``skipped``, and the
+required ones (3 to 5) left out make ``ok`` false.
 
 Recorded (``--json``, rewritten after each part, so a run cut off keeps what it measured; keys:
 ``SCHEMA``): each process's seconds, steps, step and generation times and peak CUDA memory (the
 step log's ``peak_mem_mb`` / ``peak_reserved_mb``, the largest step's; null on a CPU), its validation
-accuracy at step N and whether its adapter was written; whether the resumed run's adapter has the
-same bytes as the unbroken one's (sha256 of ``adapter_model.safetensors``) and otherwise the largest
-absolute difference of their tensors. Equal bytes are recorded, not required: exit 0 when every
-process ended as planned (``ok``), 1 otherwise.
+accuracy at step N and whether its adapter was written; for each pair (unbroken and unbroken again,
+unbroken and resumed, the two deterministic runs) whether the adapters have the same bytes (sha256 of
+``adapter_model.safetensors``) and otherwise the largest absolute difference of their tensors. Equal
+bytes are recorded, not required: exit 0 when every process ended as planned (``ok``), 1 otherwise.
 
-    python bench/device_train.py [--params presets/seed003.yaml] [--steps 2] [--json FILE]
+    python bench/device_train.py [--params presets/seed003.yaml] [--steps 2] [--budget-s S] [--json FILE]
     python bench/device_train.py --dry-run    # on a CPU: the toy architecture at toy sizes
 """
 
@@ -68,6 +77,10 @@ RUN = {
     "adapter_sha256": "str?: sha256 of its adapter_model.safetensors",
     "last_line": "str?: the last line of its output",
 }
+PAIR = {
+    "same_bytes": "bool?: the two runs' adapter_model.safetensors have the same bytes (null: one did not write it)",
+    "max_abs_diff": "number?: the largest |a - b| over the adapters' tensors (0 when the bytes are equal)",
+}
 SCHEMA = {
     "device": "str?: cuda, or cpu on --dry-run",
     "model": "str?: the architecture the weights were drawn for",
@@ -77,12 +90,20 @@ SCHEMA = {
     "completion_tokens": "int?: train.max_new_tokens", "micro_batches": "int?: train.micro_batches",
     "entropy_rule": "str?: train.entropy_rule", "eval_tokens": "int?: train.eval_max_new_tokens",
     "build_s": "number?: seconds to draw and save the random base",
-    "unbroken": RUN, "killed": RUN, "resumed": RUN,
+    "budget_s": "number?: --budget-s, the seconds all parts may take (null: no limit)",
+    "unbroken": RUN, "unbroken_again": RUN, "killed": RUN, "resumed": RUN,
+    "deterministic": RUN, "deterministic_again": RUN,
     "killed_after": "list[str]: the checkpoints there when the kill came",
     "resumed_from": "int?: the step the resumed run says it resumed from",
     "steps_complete": "bool?: the resumed run's step log holds steps 1..N, each once",
     "same_adapter_bytes": "bool?: the resumed run's adapter_model.safetensors has the unbroken run's bytes",
     "adapter_max_abs_diff": "number?: the largest |unbroken - resumed| over the adapter's tensors (0 when the bytes are equal)",
+    "unbroken_pair": PAIR,
+    "deterministic_pair": PAIR,
+    "deterministic_why": "str?: why the runs with train.deterministic: true ran or not, one line",
+    "deterministic_step_ratio": "number?: the deterministic run's step seconds (summed) / the unbroken run's: the "
+                                "switch's cost",
+    "skipped": "list[str]: the parts left out for want of time (--budget-s)",
     "dense_export": {
         "seconds": "number?: grpo.lora_policy.export_dense of the unbroken run's adapter",
         "files": "list[str]: the weight files it wrote",
@@ -91,8 +112,14 @@ SCHEMA = {
     },
     "ok": "bool?: every process ended as planned (exit 0; the killed one by the kill, after its first checkpoint), "
           "the resumed run resumed from a checkpoint with steps 1..N each once, validation at step N and the adapter in "
-          "both completed runs, the dense export written",
+          "every completed run, the dense export written; no required part left out",
 }
+EXPECTED = {"unbroken_again": 1.0, "killed": 0.8, "resumed": 0.8, "deterministic": 1.5, "deterministic_again": 1.5}
+"""A part's expected seconds as a multiple of the unbroken run's (the killed and resumed runs do
+about half the steps but load the model as often; deterministic algorithms are slower: a guess
+until measured)."""
+EXPORT_S = 15
+"""Seconds kept back for the dense export (7.5 s on an H200 at seed 003's size)."""
 STAGE = (
     "import sys\n"
     f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
@@ -119,6 +146,10 @@ def parse_args(argv=None):
     ap.add_argument("--eval-tokens", type=int, default=64,
                     help="train.eval_max_new_tokens of the validation at step N (the path is checked, not its length)")
     ap.add_argument("--timeout-s", type=float, default=900, help="each process's time limit")
+    ap.add_argument("--budget-s", type=float, help="the seconds all parts may take: a part that would not fit is "
+                                                   "left out (default: no limit)")
+    ap.add_argument("--deterministic", choices=("auto", "always", "never"), default="auto",
+                    help="the two runs with train.deterministic: true: auto when a pair differs (default)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the toy architecture, toy sizes: checks the script")
     ap.add_argument("--json", help="write the record here (rewritten after each part)")
     args = ap.parse_args(argv)
@@ -138,9 +169,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def stage_params(args, work: Path, base: Path, folder: str) -> tuple[Path, dict]:
+def stage_params(args, work: Path, base: Path, folder: str, **train_keys) -> tuple[Path, dict]:
     """The params file of one run in ``work/folder`` and the validated train section (a dict): the
-    preset over ``params.yaml``, the base at ``base``, ``STAGE_KEYS``; on ``--dry-run`` toy sizes."""
+    preset over ``params.yaml``, the base at ``base``, ``STAGE_KEYS``, then ``train_keys``; on
+    ``--dry-run`` toy sizes."""
     import yaml
 
     from grpo.cli import workspace_root
@@ -165,6 +197,7 @@ def stage_params(args, work: Path, base: Path, folder: str) -> tuple[Path, dict]
     }
     if args.dry_run:
         keys.update(max_new_tokens=8, prompts_per_step=2, group_size=2, micro_batches=2)
+    keys.update(train_keys)
     raw = overlay_params(raw, {"train": keys, "model": {"path": str(base)}})
     from grpo.rewards import REWARDS
 
@@ -284,8 +317,144 @@ def dense_export(model_cfg: dict, adapter: Path, out: Path, cuda: bool) -> dict:
             "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 4) if cuda else None}
 
 
+class Clock:
+    """The time left of ``--budget-s`` (none: unlimited) and what a part is expected to take."""
+
+    def __init__(self, budget_s: float | None):
+        self.end = time.monotonic() + budget_s if budget_s else float("inf")
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def fits(self, part: str, unbroken_s: float | None) -> bool:
+        """Whether ``part`` (``EXPECTED``) and the export's reserve fit what is left."""
+        return self.left() >= EXPECTED[part] * (unbroken_s or 0.0) + EXPORT_S
+
+
+def pair(a: dict | None, b: dict | None, a_run: Path, b_run: Path) -> dict:
+    """A ``PAIR``: the adapters of two runs (``RUN`` records, their folders) compared."""
+    sa, sb = (a or {}).get("adapter_sha256"), (b or {}).get("adapter_sha256")
+    if not (sa and sb):
+        return {"same_bytes": None, "max_abs_diff": None}
+    file = Path("adapter") / "adapter_model.safetensors"
+    return {"same_bytes": sa == sb, "max_abs_diff": 0.0 if sa == sb else adapter_diff(a_run / file, b_run / file)}
+
+
+def step_ratio(a: dict | None, b: dict | None) -> float | None:
+    """Summed step seconds of run ``a`` over run ``b``'s (None without both)."""
+    ta, tb = sum((a or {}).get("step_s") or []), sum((b or {}).get("step_s") or [])
+    return round(ta / tb, 3) if ta and tb else None
+
+
+def completed(r: dict) -> bool:
+    return bool(r["rc"] == 0 and r["adapter"] and r["val_accuracy"] is not None and r["steps"])
+
+
+class Parts:
+    """The stage's processes of one check, each in its own folder under ``work``, and the record."""
+
+    def __init__(self, args, work: Path, base: Path, out: dict, save, cuda: bool):
+        self.args, self.work, self.out, self.save, self.cuda = args, work, out, save, cuda
+        self.clock = Clock(args.budget_s)
+        made = {name: stage_params(args, work, base, name, deterministic=name.startswith("deterministic"))
+                for name in ("unbroken", "unbroken_again", "killed", "deterministic", "deterministic_again")}
+        self.params = {name: path for name, (path, _) in made.items()}
+        self.train = made["unbroken"][1]
+        """The unbroken run's train section (a dict): every run's but the deterministic switch."""
+
+    def timeout(self) -> float:
+        return max(1.0, min(self.args.timeout_s, self.clock.left()))
+
+    def whole(self, name: str) -> bool:
+        """Run ``name`` unbroken when it fits (``unbroken`` always); False when left out."""
+        if name != "unbroken" and not self.clock.fits(name, self.out["unbroken"]["seconds"]):
+            self.out["skipped"].append(name)
+            return False
+        self.out[name], _ = run_through(name, self.params[name], self.work / name, self.timeout(), self.args.steps,
+                                        self.cuda)
+        self.save(self.out)
+        return True
+
+    def kill_and_resume(self) -> None:
+        """The killed run, then the same params resumed; the resumed adapter against the unbroken one's."""
+        out, run, n = self.out, self.work / "killed", self.args.steps
+        if not self.clock.fits("killed", out["unbroken"]["seconds"]):
+            out["skipped"] += ["killed", "resumed"]
+            return
+        out["killed"], out["killed_after"] = run_killed(self.params["killed"], run, self.timeout(), n, self.cuda)
+        self.save(out)
+        if not self.clock.fits("resumed", out["unbroken"]["seconds"]):
+            out["skipped"].append("resumed")
+            return
+        out["resumed"], text = run_through("resumed", self.params["killed"], run, self.timeout(), n, self.cuda)
+        match = RESUMED.search(text)
+        out["resumed_from"] = int(match.group(2)) if match else None
+        out["steps_complete"] = [r["step"] for r in steps_of(run)] == list(range(1, n + 1))
+        same = pair(out["unbroken"], out["resumed"], self.work / "unbroken", run)
+        out.update(same_adapter_bytes=same["same_bytes"], adapter_max_abs_diff=same["max_abs_diff"])
+        self.save(out)
+
+    def deterministic_wanted(self) -> str | None:
+        """Why the deterministic runs run (None: they do not, ``deterministic_why`` says why)."""
+        out, how = self.out, self.args.deterministic
+        differ = [name for name, same in (("unbroken_pair", out["unbroken_pair"]["same_bytes"]),
+                                          ("unbroken and resumed", out["same_adapter_bytes"])) if same is False]
+        if how == "never" or (how == "auto" and not differ):
+            out["deterministic_why"] = ("--deterministic never" if how == "never" else
+                                       "not needed: no pair's bytes differ")
+            return None
+        return "--deterministic always" if how == "always" else f"bytes differ: {', '.join(differ)}"
+
+    def deterministic(self) -> None:
+        why = self.deterministic_wanted()
+        if why is None:
+            return
+        ran = [name for name in ("deterministic", "deterministic_again") if self.whole(name)]
+        out = self.out
+        out["deterministic_why"] = f"{why}; ran {len(ran)} of 2" + (" (time)" if len(ran) < 2 else "")
+        out["deterministic_step_ratio"] = step_ratio(out["deterministic"], out["unbroken"])
+        out["deterministic_pair"] = pair(out["deterministic"], out["deterministic_again"],
+                                         self.work / "deterministic", self.work / "deterministic_again")
+
+    def export(self, model_cfg: dict) -> None:
+        if self.out["unbroken"]["adapter"]:
+            self.out["dense_export"] = dense_export(model_cfg, self.work / "unbroken" / "adapter", self.work / "dense",
+                                                    self.cuda)
+            self.save(self.out)
+
+    def run_all(self, model_cfg: dict) -> None:
+        out = self.out
+        self.whole("unbroken")
+        self.export(model_cfg)
+        if self.whole("unbroken_again"):
+            out["unbroken_pair"] = pair(out["unbroken"], out["unbroken_again"], self.work / "unbroken",
+                                        self.work / "unbroken_again")
+            self.save(out)
+        self.kill_and_resume()
+        self.deterministic()
+        required = all(completed(out[r]) for r in ("unbroken", "unbroken_again", "resumed"))
+        out["ok"] = bool(required and out["killed"]["rc"] == -signal.SIGKILL and out["killed_after"]
+                         and out["resumed_from"] and out["steps_complete"] and out["dense_export"]["files"]
+                         and all(completed(out[r]) for r in ("deterministic", "deterministic_again")
+                                 if out[r]["rc"] is not None))
+        self.save(out)
+
+
+def blank_record(args, device: str, source, dtype) -> dict:
+    """The record before any part ran: a part not run keeps its ``RUN`` with every figure null."""
+    out = {k: None for k in SCHEMA}
+    for name in ("unbroken", "unbroken_again", "killed", "resumed", "deterministic", "deterministic_again"):
+        out[name] = {k: [] if isinstance(v, list) else None for k, v in RUN.items()}
+    out.update(killed_after=[], skipped=[], dense_export={k: None for k in SCHEMA["dense_export"]}, device=device,
+               model=str(source), dtype=str(dtype).removeprefix("torch."), steps=args.steps, ok=False,
+               budget_s=args.budget_s, unbroken_pair={k: None for k in PAIR},
+               deterministic_pair={k: None for k in PAIR})
+    out["dense_export"]["files"] = []
+    return out
+
+
 def measure(args, save) -> dict:
-    """Build, run the three processes and the export; ``save(out)`` after each part."""
+    """Build the base, run the parts (``Parts``); ``save(out)`` after each part."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from device_update import architecture
 
@@ -301,11 +470,7 @@ def measure(args, save) -> dict:
     config, source, device = architecture(args.params, res.params, res.root, args.dry_run)
     cuda = device == "cuda"
     dtype = compute_dtype(res.params.model.dtype, device)
-    out = {k: None for k in SCHEMA}
-    out.update(killed_after=[], dense_export={k: None for k in SCHEMA["dense_export"]}, device=device,
-               model=str(source), dtype=str(dtype).removeprefix("torch."), steps=args.steps, ok=False)
-    out["dense_export"]["files"] = []
-    n = args.steps
+    out = blank_record(args, device, source, dtype)
     with tempfile.TemporaryDirectory(prefix="device-train-") as tmp:
         work = Path(tmp)
         t0 = time.monotonic()
@@ -318,38 +483,14 @@ def measure(args, save) -> dict:
         tok = load_tokenizer(base)
         write_rows(work / "train.jsonl", arithmetic_rows(64))
         write_rows(work / "val.jsonl", arithmetic_rows(VAL_ROWS, "v"))
-        params_a, t = stage_params(args, work, base, "unbroken")
-        params_b, _ = stage_params(args, work, base, "killed")
+        parts = Parts(args, work, base, out, save, cuda)
+        t = parts.train
         out.update(rows=t["prompts_per_step"] * t["group_size"], completion_tokens=t["max_new_tokens"],
                    micro_batches=t["micro_batches"], entropy_rule=t["entropy_rule"], eval_tokens=t["eval_max_new_tokens"],
                    prompt_tokens=max(len(tok(build_prompt(tok, r["question"], t["system_prompt"]),
                                              add_special_tokens=False)["input_ids"]) for r in arithmetic_rows(64)))
         save(out)
-        run_a, run_b = work / "unbroken", work / "killed"
-
-        out["unbroken"], _ = run_through("unbroken", params_a, run_a, args.timeout_s, n, cuda)
-        save(out)
-        out["killed"], out["killed_after"] = run_killed(params_b, run_b, args.timeout_s, n, cuda)
-        save(out)
-        out["resumed"], text = run_through("resumed", params_b, run_b, args.timeout_s, n, cuda)
-        match = RESUMED.search(text)
-        out["resumed_from"] = int(match.group(2)) if match else None
-        out["steps_complete"] = [r["step"] for r in steps_of(run_b)] == list(range(1, n + 1))
-        a, b = out["unbroken"]["adapter_sha256"], out["resumed"]["adapter_sha256"]
-        if a and b:
-            out["same_adapter_bytes"] = a == b
-            out["adapter_max_abs_diff"] = 0.0 if a == b else adapter_diff(
-                run_a / "adapter" / "adapter_model.safetensors", run_b / "adapter" / "adapter_model.safetensors")
-        save(out)
-
-        if out["unbroken"]["adapter"]:
-            model_cfg = {**res.params.model.model_dump(), "path": str(base)}
-            out["dense_export"] = dense_export(model_cfg, run_a / "adapter", work / "dense", cuda)
-        completed = all(out[r]["rc"] == 0 and out[r]["adapter"] and out[r]["val_accuracy"] is not None
-                        and out[r]["steps"] for r in ("unbroken", "resumed"))
-        out["ok"] = bool(completed and out["killed"]["rc"] == -signal.SIGKILL and out["killed_after"]
-                         and out["resumed_from"] and out["steps_complete"] and out["dense_export"]["files"])
-        save(out)
+        parts.run_all({**res.params.model.model_dump(), "path": str(base)})
     return out
 
 
@@ -365,14 +506,20 @@ def main(argv=None) -> int:
     out = measure(args, save)
     print(f"{args.params}: {out['model']} (random weights), {out['dtype']}, {out['rows']} rows x "
           f"({out['prompt_tokens']} + {out['completion_tokens']}) tokens, rule {out['entropy_rule']}, {out['steps']} steps")
-    for name in ("unbroken", "killed", "resumed"):
+    for name in ("unbroken", "unbroken_again", "killed", "resumed", "deterministic", "deterministic_again"):
         r = out[name]
-        print(f"  {name:<9} rc {r['rc']}, {r['seconds']} s, steps {r['steps']}, step s {r['step_s']}, "
-              f"peak allocated {r['peak_allocated_gib']} GiB, val {r['val_accuracy']}, adapter {r['adapter']}")
+        if r["rc"] is not None:
+            print(f"  {name:<19} rc {r['rc']}, {r['seconds']} s, steps {r['steps']}, step s {r['step_s']}, peak "
+                  f"allocated {r['peak_allocated_gib']} GiB, val {r['val_accuracy']}, adapter {r['adapter']}")
+    u, d = out["unbroken_pair"], out["deterministic_pair"]
+    print(f"  unbroken again: same adapter bytes {u['same_bytes']} (max |diff| {u['max_abs_diff']})")
     print(f"  killed after {out['killed_after']}; resumed from step {out['resumed_from']}; steps complete "
           f"{out['steps_complete']}; same adapter bytes {out['same_adapter_bytes']} (max |diff| "
-          f"{out['adapter_max_abs_diff']}); dense export {out['dense_export']['files']} in "
-          f"{out['dense_export']['seconds']} s; ok {out['ok']}")
+          f"{out['adapter_max_abs_diff']})")
+    print(f"  deterministic: {out['deterministic_why']}; same adapter bytes {d['same_bytes']} (max |diff| "
+          f"{d['max_abs_diff']}); step seconds x{out['deterministic_step_ratio']} of the unbroken run's")
+    print(f"  dense export {out['dense_export']['files']} in {out['dense_export']['seconds']} s; skipped "
+          f"{out['skipped']}; ok {out['ok']}")
     return 0 if out["ok"] else 1
 
 

@@ -1,5 +1,6 @@
-"""bench/device_train.py on the CPU: the train stage whole at toy sizes, an unbroken run against one
-killed with -9 after its first checkpoint and resumed, and the params it runs with."""
+"""bench/device_train.py on the CPU: the train stage whole at toy sizes, two unbroken runs and one
+killed with -9 after its first checkpoint and resumed, the pairs' adapters compared, the budget that
+leaves parts out, and the params it runs with."""
 
 from __future__ import annotations
 
@@ -40,6 +41,37 @@ def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_de
     assert train["output_dir"] == str(tmp_path / "unbroken" / "out")
 
 
+def test_the_deterministic_runs_params_differ_in_the_switch_alone(tmp_path):
+    args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=64, dry_run=False)
+    _, plain = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")
+    _, det = device_train.stage_params(args, tmp_path, tmp_path / "base", "deterministic", deterministic=True)
+    assert det.pop("deterministic") and not plain.pop("deterministic")
+    assert {k: v for k, v in det.items() if "dir" not in k} == {k: v for k, v in plain.items() if "dir" not in k}
+
+
+def test_a_pair_of_adapters_is_compared_by_bytes_then_by_their_largest_difference(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    for name, value in (("a", 0.5), ("b", 0.5), ("c", 0.625)):
+        (tmp_path / name / "adapter").mkdir(parents=True)
+        save_file({"w": torch.full((2, 2), value)}, tmp_path / name / "adapter" / "adapter_model.safetensors")
+    rec = {n: {"adapter_sha256": device_train.sha256(tmp_path / n / "adapter" / "adapter_model.safetensors")}
+           for n in "abc"}
+    assert device_train.pair(rec["a"], rec["b"], tmp_path / "a", tmp_path / "b") == {"same_bytes": True,
+                                                                                     "max_abs_diff": 0.0}
+    assert device_train.pair(rec["a"], rec["c"], tmp_path / "a", tmp_path / "c") == {"same_bytes": False,
+                                                                                     "max_abs_diff": 0.125}
+    assert device_train.pair(rec["a"], None, tmp_path / "a", tmp_path / "c") == {"same_bytes": None,
+                                                                                 "max_abs_diff": None}
+
+
+def test_a_part_starts_only_when_its_expected_time_fits_the_budget():
+    clock = device_train.Clock(100)
+    assert clock.fits("killed", 100) and not clock.fits("unbroken_again", 100)  # 80 + 15 fit, 100 + 15 do not
+    assert not clock.fits("deterministic", 60) and device_train.Clock(None).fits("deterministic", 1e6)
+
+
 def test_fewer_than_two_steps_is_a_usage_error():
     with pytest.raises(SystemExit) as err:
         device_train.parse_args(["--steps", "1"])
@@ -48,8 +80,9 @@ def test_fewer_than_two_steps_is_a_usage_error():
 
 @pytest.mark.slow
 def test_the_dry_run_kills_resumes_and_ships_the_unbroken_runs_adapter_bytes(tmp_path):
-    """On the CPU the resumed run's adapter is the unbroken run's byte for byte; each completed run
-    validated at step 2 and wrote its adapter, the dense export exists; no CUDA figures."""
+    """On the CPU two unbroken runs and the resumed run ship the same adapter bytes, so the
+    deterministic runs are not needed (``--deterministic auto``); each completed run validated at
+    step 2 and wrote its adapter, the dense export exists; no CUDA figures."""
     out = tmp_path / "train.json"
     done = subprocess.run([sys.executable, "bench/device_train.py", "--dry-run", "--json", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
@@ -57,11 +90,13 @@ def test_the_dry_run_kills_resumes_and_ships_the_unbroken_runs_adapter_bytes(tmp
     report = json.loads(out.read_text())
     assert schema_errors(report, device_train.SCHEMA) == []
     assert report["ok"] and report["device"] == "cpu"
-    assert [report[r]["steps"] for r in ("unbroken", "killed", "resumed")] == [[1, 2], [1], [2]]
+    assert [report[r]["steps"] for r in ("unbroken", "unbroken_again", "killed", "resumed")] == [[1, 2], [1, 2], [1], [2]]
+    assert report["unbroken_pair"] == {"same_bytes": True, "max_abs_diff": 0.0} and report["skipped"] == []
+    assert report["deterministic_why"] == "not needed: no pair's bytes differ" and report["deterministic"]["rc"] is None
     assert report["killed"]["rc"] == -9 and report["killed_after"] == ["step_000001"] and not report["killed"]["adapter"]
     assert report["resumed_from"] == 1 and report["steps_complete"]
     assert report["same_adapter_bytes"] and report["adapter_max_abs_diff"] == 0.0
-    for run in ("unbroken", "resumed"):
+    for run in ("unbroken", "unbroken_again", "resumed"):
         assert report[run]["rc"] == 0 and report[run]["adapter"] and report[run]["val_accuracy"] is not None
         assert report[run]["peak_allocated_gib"] is None  # a CUDA figure
     assert report["dense_export"]["files"] and report["dense_export"]["gib"] > 0

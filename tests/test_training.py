@@ -6,9 +6,14 @@ tests/test_stage_train.py; several processes: tests/test_distributed.py."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
+from grpo.device import SDPA_FUSED, make_deterministic
 from grpo.params import load_params
 from grpo.training import interrupted_line, run, train_summary
 
@@ -51,6 +56,53 @@ def test_several_processes_need_the_command_of_a_worker(tiny_model_dir, tiny_pro
     with pytest.raises(ValueError, match="train.num_processes is 2: run.. needs `worker`"):
         run(params)
     assert not (tmp_path / "out").exists()
+
+
+DETERMINISTIC_FLAGS = """
+import os, sys, torch
+from grpo.jsonio import DataError
+from grpo.params import load_params
+from grpo.training import run
+for path in sys.argv[1:]:
+    try:
+        run(load_params(path))
+    except DataError:  # no data: the run stops after the switch, before any model is built
+        pass
+    print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+          os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.backends.cuda.cudnn_sdp_enabled())
+"""
+
+
+def test_train_deterministic_turns_on_torchs_flag_and_the_cublas_workspace(tiny_model_dir, tiny_problems, tmp_path):
+    """A real run in a fresh process (the flag is process-wide): off leaves torch as it is; on turns
+    deterministic algorithms on (warn only) and sets the workspace before the model is built."""
+    paths = []
+    for on in (False, True):
+        (tmp_path / str(on)).mkdir()
+        path = _write_params(tmp_path / str(on), tiny_model_dir, tiny_problems, deterministic=on,
+                             data_path=str(tmp_path / "missing.jsonl"))
+        paths.append(str(path))
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    out = subprocess.run([sys.executable, "-c", DETERMINISTIC_FLAGS, *paths], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["False False None True", "True True :4096:8 False"]
+
+
+def test_make_deterministic_keeps_a_workspace_setting_already_made_and_leaves_sdpa_its_math(monkeypatch):
+    """Under warn_only torch keeps the fused attention kernels (their backward only warns), so the
+    switch turns them off itself: SDPA's math backend alone is left."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    kinds = (*SDPA_FUSED, "math")
+    before = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in kinds}
+    try:
+        assert make_deterministic() == ":16:8" and torch.are_deterministic_algorithms_enabled()
+        assert {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in kinds} == {
+            **dict.fromkeys(SDPA_FUSED, False), "math": True}
+    finally:
+        torch.use_deterministic_algorithms(False)
+        for kind, on in before.items():
+            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(on)
 
 
 def test_acting_averages_where_the_rule_acted_over_the_steps_that_logged_it():

@@ -17,6 +17,8 @@
   ``eager`` on CPUs, ``sdpa`` on CUDA.
 * ``refuse_half_overflow(model_dir, dtype)``: one line, before anything loads, where a model family
   is known to overflow in fp16 (``HALF_OVERFLOW``) and ``dtype`` is fp16 (pre-Ampere cards).
+* ``make_deterministic()``: torch's deterministic algorithms, SDPA's math attention and cuBLAS's workspace
+  (``train.deterministic``), called before the model is built.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ add in the compute dtype, so a fix would patch two model implementations we do n
 
 TRAIN_FP32 = " with train.rollout_backend: transformers (vLLM's LoRA kernels take fp16 and bf16 only)"
 """What fp32 training needs besides ``model.dtype: float32``: the decode loop for rollouts."""
+
+CUBLAS_WORKSPACE = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+"""The environment variable and value under which cuBLAS (CUDA >= 10.2) reduces in a fixed order;
+torch refuses or warns at a CUDA matmul in deterministic mode without it (``:16:8`` is the other
+value it accepts). Read when cuBLAS starts: it must be set before the process's first CUDA matmul."""
+
+SDPA_FUSED = ("cudnn", "mem_efficient", "flash")
+"""The fused attention backends of ``scaled_dot_product_attention`` that ``make_deterministic``
+switches off (``torch.backends.cuda.enable_<kind>_sdp``)."""
 
 BF16_CAPABILITY = (8, 0)
 """The oldest compute capability vLLM runs bf16 on, checked at engine start
@@ -181,3 +192,26 @@ def refuse_half_overflow(model_dir: str | Path, dtype: torch.dtype, key: str = "
             f"{key}: fp16 (this card has no bf16) refused for {model_dir} ({kind}): {HALF_OVERFLOW[kind]}; "
             f"set {key}: float32{TRAIN_FP32 if key == 'model.dtype' else ''}, or use a card of compute capability "
             "8.0 or newer (bf16)")
+
+
+def make_deterministic() -> str:
+    """Turn on torch's deterministic algorithms for this process, leave attention to SDPA's math
+    backend, and set ``CUBLAS_WORKSPACE_CONFIG`` to ``:4096:8`` where it is unset
+    (``CUBLAS_WORKSPACE``); returns the value in force. Call it before the first CUDA matmul (before
+    the model is built). Ops with a deterministic variant use it (on CUDA ``scatter_add_``,
+    ``index_add``, ``gather``'s backward, ...), Inductor stops autotuning, ``torch.empty`` fills its
+    memory (``torch.use_deterministic_algorithms``' docstring).
+
+    ``warn_only=True``: an op without a deterministic CUDA variant warns, naming itself, instead of
+    raising, because every decode loop's sampler calls one at each token (a floating-point
+    ``cumsum`` in ``grpo.sampling.sample_tokens``, on torch's list of ops that raise). Under
+    ``warn_only`` torch keeps the fused attention kernels whose backward is not deterministic (cuDNN,
+    memory-efficient and flash attention only warn), so they are switched off here
+    (``SDPA_FUSED``): the math backend is plain matmuls and a softmax. What is left, and what the
+    switch costs: docs/gpu-notes.md#what-resume-guarantees-on-each-device."""
+    name, value = CUBLAS_WORKSPACE
+    os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for kind in SDPA_FUSED:
+        getattr(torch.backends.cuda, f"enable_{kind}_sdp")(False)
+    return os.environ[name]

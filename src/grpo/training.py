@@ -34,7 +34,7 @@ from pathlib import Path
 from grpo.base_model import check_model_dir
 from grpo.checkpoint import reset_if_changed
 from grpo.config import Params, ParamsError
-from grpo.device import default_device
+from grpo.device import default_device, make_deterministic
 from grpo.distributed import Dist, die_with_parent, init_from_env, launched, shutdown
 from grpo.engine.policy_engine import check_engine_memory
 from grpo.jsonio import read_jsonl, write_json
@@ -70,6 +70,9 @@ def run(params: Params, worker: Sequence[str] | None = None) -> None:
         return
     if launched():
         die_with_parent()
+    if cfg.deterministic:  # before the first CUDA matmul: cuBLAS reads its workspace setting at start
+        log.info("train.deterministic: torch's deterministic algorithms on, CUBLAS_WORKSPACE_CONFIG=%s",
+                 make_deterministic())
     device = default_device()
     dist = init_from_env(device, cfg.dist_timeout_s)
     try:

@@ -43,6 +43,11 @@ class TrainConfig(SharedTrainKeys, VLLMEngineConfig):
     """Final adapter, PEFT format."""
     seed: int = 0
     """Seed of sampling, shuffling and LoRA initialisation."""
+    deterministic: bool = False
+    """Before the model is built, turn on torch's deterministic algorithms (an op without a
+    deterministic variant warns), SDPA's math attention and cuBLAS's fixed-order workspace
+    (``grpo.device.make_deterministic``): slower; what it does and does not make equal on CUDA:
+    docs/gpu-notes.md. Off: the CPU's bytes are equal run to run without it."""
     steps: Positive = 40
     """Optimizer steps."""
     prompts_per_step: Positive = 4

@@ -38,6 +38,9 @@ from grpo.rewards import correctness
      "gives us 10 + 8 = 18. Now, we can add 18 to 2 and", "wrong_number"),  # 2: a digit of 25, not an operand
     ("Calculate 8 + 79.", "87", "To calculate 8 + 79, we need to add 8 and 7. We can do this by adding 8 and 7 "
      "using the number 8. We add 8 and 7, which is 10. Then we add 10, which is 10. Finally", "wrong_number"),
+    # the trained model's: the value equals an operand, so restating the expression writes it
+    ("Compute 0 + 97.", "97", "0 + 97 = 98", "sum_not_last"),
+    ("What is 88 + 2?", "90", "88 + 2 = 88", "operand"),
     # the value equals an operand (0 + 7): a final 7 is right, not an operand
     ("What is 0 + 7?", "7", "0 + 7 = 7", "correct"),
     # a word problem has no operands: a wrong final number is wrong, whatever it is

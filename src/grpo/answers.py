@@ -18,7 +18,8 @@ Failure classes (``failure_class``), the first that holds, in this order:
 
 The order is the one that reproduces issue 58's count of the committed run's base model (293 wrong
 numbers, 132 operands, 31 right values not last): a completion that wrote the right value and then
-ended on something else is counted as the first, whatever it ended on.
+ended on something else is counted as the first, whatever it ended on. A value equal to an operand
+(``0 + 97``) is written whenever the expression is restated, so ``0 + 97 = 98`` counts there too.
 
 Operand digits (``digit_group``): the digit counts of the expression's operands, sorted, joined by
 ``" & "``: ``"1 & 1"`` (both one digit), ``"1 & 2"``, ``"2 & 2"``; an expression of three terms is

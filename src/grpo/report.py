@@ -566,8 +566,8 @@ def _learned_section(baseline: dict | None, final: dict | None, before: list[dic
     if not (baseline and final and "failure_classes" in baseline and "failure_classes" in final):
         return []
     md = ["## What was learned", "",
-          "Each test answer in one class, the first that holds: correct; no number; the final number is one "
-          "of the operands; the right value is written but is not the final number; another number "
+          "Each test answer in one class, the first that holds: correct; no number; the right value is "
+          "written but is not the final number; the final number is one of the operands; another number "
           "(`grpo.answers`).", "", *_class_table(baseline, final), *_digits_table(baseline, final)]
     return md + _class_examples(before, after)
 

@@ -15,7 +15,7 @@ def test_the_repos_stages_in_file_order_with_what_each_reads_and_writes():
     assert list(stages) == ["prepare_data", "prepare_model", "sent", "baseline_eval", "train", "final_eval", "report"]
     train = stages["train"]
     assert train.cmd == "python -m tasks.train" and "src/grpo/trainer.py" in train.deps
-    assert train.params == ("train", "lora", "model.path", "model.quantization", "model.dtype",
+    assert train.params == ("train", "lora", "decode", "model.path", "model.quantization", "model.dtype",
                             "model.gradient_checkpointing") and not train.all_params
     assert train.outs == ("models/adapter", "metrics/train.json", "metrics/time/train.json",
                           "metrics/train/metrics.json", "metrics/train/plots/metrics")  # outs, metrics, plots

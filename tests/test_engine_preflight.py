@@ -216,21 +216,23 @@ def test_the_pipeline_runs_the_doctor_before_dvc_repro_where_nvidia_smi_exists()
 def test_with_params_free_memory_is_held_to_the_largest_stage_need_on_this_card(free_gib, level, gpu_machine,
                                                                                  capsys):
     """``grpo doctor --params`` (what scripts/pipeline.sh runs): on a card reporting 7.6 GiB, seed
-    003's largest need is the evaluations' engine share at its start, 0.85 x 7.6 = 6.46 GiB, beside
-    the stage's own CUDA context (0.5 GiB), above SENT's share and the train step's estimated peak;
-    free memory within 10% of it warns (the allowances in it were never measured)."""
+    003's largest need is the evaluations' engine share at its start, 0.78 x 7.6 = 5.93 GiB, beside
+    the stage's own CUDA context (``grpo.memory.CUDA_CONTEXT``), above SENT's share (0.85 x 7.6 = 6.46
+    GiB) and the train step's estimated peak; free memory within 10% of it warns."""
+    from grpo.memory import CUDA_CONTEXT
     from grpo.cli import resolve_params, stage_needs
 
     res = resolve_params(REPO / "presets/seed003.yaml")
     needs = stage_needs(res.params, res.root, int(7.6 * GIB))
     card = int(7.6 * GIB)
     assert needs["sent"] == int(0.85 * card) > needs["train"] > GIB
-    assert needs["baseline_eval, final_eval"] == needs["sent"] + 512 * 2**20
+    assert needs["baseline_eval, final_eval"] == int(0.78 * card) + CUDA_CONTEXT > needs["sent"]
     gpu_machine.setattr(preflight, "probe_free_memory", lambda: (int(free_gib * GIB), int(7.6 * GIB)))
     code, out, err = run(capsys, "doctor", "--params", str(REPO / "presets/seed003.yaml"))
     (line,) = [x for x in out.splitlines() if "gpu memory" in x]
     assert line.startswith(f"{level:<7} gpu memory         {free_gib:.2f} GiB free of 7.60 GiB")
-    assert "the estimate 6.96 GiB" in line and code == (2 if level == BLOCKER else 0)
+    assert f"the estimate {(int(0.78 * card) + CUDA_CONTEXT) / GIB:.2f} GiB" in line
+    assert code == (2 if level == BLOCKER else 0)
 
 
 def test_the_flows_gpu_check_stops_on_a_blocker_in_one_line_and_checks_once(gpu_machine):

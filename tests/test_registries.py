@@ -114,7 +114,8 @@ def test_a_toy_policy_loss_chosen_in_params_drives_the_update(default_step, tiny
     weight by the opposite of the default step's change; the loss value is negated too."""
     with POLICY_LOSSES.registered("toy_negated", negated_clipped):
         row, delta = _one_step(tiny_model_dir, tiny_problems, tmp_path, policy_loss="toy_negated")
-    assert CALLS.count("policy_loss") == 1  # one update of one micro-batch
+    # one micro-batch: its update, and the rule's action counted on a detached copy (policy_token_grads)
+    assert CALLS.count("policy_loss") == 2
     default_row, default_delta = default_step
     assert row["grad_norm"] == pytest.approx(default_row["grad_norm"], rel=1e-6)
     assert row["loss"] == pytest.approx(-default_row["loss"], rel=1e-5, abs=1e-9)
@@ -128,8 +129,9 @@ def test_a_toy_aggregation_chosen_in_params_gives_the_loss(default_step, tiny_mo
     logged before clipping)."""
     with AGGREGATIONS.registered("toy_half_mean", HalfTokenMean):
         row, _ = _one_step(tiny_model_dir, tiny_problems, tmp_path, loss_type="toy_half_mean")
-    # the loss's aggregate, then (the default rule has a KL term) one for each term's gradient norm
-    assert CALLS == ["normalizer", "aggregate", "aggregate", "aggregate"]
+    # the loss's aggregate, then (the default rule has a KL term) one for each term's gradient norm,
+    # then the rule action's gradient magnitudes (grpo.loss.policy_token_grads)
+    assert CALLS == ["normalizer", "aggregate", "aggregate", "aggregate", "aggregate"]
     assert row["kl_grad_share"] == pytest.approx(default_step[0]["kl_grad_share"], rel=1e-5)  # both terms doubled
     assert row["grad_norm"] == pytest.approx(2 * default_step[0]["grad_norm"], rel=1e-5)
     assert row["loss"] == pytest.approx(2 * default_step[0]["loss"], rel=1e-5, abs=1e-9)

@@ -212,33 +212,3 @@ def test_a_call_split_to_fit_the_memory_left_gives_the_one_calls_rows(tiny_model
     for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "finished"):
         assert torch.equal(getattr(split, field), getattr(whole, field)), field
     torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
-
-
-def test_the_call_prediction_covers_the_h200_measurement():
-    """SENT's call on the H200 (docs/gpu-runs/2026-11-28-h200: 16 prompts x 8 answers x 512 tokens of
-    seed 003's 1.5B, dense bf16, log-probs): the prediction the check held it against was 7.961 GiB
-    and the peak 8.731; the weights plus ``sampler_call_bytes`` must cover the peak. The prompt
-    length is recovered from the recorded prediction (the weights plus ``decode_working_bytes``)."""
-    import json
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from grpo.decode_memory import decode_working_bytes, prompts_per_call, sampler_call_bytes
-    from grpo.synthetic import architecture_config
-
-    run = json.loads(Path("docs/gpu-runs/2026-11-28-h200/device_check.json").read_text())["samplers"]
-    call, gib = run["sent"], 2**30
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(architecture_config("qwen2-1.5b"), dtype=torch.bfloat16)
-    rows = call["prompts"] * call["samples"]
-    positions = next(p for p in range(call["new_tokens"], 4096)
-                     if run["weights_gib"] * gib + decode_working_bytes(model, rows, p) >= call["predicted_gib"] * gib)
-    prompt = positions - call["new_tokens"]
-    need = sampler_call_bytes(model, call["prompts"], call["samples"], prompt, call["new_tokens"], 64)
-    assert run["weights_gib"] + need / gib >= call["peak_allocated_gib"] > call["predicted_gib"]
-    # under the 8 GB card's cap (7.6 GiB; the weights already held) the call is split
-    left = int((7.6 - run["weights_gib"]) * gib)
-    fits = prompts_per_call(model, call["prompts"], call["samples"], prompt, call["new_tokens"], left, 64)
-    assert 1 <= fits < call["prompts"]
-    assert sampler_call_bytes(model, fits, call["samples"], prompt, call["new_tokens"], 64) <= left

@@ -1,0 +1,74 @@
+"""grpo.decode_memory: one decode call's predicted bytes against a real cache and the H200's
+measurement, and the split of a call that does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo.decode_memory import (
+    ALLOWANCE,
+    allocator_budget,
+    decode_working_bytes,
+    prompts_per_call,
+    sampler_call_bytes,
+)
+from grpo.synthetic import architecture_config
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def qwen_1_5b():
+    """Seed 003's architecture on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(architecture_config("qwen2-1.5b"), dtype=torch.bfloat16)
+
+
+def test_the_terms_by_hand(qwen_1_5b):
+    """A call of 2 prompts x 4 completions of 10 + 6 tokens: the decode phase (every row's KV cache,
+    the prompts' cache, six (N, V) fp32 tensors) is the larger here; times 1 + ALLOWANCE. With
+    log-probs of 64 rows the pass's KV cache and activations are weighed too."""
+    per_token = 28 * 2 * 2 * 128 * 2  # layers x (K, V) x kv heads x head dim x bf16
+    decoding = per_token * 8 * 16 + per_token * 2 * 10 + 6 * 8 * 151936 * 4
+    assert sampler_call_bytes(qwen_1_5b, 2, 4, 10, 6) == int(decoding * (1 + ALLOWANCE))
+    scoring = per_token * 8 * 16 + 8 * 6 * (3 * 8960 + 4 * 1536) * 2
+    assert sampler_call_bytes(qwen_1_5b, 2, 4, 10, 6, 64) == int(max(decoding, scoring) * (1 + ALLOWANCE))
+    long = sampler_call_bytes(qwen_1_5b, 2, 4, 10, 4000, 64)  # long completions: the log-prob pass leads
+    assert long > sampler_call_bytes(qwen_1_5b, 2, 4, 10, 4000)
+
+
+def test_a_call_is_split_to_the_most_prompts_that_fit(qwen_1_5b):
+    """``prompts_per_call``: every prompt with no budget (off CUDA), else the most whose prediction
+    fits, at least one."""
+    one, five = (sampler_call_bytes(qwen_1_5b, n, 8, 128, 512, 64) for n in (1, 5))
+    assert prompts_per_call(qwen_1_5b, 16, 8, 128, 512, None, 64) == 16
+    assert prompts_per_call(qwen_1_5b, 16, 8, 128, 512, five, 64) == 5
+    assert prompts_per_call(qwen_1_5b, 16, 8, 128, 512, five - 1, 64) == 4
+    assert prompts_per_call(qwen_1_5b, 16, 8, 128, 512, one - 1, 64) == 1
+    assert allocator_budget(torch.device("cpu")) is None
+
+
+def test_the_call_prediction_covers_the_h200_measurement(qwen_1_5b):
+    """SENT's call on the H200 (docs/gpu-runs/2026-11-28-h200: 16 prompts x 8 answers x 512 tokens of
+    seed 003's 1.5B, dense bf16, log-probs): the prediction the check held it against was 7.961 GiB
+    and the peak 8.731; the weights plus ``sampler_call_bytes`` must cover the peak. The prompt
+    length is recovered from the recorded prediction (the weights plus ``decode_working_bytes``).
+    Under the 8 GB card's cap (7.6 GiB, the weights already held) the call is split."""
+    run = json.loads((REPO / "docs/gpu-runs/2026-11-28-h200/device_check.json").read_text())["samplers"]
+    call, model = run["sent"], qwen_1_5b
+    rows = call["prompts"] * call["samples"]
+    positions = next(p for p in range(call["new_tokens"], 4096)
+                     if run["weights_gib"] * GIB + decode_working_bytes(model, rows, p) >= call["predicted_gib"] * GIB)
+    prompt = positions - call["new_tokens"]
+    need = sampler_call_bytes(model, call["prompts"], call["samples"], prompt, call["new_tokens"], 64)
+    assert run["weights_gib"] + need / GIB >= call["peak_allocated_gib"] > call["predicted_gib"]
+    left = int((7.6 - run["weights_gib"]) * GIB)
+    fits = prompts_per_call(model, call["prompts"], call["samples"], prompt, call["new_tokens"], left, 64)
+    assert 1 <= fits < call["prompts"]
+    assert sampler_call_bytes(model, fits, call["samples"], prompt, call["new_tokens"], 64) <= left

@@ -1,11 +1,12 @@
-"""Params validation: a bad value stops with one line that names the field."""
+"""grpo.config: the params reader (repeated keys, a document that is not a mapping), the record of
+fields read, and loading only the sections a stage reads. The messages' wording: tests/test_messages.py;
+overlaying params: tests/test_overlay.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from grpo.config import ParamsError, read_params_yaml, reading_params
-from grpo.overlay import overlay_params
 from grpo.params import AllParams, load_params
 
 
@@ -15,20 +16,6 @@ def test_reading_params_records_fields_read():
         _ = params.train.lr, params.model.path, params.train.lr
     _ = params.lora.rank  # outside the block: not recorded
     assert reads == {"train.lr", "model.path"}
-
-
-def test_overlay_takes_a_preset_or_dotted_keys_and_leaves_the_base_as_it_was():
-    base = {"train": {"lr": 1e-3, "rewards": {"correctness": 1.0, "format_soft": 0.1}}, "data": None}
-    assert overlay_params(base, {"train": {"rewards": {"correctness": 1.0}}, "lora": {"rank": 4}}) == {
-        "train": {"lr": 1e-3, "rewards": {"correctness": 1.0}}, "data": {}, "lora": {"rank": 4}}  # a value whole
-    assert overlay_params(base, {"train.lr": 5e-4, "train.rewards.correctness": 2.0})["train"] == {
-        "lr": 5e-4, "rewards": {"correctness": 2.0, "format_soft": 0.1}}  # a dotted key of any depth
-    assert base == {"train": {"lr": 1e-3, "rewards": {"correctness": 1.0, "format_soft": 0.1}}, "data": None}
-    for bad, message in (({"train": 5}, "train: must be a mapping, got 5"),
-                         ({"train.lr.x": 1}, "train.lr: must be a mapping, got 0.001 (to set train.lr.x)")):
-        with pytest.raises(ParamsError) as err:
-            overlay_params(base, bad)
-        assert str(err.value) == message
 
 
 def test_a_repeated_key_is_one_line_naming_it_and_both_lines(tmp_path):
@@ -43,21 +30,13 @@ def test_a_repeated_key_is_one_line_naming_it_and_both_lines(tmp_path):
     assert read_params_yaml(path) == {"a": {"k": 1, "j": 0}, "b": {"k": 2, "j": 0}, "c": {"k": 3}}
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("train:\n  steps: 5\n lr: [0.001\n", "3: not valid YAML (while parsing a block mapping: expected <block end>, "
-                                           "but found '<block mapping start>', column 2)"),
-    ("train: {steps: 5\n", "2: not valid YAML (while parsing a flow mapping: expected ',' or '}', but got "
-                           "'<stream end>', column 1)"),
-    ("- 1\n", " must be a mapping of sections, got [1]"),
-])
-def test_a_yaml_error_is_one_line_with_its_line(text, message, tmp_path):
+def test_a_document_that_is_not_a_mapping_is_one_line_naming_the_file(tmp_path):
+    """The reader's own refusal (a YAML error's wording, with its line: tests/test_messages.py)."""
     path = tmp_path / "params.yaml"
-    path.write_text(text)
+    path.write_text("- 1\n")
     with pytest.raises(ParamsError) as err:
         load_params(path)
-    assert str(err.value) == f"{path}:{message}"
-
-
+    assert str(err.value) == f"{path}: must be a mapping of sections, got [1]"
 
 
 def test_load_sections_validates_the_sections_named_and_only_checks_the_others_are_sections(tmp_path):

@@ -1,4 +1,5 @@
-"""grpo.sections: each section's fields, bounds and one-line messages, and the train keys other stages read."""
+"""grpo.sections: each section's fields and bounds (a bad value names its field in one line), moved keys, and
+the train keys other stages read. The messages' wording (did-you-mean, hints): tests/test_messages.py."""
 
 from __future__ import annotations
 
@@ -43,33 +44,6 @@ def test_bad_values_name_the_field(raw, field):
     message = str(err.value)
     assert message.startswith(field)
     assert "\n" not in message
-
-
-@pytest.mark.parametrize(("raw", "message"), [
-    ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; did you mean train.lr?"),
-    ({"train": {"num_generations": 8}}, "train.num_generations: unknown key; did you mean train.group_size or "
-                                        "train.generation_batch_size?"),
-    ({"sent": {"num_sample": 4}}, "sent.num_sample: unknown key; did you mean sent.num_samples?"),
-    ({"lora": {"r": 8}}, "lora.r: unknown key; did you mean lora.rank?"),
-    ({"model": {"torch_dtype": "bfloat16"}}, "model.torch_dtype: unknown key; did you mean model.dtype?"),
-    ({"train": {"zzz": 1}}, f"train.zzz: unknown key; train has no key like it ({len(TrainConfig.model_fields)} keys: "
-                            "docs/configuration.md)"),
-    ({"trainer": {}}, "trainer: unknown params section; did you mean train? (sections: data, decode, evaluate, lora, "
-                      "model, sent, train)"),
-    ({"train": {"lr": "fast"}}, "train.lr: must be a number, got 'fast'"),
-    ({"train": {"lr": "5e-4"}}, "train.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
-    ({"train": {"lr": "0.5"}}, "train.lr: must be a number, got '0.5' (quoted: write 0.5 without quotes)"),
-    ({"train": {"steps": "10"}}, "train.steps: must be an integer, got '10' (quoted: write 10 without quotes)"),
-    ({"train": {"steps": "ten"}}, "train.steps: must be an integer, got 'ten'"),
-    ({"train": {"steps": "1e3"}}, "train.steps: must be an integer, got '1e3'"),
-])
-def test_the_message_suggests_the_nearest_key_and_hints_only_at_numbers_written_as_text(raw, message):
-    """An unknown key names the nearest known ones (difflib, and the names TRL and peft use for the
-    same setting) instead of listing the section's keys; a string in a numeric field gets a hint
-    only where it reads as a number."""
-    with pytest.raises(ParamsError) as err:
-        params_from_dict(raw)
-    assert str(err.value) == message
 
 
 def test_the_shared_train_keys_are_the_train_sections_own_and_other_stages_read_only_them():

@@ -1,0 +1,109 @@
+"""grpo.trainer_builder: a bench's departures from the params (``depart``, ``departure_line``) and
+``build_trainer``, the train stage's trainer, on the tiny model (seconds on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.errors import ParamsError
+from grpo.params import AllParams, load_params
+from grpo.trainer_builder import build_trainer, depart, departure_line
+
+from .helpers import _write_params
+
+
+def test_depart_replaces_the_keys_named_and_keeps_the_rest():
+    params = AllParams()
+    before = params.model_dump()
+    out = depart(params, {"train.mu": 1, "train.steps": 3, "lora.rank": 4})
+    assert (out.train.mu, out.train.steps, out.lora.rank) == (1, 3, 4)
+    expected = {**before, "train": {**before["train"], "mu": 1, "steps": 3}, "lora": {**before["lora"], "rank": 4}}
+    assert out.model_dump() == expected
+    assert params.model_dump() == before  # left as it was
+    assert depart(params, {}) == params
+
+
+def test_depart_keeps_the_sections_a_stage_loaded_and_no_others(tmp_path):
+    from grpo.config import load_sections
+    from grpo.sections.train import TrainConfig
+
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  lr: 0.1\n")
+    out = depart(load_sections(path, TrainConfig), {"train.mu": 3})
+    assert (out.train.mu, out.train.lr) == (3, 0.1)
+    with pytest.raises(AttributeError):
+        _ = out.model
+
+
+@pytest.mark.parametrize(("departures", "message"), [
+    ({"train.zzz": 1}, "train.zzz: unknown key"),
+    ({"train.learning_rate": 1e-4}, "train.learning_rate: unknown key; did you mean train.lr?"),
+    ({"train.mu": 0}, "train.mu: must be > 0, got 0"),
+    ({"train.mu": "x"}, "train.mu: must be an integer, got 'x'"),
+])
+def test_an_unknown_key_or_a_bad_value_is_one_line_naming_it(departures, message):
+    with pytest.raises(ParamsError) as err:
+        depart(AllParams(), departures)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason="depart looks an unknown section up without a check: a "
+                   "KeyError, not a ParamsError naming it")
+@pytest.mark.parametrize("key", ["trainer.mu", "mu"])
+def test_an_unknown_section_is_one_line_naming_it(key):
+    with pytest.raises(ParamsError, match=key.split(".")[0]):
+        depart(AllParams(), {key: 1})
+
+
+def test_departure_line_words_each_departure_or_none():
+    assert departure_line({"train.mu": 1, "train.steps": 3}) == "train.mu=1, train.steps=3"
+    assert departure_line({"train.entropy_rule": "high"}) == "train.entropy_rule=high"
+    assert departure_line({}) == "none"
+
+
+@pytest.fixture
+def tiny_params(tiny_model_dir, tiny_problems, tmp_path):
+    """The tiny model's params with the decode loop (no engine), unquantized: a build takes a fraction
+    of a second."""
+    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2))
+    return depart(params, {"model.quantization": "none"})
+
+
+def _lora_a(built) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for n, p in built.model.named_parameters() if "lora_A" in n])
+
+
+def test_the_trainer_carries_the_departure_and_the_stages_order_of_rng_use(tiny_params, tiny_problems):
+    """The trainer's config is the departed params'; LoRA's initial weights are drawn after
+    ``train.seed`` is set, so the same seed builds the same policy and another seed another."""
+    built = build_trainer(depart(tiny_params, {"train.mu": 3}), "cpu", problems=tiny_problems)
+    try:
+        assert built.trainer.cfg.mu == 3 and built.trainer.cfg.steps == tiny_params.train.steps == 2
+        assert built.trainer.model is built.model and built.trainer.backend is built.backend
+        assert (built.weights_form, built.backend.name, built.closers) == (None, "transformers", [])
+        assert built.problems == tiny_problems == built.trainer.problems  # every prompt fits
+        again = build_trainer(tiny_params, "cpu", problems=tiny_problems)
+        other = build_trainer(depart(tiny_params, {"train.seed": tiny_params.train.seed + 1}), "cpu",
+                              problems=tiny_problems)
+        assert torch.equal(_lora_a(built), _lora_a(again)) and not torch.equal(_lora_a(built), _lora_a(other))
+        again.backend.close()
+        other.backend.close()
+    finally:
+        built.backend.close()
+
+
+def test_a_prompt_that_does_not_fit_is_left_out_and_the_loggers_are_made_once(tiny_params, tiny_problems):
+    long = {"id": "long", "question": "What is " + " + ".join(["1"] * 600) + "?", "answer": "600", "solution": ""}
+    made = []
+
+    def loggers():
+        made.append(1)
+        return [], ["closer"]
+
+    built = build_trainer(tiny_params, "cpu", problems=[*tiny_problems, long], loggers=loggers)
+    try:
+        assert [p["id"] for p in built.trainer.problems] == [p["id"] for p in tiny_problems]
+        assert (made, built.closers) == ([1], ["closer"])
+    finally:
+        built.backend.close()

@@ -219,8 +219,8 @@ def test_with_params_free_memory_is_held_to_the_largest_stage_need_on_this_card(
     003's largest need is the evaluations' engine share at its start, 0.78 x 7.6 = 5.93 GiB, beside
     the stage's own CUDA context (``grpo.memory.CUDA_CONTEXT``), above SENT's share (0.85 x 7.6 = 6.46
     GiB) and the train step's estimated peak; free memory within 10% of it warns."""
-    from grpo.memory import CUDA_CONTEXT
     from grpo.cli import resolve_params, stage_needs
+    from grpo.memory import CUDA_CONTEXT
 
     res = resolve_params(REPO / "presets/seed003.yaml")
     needs = stage_needs(res.params, res.root, int(7.6 * GIB))

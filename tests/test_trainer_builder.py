@@ -48,8 +48,6 @@ def test_an_unknown_key_or_a_bad_value_is_one_line_naming_it(departures, message
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="depart looks an unknown section up without a check: a "
-                   "KeyError, not a ParamsError naming it")
 @pytest.mark.parametrize("key", ["trainer.mu", "mu"])
 def test_an_unknown_section_is_one_line_naming_it(key):
     with pytest.raises(ParamsError, match=key.split(".")[0]):

@@ -32,6 +32,7 @@ from grpo.engine.bounds import Bounds, train_bounds
 from grpo.engine.forms import rollouts_per_process
 from grpo.engine.needs import form_here
 from grpo.engine.policy_engine import policy_rollouts
+from grpo.errors import ParamsError
 from grpo.lora_policy import load_policy
 from grpo.rollout_backends import RolloutBackend, uses_engine
 from grpo.trainer import GRPOTrainer
@@ -63,6 +64,9 @@ def depart(params: Params, departures: dict[str, object]) -> Params:
         changes[section][name] = value
     sections = {name: getattr(params, name) for name in type(params).model_fields} | dict(params.model_extra or {})
     for name, fields in changes.items():
+        if name not in sections or "" in fields:
+            raise ParamsError(f"{name}: a departure names a section and a key of it (section.key); "
+                              f"sections: {', '.join(sections)}")
         old = sections[name]
         sections[name] = type(old)(**{**old.model_dump(), **fields})
     return type(params)(**sections)

@@ -86,7 +86,12 @@ def main(argv=None) -> dict:
         longest = longest_prompt_tokens(p, res.root)
         prompt = longest[0] if longest else DEFAULT_PROMPT_TOKENS
     shapes = memory.model_shapes(config, source)
-    est = memory.estimate(p, shapes, "cuda", prompt)
+    # the trace runs the update alone: the estimate without the decode step's kept dense copies
+    from grpo.trainer_builder import depart, departure_line
+
+    uncompiled = {"decode.compile_step": "off"}
+    print(f"estimate's departures: {departure_line(uncompiled)} (no decode step is traced)")
+    est = memory.estimate(depart(p, uncompiled), shapes, "cuda", prompt)
 
     patch_torch()
     stubs = DataDependent(p.train.entropy_top_quantile)

@@ -170,7 +170,8 @@ def dequantized_weights(model, persistent: bool = False):
     ``persistent``: the copies and the patched forwards are made once per model and kept after the
     block (``dense_copy_bytes`` stay allocated); each entry refills the copies in place. A compiled
     decode step needs this: it captured their addresses (marked static, as transformers marks its
-    static cache) and the forwards' identity, which new copies would change (a recompile per call).
+    static cache) and the forwards' identity, which new copies would change (a recompile per call);
+    never run on a GPU (docs/gpu-notes.md, "The `decode` section").
     """
     layers = _PERSISTENT.get(model) if persistent else None
     if layers is None:

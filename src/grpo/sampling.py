@@ -257,7 +257,9 @@ def compiled_steps(model) -> dict:
 def compiled_step(model, rows: int, max_len: int, device: torch.device) -> CompiledStep:
     """The compiled step for ``rows`` x ``max_len`` positions of ``model``, made on its first use:
     ``torch.compile`` with ``mode="reduce-overhead"`` on CUDA (the step captured as a CUDA graph;
-    its output is copied out before the next replay overwrites it), the default mode elsewhere."""
+    its output is copied out before the next replay overwrites it), the default mode elsewhere.
+    The CUDA path follows the pinned libraries' code, not a run (docs/gpu-notes.md, "The `decode`
+    section")."""
     steps, key = compiled_steps(model), (rows, max_len)
     if key not in steps:
         from transformers import StaticCache

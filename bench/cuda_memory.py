@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     est = memory.estimate(depart(p, uncompiled), shapes, "cuda", prompt)
 
     patch_torch()
-    stubs = DataDependent(p.train.entropy_top_quantile)
+    stubs = DataDependent(p.train.loss.rule_options().top_quantile)
     with FakeTensorMode(allow_non_fake_inputs=True), stubs, tempfile.TemporaryDirectory() as out_dir:
         model, tok = build_policy(config, p, torch)
         trace = LiveBytes(resident_tensors(model))
@@ -189,13 +189,13 @@ def make_trainer(model, tok, p, prompt: int, out_dir: str, torch):
     from grpo.types import Rollout, TrainBatch
 
     # the params' trainer, but for its folder and no checkpoints; no engine starts (the rollout phase is replaced)
-    params = depart(p, {"train.output_dir": out_dir, "train.checkpoint_every": 0})
+    params = depart(p, {"train.output_dir": out_dir, "train.checkpoints.every": 0})
     problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
     trainer = build_trainer(params, "cuda", problems=problems, model=model, tokenizer=tok,
                             backend=TransformersBackend(model, tok)).trainer
     cfg = trainer.cfg
-    n, c = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
-    engine = cfg.rollout_backend != "transformers"
+    n, c = cfg.rollouts.prompts_per_step * cfg.rollouts.group_size, cfg.rollouts.max_new_tokens
+    engine = cfg.rollouts.backend != "transformers"
 
     def batch_of():
         vocab = model.config.vocab_size
@@ -221,7 +221,7 @@ def instrument(trainer, trace) -> None:
         return run
 
     counter = {"update": 0, "micro": 0}
-    mu = trainer.cfg.mu
+    mu = trainer.cfg.optimizer.mu
 
     def micro_name():
         counter["micro"] += 1
@@ -275,13 +275,13 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
         g[1] += nbytes
     top = sorted(groups.items(), key=lambda kv: -kv[1][1])[: args.top]
     t = p.train
-    n = t.prompts_per_step * t.group_size
+    n = t.rollouts.prompts_per_step * t.rollouts.group_size
     out = {
         "params": args.params, "model": shapes.source, "dtype": est.dtype,
-        "shape": {"rows": n, "prompt_tokens": prompt, "completion_tokens": t.max_new_tokens,
-                  "micro_batches": len(micro_slices(n, t.micro_batches, t.group_size)),
+        "shape": {"rows": n, "prompt_tokens": prompt, "completion_tokens": t.rollouts.max_new_tokens,
+                  "micro_batches": len(micro_slices(n, t.passes.micro_batches, t.rollouts.group_size)),
                   "quantization": p.model.quantization, "gradient_checkpointing": p.model.gradient_checkpointing,
-                  "lora_params": n_lora, "mu": t.mu, "beta": t.beta, "entropy_top_quantile": t.entropy_top_quantile},
+                  "lora_params": n_lora, "mu": t.optimizer.mu, "beta": t.loss.beta, "entropy_top_quantile": t.loss.rule_options().top_quantile},
         "phases": phases,
         "peak": {**compare(trace.peak, est.total("train")), "phase": trace.peak_phase},
         "live_at_peak": [{"what": k, "count": c, "bytes": b} for k, (c, b) in top],
@@ -289,8 +289,8 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
     }
     print(f"{args.params}: {shapes.source}; {est.dtype}, {p.model.quantization}, gradient checkpointing "
           f"{p.model.gradient_checkpointing}, LoRA {n_lora / 1e6:.2f} M")
-    print(f"shape: {n} rows, prompt {prompt} + {t.max_new_tokens} tokens, {out['shape']['micro_batches']} micro-batches, "
-          f"mu {t.mu}, beta {t.beta:g}, entropy top {t.entropy_top_quantile:g}")
+    print(f"shape: {n} rows, prompt {prompt} + {t.rollouts.max_new_tokens} tokens, {out['shape']['micro_batches']} micro-batches, "
+          f"mu {t.optimizer.mu}, beta {t.loss.beta:g}, entropy top {t.loss.rule_options().top_quantile:g}")
     print(f"  {'phase (live CUDA tensors, the second step)':<58}{'traced':>11}{'estimate':>11}  ratio")
     for name, row in {**phases, "peak (" + trace.peak_phase + ")": out["peak"]}.items():
         e = row["estimate_bytes"]

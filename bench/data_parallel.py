@@ -15,7 +15,7 @@ stage's wall time less its steps and validations: imports, model load, the engin
 adapter written), the peak RSS of the largest process (the rows' ``peak_mem_mb``) and the peak of
 the sum over the stage's processes (sampled every 0.2 s with psutil).
 
-``--engine-ram``: ``train.gpu_memory_utilization`` of every engine run (a fraction of the RAM per
+``--engine-ram``: ``train.rollouts.gpu_memory_utilization`` of every engine run (a fraction of the RAM per
 engine: N engines need N shares; the stage refuses them in one line when they do not fit).
 Threads: by default one process uses torch's default (every core) and N processes get cores / N
 each (the stage's launcher sets ``OMP_NUM_THREADS``); ``--threads`` sets it for every run.
@@ -104,12 +104,7 @@ def run(out: Path, model: Path, n: int, backend: str, args) -> dict:
     params = {
         "model": {"path": str(model), "quantization": "nf4"},
         "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "train": {"data_path": str(out / "train.jsonl"), "output_dir": str(run_dir / "out"),
-                  "adapter_dir": str(run_dir / "adapter"), "metrics_dir": str(run_dir / "metrics"),
-                  "steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group,
-                  "max_new_tokens": args.new_tokens, "checkpoint_every": 0, "eval_every": 0,
-                  "wandb_mode": "disabled", "rollout_backend": backend, "num_processes": n,
-                  "gpu_memory_utilization": args.engine_ram, "max_model_len": 512, "temperature": 1.0},
+        "train": {"data_path": str(out / "train.jsonl"), "output_dir": str(run_dir / "out"), "adapter_dir": str(run_dir / "adapter"), "metrics_dir": str(run_dir / "metrics"), "steps": args.steps, "rollouts": {"prompts_per_step": args.prompts, "group_size": args.group, "max_new_tokens": args.new_tokens, "backend": backend, "gpu_memory_utilization": args.engine_ram, "max_model_len": 512, "temperature": 1.0}, "checkpoints": {"every": 0, "eval_every": 0}, "wandb": {"mode": "disabled"}, "distribution": {"num_processes": n}},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "params.yaml").write_text(yaml.safe_dump(params))
@@ -144,7 +139,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--engine-ram", type=float, default=0.15, help="train.gpu_memory_utilization of each engine")
+    ap.add_argument("--engine-ram", type=float, default=0.15, help="train.rollouts.gpu_memory_utilization of each engine")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -2,7 +2,7 @@
 
 The model is the params' architecture with random weights, loaded as the train stage loads its
 base (bitsandbytes NF4 + LoRA, ``bench/device_update.py``'s ``setup``). Each variant samples
-``--rows`` completions (groups of ``train.group_size``, one random prompt of ``--prompt-tokens``
+``--rows`` completions (groups of ``train.rollouts.group_size``, one random prompt of ``--prompt-tokens``
 per group) of exactly ``--new-tokens`` tokens (EOS suppressed), each completion from its own seed,
 and is timed whole (prefill, dense copies, every decode step):
 
@@ -106,7 +106,7 @@ class Model:
         self.dtype = compute_dtype(p.model.dtype, self.device)
         base = random_model_dir(tmp / "base", config, dtype=self.dtype, device=self.device)
         self.policy = load_policy(p.model.model_copy(update={"path": str(base)}), p.lora, self.device).eval()
-        self.group = min(p.train.group_size, args.rows)
+        self.group = min(p.train.rollouts.group_size, args.rows)
         prompts = max(1, args.rows // self.group)
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(10, config.vocab_size, (prompts, args.prompt_tokens), generator=gen).to(self.device)

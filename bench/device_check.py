@@ -198,7 +198,7 @@ SCHEMA = {
     "generation": decode_speed.SCHEMA,
     "train_stage": device_train.SCHEMA,
     "rules": {
-        "default_rule": "str?: the params' train.entropy_rule",
+        "default_rule": "str?: the params' train.loss.entropy_rule",
         "default_from": "str?: update (the update phase's figures, this run) or rules (measured in this phase)",
         "default": device_update.SCHEMA,
         "high": device_update.SCHEMA,

@@ -87,8 +87,8 @@ SCHEMA = {
     "dtype": "str?: the compute dtype",
     "steps": "int?: N, the steps of the unbroken and of the resumed run",
     "rows": "int?: completions per step", "prompt_tokens": "int?: the longest prompt of the data, in tokens",
-    "completion_tokens": "int?: train.max_new_tokens", "micro_batches": "int?: train.micro_batches",
-    "entropy_rule": "str?: train.entropy_rule", "eval_tokens": "int?: train.eval_max_new_tokens",
+    "completion_tokens": "int?: train.rollouts.max_new_tokens", "micro_batches": "int?: train.passes.micro_batches",
+    "entropy_rule": "str?: train.loss.entropy_rule", "eval_tokens": "int?: train.checkpoints.eval_max_new_tokens",
     "build_s": "number?: seconds to draw and save the random base",
     "budget_s": "number?: --budget-s, the seconds all parts may take (null: no limit)",
     "unbroken": RUN, "unbroken_again": RUN, "killed": RUN, "resumed": RUN,
@@ -144,7 +144,7 @@ def parse_args(argv=None):
     ap.add_argument("--params", default="presets/seed003.yaml", help="params file (a preset over params.yaml)")
     ap.add_argument("--steps", type=int, default=2, help="N, the steps of each completed run (at least 2)")
     ap.add_argument("--eval-tokens", type=int, default=64,
-                    help="train.eval_max_new_tokens of the validation at step N (the path is checked, not its length)")
+                    help="train.checkpoints.eval_max_new_tokens of the validation at step N (the path is checked, not its length)")
     ap.add_argument("--timeout-s", type=float, default=900, help="each process's time limit")
     ap.add_argument("--budget-s", type=float, help="the seconds all parts may take: a part that would not fit is "
                                                    "left out (default: no limit)")
@@ -189,14 +189,16 @@ def stage_params(args, work: Path, base: Path, folder: str, **train_keys) -> tup
     run.mkdir(parents=True, exist_ok=True)
     rewards = {**(raw.get("train") or {}).get("rewards", {"correctness": 1.0}), "text_length": 1.0}
     keys = {
-        "steps": args.steps, "checkpoint_every": 1, "eval_every": args.steps, "eval_max_new_tokens": args.eval_tokens,
-        "rollout_backend": "transformers", "warmup_steps": 0, "truncated": "score", "rewards": rewards,
-        "wandb_mode": "disabled", "num_processes": 1,
-        "data_path": str(work / "train.jsonl"), "val_path": str(work / "val.jsonl"),
+        "steps": args.steps, "truncated": "score", "rewards": rewards, "data_path": str(work / "train.jsonl"),
         "output_dir": str(run / "out"), "adapter_dir": str(run / "adapter"), "metrics_dir": str(run / "metrics"),
+        "checkpoints": {"every": 1, "eval_every": args.steps, "eval_max_new_tokens": args.eval_tokens,
+                        "val_path": str(work / "val.jsonl")},
+        "rollouts": {"backend": "transformers"}, "optimizer": {"warmup_steps": 0}, "wandb": {"mode": "disabled"},
+        "distribution": {"num_processes": 1},
     }
     if args.dry_run:
-        keys.update(max_new_tokens=8, prompts_per_step=2, group_size=2, micro_batches=2)
+        keys["rollouts"].update(max_new_tokens=8, prompts_per_step=2, group_size=2)
+        keys["passes"] = {"micro_batches": 2}
     keys.update(train_keys)
     raw = overlay_params(raw, {"train": keys, "model": {"path": str(base)}})
     from grpo.rewards import REWARDS
@@ -485,8 +487,10 @@ def measure(args, save) -> dict:
         write_rows(work / "val.jsonl", arithmetic_rows(VAL_ROWS, "v"))
         parts = Parts(args, work, base, out, save, cuda)
         t = parts.train
-        out.update(rows=t["prompts_per_step"] * t["group_size"], completion_tokens=t["max_new_tokens"],
-                   micro_batches=t["micro_batches"], entropy_rule=t["entropy_rule"], eval_tokens=t["eval_max_new_tokens"],
+        r = t["rollouts"]
+        out.update(rows=r["prompts_per_step"] * r["group_size"], completion_tokens=r["max_new_tokens"],
+                   micro_batches=t["passes"]["micro_batches"], entropy_rule=t["loss"]["entropy_rule"],
+                   eval_tokens=t["checkpoints"]["eval_max_new_tokens"],
                    prompt_tokens=max(len(tok(build_prompt(tok, r["question"], t["system_prompt"]),
                                              add_special_tokens=False)["input_ids"]) for r in arithmetic_rows(64)))
         save(out)

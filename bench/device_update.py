@@ -37,8 +37,8 @@ SCHEMA = {
     "model": "str?: the architecture the weights were drawn for",
     "dtype": "str?: the compute dtype",
     "rows": "int?: completions in the step", "prompt_tokens": "int?: prompt length",
-    "completion_tokens": "int?: completion length", "micro_batches": "int?: train.micro_batches",
-    "entropy_rule": "str?: train.entropy_rule (its passes and LM-head rows with grad set the step's memory)",
+    "completion_tokens": "int?: completion length", "micro_batches": "int?: train.passes.micro_batches",
+    "entropy_rule": "str?: train.loss.entropy_rule (its passes and LM-head rows with grad set the step's memory)",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
     "reserved_after_load_gib": "number?: CUDA reserved after grpo.lora_policy.load_policy (which gives its load's cache back)",
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="presets/seed003.yaml", help="params file (a preset over params.yaml)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (the preset's cap)")
-    ap.add_argument("--entropy-rule", help="train.entropy_rule to measure under (default: the params')")
+    ap.add_argument("--entropy-rule", help="train.loss.entropy_rule to measure under (default: the params')")
     ap.add_argument("--memory-cap-gib", type=float,
                     help="on CUDA: cap torch's allocator at this many GiB (set_per_process_memory_fraction)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a toy model, 8 new tokens: checks the script")
@@ -92,14 +92,15 @@ def setup(args):
     res = resolve_params(args.params)
     p = res.params
     config, source, device = architecture(args.params, p, res.root, args.dry_run)
-    update = {"entropy_rule": args.entropy_rule} if args.entropy_rule else {}
+    update = {"loss": {"entropy_rule": args.entropy_rule}} if args.entropy_rule else {}
     if args.dry_run:
-        update.update(max_new_tokens=8, prompts_per_step=2, group_size=2, micro_batches=2)
+        update.update(rollouts={"max_new_tokens": 8, "prompts_per_step": 2, "group_size": 2}, passes={"micro_batches": 2})
     if update:
+        from grpo.overlay import overlay_params
         from grpo.params import params_from_dict
 
         raw = p.model_dump()  # validated again: an unknown rule is one line, as in the params
-        raw["train"].update(update)
+        raw = overlay_params(raw, {"train": update})  # a part named merged key by key
         p = params_from_dict(raw)
     return p, config, source, device
 
@@ -130,8 +131,8 @@ def measure(args) -> dict:
     out = {k: None for k in SCHEMA}
     t = p.train
     out.update(device=device, model=str(source), dtype=str(dtype).removeprefix("torch."),
-               rows=t.prompts_per_step * t.group_size, prompt_tokens=args.prompt_tokens,
-               completion_tokens=t.max_new_tokens, micro_batches=t.micro_batches, entropy_rule=t.entropy_rule)
+               rows=t.rollouts.prompts_per_step * t.rollouts.group_size, prompt_tokens=args.prompt_tokens,
+               completion_tokens=t.rollouts.max_new_tokens, micro_batches=t.passes.micro_batches, entropy_rule=t.loss.entropy_rule)
     if cuda:
         torch.cuda.init()
         if args.memory_cap_gib:

@@ -35,8 +35,9 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
     from grpo.types import TrainBatch
 
     device = default_device()
-    changes = {"model.path": model_dir, "train.group_size": completions, "train.entropy_top_quantile": quantile,
-               "train.max_new_tokens": tokens, "train.rollout_backend": "transformers"}
+    changes = {"model.path": model_dir, "train.rollouts.group_size": completions, "train.loss.entropy_rule": "high",
+               "train.loss.entropy_rule_options.high.top_quantile": quantile,
+               "train.rollouts.max_new_tokens": tokens, "train.rollouts.backend": "transformers"}
     built = build_trainer(depart(AllParams(), changes), device, problems=[{"id": "p0", "question": "", "answer": "0"}])
     trainer, model, cfg = built.trainer, built.model, built.trainer.cfg
     vocab = model.get_base_model().config.vocab_size
@@ -44,7 +45,7 @@ def measure(model_dir: str, quantile: float, completions: int, tokens: int, prom
     attn = torch.ones_like(ids)
     targets, mask = ids[:, prompt_tokens:], torch.ones(completions, tokens, dtype=torch.long, device=device)
     adv = group_advantages(torch.arange(completions, dtype=torch.float32), completions).to(device)
-    norm = loss_normalizer(mask, cfg.loss_type)
+    norm = loss_normalizer(mask, cfg.loss.loss_type)
     model.train()
     if device == "cuda":
         torch.cuda.synchronize()

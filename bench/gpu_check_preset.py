@@ -29,7 +29,7 @@ sampler, linear method, LoRA kernels), read inside vLLM's worker through ``LLM.c
 (an engine in another process, CUDA's default for SENT and evaluation, receives the probe
 pickled: the phase sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless the user set it); a choice
 that cannot be read is null and ``unread`` says why. From the steps: times per phase, the engine's
-log-prob gap to the policy against ``train.max_logp_gap``, and NaN flags. ``SCHEMA`` below is the
+log-prob gap to the policy against ``train.guards.max_logp_gap``, and NaN flags. ``SCHEMA`` below is the
 one definition of the file's keys; ``schema_errors`` checks a file against it.
 
 Problems are generated here (``problems``: ``grpo.data.generate_arithmetic``, no hub, no reasoning-gym):
@@ -162,10 +162,10 @@ SCHEMA = {
         "model_source": "str: how model_dir was found",
         "quantization": "str: model.quantization", "dtype": "str: model.dtype (auto: bf16 on CUDA 8.0+)",
         "gradient_checkpointing": "bool: model.gradient_checkpointing", "lora_rank": "int: lora.rank",
-        "prompts_per_step": "int: train.prompts_per_step", "group_size": "int: train.group_size",
+        "prompts_per_step": "int: train.rollouts.prompts_per_step", "group_size": "int: train.rollouts.group_size",
         "completions_per_step": "int: their product: the train engine's call",
-        "max_new_tokens": "int: train.max_new_tokens as run", "preset_max_new_tokens": "int: the preset's",
-        "micro_batches": "int: train.micro_batches", "steps": "int: optimizer steps run",
+        "max_new_tokens": "int: train.rollouts.max_new_tokens as run", "preset_max_new_tokens": "int: the preset's",
+        "micro_batches": "int: train.passes.micro_batches", "steps": "int: optimizer steps run",
         "sent_prompts": "int: prompts of the SENT phase: one call (sent.batch_prompts, at most the problems)",
         "sent_samples": "int: sent.num_samples",
         "sent_max_new_tokens": "int: sent.max_new_tokens as run",
@@ -178,7 +178,7 @@ SCHEMA = {
         "problems": "str: what the prompts are",
     },
     "kernels": {
-        "entropy_logprob": "str?: the trainer's entropy/log-prob kernel (triton | torch: train.kernel on this device)",
+        "entropy_logprob": "str?: the trainer's entropy/log-prob kernel (triton | torch: train.passes.kernel on this device)",
         "policy_attention": "str?: the policy's transformers attention (grpo.device.attention_implementation)",
         "compute_dtype": "str?: the policy's compute dtype",
         "flashinfer_sampler_env": "str?: VLLM_USE_FLASHINFER_SAMPLER as the engines saw it",
@@ -187,7 +187,7 @@ SCHEMA = {
     "train_steps": [STEP],
     "logp_gap": {
         "mean": "number?: mean over the steps of logp_mismatch_mean", "max": "number?: largest logp_mismatch_max",
-        "bound": "number: train.max_logp_gap", "above_bound": "bool?: a step's mean above the bound",
+        "bound": "number: train.guards.max_logp_gap", "above_bound": "bool?: a step's mean above the bound",
     },
     "nan": {
         "sent": "bool?: the sent phase's nonfinite", "evaluate": "bool?: the evaluate phase's nonfinite",
@@ -303,7 +303,7 @@ def failed_checks(report: dict) -> list[str]:
     gap = report["logp_gap"]
     if gap["above_bound"]:
         failed.append(f"train: the engine's log-probs {gap['mean']:.3g} nats/token (mean; max token {gap['max']:.3g}) "
-                      f"from the policy's, above train.max_logp_gap {gap['bound']:g}")
+                      f"from the policy's, above train.guards.max_logp_gap {gap['bound']:g}")
     return failed
 
 
@@ -445,7 +445,7 @@ def sent_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -
 def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) -> None:
     """The train stage's trainer (``grpo.trainer_builder.build_trainer``) for ``train.steps`` steps;
     the adapter shipped. One departure from the params, printed: the rollouts come from the vLLM
-    engine (``train.rollout_backend`` vllm). ``extra`` gets the kernels, the engine's form and each
+    engine (``train.rollouts.backend`` vllm). ``extra`` gets the kernels, the engine's form and each
     step's row as it ends."""
     import torch
 
@@ -455,13 +455,13 @@ def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) 
     from grpo.kernels.entropy_logprob import use_triton
     from grpo.trainer_builder import build_trainer, depart, departure_line
 
-    changes = {"train.rollout_backend": "vllm"}
+    changes = {"train.rollouts.backend": "vllm"}
     print(f"train phase: the preset's params but {departure_line(changes)}", flush=True)
     params = depart(params, changes)
     cfg = params.train
     dtype = compute_dtype(params.model.dtype, device)
     extra.update({"steps": [], "engine_weights": None, "engine_weights_why": None,
-                  "kernels": {"entropy_logprob": "triton" if use_triton(torch.empty(0, device=device), cfg.kernel) else "torch",
+                  "kernels": {"entropy_logprob": "triton" if use_triton(torch.empty(0, device=device), cfg.passes.kernel) else "torch",
                               "policy_attention": attention_implementation(device),
                               "compute_dtype": str(dtype).removeprefix("torch.")}})
     form, why = form_here(params, Path("."), device)
@@ -479,7 +479,7 @@ def train_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dict) 
         backend.close()
     rec.mark("closed")
     steps = [step_record(r) for r in rows]
-    per_step = cfg.prompts_per_step * cfg.group_size
+    per_step = cfg.rollouts.prompts_per_step * cfg.rollouts.group_size
     rec.rec.update(completions=len(rows) * per_step,
                    completion_tokens=round(sum((r.get("completion_len") or 0.0) * per_step for r in rows)),
                    accuracy=sum(r["rollout_accuracy"] or 0.0 for r in rows) / len(rows),
@@ -511,7 +511,7 @@ def evaluate_phase(params, work: Path, device: str, rec: PhaseRecord, extra: dic
                              dtype_key="model.dtype") as sampler:
         rec.engine_up(sampler.engine(), t0)
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, progress=False,
-                                           max_new_tokens=cfg.max_new_tokens, temperature=0.0):
+                                           max_new_tokens=cfg.rollouts.max_new_tokens, temperature=0.0):
             texts += roll.texts
             mask = roll.completion_mask.bool()
             tokens += int(mask.sum())
@@ -640,20 +640,17 @@ def check_params(params, model_dir: Path, model_name: str, work: Path, dry_run: 
 
     data = str(work / "problems.jsonl")
     over = {"model": {"name": model_name, "path": str(model_dir)},
-            "train": {"steps": TRAIN_STEPS, "output_dir": str(work / "train"), "adapter_dir": str(work / "adapter"),
-                      "metrics_dir": str(work / "metrics"), "data_path": data, "val_path": data, "checkpoint_every": 0,
-                      "eval_every": 0, "wandb_mode": "disabled", "rollout_backend": "vllm", "num_processes": 1,
-                      "deepspeed_config": ""},
+            "train": {"steps": TRAIN_STEPS, "output_dir": str(work / "train"), "adapter_dir": str(work / "adapter"), "metrics_dir": str(work / "metrics"), "data_path": data, "checkpoints": {"val_path": data, "every": 0, "eval_every": 0}, "wandb": {"mode": "disabled"}, "rollouts": {"backend": "vllm"}, "distribution": {"num_processes": 1, "deepspeed_config": ""}},
             "sent": {"backend": "vllm", "data_path": data, "out_path": str(work / "sent.jsonl")},
             "evaluate": {"backend": "vllm", "test_path": data}}
     if dry_run:
         share = min(1.0, DRY_CPU_ENGINE_GIB / memory_now("cpu")[1])
-        for section in ("train", "sent", "evaluate"):
-            over[section]["max_new_tokens"] = min(getattr(params, section).max_new_tokens, DRY_NEW_TOKENS)
+        for where, cfg in ((over["train"]["rollouts"], params.train.rollouts), (over["sent"], params.sent),
+                           (over["evaluate"], params.evaluate)):
+            where["max_new_tokens"] = min(cfg.max_new_tokens, DRY_NEW_TOKENS)
             if device == "cpu":
-                over[section]["gpu_memory_utilization"] = round(min(getattr(params, section).gpu_memory_utilization,
-                                                                    share), 4)
-        over["train"]["eval_max_new_tokens"] = min(params.train.eval_max_new_tokens, DRY_NEW_TOKENS)
+                where["gpu_memory_utilization"] = round(min(cfg.gpu_memory_utilization, share), 4)
+        over["train"]["checkpoints"]["eval_max_new_tokens"] = min(params.train.checkpoints.eval_max_new_tokens, DRY_NEW_TOKENS)
     return params_from_dict(overlay_params(params.model_dump(), over))
 
 
@@ -663,13 +660,13 @@ def config_record(preset_params, params, model_source: str) -> dict:
     return {"preset_model": preset_params.model.name, "model": params.model.name, "model_dir": params.model.path,
             "model_source": model_source, "quantization": params.model.quantization, "dtype": params.model.dtype,
             "gradient_checkpointing": params.model.gradient_checkpointing, "lora_rank": params.lora.rank,
-            "prompts_per_step": t.prompts_per_step, "group_size": t.group_size,
-            "completions_per_step": t.prompts_per_step * t.group_size, "max_new_tokens": t.max_new_tokens,
-            "preset_max_new_tokens": preset_params.train.max_new_tokens, "micro_batches": t.micro_batches,
+            "prompts_per_step": t.rollouts.prompts_per_step, "group_size": t.rollouts.group_size,
+            "completions_per_step": t.rollouts.prompts_per_step * t.rollouts.group_size, "max_new_tokens": t.rollouts.max_new_tokens,
+            "preset_max_new_tokens": preset_params.train.rollouts.max_new_tokens, "micro_batches": t.passes.micro_batches,
             "steps": t.steps, "sent_prompts": min(s.batch_prompts, N_PROBLEMS), "sent_samples": s.num_samples,
             "sent_max_new_tokens": s.max_new_tokens, "evaluate_prompts": min(e.batch_prompts, N_PROBLEMS),
             "evaluate_max_new_tokens": e.max_new_tokens,
-            "gpu_memory_utilization": {"sent": s.gpu_memory_utilization, "train": t.gpu_memory_utilization,
+            "gpu_memory_utilization": {"sent": s.gpu_memory_utilization, "train": t.rollouts.gpu_memory_utilization,
                                        "evaluate": e.gpu_memory_utilization},
             "engine_weights": None, "engine_weights_why": None, "problems": PROBLEMS_TEXT}
 
@@ -769,7 +766,7 @@ def run_check(args) -> int:
     report.update(schema=SCHEMA_VERSION, preset=path.stem, preset_file=str(path), dry_run=bool(args.dry_run),
                   device=device, commit=git_commit(REPO), started=started,
                   config=config_record(resolved.params, params, source))
-    report["logp_gap"]["bound"] = params.train.max_logp_gap
+    report["logp_gap"]["bound"] = params.train.guards.max_logp_gap
     parts = {}
     for name in ("machine", *PHASES):
         parts[name] = spawn(name, work)

@@ -60,13 +60,14 @@ PHASES = ("generate", "logprob", "fwd_bwd", "optimizer")
 
 # saving -> the overrides that switch it off (everything else as configured)
 SAVINGS: dict[str, dict] = {
-    "entropy mask: LM-head grad at kept tokens only": {"entropy_rule": "high", "entropy_top_quantile": 1.0},
-    "chunked fused entropy/log-prob (no full-vocab fp32 logits)": {"kernel": "torch", "logprob_chunk": 1 << 30},
+    "entropy mask: LM-head grad at kept tokens only": {"loss.entropy_rule": "high",
+                                                       "loss.entropy_rule_options.high.top_quantile": 1.0},
+    "chunked fused entropy/log-prob (no full-vocab fp32 logits)": {"passes.kernel": "torch", "passes.logprob_chunk": 1 << 30},
     "gradient checkpointing": {"gradient_checkpointing": False},
-    "micro-batched generation and training forward": {"generation_batch_size": 0, "micro_batches": 1},
-    "release generation memory before training": {"release_generation_memory": False},
-    "shared prompt in the training forward": {"shared_prompt_forward": False},
-    "packed groups (no compute on padding; auto: off CUDA)": {"forward_layout": "padded"},
+    "micro-batched generation and training forward": {"rollouts.generation_batch_size": 0, "passes.micro_batches": 1},
+    "release generation memory before training": {"rollouts.release_generation_memory": False},
+    "shared prompt in the training forward": {"passes.shared_prompt_forward": False},
+    "packed groups (no compute on padding; auto: off CUDA)": {"passes.forward_layout": "padded"},
 }
 
 
@@ -106,17 +107,17 @@ def departures(args, overrides: dict, workdir: Path, model_dir: str, rollout: st
     ``num_iterations``), then ``overrides`` (a saving switched off, or the params' default rule)."""
     out = {
         "model.path": model_dir, "model.gradient_checkpointing": args.gradient_checkpointing,
-        "train.output_dir": str(workdir / "out"), "train.checkpoint_every": 0, "train.wandb_mode": "disabled",
-        "train.order": "shuffled", "train.steps": args.steps + 1, "train.prompts_per_step": args.prompts,
-        "train.group_size": args.group, "train.max_new_tokens": args.new_tokens, "train.temperature": 1.0,
-        "train.top_p": 1.0, "train.entropy_top_quantile": args.quantile, "train.beta": args.beta, "train.lr": args.lr,
-        "train.warmup_steps": 0, "train.micro_batches": args.micro_batches,
-        "train.generation_batch_size": args.generation_batch, "train.rewards": {"correctness": 1.0, "format_strict": 0.1},
+        "train.output_dir": str(workdir / "out"), "train.checkpoints.every": 0, "train.wandb.mode": "disabled",
+        "train.order": "shuffled", "train.steps": args.steps + 1, "train.rollouts.prompts_per_step": args.prompts,
+        "train.rollouts.group_size": args.group, "train.rollouts.max_new_tokens": args.new_tokens, "train.rollouts.temperature": 1.0,
+        "train.rollouts.top_p": 1.0, "train.loss.entropy_rule_options.high.top_quantile": args.quantile, "train.loss.beta": args.beta, "train.optimizer.lr": args.lr,
+        "train.optimizer.warmup_steps": 0, "train.passes.micro_batches": args.micro_batches,
+        "train.rollouts.generation_batch_size": args.generation_batch, "train.rewards": {"correctness": 1.0, "format_strict": 0.1},
         "train.truncated": "score",  # TRL's default (mask_truncated_completions off): the same rewards, the same work
-        "train.entropy_rule": "high",  # TRL's top_entropy_quantile: only the top quantile's tokens get gradient, no KL
-        "train.mu": 1,  # TRL's num_iterations: one update per batch
-        "train.rollout_backend": rollout, "train.gpu_memory_utilization": args.gpu_memory_utilization,
-        "train.max_model_len": 2048,
+        "train.loss.entropy_rule": "high",  # TRL's top_entropy_quantile: only the top quantile's tokens get gradient, no KL
+        "train.optimizer.mu": 1,  # TRL's num_iterations: one update per batch
+        "train.rollouts.backend": rollout, "train.rollouts.gpu_memory_utilization": args.gpu_memory_utilization,
+        "train.rollouts.max_model_len": 2048,
     }
     for key, value in overrides.items():
         out[f"model.{key}" if key == "gradient_checkpointing" else f"train.{key}"] = value
@@ -129,9 +130,10 @@ def default_rule_overrides() -> dict:
     from grpo.sections.train import TrainConfig
 
     d = TrainConfig()
-    if d.entropy_rule == "high":
+    if d.loss.entropy_rule == "high":
         return {}
-    return {"entropy_rule": d.entropy_rule, "entropy_rule_options": d.model_dump()["entropy_rule_options"], "mu": d.mu}
+    return {"loss.entropy_rule": d.loss.entropy_rule, "loss.entropy_rule_options": d.model_dump()["loss"]["entropy_rule_options"],
+            "optimizer.mu": d.optimizer.mu}
 
 
 def _memory_fields(device: str) -> dict:
@@ -348,7 +350,7 @@ def print_speed(rows: dict[str, dict]) -> None:
             print(f"ours / {other} median step time: {rows['ours']['step_s'] / rows[other]['step_s']:.2f}"
                   + (" (the same rule: top entropy quantile, no KL, mu 1)" if other.startswith("trl") else ""))
     if "ours-default-rule" in rows and "trl" in rows:
-        mu = rows["ours-default-rule"]["departures"].get("train.mu")
+        mu = rows["ours-default-rule"]["departures"].get("train.optimizer.mu")
         print(f"ours under the params' default rule (mu {mu}) / trl median step time: "
               f"{rows['ours-default-rule']['step_s'] / rows['trl']['step_s']:.2f} (not the same work)")
     from grpo.trainer_builder import departure_line
@@ -389,7 +391,7 @@ def main() -> None:
                          "in one run (default: both where vLLM is installed)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of GPU memory / RAM")
     ap.add_argument("--engine-weights", nargs="+", choices=["dense", "nf4"], default=["dense"],
-                    help="the vLLM engine's forms (train.engine_weights), each measured in the same run: "
+                    help="the vLLM engine's forms (train.rollouts.engine_weights), each measured in the same run: "
                          "merged dense weights, or the trainer's own 4-bit weights + the policy's LoRA adapter")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

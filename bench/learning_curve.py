@@ -38,8 +38,8 @@ def main() -> None:
         output_dir=str(out / "run"),
         adapter_dir=str(out / "adapter"),
         metrics_dir=str(out / "metrics"),
-        checkpoint_every=0,
-        wandb_mode="disabled",
+        checkpoints={**params["train"]["checkpoints"], "every": 0},
+        wandb={**params["train"]["wandb"], "mode": "disabled"},
     )
     (out / "params.yaml").write_text(yaml.safe_dump(params))
     if (out / "run" / "steps.jsonl").exists():

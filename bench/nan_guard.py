@@ -9,7 +9,7 @@ largest value is about 3.4e38, so the overflow happens in the update's own arith
 clean values come back before the next rollouts. For each poisoned step it records whether the row
 says ``update_skipped``, whether every LoRA weight and AdamW's moments and step count are as they
 were before the update, and the learning rate before and after; the guard
-(``trainer.NonFiniteGuard``, ``train.max_nonfinite_steps``) must stop training with one line at
+(``trainer.NonFiniteGuard``, ``train.guards.max_nonfinite_steps``) must stop training with one line at
 the limit.
 
     python bench/nan_guard.py [--device cuda|cpu] [--limit 2] [--json FILE]
@@ -28,7 +28,7 @@ from pathlib import Path
 
 SCHEMA = {
     "device": "str?: where it ran", "dtype": "str?: the compute dtype",
-    "poison": "number?: the value written into lora_B", "limit": "int?: train.max_nonfinite_steps",
+    "poison": "number?: the value written into lora_B", "limit": "int?: train.guards.max_nonfinite_steps",
     "clean_step_applied": "bool?: step 1 (clean) updated the weights",
     "skipped": "list[str]: per poisoned step: step N: skipped=..., weights unchanged=..., adam unchanged=..., lr a -> b",
     "all_skipped_unchanged": "bool?: every poisoned step skipped, weights and AdamW state unchanged",
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", help="cuda or cpu (default: cuda where there is one)")
     ap.add_argument("--poison", type=float, default=1e38)
-    ap.add_argument("--limit", type=int, default=2, help="train.max_nonfinite_steps")
+    ap.add_argument("--limit", type=int, default=2, help="train.guards.max_nonfinite_steps")
     ap.add_argument("--json", help="write the result here")
     return ap.parse_args(argv)
 
@@ -83,10 +83,10 @@ def build(args, tmp: Path):
     base = random_model_dir(tmp / "base", architecture_config("toy"), dtype=torch.bfloat16, device=device)
     changes = {"model.path": str(base), "model.dtype": "bfloat16", "model.gradient_checkpointing": True,
                "lora.rank": 8, "lora.alpha": 16.0, "train.output_dir": str(tmp / "run"), "train.steps": 2 + args.limit,
-               "train.prompts_per_step": 2, "train.group_size": 4, "train.max_new_tokens": 8, "train.checkpoint_every": 0,
-               "train.eval_every": 0, "train.rewards": {"varied": 1.0}, "train.truncated": "score",
-               "train.warmup_steps": 0, "train.lr": 1e-2, "train.lr_schedule": "cosine",
-               "train.max_nonfinite_steps": args.limit, "train.rollout_backend": "transformers"}
+               "train.rollouts.prompts_per_step": 2, "train.rollouts.group_size": 4, "train.rollouts.max_new_tokens": 8, "train.checkpoints.every": 0,
+               "train.checkpoints.eval_every": 0, "train.rewards": {"varied": 1.0}, "train.truncated": "score",
+               "train.optimizer.warmup_steps": 0, "train.optimizer.lr": 1e-2, "train.optimizer.lr_schedule": "cosine",
+               "train.guards.max_nonfinite_steps": args.limit, "train.rollouts.backend": "transformers"}
     print(f"the default params but {departure_line({k: v for k, v in changes.items() if 'path' not in k and 'dir' not in k})}",
           file=sys.stderr)
     problems = [{"id": f"p{i}", "question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1), "solution": ""}

@@ -4,7 +4,7 @@ weights with the policy's LoRA adapter.
     python bench/weight_sync.py [--model models/base] [--prompts 32] [--group 8] [--new-tokens 64] [--rounds 3]
                                 [--ways dense nf4] [--dtype auto] [--json FILE]
 
-Each way is the engine ``grpo.engine.policy_engine.policy_rollouts`` builds for the train stage (``train.engine_weights``), in a
+Each way is the engine ``grpo.engine.policy_engine.policy_rollouts`` builds for the train stage (``train.rollouts.engine_weights``), in a
 fresh process, started from the NF4 base as training loads it; the policy's LoRA adapter (r16 /
 alpha 32 on q/k/v/o, B drawn at random so that it matters) changes every round, as an optimizer
 step would. Per round and way: ``sync`` (timed), then ``prompts x group`` completions (temperature 1,

@@ -240,7 +240,7 @@ def workspace_slot(root: Path):
 
 
 def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
-    """Set dotted keys (``train.lr=5e-4``; a string value is read as YAML) in params.yaml, keeping its
+    """Set dotted keys (``train.optimizer.lr=5e-4``; a string value is read as YAML) in params.yaml, keeping its
     comments (``grpo.config.write_params``); a result the stages would refuse writes nothing and raises
     ``ParamsError`` naming the key."""
     from ruamel.yaml import YAML

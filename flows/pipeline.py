@@ -2,7 +2,7 @@
 Prefect is imported.
 
     python -m flows.pipeline                                  # like `dvc repro`, with Prefect logs
-    python -m flows.pipeline --set train.lr=5e-4 --name lr5e-4  # an experiment `dvc exp show` lists
+    python -m flows.pipeline --set train.optimizer.lr=5e-4 --name lr5e-4  # an experiment `dvc exp show` lists
     python -m flows.pipeline --stages prepare_data sent         # only these stages (dvc.yaml's order)
 
 No Prefect import at module level: ``main()`` imports the flow (``flows/dvc_flow.py``, and so
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description="Run the DVC pipeline as a Prefect flow.")
     ap.add_argument("--workdir", default=".")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a param (repeatable), e.g. --set train.lr=5e-4; the run becomes a DVC experiment")
+                    help="override a param (repeatable), e.g. --set train.optimizer.lr=5e-4; the run becomes a DVC experiment")
     ap.add_argument("--name", help="experiment name (with --set)")
     ap.add_argument("--stages", nargs="*", help="run only these stages of dvc.yaml (default: all)")
     ap.add_argument("--stage-timeout", type=_positive, default=STAGE_TIMEOUT_S, metavar="SECONDS",

@@ -60,7 +60,7 @@ def time_file(name: str, params_path: str | Path, metrics_dir: str | Path) -> Pa
 def run_stage(name: str, body: Callable[[Params], None], sections: tuple[type[Section], ...],
               argv: list[str] | None = None, *, writes: bool = True) -> int:
     """Parse ``--params``, load and validate the ``sections`` the stage reads (one of them the
-    ``train`` section, whole or as ``TrainSharedKeys``), run ``body``; a user error becomes one line
+    ``train`` section, whole or as ``OtherStagesTrainKeys``), run ``body``; a user error becomes one line
     on stderr and exit code 2. ``writes``: whether this process writes the stage's time (where
     ``time_file`` says) and the params-read log; False in the ranks other than 0 of a data-parallel
     stage."""

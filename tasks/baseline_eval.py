@@ -6,7 +6,7 @@ from grpo.config import Params
 from grpo.sections.decode import DecodeConfig
 from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.model import ModelConfig
-from grpo.sections.shared import TrainSharedKeys
+from grpo.sections.shared import OtherStagesTrainKeys
 from tasks._common import run_stage
 from tasks._eval_stage import run_eval
 
@@ -16,7 +16,7 @@ def baseline_eval(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("baseline_eval", baseline_eval, (EvaluateConfig, ModelConfig, DecodeConfig, TrainSharedKeys), argv)
+    return run_stage("baseline_eval", baseline_eval, (EvaluateConfig, ModelConfig, DecodeConfig, OtherStagesTrainKeys), argv)
 
 
 if __name__ == "__main__":

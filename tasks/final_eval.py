@@ -6,7 +6,7 @@ from grpo.config import Params
 from grpo.sections.decode import DecodeConfig
 from grpo.sections.evaluate_section import EvaluateConfig
 from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
+from grpo.sections.shared import OtherStagesTrainKeys
 from tasks._common import run_stage
 from tasks._eval_stage import run_eval
 
@@ -16,7 +16,7 @@ def final_eval(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("final_eval", final_eval, (EvaluateConfig, ModelConfig, DecodeConfig, TrainConfig), argv)
+    return run_stage("final_eval", final_eval, (EvaluateConfig, ModelConfig, DecodeConfig, OtherStagesTrainKeys), argv)
 
 
 if __name__ == "__main__":

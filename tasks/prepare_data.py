@@ -9,7 +9,7 @@ from grpo.config import Params
 from grpo.data import prepare_splits
 from grpo.jsonio import write_json, write_jsonl
 from grpo.sections.data_section import DataConfig
-from grpo.sections.shared import TrainSharedKeys
+from grpo.sections.shared import OtherStagesTrainKeys
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def prepare_data(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("prepare_data", prepare_data, (DataConfig, TrainSharedKeys), argv)
+    return run_stage("prepare_data", prepare_data, (DataConfig, OtherStagesTrainKeys), argv)
 
 
 if __name__ == "__main__":

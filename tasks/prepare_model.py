@@ -9,7 +9,7 @@ from pathlib import Path
 from grpo.base_model import resolve_base_model
 from grpo.config import Params
 from grpo.sections.model import ModelConfig
-from grpo.sections.shared import TrainSharedKeys
+from grpo.sections.shared import OtherStagesTrainKeys
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def prepare_model(params: Params) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("prepare_model", prepare_model, (ModelConfig, TrainSharedKeys), argv)
+    return run_stage("prepare_model", prepare_model, (ModelConfig, OtherStagesTrainKeys), argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from grpo.rollout_backends import planned_tokens
 from grpo.sections.decode import DecodeConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.sent import SentConfig
-from grpo.sections.shared import TrainSharedKeys
+from grpo.sections.shared import OtherStagesTrainKeys
 from grpo.semantic_entropy import score_rows
 from tasks._common import run_stage
 
@@ -69,7 +69,7 @@ def sent(params: Params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_stage("sent", sent, (SentConfig, ModelConfig, DecodeConfig, TrainSharedKeys), argv)
+    return run_stage("sent", sent, (SentConfig, ModelConfig, DecodeConfig, OtherStagesTrainKeys), argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The run is ``grpo.training.run`` (its docstring: the outputs, resume, the data-p
 this module maps its failures to one line on stderr and an exit code: Ctrl-C 130 (the line says what
 was kept), a failed process of a multi-process launch its exit code (``grpo.launcher.LaunchFailed``),
 a collective timeout in a worker ``grpo.distributed.TIMEOUT_EXIT_CODE``. With
-``train.num_processes`` N > 1 the launched workers are ``python -m tasks.train`` with the same
+``train.distribution.num_processes`` N > 1 the launched workers are ``python -m tasks.train`` with the same
 arguments.
 """
 

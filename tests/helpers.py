@@ -33,6 +33,7 @@ import yaml
 
 from grpo import cli
 from grpo.jsonio import write_jsonl
+from grpo.overlay import overlay_params
 
 from .conftest import REPO
 
@@ -45,24 +46,9 @@ def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> 
     params = {
         "model": {"path": str(model_dir), "quantization": "nf4"},
         "lora": LORA,
-        "train": {
-            "data_path": str(data),
-            "output_dir": str(tmp / "out"),
-            "adapter_dir": str(tmp / "adapter"),
-            "metrics_dir": str(tmp / "metrics"),
-            "steps": 8,
-            "prompts_per_step": 2,
-            "group_size": 4,
-            "max_new_tokens": 12,
-            "checkpoint_every": 2,
-            "rewards": {"correctness": 1.0, "format_soft": 0.5},
-            "truncated": "score",  # the random tiny model seldom ends on EOS: scored, its rewards still differ
-            "wandb_mode": "disabled",
-            "rollout_backend": "transformers",  # the decode loop (engine rollouts: tests/test_engine_policy_engine.py)
-            "eval_every": 0,
-            **train,
-        },
+        "train": {"data_path": str(data), "output_dir": str(tmp / "out"), "adapter_dir": str(tmp / "adapter"), "metrics_dir": str(tmp / "metrics"), "steps": 8, "rewards": {"correctness": 1.0, "format_soft": 0.5}, "truncated": "score", "rollouts": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12, "backend": "transformers"}, "checkpoints": {"every": 2, "eval_every": 0}, "wandb": {"mode": "disabled"}},
     }
+    params = overlay_params(params, {"train": train})  # a part named (rollouts={...}) merged key by key
     path = tmp / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
@@ -90,10 +76,7 @@ TINY_PARAMS = {
     "lora": {"rank": 4, "alpha": 8},
     "sent": {"backend": "transformers", "num_samples": 2, "max_new_tokens": 6, "batch_prompts": 8},
     "evaluate": {"backend": "transformers", "max_new_tokens": 6},
-    "train": {"seed": 0, "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6,
-              "order_options": {"curriculum": {"num_stages": 2}},
-              "checkpoint_every": 1, "wandb_mode": "disabled", "lr": 1e-3, "system_prompt": "Answer as '#### N'.",
-              "rollout_backend": "transformers", "eval_every": 1, "eval_max_new_tokens": 6},
+    "train": {"seed": 0, "steps": 2, "order_options": {"curriculum": {"num_stages": 2}}, "system_prompt": "Answer as '#### N'.", "rollouts": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "backend": "transformers"}, "checkpoints": {"every": 1, "eval_every": 1, "eval_max_new_tokens": 6}, "wandb": {"mode": "disabled"}, "optimizer": {"lr": 1e-3}},
 }
 
 
@@ -162,7 +145,7 @@ most per token (docs/lab-notebook.md), and greedy decodes agree."""
 HALF_GAP = LogpGap(mean=0.05, max=0.5, greedy_equal=False)
 """Both sides in fp16 or bf16: rounding alone puts them about 0.02 nats per token apart (the dense
 engine in bf16 on SmolLM2-135M: 0.024 mean, docs/lab-notebook.md 2026-11-24), so the mean bound is
-twice that and half the train stage's guard (``train.max_logp_gap`` 0.1); single tokens stray
+twice that and half the train stage's guard (``train.guards.max_logp_gap`` 0.1); single tokens stray
 further. Rounding also flips near-ties of the tiny random model's flat distributions, so greedy
 decodes may part (the same run: equal for 1 of 2 prompts): the gap on the engine's tokens is the check."""
 
@@ -215,11 +198,10 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
 
     randomise_adapter(model, std=0.02, seed=7)
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
-    settings = dict(output_dir=str(out_dir), steps=3, prompts_per_step=2, group_size=4, max_new_tokens=8,
-                    checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0, eval_every=0, warmup_steps=0,
-                    lr=1e-2)
-    val = problems[:3] if cfg.get("eval_every") else None
-    trainer = GRPOTrainer(model, tok, TrainConfig(**{**settings, **cfg}), problems, backend=backend, val_problems=val)
+    settings = dict(output_dir=str(out_dir), steps=3, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 1e-2})
+    settings = overlay_params({"train": settings}, {"train": cfg})["train"]  # a part named merged key by key
+    val = problems[:3] if settings["checkpoints"].get("eval_every") else None
+    trainer = GRPOTrainer(model, tok, TrainConfig(**settings), problems, backend=backend, val_problems=val)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rows = trainer.train(progress=False)
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -40,7 +40,8 @@ def test_the_committed_grid_is_valid_and_has_the_reference():
 @pytest.mark.parametrize(("overrides", "words"), [
     ({"train.ordr": "shuffled"}, "train.ordr"),
     ({"train.order": "backwards"}, "train.order"),
-    ({"train.entropy_rule": "low", "train.entropy_top_quantile": 1.0}, "train.entropy_rule"),
+    ({"train.loss.entropy_rule": "low", "train.loss.entropy_rule_options.low.top_quantile": 1.0},
+     "train.loss.entropy_rule_options.low.top_quantile"),
     ({"train.seed": 3}, "train.seed"),
 ])
 def test_a_bad_variant_fails_naming_the_variant_and_the_key(tmp_path, overrides, words):
@@ -56,13 +57,13 @@ def test_reference_must_be_a_variant(tmp_path):
 
 
 def test_queue_args_name_the_variant_and_seed():
-    grid = Grid("default", (0, 1), {"default": {}, "kl": {"train.beta": 0.04, "train.order": "shuffled"}})
-    assert queue_args(grid, "kl", 1) == ["exp", "run", "--queue", "-S", "train.seed=1", "-S", "train.beta=0.04",
+    grid = Grid("default", (0, 1), {"default": {}, "kl": {"train.loss.beta": 0.04, "train.order": "shuffled"}})
+    assert queue_args(grid, "kl", 1) == ["exp", "run", "--queue", "-S", "train.seed=1", "-S", "train.loss.beta=0.04",
                                          "-S", "train.order=shuffled", "-n", "kl-seed-1"]
 
 
 def test_plan_queues_seed_by_seed_and_skips_finished_and_waiting():
-    grid = Grid("default", (0, 1), {"default": {}, "g4": {"train.group_size": 4}})
+    grid = Grid("default", (0, 1), {"default": {}, "g4": {"train.rollouts.group_size": 4}})
     runs = [Run("default-seed-0", "a", "success", {}, 0.7), Run("g4-seed-0", "b", "running", {}, None),
             Run("default-seed-1", "c", "failed", {}, None)]
     p = plan(grid, runs)
@@ -98,7 +99,7 @@ def _runs(vals):
 def test_the_verdicts_are_holm_adjusted_over_both_metrics_and_every_variant():
     """Four comparisons (two variants x two metrics); the raw p-values are adjusted together, so a
     difference significant alone can lose its verdict in the family."""
-    grid = Grid("ref", (0, 1, 2, 3, 4, 5), {"ref": {}, "a": {"train.group_size": 4}, "b": {"train.lr": 1e-3}})
+    grid = Grid("ref", (0, 1, 2, 3, 4, 5), {"ref": {}, "a": {"train.rollouts.group_size": 4}, "b": {"train.optimizer.lr": 1e-3}})
     base = {s: 0.5 + 0.01 * s for s in range(6)}
     shift = lambda d, noise: {s: v + d + noise[s] for s, v in base.items()}  # noqa: E731
     noise = [0.01, -0.01, 0.005, -0.005, 0.0, 0.002]
@@ -122,7 +123,7 @@ def test_the_verdicts_are_holm_adjusted_over_both_metrics_and_every_variant():
 
 
 def test_the_decision_rule_picks_the_cheapest_candidate_within_the_margin():
-    grid = Grid("ref", (0, 1), {"ref": {}, "cheap": {"train.lr": 1e-3}, "dear": {"train.lr": 2e-3}},
+    grid = Grid("ref", (0, 1), {"ref": {}, "cheap": {"train.optimizer.lr": 1e-3}, "dear": {"train.optimizer.lr": 2e-3}},
                 decision={"candidates": ["cheap", "dear"], "margin": 0.02})
     val = {"ref": {0: 0.50, 1: 0.52}, "cheap": {0: 0.49, 1: 0.51}, "dear": {0: 0.51, 1: 0.53}}
     cost = {"ref": {0: 100.0, 1: 100.0}, "cheap": {0: 50.0, 1: 52.0}, "dear": {0: 90.0, 1: 90.0}}
@@ -191,8 +192,8 @@ def test_the_reasoning_grid_is_valid_and_declares_its_decision_rule():
     assert {"top-0.2", "top-0.5", "sent_kl", "archer-mu2"} <= set(grid.variants)
     assert set(grid.decision["candidates"]) == {"top-0.2", "top-0.5", "sent_kl", "archer-mu2"}
     # a rule's variant names its rule: its meaning does not move when params.yaml's default does
-    assert all(grid.variants[v].get("train.entropy_rule") for v in grid.decision["candidates"])
-    assert grid.variants["archer-mu2"]["train.mu"] == 2
+    assert all(grid.variants[v].get("train.loss.entropy_rule") for v in grid.decision["candidates"])
+    assert grid.variants["archer-mu2"]["train.optimizer.mu"] == 2
 
 
 def test_a_second_reference_is_refused_with_one_line(tmp_path):
@@ -206,7 +207,7 @@ def test_a_second_reference_is_refused_with_one_line(tmp_path):
 def test_a_record_carries_finished_experiments_to_another_clone(tmp_path):
     """compare's record holds every finished experiment of the grid; another clone's plan counts them
     as done (a failed run of the same name there does not undo it); another CPU kind is refused."""
-    grid = Grid("default", (0, 1), {"default": {}, "g4": {"train.group_size": 4}})
+    grid = Grid("default", (0, 1), {"default": {}, "g4": {"train.rollouts.group_size": 4}})
     runs = {key: [Run("default-seed-0", "a", "success", {}, 0.7), Run("g4-seed-0", "b", "queued", {}, 0.7),
                   Run("other-seed-0", "c", "success", {}, 0.1)] for key in ablations.METRICS}
     path = tmp_path / "record.json"
@@ -242,7 +243,7 @@ def test_a_metric_dvc_exp_show_does_not_list_is_read_from_the_experiments_commit
 def test_a_variant_paired_with_another_joins_the_same_holm_family():
     """``shuffled`` is compared to ``rule`` (its own pair), the others to the reference; three
     comparisons per metric, adjusted together."""
-    grid = Grid("ref", (0, 1, 2), {"ref": {}, "rule": {"train.lr": 1e-3}, "shuffled": {"train.order": "shuffled"}},
+    grid = Grid("ref", (0, 1, 2), {"ref": {}, "rule": {"train.optimizer.lr": 1e-3}, "shuffled": {"train.order": "shuffled"}},
                 paired_with={"shuffled": "rule"})
     val = {"ref": {0: 0.50, 1: 0.52, 2: 0.51}, "rule": {0: 0.60, 1: 0.61, 2: 0.63},
            "shuffled": {0: 0.40, 1: 0.42, 2: 0.40}}
@@ -267,14 +268,15 @@ def test_the_rule_mu_grid_runs_each_rule_at_both_mus_on_seed_triples_with_every_
     """Issue 58's controls: every variant names its mu, rule and checkpoint choice; every-token and
     archer each at mu 1 and mu 2; at least eight seeds, each setting the data, SENT and training seeds."""
     grid = load_grid(ROOT / "experiments" / "rule_mu_grid.yaml")
-    pairs = {(o["train.entropy_rule"], o["train.entropy_top_quantile"], o["train.mu"]) for o in grid.variants.values()}
+    pairs = {(o["train.loss.entropy_rule"], o[f"train.loss.entropy_rule_options.{o['train.loss.entropy_rule']}.top_quantile"],
+              o["train.optimizer.mu"]) for o in grid.variants.values()}
     assert pairs == {("high", 1.0, 1), ("high", 1.0, 2), ("archer", 0.2, 1), ("archer", 0.2, 2)}
-    assert all(o["train.keep_best"] is False for o in grid.variants.values())  # last step only: no checkpoint chosen
+    assert all(o["train.checkpoints.keep_best"] is False for o in grid.variants.values())  # last step only: no checkpoint chosen
     assert len(grid.seeds) >= 8 and set(grid.seed_keys) == {"data.seed", "sent.seed", "train.seed"}
     assert set(grid.decision["candidates"]) == set(grid.variants)
     # rules are compared at equal mu: archer-mu2 with every-token-mu2, archer-mu1 with the mu-1 reference
-    assert grid.variants[grid.partner("archer-mu2")]["train.mu"] == 2
-    assert grid.variants[grid.partner("archer-mu1")]["train.mu"] == 1
+    assert grid.variants[grid.partner("archer-mu2")]["train.optimizer.mu"] == 2
+    assert grid.variants[grid.partner("archer-mu1")]["train.optimizer.mu"] == 1
     args = queue_args(grid, "archer-mu1", 5)
     assert all(f"{key}=5" in args for key in grid.seed_keys)
 
@@ -282,15 +284,15 @@ def test_the_rule_mu_grid_runs_each_rule_at_both_mus_on_seed_triples_with_every_
 def test_the_reasoning_grid_names_each_variants_mu_as_run():
     grid = load_grid(ROOT / "experiments" / "reasoning_grid.yaml")
     assert grid.seed_keys == ("train.seed",)  # as run: data and SENT seeds fixed
-    assert {v: o["train.mu"] for v, o in grid.variants.items()} == {
+    assert {v: o["train.optimizer.mu"] for v, o in grid.variants.items()} == {
         "every-token": 1, "top-0.2": 1, "top-0.5": 1, "sent_kl": 1, "archer-mu2": 2, "shuffled-archer-mu2": 2}
 
 
 def test_a_pinned_key_a_variant_leaves_to_the_default_fails_naming_both(tmp_path):
-    path = _grid_file(tmp_path, {"default": {"train.mu": 1}, "loose": {"train.lr": 1e-3}})
+    path = _grid_file(tmp_path, {"default": {"train.optimizer.mu": 1}, "loose": {"train.optimizer.lr": 1e-3}})
     raw = yaml.safe_load(path.read_text())
-    path.write_text(yaml.safe_dump({**raw, "pinned": ["train.mu"]}))
-    with pytest.raises(ValueError, match="'loose': does not set train.mu"):
+    path.write_text(yaml.safe_dump({**raw, "pinned": ["train.optimizer.mu"]}))
+    with pytest.raises(ValueError, match="'loose': does not set train.optimizer.mu"):
         load_grid(path)
 
 
@@ -307,16 +309,16 @@ def test_seed_keys_are_params_keys_no_variant_sets(tmp_path, seed_keys, variants
 
 
 def test_queue_args_set_every_seed_key_to_the_experiments_seed():
-    grid = Grid("a", (0, 3), {"a": {"train.mu": 2}}, seed_keys=("data.seed", "sent.seed", "train.seed"))
+    grid = Grid("a", (0, 3), {"a": {"train.optimizer.mu": 2}}, seed_keys=("data.seed", "sent.seed", "train.seed"))
     assert queue_args(grid, "a", 3) == ["exp", "run", "--queue", "-S", "data.seed=3", "-S", "sent.seed=3",
-                                        "-S", "train.seed=3", "-S", "train.mu=2", "-n", "a-seed-3"]
+                                        "-S", "train.seed=3", "-S", "train.optimizer.mu=2", "-n", "a-seed-3"]
 
 
 def test_the_decision_at_equal_mu_picks_every_token_when_the_entropy_treatment_does_not_pay():
     """archer-mu2 is the best on validation, every-token-mu2 0.01 behind and cheaper: the rule
     picks every-token-mu2; every-token-mu1 (cheapest) is 0.05 behind, beyond the margin."""
     names = ("et1", "et2", "ar1", "ar2")
-    grid = Grid("et1", (0, 1, 2), {n: {"train.mu": 1 + n.endswith("2")} for n in names},
+    grid = Grid("et1", (0, 1, 2), {n: {"train.optimizer.mu": 1 + n.endswith("2")} for n in names},
                 decision={"candidates": list(names), "margin": 0.03}, paired_with={"ar2": "et2"})
     best = {0: 0.60, 1: 0.55, 2: 0.58}
     behind = {"et1": (0.05, 0.04, 0.06), "et2": (0.01, 0.0, 0.02), "ar1": (0.05, 0.05, 0.05), "ar2": (0, 0, 0)}

@@ -21,13 +21,13 @@ TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key
 SETUPS = {
     # seed 003's switches: NF4, gradient checkpointing, several micro-batches (the step-wide entropy pass)
     "checkpointed": {"model": {"quantization": "nf4", "gradient_checkpointing": True},
-                     "train": {"micro_batches": 2}},
+                     "train": {"passes": {"micro_batches": 2}}},
     # the default's: no checkpointing, shared prompts, one micro-batch; with KL and mu 2: both no-grad passes
     "shared prompts, beta, mu 2": {"model": {"quantization": "nf4", "gradient_checkpointing": False},
-                                   "train": {"micro_batches": 1, "beta": 0.04, "mu": 2}},
+                                   "train": {"passes": {"micro_batches": 1}, "loss": {"beta": 0.04}, "optimizer": {"mu": 2}}},
     # a small vocabulary and a wide MLP: the body's backward, not the LM head, is the largest working set
     "body backward largest": {"model": {"quantization": "nf4", "gradient_checkpointing": True},
-                              "train": {"micro_batches": 2}, "config": {"vocab_size": 512, "intermediate_size": 2048}},
+                              "train": {"passes": {"micro_batches": 2}}, "config": {"vocab_size": 512, "intermediate_size": 2048}},
 }
 
 
@@ -40,8 +40,7 @@ def tiny_workspace(path, overrides: dict):
     (path / "dvc.yaml").write_text("stages: {}\n")
     params = {"model": {"path": "models/tiny", **overrides["model"]},
               "lora": {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-              "train": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 64, "entropy_top_quantile": 0.2,
-                        **overrides["train"]}}
+              "train": {**overrides["train"], "rollouts": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 64}, "loss": {"entropy_rule_options": {"archer": {"top_quantile": 0.2}}}}}
     (path / "params.yaml").write_text(yaml.safe_dump(params))
     return path / "params.yaml"
 

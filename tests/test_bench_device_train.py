@@ -32,10 +32,11 @@ def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_de
     with REWARDS.registered("text_length", device_train.text_length):
         written = params_from_dict(yaml.safe_load(path.read_text()))
     assert written.train.model_dump() == train and written.model.path == str(tmp_path / "base")
-    assert (train["prompts_per_step"], train["group_size"], train["max_new_tokens"], train["micro_batches"]) == (
-        seed003.prompts_per_step, seed003.group_size, seed003.max_new_tokens, seed003.micro_batches)
-    assert train["entropy_rule"] == seed003.entropy_rule and train["mu"] == seed003.mu
-    assert (train["steps"], train["checkpoint_every"], train["eval_every"], train["rollout_backend"]) == (
+    r = train["rollouts"]
+    assert (r["prompts_per_step"], r["group_size"], r["max_new_tokens"], train["passes"]["micro_batches"]) == (
+        seed003.rollouts.prompts_per_step, seed003.rollouts.group_size, seed003.rollouts.max_new_tokens, seed003.passes.micro_batches)
+    assert train["loss"]["entropy_rule"] == seed003.loss.entropy_rule and train["optimizer"]["mu"] == seed003.optimizer.mu
+    assert (train["steps"], train["checkpoints"]["every"], train["checkpoints"]["eval_every"], r["backend"]) == (
         2, 1, 2, "transformers")
     assert train["rewards"] == {**seed003.rewards, "text_length": 1.0} and "text_length" not in REWARDS
     assert train["output_dir"] == str(tmp_path / "unbroken" / "out")

@@ -232,8 +232,7 @@ def test_the_steps_phases_and_a_dead_process_make_a_conforming_report_with_its_f
     parts = {"machine": {"machine": {"driver": "580.65.06", "capability": "9.0"}, "versions": {"vllm": "0.32.0"},
                          "preflight": ["grpo doctor: ..."]},
              "sent": {"phase": phase, "flashinfer_sampler_env": "0", "exit": 0},
-             "train": {"phase": {**phase, "nonfinite": True}, "steps": rows, "engine_weights": "nf4",
-                       "engine_weights_why": "fits", "kernels": {"entropy_logprob": "triton"}, "exit": 0},
+             "train": {"phase": {**phase, "nonfinite": True}, "steps": rows, "engine_weights_why": "fits", "kernels": {"entropy_logprob": "triton"}, "exit": 0, "engine_weights": "nf4"},
              "evaluate": {"exit": -9}}  # killed before it wrote its record
     out = g.assemble(report, parts)
     assert g.schema_errors(out) == []
@@ -246,7 +245,7 @@ def test_the_steps_phases_and_a_dead_process_make_a_conforming_report_with_its_f
         "evaluate: its process exited with code -9 before writing its record (the log has its output)",
         "train: 1 update(s) skipped; non-finite: step 2: loss, step 2: grad_norm",
         "train: the engine's log-probs 0.26 nats/token (mean; max token 2) from the policy's, above "
-        "train.max_logp_gap 0.1"]
+        "train.guards.max_logp_gap 0.1"]
 
 
 def test_a_phase_that_raises_writes_a_record_that_says_so(tmp_path, monkeypatch):
@@ -282,12 +281,12 @@ def test_the_check_runs_the_preset_s_call_and_the_dry_run_shortens_only_the_comp
     real = g.check_params(preset, tmp_path / "m", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", tmp_path, False, "cuda")
     dry = g.check_params(preset, tmp_path / "m", "smollm2-135m-instruct", tmp_path, True, "cpu")
     for p in (real, dry):
-        assert (p.train.prompts_per_step, p.train.group_size, p.train.micro_batches) == (2, 8, 8)
-        assert p.train.steps == g.TRAIN_STEPS and p.train.rollout_backend == "vllm" and p.model.gradient_checkpointing
+        assert (p.train.rollouts.prompts_per_step, p.train.rollouts.group_size, p.train.passes.micro_batches) == (2, 8, 8)
+        assert p.train.steps == g.TRAIN_STEPS and p.train.rollouts.backend == "vllm" and p.model.gradient_checkpointing
         assert p.train.data_path == p.sent.data_path == p.evaluate.test_path == str(tmp_path / "problems.jsonl")
-    assert (real.train.max_new_tokens, real.sent.max_new_tokens) == (512, 512)
+    assert (real.train.rollouts.max_new_tokens, real.sent.max_new_tokens) == (512, 512)
     assert real.sent.gpu_memory_utilization == sent.gpu_memory_utilization  # the card's share, as the preset has it
-    assert (dry.train.max_new_tokens, dry.sent.max_new_tokens) == (g.DRY_NEW_TOKENS, g.DRY_NEW_TOKENS)
+    assert (dry.train.rollouts.max_new_tokens, dry.sent.max_new_tokens) == (g.DRY_NEW_TOKENS, g.DRY_NEW_TOKENS)
     assert dry.sent.gpu_memory_utilization * ram == pytest.approx(
         min(sent.gpu_memory_utilization * ram, g.DRY_CPU_ENGINE_GIB), rel=1e-2)  # the RAM's share on a CPU
 

@@ -43,9 +43,9 @@ def test_ours_runs_trls_rule_at_mu_1_and_the_default_rule_at_its_own_mu(tmp_path
     params' default rule beside it with the default's ``mu`` (issue 58: not at TRL's 1)."""
     bench = _bench()
     ours = depart(AllParams(), bench.departures(_args(), {}, tmp_path, "m", "transformers")).train
-    assert (ours.entropy_rule, ours.mu, ours.beta) == ("high", 1, 0.0)
+    assert (ours.loss.entropy_rule, ours.optimizer.mu, ours.loss.beta) == ("high", 1, 0.0)
     default = depart(AllParams(), bench.departures(_args(), bench.default_rule_overrides(), tmp_path, "m", "vllm")).train
-    assert (default.entropy_rule, default.mu) == (AllParams().train.entropy_rule, AllParams().train.mu)
+    assert (default.loss.entropy_rule, default.optimizer.mu) == (AllParams().train.loss.entropy_rule, AllParams().train.optimizer.mu)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from grpo import checkpoint
 from grpo.base_model import load_tokenizer
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
+from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
@@ -83,8 +84,7 @@ def _trainer(policy, problems, out: Path, callbacks=None) -> GRPOTrainer:
     model, tok, initial = policy
     set_peft_model_state_dict(model, initial)
     torch.manual_seed(0)
-    cfg = TrainConfig(output_dir=str(out), steps=STEPS, prompts_per_step=1, group_size=2, max_new_tokens=6,
-                      checkpoint_every=1, rewards={"correctness": 1.0, "format_soft": 0.5})
+    cfg = TrainConfig(output_dir=str(out), steps=STEPS, rewards={"correctness": 1.0, "format_soft": 0.5}, rollouts={"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 6}, checkpoints={"every": 1})
     return GRPOTrainer(model, tok, cfg, problems, callbacks=callbacks)
 
 
@@ -153,7 +153,7 @@ def test_fingerprint_resets_output_dir_when_params_or_data_change(tiny_model_dir
 
     def run(**train) -> bool:
         """reset_if_changed with these train params; True if the previous output survived."""
-        params = params_from_dict({**raw, "train": {**raw["train"], **train}})
+        params = params_from_dict(overlay_params(raw, {"train": train}))  # a part named merged key by key
         checkpoint.reset_if_changed(params)
         survived = (out / "kept").exists()
         (out / "kept").touch()
@@ -162,8 +162,8 @@ def test_fingerprint_resets_output_dir_when_params_or_data_change(tiny_model_dir
 
     assert not run()  # first run: nothing to keep
     assert run()  # same params and data
-    assert run(checkpoint_every=5, metrics_dir=str(tmp_path / "elsewhere"))  # placement and logging only
-    assert not run(lr=1e-3)  # another run
+    assert run(checkpoints={"every": 5}, metrics_dir=str(tmp_path / "elsewhere"))  # placement and logging only
+    assert not run(optimizer={"lr": 1e-3})  # another run
     assert not run()  # and back
     before = checkpoint.fingerprint(params_from_dict(raw))
     write_jsonl(tmp_path / "train.jsonl", tiny_problems[:-1])
@@ -171,7 +171,7 @@ def test_fingerprint_resets_output_dir_when_params_or_data_change(tiny_model_dir
     moved = sorted((tmp_path / "out.previous").iterdir())  # three runs moved aside (none deleted), the newest kept
     assert len(moved) == checkpoint.PREVIOUS_RUNS_KEPT and all((p / "kept").exists() for p in moved)
     assert moved[-1].name.endswith("_" + before)
-    assert run(lr=2e-3) is False and sorted((tmp_path / "out.previous").iterdir())[:-1] == moved[1:]  # the oldest went
+    assert run(optimizer={"lr": 2e-3}) is False and sorted((tmp_path / "out.previous").iterdir())[:-1] == moved[1:]  # the oldest went
 
 
 # ---------------------------------------------------------------------------- save / read
@@ -275,7 +275,7 @@ def test_stage_killed_then_newest_adapter_damaged_resumes_from_the_previous_chec
 ):
     """The real stage: ``kill -9`` once step 6's checkpoint exists (every 2 steps), its adapter
     overwritten with 1 kB of noise; the restart warns once, resumes from step 4 and exits 0."""
-    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=8, checkpoint_every=2)
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=8, checkpoints={"every": 2})
     ckpts = tmp_path / "out" / "checkpoints"
     proc = _train(params)
     deadline = time.time() + 300

@@ -10,9 +10,11 @@ from grpo.params import params_from_dict
 
 
 def _params_with(param: str, name: str):
-    section, key = param.split(".")
-    value = {name: 1.0} if param == "train.rewards" else name
-    return params_from_dict({section: {key: value}})
+    *path, key = param.split(".")  # train.loss.entropy_rule: a key in a part of a section
+    tree = {key: {name: 1.0} if param == "train.rewards" else name}
+    for part in reversed(path):
+        tree = {part: tree}
+    return params_from_dict(tree)
 
 
 @pytest.mark.parametrize("param", sorted(REGISTRIES))

@@ -51,19 +51,19 @@ def test_unknown_key_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [f"grpo check: error: {path}: train.learning_rate: unknown key; did you mean train.lr?"]
+    assert lines == [f"grpo check: error: {path}: train.learning_rate: unknown key; did you mean train.optimizer.lr?"]
 
 
 def test_a_preset_is_put_over_the_workspace_params(tmp_path):
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"train": {"steps": 7, "lr": 1.0e-3}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"train": {"steps": 7, "optimizer": {"lr": 1.0e-3}}}))
     (tmp_path / "presets").mkdir()
     preset = tmp_path / "presets" / "p.yaml"
-    preset.write_text(yaml.safe_dump({"train": {"lr": 2.0e-4}}))
+    preset.write_text(yaml.safe_dump({"train": {"optimizer": {"lr": 2.0e-4}}}))
     res = cli.resolve_params(preset)
     assert res.root == tmp_path
-    assert (res.params.train.steps, res.params.train.lr) == (7, 2.0e-4)
-    assert res.changed == ["train.lr"]
+    assert (res.params.train.steps, res.params.train.optimizer.lr) == (7, 2.0e-4)
+    assert res.changed == ["train.optimizer.lr"]
     assert cli.resolve_params(tmp_path / "params.yaml").changed == []
     from grpo.dvcstatus import describe
 
@@ -108,10 +108,10 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     assert "grpo.synthetic architecture 'qwen2-1.5b'" in model and f"models/base holds {tiny_model_dir}" in model
     assert "hidden 1536" in model and "28 layers" in model
     # both phases with the engine, its arithmetic and the verdict for the card
-    assert "engine: train.engine_weights auto -> nf4 (auto: dense needs 3.95 GiB > the budget 0.96 GiB)" in out
+    assert "engine: train.rollouts.engine_weights auto -> nf4 (auto: dense needs 3.95 GiB > the budget 0.96 GiB)" in out
     assert any(line.startswith("KV cache of one step") and "10,240 tokens (16 completions x 640" in line
                and "x 28 KiB/token (2 x 28 layers x 2 kv heads x 128 x 2 B)" in line for line in lines)
-    assert any(line.startswith("budget") and "train.gpu_memory_utilization 0.12 x 8.00 GiB" in line for line in lines)
+    assert any(line.startswith("budget") and "train.rollouts.gpu_memory_utilization 0.12 x 8.00 GiB" in line for line in lines)
     assert any(line.startswith("vLLM engine, awake") and "generate" in line for line in lines)
     assert any(line.startswith("vLLM engine, asleep") and "train" in line for line in lines)
     peak = next(line for line in lines if line.startswith("peak"))
@@ -121,7 +121,7 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
                          "--prompt-tokens", "128", "--gpu-memory", "4.1")
     assert code == 0, err
     assert "card 4.10 GiB: does not fit: the engine's budget 503.8 MiB < its needs 714.6 MiB (nf4); turn " \
-           "train.gpu_memory_utilization: between 0.18 and 0.43" in out
+           "train.rollouts.gpu_memory_utilization: between 0.18 and 0.43" in out
     code, out, err = run(capsys, "check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda")
     assert code == 0, err
     model = next(line for line in out.splitlines() if line.strip().startswith("model: "))
@@ -149,7 +149,7 @@ def test_check_for_a_card_prints_the_saved_model_engines_and_a_verdict_per_stage
     verdict = "fits: " if fits else "does not fit: "
     assert all(line.split(": ", 1)[1].startswith(card + verdict) for line in stages), stages
     train = cli.resolve_params(REPO / "presets/seed003.yaml").params.train  # the rule the preset resolves to
-    rule = f"; estimated for train.entropy_rule {train.entropy_rule} (entropy_top_quantile {train.entropy_top_quantile})"
+    rule = f"; estimated for train.loss.entropy_rule {train.loss.entropy_rule} (top_quantile {train.loss.rule_options().top_quantile})"
     assert stages[-1].endswith(rule), stages[-1]
 
 
@@ -186,7 +186,7 @@ def test_check_says_what_each_training_process_samples_with(tmp_path, capsys):
 
     for backend, processes in (("auto", 2), ("transformers", 2), ("vllm", 1)):
         (tmp_path / "p.yaml").write_text(yaml.safe_dump(
-            {"train": {"num_processes": processes, "prompts_per_step": 4, "rollout_backend": backend}}))
+            {"train": {"distribution": {"num_processes": processes}, "rollouts": {"prompts_per_step": 4, "backend": backend}}}))
         code, out, err = run(capsys, "check", "--params", str(tmp_path / "p.yaml"))
         assert code == 0, err
         line = next(x.strip() for x in out.splitlines() if x.strip().startswith("rollouts:"))
@@ -225,8 +225,8 @@ def test_version_is_the_packages(capsys):
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    ({"train": {"lr": "fast"}}, "train.lr: must be a number, got 'fast'"),
-    ({"train": {"lr": "5e-4"}}, "train.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
+    ({"train": {"optimizer": {"lr": "fast"}}}, "train.optimizer.lr: must be a number, got 'fast'"),
+    ({"train": {"optimizer": {"lr": "5e-4"}}}, "train.optimizer.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
     ({"lora": {"lora_alpha": 16}}, "lora.lora_alpha: unknown key; did you mean lora.alpha?"),
 ])
 def test_a_bad_params_file_is_one_line_naming_the_field(raw, message, tmp_path, capsys):

@@ -13,9 +13,9 @@ from grpo.params import AllParams, load_params
 def test_reading_params_records_fields_read():
     params = AllParams()
     with reading_params() as reads:
-        _ = params.train.lr, params.model.path, params.train.lr
+        _ = params.train.optimizer.lr, params.model.path, params.train.optimizer.lr
     _ = params.lora.rank  # outside the block: not recorded
-    assert reads == {"train.lr", "model.path"}
+    assert reads == {"train.optimizer.lr", "model.path"}
 
 
 def test_a_repeated_key_is_one_line_naming_it_and_both_lines(tmp_path):
@@ -44,16 +44,16 @@ def test_load_sections_validates_the_sections_named_and_only_checks_the_others_a
     to refuse; an unknown section is refused by every stage."""
     from grpo.config import load_sections
     from grpo.sections.data_section import DataConfig
-    from grpo.sections.shared import TrainSharedKeys
+    from grpo.sections.shared import OtherStagesTrainKeys
     from grpo.sections.train import TrainConfig
 
     path = tmp_path / "params.yaml"
-    path.write_text("data:\n  seed: 3\ntrain:\n  lr: -1.0\n  system_prompt: Be brief.\n")
-    params = load_sections(path, DataConfig, TrainSharedKeys)
+    path.write_text("data:\n  seed: 3\ntrain:\n  optimizer:\n    lr: -1.0\n  system_prompt: Be brief.\n")
+    params = load_sections(path, DataConfig, OtherStagesTrainKeys)
     assert (params.data.seed, params.train.system_prompt, params.train.metrics_dir) == (3, "Be brief.", "metrics")
     with pytest.raises(AttributeError):
         _ = params.model
-    with pytest.raises(ParamsError, match=r"^train\.lr: must be > 0, got -1\.0$"):
+    with pytest.raises(ParamsError, match=r"^train\.optimizer\.lr: must be > 0, got -1\.0$"):
         load_sections(path, TrainConfig)
     path.write_text("data:\n  seed: 3\ntrainer: {}\n")
     with pytest.raises(ParamsError, match=r"^trainer: unknown params section; did you mean train\?"):

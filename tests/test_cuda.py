@@ -58,10 +58,7 @@ def test_one_4bit_lora_step_on_cuda(tiny_model_dir, auto_dtype, tiny_problems, t
     assert four_bit and all(m.weight.device.type == "cuda" and m.weight.quant_state.quant_type == "nf4"
                             for m in four_bit)
     assert four_bit[0].compute_dtype == cuda_half_dtype(cuda_capability())  # auto: the card's 16-bit dtype
-    cfg = TrainConfig(output_dir=str(tmp_path), steps=1, prompts_per_step=2, group_size=4, max_new_tokens=8,
-                      micro_batches=2, beta=0.04, checkpoint_every=0, rewards={"correctness": 1.0, "chars": 0.01},
-                      entropy_rule="high",  # the mask: the kept fraction below is the top 20%
-                      truncated="score")  # a random model writes all 8 tokens: scored, so the groups have signal
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=1, rewards={"correctness": 1.0, "chars": 0.01}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, passes={"micro_batches": 2}, loss={"beta": 0.04, "entropy_rule": "high"}, checkpoints={"every": 0})  # a random model writes all 8 tokens: scored, so the groups have signal
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     (row,) = GRPOTrainer(model, tok, cfg, tiny_problems).train(progress=False)
 

@@ -1,4 +1,4 @@
-"""Data-parallel training (``grpo.distributed``, ``train.num_processes``) with real torch.distributed
+"""Data-parallel training (``grpo.distributed``, ``train.distribution.num_processes``) with real torch.distributed
 processes on gloo: the update of 2 processes equals one process's; the 2-process stage writes what
 the 1-process stage writes and resumes after ``kill -9``; a rank that dies, or hangs, takes the stage
 down."""
@@ -74,9 +74,7 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
     out = []
     for micro_batches, loss_type, engine in CASES:
         batch = _fixed_batch(tok.pad_token_id, engine)
-        cfg = TrainConfig(output_dir="unused", prompts_per_step=PROMPTS, group_size=G, max_new_tokens=C_LEN,
-                          entropy_top_quantile=0.2, entropy_rule="high",  # the mask: its threshold is the step's
-                          micro_batches=micro_batches, loss_type=loss_type)
+        cfg = TrainConfig(output_dir="unused", rollouts={"prompts_per_step": PROMPTS, "group_size": G, "max_new_tokens": C_LEN}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.2}}, "entropy_rule": "high", "loss_type": loss_type}, passes={"micro_batches": micro_batches})
         trainer = GRPOTrainer(model, tok, cfg, [{"question": "q", "answer": "1"}], dist=dist)
         mine = dist.shard(PROMPTS)
         part = batch[slice(mine.start * G, mine.stop * G)]
@@ -174,7 +172,7 @@ def _gone(params: Path, timeout: float = 15.0) -> bool:
     return not _workers(params)
 
 
-STAGE = dict(steps=4, checkpoint_every=2, seed=3, temperature=1.0)  # seed 3: rewarded completions at steps 2, 3
+STAGE = dict(steps=4, seed=3, checkpoints={"every": 2}, rollouts={"temperature": 1.0})  # seed 3: rewarded completions at steps 2, 3
 
 
 def _files(tmp: Path) -> set[str]:
@@ -198,7 +196,7 @@ def test_two_process_stage_writes_the_one_process_outputs_and_resumes_after_kill
     assert main(["--params", str(_write_params(one, tiny_model_dir, tiny_problems, **STAGE))]) == 0
     reference = _steps(one)
 
-    params = _write_params(two, tiny_model_dir, tiny_problems, num_processes=2, **STAGE)
+    params = _write_params(two, tiny_model_dir, tiny_problems, **STAGE, distribution={"num_processes": 2})
     proc = _stage(params)
     first = two / "out" / "checkpoints" / "step_000002"
     deadline = time.time() + 300
@@ -238,7 +236,8 @@ def _stage_in_training(tmp: Path, model_dir: Path, problems: list[dict], env: di
     process, its params file and its workers by rank."""
     import psutil
 
-    params = _write_params(tmp, model_dir, problems, num_processes=2, steps=200, checkpoint_every=0, **train)
+    distribution = {"num_processes": 2, **train.pop("distribution", {})}
+    params = _write_params(tmp, model_dir, problems, steps=200, **train, distribution=distribution, checkpoints={"every": 0})
     proc = _stage(params, **(env or {}))
     log = tmp / "out" / "steps.jsonl"
     deadline = time.time() + 300
@@ -312,7 +311,7 @@ if os.environ.get("RANK") == "1":  # rank 1 of the stage: SIGUSR1 makes it sleep
 def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny_model_dir, tiny_problems, tmp_path):
     """Rank 1 stops mid-run without dying (a ``sitecustomize`` of the stage's processes makes it
     sleep on SIGUSR1; the stage's code is unchanged): rank 0's next collective times out after
-    ``train.dist_timeout_s`` (2 s), and the stage exits with ``TIMEOUT_EXIT_CODE`` within seconds,
+    ``train.distribution.dist_timeout_s`` (2 s), and the stage exits with ``TIMEOUT_EXIT_CODE`` within seconds,
     its last line naming the hung rank and the timeout, no traceback, and no process left. The 2 s
     bound starts with the first step (``Dist.start_steps``): start-up waits under
     ``STARTUP_TIMEOUT_S``, so a slow machine cannot time out before the hang (the test would then
@@ -325,7 +324,7 @@ def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny
     (hook / "sitecustomize.py").write_text(HANG_ON_SIGUSR1)
     path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     proc, params, ranks = _stage_in_training(tmp_path, tiny_model_dir, tiny_problems, env={"PYTHONPATH": path},
-                                             dist_timeout_s=2.0)
+                                             distribution={"dist_timeout_s": 2.0})
     everyone = psutil.Process(proc.pid).children(recursive=True)
     ranks[1].send_signal(signal.SIGUSR1)
     t0 = time.time()
@@ -333,7 +332,7 @@ def test_a_rank_that_hangs_makes_the_others_time_out_and_the_stage_names_it(tiny
     took = time.time() - t0
     assert proc.returncode == TIMEOUT_EXIT_CODE, out[-3000:]
     assert out.strip().splitlines()[-1] == ("train: error: training process rank 1 hung: rank 0 timed out waiting for "
-                                            "it in a collective (train.dist_timeout_s = 2 s); the launcher stopped "
+                                            "it in a collective (train.distribution.dist_timeout_s = 2 s); the launcher stopped "
                                             "every process"), out[-3000:]
     assert "train: error: rank 0: " in out and " timed out after 2 s waiting for the other 1 process(es)" in out
     assert "Traceback" not in out
@@ -357,7 +356,7 @@ def test_accelerate_configs_load():
 def test_accelerate_deepspeed_launch_without_the_param_is_refused(tiny_model_dir, tiny_problems, tmp_path,
                                                                   monkeypatch, capsys):
     """`accelerate launch --config_file configs/accelerate/zero2_offload.yaml` sets
-    ACCELERATE_USE_DEEPSPEED; with `train.deepspeed_config` empty the trainer would silently run
+    ACCELERATE_USE_DEEPSPEED; with `train.distribution.deepspeed_config` empty the trainer would silently run
     plain data parallelism, so the stage stops with one line naming the param and the JSON."""
     from tasks.train import main
 
@@ -366,7 +365,7 @@ def test_accelerate_deepspeed_launch_without_the_param_is_refused(tiny_model_dir
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/accelerate/ds_zero2_offload.json")
     assert main(["--params", str(params)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "train.deepspeed_config is empty" in err[-1] and "configs/accelerate/ds_zero2_offload.json" in err[-1]
+    assert "train.distribution.deepspeed_config is empty" in err[-1] and "configs/accelerate/ds_zero2_offload.json" in err[-1]
     assert not (tmp_path / "out" / "steps.jsonl").exists()
 
 
@@ -397,10 +396,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
         model_cfg = ModelConfig(path=model_dir, dtype="float32")
         model = load_policy(model_cfg, LoraConfig(**ENGINE_LORA))
         tok = load_tokenizer(model_dir)
-        cfg = TrainConfig(output_dir=str(Path(out) / f"run{rank}"), steps=3, prompts_per_step=2, group_size=4,
-                          max_new_tokens=8, checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0,
-                          eval_every=3, warmup_steps=0, lr=1e-2, gpu_memory_utilization=ENGINE_RAM, max_model_len=256)
-        backend = policy_rollouts("vllm", tok, model, section=cfg, engine_dir=Path(out) / "engine", base=model_cfg,
+        cfg = TrainConfig(output_dir=str(Path(out) / f"run{rank}"), steps=3, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0, "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256}, checkpoints={"every": 0, "eval_every": 3}, optimizer={"warmup_steps": 0, "lr": 1e-2})
+        backend = policy_rollouts("vllm", tok, model, section=cfg.rollouts, engine_dir=Path(out) / "engine", base=model_cfg,
                                   dtype="float32", dist=dist)
         lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
         before = lora()
@@ -459,10 +456,7 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
     from grpo.jsonio import write_jsonl
 
     write_jsonl(tmp_path / "val.jsonl", tiny_problems[:3])
-    params = _write_params(tmp_path, tiny_vllm_model_dir, tiny_problems, num_processes=2, steps=6,
-                           checkpoint_every=2, eval_every=3, val_path=str(tmp_path / "val.jsonl"),
-                           rollout_backend="vllm", gpu_memory_utilization=ENGINE_RAM, max_model_len=256,
-                           group_size=2, max_new_tokens=6)
+    params = _write_params(tmp_path, tiny_vllm_model_dir, tiny_problems, steps=6, distribution={"num_processes": 2}, checkpoints={"every": 2, "eval_every": 3, "val_path": str(tmp_path / "val.jsonl")}, rollouts={"backend": "vllm", "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256, "group_size": 2, "max_new_tokens": 6})
     raw = yaml.safe_load(params.read_text())
     raw["model"] = {"path": str(tiny_vllm_model_dir), "dtype": "float32"}  # CPUs: auto is fp32 too
     params.write_text(yaml.safe_dump(raw))
@@ -499,19 +493,18 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
                            text=True, cwd=tmp_path, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     said = next(line for line in check.stdout.splitlines() if line.strip().startswith("rollouts:"))
-    assert said.strip() == f"rollouts: {summary['rollouts']} (train.rollout_backend vllm)"
+    assert said.strip() == f"rollouts: {summary['rollouts']} (train.rollouts.backend vllm)"
     assert summary["rollouts"] == rollouts
 
 
 def test_engines_that_do_not_fit_the_ram_stop_the_stage_before_it_launches(tiny_model_dir, tiny_problems, tmp_path,
                                                                             capsys):
     """num_processes 2 with engine rollouts at 0.6 of the RAM each: the stage stops with one line
-    naming train.gpu_memory_utilization (exit 2) before any process is launched."""
+    naming train.rollouts.gpu_memory_utilization (exit 2) before any process is launched."""
     from tasks.train import main
 
-    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, num_processes=2, rollout_backend="vllm",
-                           gpu_memory_utilization=0.6)
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, distribution={"num_processes": 2}, rollouts={"backend": "vllm", "gpu_memory_utilization": 0.6})
     assert main(["--params", str(params)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("train: error: train.gpu_memory_utilization: 2 engines (one per process) x 0.6 ")
+    assert err[-1].startswith("train: error: train.rollouts.gpu_memory_utilization: 2 engines (one per process) x 0.6 ")
     assert not (tmp_path / "out").exists()

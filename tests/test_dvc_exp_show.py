@@ -36,7 +36,7 @@ import yaml
 
 stage, outs = sys.argv[1], sys.argv[2:]
 params = yaml.safe_load(open("params.yaml"))
-seed, lr = params["train"]["seed"], params["train"]["lr"]
+seed, lr = params["train"]["seed"], params["train"]["optimizer"]["lr"]
 for out in map(Path, outs):
     out.parent.mkdir(parents=True, exist_ok=True)
     committed = Path("committed") / out
@@ -78,7 +78,7 @@ def _git(repo: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     """The real dvc.yaml (stage commands faked), params.yaml and the code files the stages depend on,
-    after `dvc repro` and two experiments (train.seed=1; train.lr=0.0005). A plain `dvc exp show`
+    after `dvc repro` and two experiments (train.seed=1; train.optimizer.lr=0.0005). A plain `dvc exp show`
     of it still has ~160 columns (every param of params.yaml, the report's dependency, and every
     dependency's hash: DVC has no setting that hides them), hence the documented command."""
     repo = tmp_path_factory.mktemp("exp_show") / "repo"
@@ -106,7 +106,7 @@ def repo(tmp_path_factory) -> Path:
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "the pipeline")
     _dvc(repo, "exp", "run", "-q", "-n", "seed-1", "-S", "train.seed=1")
-    _dvc(repo, "exp", "run", "-q", "-n", "lr5e-4", "-S", "train.seed=0", "-S", "train.lr=0.0005")
+    _dvc(repo, "exp", "run", "-q", "-n", "lr5e-4", "-S", "train.seed=0", "-S", "train.optimizer.lr=0.0005")
     return repo
 
 
@@ -125,16 +125,16 @@ def test_the_documented_table_has_the_headline_and_the_params_that_differ(repo):
     meta = {"Experiment", "rev", "typ", "Created", "parent"}
     # the headline accuracies, then the params that differ; none of dvclive's statistics, though every
     # one differs (its two accuracies are the last step's rollouts and validation, not the headline's)
-    assert [c for c in rows[0] if c not in meta] == [*HEADLINE_COLUMNS, "train.seed", "train.lr"]
+    assert [c for c in rows[0] if c not in meta] == [*HEADLINE_COLUMNS, "train.seed", "train.optimizer.lr"]
     by_name = {r["Experiment"]: r for r in rows if r["Experiment"]}
-    assert [by_name["seed-1"][k] for k in ("train.seed", "train.lr")] == ["1", "0.0003"]
-    assert [by_name["lr5e-4"][k] for k in ("train.seed", "train.lr")] == ["0", "0.0005"]
+    assert [by_name["seed-1"][k] for k in ("train.seed", "train.optimizer.lr")] == ["1", "0.0003"]
+    assert [by_name["lr5e-4"][k] for k in ("train.seed", "train.optimizer.lr")] == ["0", "0.0005"]
     assert float(by_name["seed-1"]["test_accuracy_after"]) == pytest.approx(0.7103)
 
     table = _dvc(repo, *TABLE, "--no-pager", columns=200)
     assert "…" not in table  # nothing cut: every header and value is whole
     assert max(map(len, table.splitlines())) <= 200
-    assert all(h in table for h in (*HEADLINE_COLUMNS, "train.seed", "train.lr", "seed-1", "lr5e-4"))
+    assert all(h in table for h in (*HEADLINE_COLUMNS, "train.seed", "train.optimizer.lr", "seed-1", "lr5e-4"))
 
 
 def test_the_whole_table_leads_with_the_headline(repo):

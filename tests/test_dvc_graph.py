@@ -143,7 +143,10 @@ def test_sampling_stages_depend_on_the_saved_model_sampler_alone(stage):
 
 
 @pytest.mark.parametrize(("schema", "readers"), [
-    ("src/grpo/sections/train.py", {"train", "final_eval", "report"}),
+    ("src/grpo/sections/train.py", {"train", "report"}),
+    ("src/grpo/sections/train_parts.py", {"train", "report"}),
+    ("src/grpo/sections/shared.py", {"prepare_data", "prepare_model", "sent", "baseline_eval", "train", "final_eval",
+                                     "report"}),
     ("src/grpo/sections/sent.py", {"sent", "report"}),
     ("src/grpo/sections/data_section.py", {"prepare_data", "report"}),
     ("src/grpo/sections/evaluate_section.py", {"baseline_eval", "final_eval", "report"}),
@@ -160,7 +163,8 @@ def test_a_section_schema_is_a_dependency_of_the_stages_that_read_the_section_on
 def _sections_served() -> dict[str, set[str]]:
     """Each module of ``grpo.sections`` (repo-relative path) -> the params sections whose keys it
     declares: the ``SECTION`` of each section class defined in it, and for a base class with no
-    section of its own (``VLLMEngineConfig``) the sections of the classes that inherit from it."""
+    section of its own (``VLLMEngineConfig``) the sections of the classes that inherit from it (a
+    part, ``train.rollouts``, serves its section, ``train``)."""
     import importlib
     import inspect
     import pkgutil
@@ -175,7 +179,7 @@ def _sections_served() -> dict[str, set[str]]:
     for mod in modules:
         own = [c for c in classes if c.__module__ == mod.__name__]
         served[str(Path(mod.__file__).relative_to(REPO))] = {
-            c.SECTION for c in classes if c.SECTION and any(issubclass(c, base) for base in own)}
+            c.SECTION.split(".")[0] for c in classes if c.SECTION and any(issubclass(c, base) for base in own)}
     return served
 
 

@@ -33,13 +33,14 @@ def test_downstream_follows_outputs_into_inputs_in_file_order():
     assert downstream(GRAPH, {"report"}) == []
 
 
-def test_flat_keys_are_section_dot_key_with_values_whole():
-    params = {"train": {"lr": 5e-4, "rewards": {"correctness": 1.0}}, "seed": 3}
-    assert flat_keys(params) == {"train.lr": 5e-4, "train.rewards": {"correctness": 1.0}, "seed": 3}
+def test_flat_keys_are_dotted_leaves_at_any_depth():
+    params = {"train": {"rewards": {"correctness": 1.0}, "optimizer": {"lr": 5e-4}, "order_options": {}}, "seed": 3}
+    assert flat_keys(params) == {"train.optimizer.lr": 5e-4, "train.rewards.correctness": 1.0,
+                                 "train.order_options": {}, "seed": 3}
 
 
 def test_stages_reading_a_key_or_its_whole_section():
-    assert stages_reading(GRAPH, ["train.lr"]) == ["train"]
+    assert stages_reading(GRAPH, ["train.optimizer.lr"]) == ["train"]
     assert stages_reading(GRAPH, ["model.path", "data.train_size"]) == ["prepare", "train"]
     assert stages_reading(GRAPH, ["model.name"]) == ["model"]
     assert stages_reading(GRAPH, ["model.dtype", "training.lr"]) == []  # neither a key read nor a section
@@ -49,9 +50,9 @@ def test_a_stages_status_in_a_few_words():
     """``dvc status --json`` entries as DVC 3 prints them: code (a .py or a path under src/, tasks/,
     flows/), params by key, data inputs (three named, then a count), outputs missing or modified, and
     DVC's own phrases; each said once."""
-    assert _why([{"changed deps": {"src/grpo/trainer.py": "modified", "params.yaml": {"train.lr": "modified",
+    assert _why([{"changed deps": {"src/grpo/trainer.py": "modified", "params.yaml": {"train.optimizer.lr": "modified",
                                                                                      "lora.rank": "new"}}}]) \
-        == "code; params lora.rank, train.lr"
+        == "code; params lora.rank, train.optimizer.lr"
     assert _why([{"changed deps": {f"data/{i}.jsonl": "modified" for i in range(5)}},
                  {"changed outs": {"a.txt": "deleted"}}]) \
         == "inputs data/0.jsonl, data/1.jsonl, data/2.jsonl (+2 more); outputs missing"

@@ -32,7 +32,7 @@ def test_the_policy_engine_is_placed_per_process_and_sleeps_on_cuda_only():
     bounds = Bounds(32, 2048, 1000)
     for device, processes, executor, sleep in (("cpu", 1, "uni", None), ("cpu", 2, "external_launcher", None),
                                                ("cuda", 1, "uni", True), ("cuda", 8, "external_launcher", True)):
-        args = engine_args("m", TrainConfig(), device=device, seed=0, dtype="float32", bounds=bounds, processes=processes)
+        args = engine_args("m", TrainConfig().rollouts, device=device, seed=0, dtype="float32", bounds=bounds, processes=processes)
         assert args["distributed_executor_backend"] == executor
         assert args.get("enable_sleep_mode") is sleep
         assert (args["max_num_seqs"], args["max_num_batched_tokens"], args["kv_cache_memory_bytes"]) == (32, 2048, 1000)

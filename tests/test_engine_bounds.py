@@ -49,7 +49,7 @@ def test_generation_calls_cover_every_completion_once(n, g, size, expected):
     ({"max_model_len": 64}, 1, (16, 1024)),                                # at most max_num_seqs x max_model_len
 ])
 def test_the_engine_is_bounded_to_one_generation_call(fields, processes, expected):
-    assert step_limits(TrainConfig(**{"group_size": 4, **fields}), processes) == expected  # G = 4 unless given
+    assert step_limits(TrainConfig(rollouts={"group_size": 4, **fields}), processes) == expected  # G = 4 unless given
 
 
 
@@ -75,7 +75,7 @@ def test_train_bounds_size_the_engine_to_the_step_and_only_on_a_cpu_its_kv_cache
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
-    cfg = TrainConfig(prompts_per_step=4, group_size=8, max_model_len=100)
+    cfg = TrainConfig(rollouts={"prompts_per_step": 4, "group_size": 8, "max_model_len": 100})
     cpu, cuda = train_bounds(cfg, config, "cpu", 2), train_bounds(cfg, config, "cuda", 2)
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == step_limits(cfg) == (32, 2048)
     assert cpu.kv_cache_memory_bytes == cpu_kv_bytes(config, 32, 100, 2) and cuda.kv_cache_memory_bytes is None

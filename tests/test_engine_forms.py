@@ -26,7 +26,7 @@ def test_auto_is_dense_where_it_fits_else_nf4_and_dense_on_a_cpu():
     form, why = choose_form("auto", "cuda", both(3 * GIB), None, 0.5)
     assert form == "dense" and "cards from 6.00 GiB" in why
     assert choose_form("auto", "cpu", both(None), None, 0.5) == ("dense", "auto: dense on a CPU")
-    assert choose_form("nf4", "cpu", both(None), None, 0.5) == ("nf4", "train.engine_weights")
+    assert choose_form("nf4", "cpu", both(None), None, 0.5) == ("nf4", "train.rollouts.engine_weights")
 
 
 def test_auto_never_picks_nf4_without_a_4bit_base():
@@ -59,7 +59,7 @@ def test_each_form_is_named_by_its_registration_and_nf4_needs_the_4bit_base():
         form_name(type("Unregistered", (dense,), {}))
     assert (nf4.forces_eager, nf4.engine_lora(16), dense.forces_eager, dense.engine_lora(16)) == (True, 16, False, None)
     plain = params_from_dict({"model": {"quantization": "none"}})
-    with pytest.raises(ParamsError, match=r"^train.engine_weights: nf4 shares the trainer's 4-bit base"):
+    with pytest.raises(ParamsError, match=r"^train.rollouts.engine_weights: nf4 shares the trainer's 4-bit base"):
         nf4.check_params(plain)
-    with pytest.raises(ParamsError, match=r"^train.engine_weights: nf4 shares"):  # params validation asks the form
-        params_from_dict({"model": {"quantization": "none"}, "train": {"engine_weights": "nf4"}})
+    with pytest.raises(ParamsError, match=r"^train.rollouts.engine_weights: nf4 shares"):  # params validation asks the form
+        params_from_dict({"model": {"quantization": "none"}, "train": {"rollouts": {"engine_weights": "nf4"}}})

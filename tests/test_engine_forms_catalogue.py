@@ -14,7 +14,7 @@ def test_the_catalogue_registers_every_form_in_its_order():
     from grpo.engine.dense_form import DenseForm
     from grpo.engine.nf4_form import NF4Form
 
-    assert registry("train.engine_weights") is WEIGHTS_FORMS  # the param's registry
+    assert registry("train.rollouts.engine_weights") is WEIGHTS_FORMS  # the param's registry
     assert dict(WEIGHTS_FORMS) == {"dense": DenseForm, "nf4": NF4Form}
     assert WEIGHTS_FORMS.accepted() == ("auto", "dense", "nf4")
 

@@ -16,6 +16,7 @@ from grpo.engine.forms import lora_buffer_bytes
 from grpo.engine.forms_catalogue import WEIGHTS_FORMS
 from grpo.model_shapes import prepared_shapes
 from grpo.params import params_from_dict
+from grpo.trainer_builder import depart
 
 from .conftest import REPO
 
@@ -57,13 +58,13 @@ def test_auto_engine_weights_are_dense_where_they_fit_the_budget():
     assert (plan.form, plan.seqs, plan.step_tokens) == ("nf4", 16, 16 * 640)
     assert plan.why.startswith("auto: dense needs 3.9") and "> the budget 0.96 GiB" in plan.why
     assert plan.need < plan.budget == math.ceil(0.12 * card)
-    roomy = params.model_copy(update={"train": params.train.model_copy(update={"gpu_memory_utilization": 0.6})})
+    roomy = depart(params, {"train.rollouts.gpu_memory_utilization": 0.6})
     assert needs.choose_engine_form(roomy, shapes, "cuda", 128, card)[0] == "dense"
     assert needs.choose_engine_form(params, shapes, "cpu", 128, None)[0] == "dense"
     form, why = needs.choose_engine_form(params, shapes, "cuda", 128, None)
     assert form == "dense" and "no card given" in why and "on cards from 32.9" in why
-    dense = params.model_copy(update={"train": params.train.model_copy(update={"engine_weights": "dense"})})
-    assert needs.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.engine_weights")
+    dense = depart(params, {"train.rollouts.engine_weights": "dense"})
+    assert needs.choose_engine_form(dense, shapes, "cuda", 128, card) == ("dense", "train.rollouts.engine_weights")
     unquantized = params.model_copy(update={"model": params.model.model_copy(update={"quantization": "none"})})
     assert needs.choose_engine_form(unquantized, shapes, "cuda", 128, card)[0] == "dense"
 
@@ -76,8 +77,8 @@ def test_form_here_looks_nothing_up_where_no_budget_decides(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: pytest.fail("the card was asked"))
     params = params_from_dict({"model": {"path": "models/absent"}})
     assert needs.form_here(params, tmp_path, "cpu") == ("dense", "auto: dense on a CPU")
-    nf4 = params_from_dict({"model": {"path": "models/absent"}, "train": {"engine_weights": "nf4"}})
-    assert needs.form_here(nf4, tmp_path, "cuda") == ("nf4", "train.engine_weights")
+    nf4 = params_from_dict({"model": {"path": "models/absent"}, "train": {"rollouts": {"engine_weights": "nf4"}}})
+    assert needs.form_here(nf4, tmp_path, "cuda") == ("nf4", "train.rollouts.engine_weights")
     plain = params_from_dict({"model": {"path": "models/absent", "quantization": "none"}})
     assert needs.form_here(plain, tmp_path, "cuda") == (
         "dense", "auto: dense (model.quantization none: no 4-bit base to share)")
@@ -90,9 +91,9 @@ def test_form_here_reads_the_prepared_model_and_this_card(tiny_model_dir, tmp_pa
     no prepared rows exist, the card's total memory; the same answer ``choose_engine_form`` gives."""
     import torch
 
-    params = params_from_dict({"model": {"path": str(tiny_model_dir)}, "train": {"gpu_memory_utilization": 0.5}})
+    params = params_from_dict({"model": {"path": str(tiny_model_dir)}, "train": {"rollouts": {"gpu_memory_utilization": 0.5}}})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 8 * 2**30))
-    prompt = params.train.max_model_len - params.train.max_new_tokens
+    prompt = params.train.rollouts.max_model_len - params.train.rollouts.max_new_tokens
     expected = needs.choose_engine_form(params, prepared_shapes(tiny_model_dir), "cuda", prompt, 8 * 2**30)
     assert needs.form_here(params, tmp_path, "cuda") == expected
     assert expected[0] == "dense" and expected[1].startswith("auto: dense needs ") and "<= the budget 4.00 GiB" in expected[1]
@@ -105,7 +106,7 @@ def test_the_other_forms_plans_advise_a_leaner_one():
     """Seed 003 with a dense engine on 5 GiB: the nf4 plan is the other usable form's, and the
     verdict names it; without the 4-bit base there is no other form."""
     params = _preset("seed003")
-    dense = params.model_copy(update={"train": params.train.model_copy(update={"engine_weights": "dense"})})
+    dense = depart(params, {"train.rollouts.engine_weights": "dense"})
     shapes = memory.resolve_shapes(params.model, REPO)
     plan = needs.engine_plan(dense, shapes, "cuda", 128, 5 * 2**30)
     assert [p.form for p in needs.other_plans(dense, shapes, "cuda", 128, plan)] == ["nf4"]

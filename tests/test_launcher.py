@@ -43,4 +43,4 @@ def test_a_timeout_names_the_rank_still_running_as_hung():
         launch_processes(2, _ranks(f"sys.exit({TIMEOUT_EXIT_CODE}) if rank == 0 else time.sleep(600)"), 2.0)
     assert err.value.code == TIMEOUT_EXIT_CODE
     assert str(err.value) == ("training process rank 1 hung: rank 0 timed out waiting for it in a collective "
-                              "(train.dist_timeout_s = 2 s); the launcher stopped every process")
+                              "(train.distribution.dist_timeout_s = 2 s); the launcher stopped every process")

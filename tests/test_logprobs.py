@@ -210,8 +210,7 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
-    cfg = TrainConfig(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10,
-                      checkpoint_every=0, entropy_top_quantile=0.3, entropy_rule="high", micro_batches=2, logprob_chunk=3)
+    cfg = TrainConfig(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 10}, checkpoints={"every": 0}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.3}}, "entropy_rule": "high"}, passes={"micro_batches": 2, "logprob_chunk": 3})
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)

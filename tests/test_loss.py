@@ -116,9 +116,9 @@ def test_micro_batches_sum_to_full_batch(loss_type):
 
 
 def test_unknown_loss_type_and_policy_loss():
-    with pytest.raises(ValueError, match="train.loss_type: no loss aggregation 'ppo'"):
+    with pytest.raises(ValueError, match="train.loss.loss_type: no loss aggregation 'ppo'"):
         grpo_loss(LOGP, OLD, None, ADV, MASK, loss_type="ppo")
-    with pytest.raises(ValueError, match="train.policy_loss: no policy loss 'ppo'"):
+    with pytest.raises(ValueError, match="train.loss.policy_loss: no policy loss 'ppo'"):
         grpo_loss(LOGP, OLD, None, ADV, MASK, policy_loss="ppo")
 
 
@@ -340,12 +340,12 @@ def test_archer_and_sent_kl_token_terms_by_hand():
     assert 1 - 0.5 < e04 < 1 - 0.2 and 1 + 0.2 < e01 < 1 + 0.5 and e03 < 1 - 0.2
     k3_mean = (_k3(0.5) + _k3(0.4) + _k3(-0.2) + _k3(0.2) + _k3(0.3)) / 7
     for name in ("archer", "sent_kl"):
-        cfg = TrainConfig(entropy_rule=name)
+        cfg = TrainConfig(loss={"entropy_rule": name}).loss
         rule = TOKEN_RULES[name]
         threshold = rule.threshold(ENT5[MASK5.bool()], cfg) if rule.needs_statistic(cfg) else None
         terms = rule.loss_terms(ENT5, MASK5, threshold, cfg)
-        eps = cfg.epsilon if terms.epsilon is None else terms.epsilon
-        eps_high = cfg.epsilon if terms.epsilon_high is None else terms.epsilon_high
+        eps = cfg.clip()[0] if terms.epsilon is None else terms.epsilon
+        eps_high = cfg.clip()[1] if terms.epsilon_high is None else terms.epsilon_high
         per_token, _ = POLICY_LOSSES["clipped"](LOGP5, OLD5, ADV5.unsqueeze(1), MASK5, epsilon=eps, epsilon_high=eps_high)
         torch.testing.assert_close(per_token * MASK5, torch.tensor(policy[name]), rtol=0, atol=1e-6)
         rows = [sum(p) + 0.001 * sum(k) for p, k in zip(policy[name], kl_low[name])]

@@ -16,6 +16,7 @@ import yaml
 
 from grpo import memory
 from grpo.engine import needs
+from grpo.trainer_builder import depart
 
 from .conftest import REPO
 
@@ -91,7 +92,7 @@ def test_activation_term_matches_autograds_saved_tensors(dtype, dropout, checkpo
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, tiny_model_dir):
-    """Each group packed into one sequence (``train.forward_layout: packed``), every completion at
+    """Each group packed into one sequence (``train.passes.forward_layout: packed``), every completion at
     full length (the estimate's worst case): one pass over N / G sequences of P + G (C - 1) tokens."""
     from transformers import AutoConfig
 
@@ -131,8 +132,7 @@ def test_measured_figures_name_real_params_and_a_bad_file_is_one_line(tmp_path):
     assert {m["device"] for m in entries} == {"cpu", "cuda"}
     for m in entries:
         for key in m["params"]:
-            section, name = key.split(".")
-            assert name in type(getattr(AllParams(), section)).model_fields, key
+            memory._get(AllParams(), key)  # a key of today's params (an AttributeError or KeyError otherwise)
     bad = tmp_path / "measured.yaml"
     bad.write_text(yaml.safe_dump([{"what": "x", "device": "cpu"}]))
     with pytest.raises(ValueError, match=r"measured.yaml: entry 0: missing command, date, commit, shape, params, figure"):
@@ -150,11 +150,11 @@ def test_a_measured_figure_of_another_token_rule_is_named_as_the_nearest_shape()
     reads them as the nearest measured shape, the rule named, with the estimate under ``high`` beside
     them (each rule's LM head differs: 1/q rows with grad for the rules that drop no token)."""
     preset = _preset("seed003")
-    params = preset.model_copy(update={"train": preset.train.model_copy(update={"entropy_rule": "high"})})
+    params = depart(preset, {"train.loss.entropy_rule": "high"})
     shapes = memory.resolve_shapes(params.model, REPO)
     same = [line for line in memory.measured_for(params, shapes, "cuda", 128) if "H100, " in line]
     assert same and all(", this shape: " in line for line in same), same
-    archer = params.model_copy(update={"train": params.train.model_copy(update={"entropy_rule": "archer"})})
+    archer = depart(params, {"train.loss.entropy_rule": "archer"})
     other = [line for line in memory.measured_for(archer, shapes, "cuda", 128) if "H100, " in line]
     assert len(other) == len(same)
     assert all("entropy_rule=high (here archer)" in line and "this estimate at that shape: " in line
@@ -174,15 +174,14 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
     assert " fits: peak 2.52 GiB (generation)" in verdict(8)
     # 0.12 x 4.1 GiB = 0.49 GiB < the nf4 engine's 0.70: more of the card, which has room for it (up to
     # what the policy and the measured CUDA context leave free)
-    assert "budget 503.8 MiB < its needs 714.6 MiB (nf4); turn train.gpu_memory_utilization: between 0.18 " \
+    assert "budget 503.8 MiB < its needs 714.6 MiB (nf4); turn train.rollouts.gpu_memory_utilization: between 0.18 " \
            "and 0.43" in verdict(4.1)
     # 2.5 GiB: the engine's weights and overhead alone do not fit beside the policy
-    assert verdict(2.5).endswith("turn train.rollout_backend: transformers (the decode loop: no engine)")
+    assert verdict(2.5).endswith("turn train.rollouts.backend: transformers (the decode loop: no engine)")
     # a dense engine at 0.75 of 5.5 GiB is not free beside the policy, nor would its needs be; the nf4 one's are
-    dense = params.model_copy(update={"train": params.train.model_copy(
-        update={"engine_weights": "dense", "gpu_memory_utilization": 0.75})})
+    dense = depart(params, {"train.rollouts.engine_weights": "dense", "train.rollouts.gpu_memory_utilization": 0.75})
     assert "is not free at its start" in verdict(5.5, dense)
-    assert verdict(5.5, dense).endswith("turn train.engine_weights: nf4 (needs 714.6 MiB)")
+    assert verdict(5.5, dense).endswith("turn train.rollouts.engine_weights: nf4 (needs 714.6 MiB)")
 
 
 def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
@@ -250,7 +249,7 @@ def test_on_cuda_the_decode_loops_dense_copies_are_a_term_and_left_out_where_the
     on CUDA at seed 003's 500 x 512 token steps); on a card where only the 4-bit decode fits, the
     verdict says so (and which term it left out); on a card too small for either, it names the knob."""
     params = _preset("seed003")
-    params = params.model_copy(update={"train": params.train.model_copy(update={"rollout_backend": "transformers"})})
+    params = depart(params, {"train.rollouts.backend": "transformers"})
     shapes = memory.resolve_shapes(params.model, REPO)
     uncompiled = params.model_copy(update={"decode": params.decode.model_copy(update={"compile_step": "off"})})
     assert next(t for t in memory.estimate(uncompiled, shapes, "cuda", 128).terms

@@ -14,9 +14,10 @@ from grpo.sections.train import TrainConfig
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; did you mean train.lr?"),
-    ({"train": {"num_generations": 8}}, "train.num_generations: unknown key; did you mean train.group_size or "
-                                        "train.generation_batch_size?"),
+    ({"train": {"learning_rate": 1e-4}}, "train.learning_rate: unknown key; did you mean train.optimizer.lr?"),
+    ({"train": {"num_generations": 8}}, "train.num_generations: unknown key; did you mean train.rollouts.group_size?"),
+    ({"train": {"rollouts": {"num_generations": 8}}}, "train.rollouts.num_generations: unknown key; did you mean "
+                                                      "train.rollouts.group_size or train.rollouts.generation_batch_size?"),
     ({"sent": {"num_sample": 4}}, "sent.num_sample: unknown key; did you mean sent.num_samples?"),
     ({"lora": {"r": 8}}, "lora.r: unknown key; did you mean lora.rank?"),
     ({"model": {"torch_dtype": "bfloat16"}}, "model.torch_dtype: unknown key; did you mean model.dtype?"),
@@ -24,9 +25,9 @@ from grpo.sections.train import TrainConfig
                             "docs/configuration.md)"),
     ({"trainer": {}}, "trainer: unknown params section; did you mean train? (sections: data, decode, evaluate, lora, "
                       "model, sent, train)"),
-    ({"train": {"lr": "fast"}}, "train.lr: must be a number, got 'fast'"),
-    ({"train": {"lr": "5e-4"}}, "train.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
-    ({"train": {"lr": "0.5"}}, "train.lr: must be a number, got '0.5' (quoted: write 0.5 without quotes)"),
+    ({"train": {"optimizer": {"lr": "fast"}}}, "train.optimizer.lr: must be a number, got 'fast'"),
+    ({"train": {"optimizer": {"lr": "5e-4"}}}, "train.optimizer.lr: must be a number, got '5e-4' (YAML reads 5e-4 as text: write 5.0e-4)"),
+    ({"train": {"optimizer": {"lr": "0.5"}}}, "train.optimizer.lr: must be a number, got '0.5' (quoted: write 0.5 without quotes)"),
     ({"train": {"steps": "10"}}, "train.steps: must be an integer, got '10' (quoted: write 10 without quotes)"),
     ({"train": {"steps": "ten"}}, "train.steps: must be an integer, got 'ten'"),
     ({"train": {"steps": "1e3"}}, "train.steps: must be an integer, got '1e3'"),
@@ -43,8 +44,8 @@ def test_the_message_suggests_the_nearest_key_and_hints_only_at_numbers_written_
 @pytest.mark.parametrize(("raw", "message"), [
     ({"model": {"quantization": "int3"}}, "model.quantization: must be one of nf4, none; got 'int3'"),
     ({"lora": {"rank": 0}}, "lora.rank: must be > 0, got 0"),
-    ({"train": {"group_size": 1}}, "train.group_size: must be >= 2, got 1"),
-    ({"train": {"entropy_top_quantile": 1.5}}, "train.entropy_top_quantile: must be <= 1, got 1.5"),  # 1.0 as 1
+    ({"train": {"rollouts": {"group_size": 1}}}, "train.rollouts.group_size: must be >= 2, got 1"),
+    ({"train": {"loss": {"entropy_rule_options": {"archer": {"top_quantile": 1.5}}}}}, "train.loss.entropy_rule_options.archer.top_quantile: must be <= 1, got 1.5"),  # 1.0 as 1
     ({"train": {"steps": True}}, "train.steps: must be an integer, got True"),
     ({"lora": {"target_modules": "q_proj"}}, "lora.target_modules: must be a list, got 'q_proj'"),
 ])

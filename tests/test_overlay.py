@@ -15,14 +15,16 @@ from grpo.params import params_from_dict
 
 
 def test_overlay_takes_a_preset_or_dotted_keys_and_leaves_the_base_as_it_was():
-    base = {"train": {"lr": 1e-3, "rewards": {"correctness": 1.0, "format_soft": 0.1}}, "data": None}
+    base = {"train": {"rewards": {"correctness": 1.0, "format_soft": 0.1}, "optimizer": {"lr": 1e-3}}, "data": None}
     assert overlay_params(base, {"train": {"rewards": {"correctness": 1.0}}, "lora": {"rank": 4}}) == {
-        "train": {"lr": 1e-3, "rewards": {"correctness": 1.0}}, "data": {}, "lora": {"rank": 4}}  # a value whole
-    assert overlay_params(base, {"train.lr": 5e-4, "train.rewards.correctness": 2.0})["train"] == {
-        "lr": 5e-4, "rewards": {"correctness": 2.0, "format_soft": 0.1}}  # a dotted key of any depth
-    assert base == {"train": {"lr": 1e-3, "rewards": {"correctness": 1.0, "format_soft": 0.1}}, "data": None}
+        "train": {"rewards": {"correctness": 1.0}, "optimizer": {"lr": 1e-3}}, "data": {}, "lora": {"rank": 4}}  # a value whole
+    assert overlay_params(base, {"train.optimizer.lr": 5e-4, "train.rewards.correctness": 2.0})["train"] == {
+        "optimizer": {"lr": 5e-4}, "rewards": {"correctness": 2.0, "format_soft": 0.1}}  # a dotted key of any depth
+    assert overlay_params(base, {"train": {"optimizer": {"warmup_steps": 0}}})["train"]["optimizer"] == {
+        "lr": 1e-3, "warmup_steps": 0}  # a preset's part merged key by key
+    assert base == {"train": {"rewards": {"correctness": 1.0, "format_soft": 0.1}, "optimizer": {"lr": 1e-3}}, "data": None}
     for bad, message in (({"train": 5}, "train: must be a mapping, got 5"),
-                         ({"train.lr.x": 1}, "train.lr: must be a mapping, got 0.001 (to set train.lr.x)")):
+                         ({"train.optimizer.lr.x": 1}, "train.optimizer.lr: must be a mapping, got 0.001 (to set train.optimizer.lr.x)")):
         with pytest.raises(ParamsError) as err:
             overlay_params(base, bad)
         assert str(err.value) == message
@@ -30,7 +32,7 @@ def test_overlay_takes_a_preset_or_dotted_keys_and_leaves_the_base_as_it_was():
 
 def test_nothing_over_nothing_is_empty_and_a_missing_section_or_key_is_added_for_validation_to_name():
     assert overlay_params(None, None) == {}
-    assert overlay_params({"train": {"lr": 0.1}}, {}) == {"train": {"lr": 0.1}}
+    assert overlay_params({"train": {"optimizer": {"lr": 0.1}}}, {}) == {"train": {"optimizer": {"lr": 0.1}}}
     added = overlay_params({"train": None}, {"lora.rank": 8, "train.zzz": 1})
     assert added == {"train": {"zzz": 1}, "lora": {"rank": 8}}
     with pytest.raises(ParamsError, match=r"^train\.zzz: unknown key"):  # left for validation, which names it

@@ -15,7 +15,7 @@ from .helpers import _keys
 def test_repo_params_yaml_is_valid():
     params = load_params(REPO / "params.yaml")
     assert params.model.quantization == "nf4"
-    assert params.train.entropy_top_quantile == 0.2
+    assert params.train.loss.rule_options().top_quantile == 0.2
 
 
 def test_defaults_fill_missing_sections():
@@ -52,13 +52,13 @@ def test_a_key_left_out_takes_the_params_yaml_value():
 def test_write_params_keeps_comments_writes_floats_yaml11_reads_and_refuses_a_bad_result(tmp_path):
     target = tmp_path / "params.yaml"
     target.write_text((REPO / "params.yaml").read_text())
-    params = write_params(target, {"train.lr": 5e-6, "train.steps": 60})  # the flow's --set form
+    params = write_params(target, {"train.optimizer.lr": 5e-6, "train.steps": 60})  # the flow's --set form
     text = target.read_text()
     assert "# Embedded default" in text and "lr: 5.0e-06" in text  # `5e-06` would be text to PyYAML
-    assert params == load_params(target) and (params.train.lr, params.train.steps) == (5e-6, 60)
+    assert params == load_params(target) and (params.train.optimizer.lr, params.train.steps) == (5e-6, 60)
     with pytest.raises(ParamsError) as err:
-        write_params(target, {"train.lr": "fast"})
-    assert str(err.value).startswith("train.lr: must be a number") and target.read_text() == text
+        write_params(target, {"train.optimizer.lr": "fast"})
+    assert str(err.value).startswith("train.optimizer.lr: must be a number") and target.read_text() == text
 
 
 def test_write_params_refuses_a_repeated_key_in_its_file(tmp_path):
@@ -66,5 +66,5 @@ def test_write_params_refuses_a_repeated_key_in_its_file(tmp_path):
     text = "train:\n  steps: 5\n  steps: 7\n"
     path.write_text(text)
     with pytest.raises(ParamsError, match=r"params.yaml:3: duplicate key 'steps' \(first at line 2\)"):
-        write_params(path, {"train": {"lr": 0.1}})
+        write_params(path, {"train": {"optimizer": {"lr": 0.1}}})
     assert path.read_text() == text

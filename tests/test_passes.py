@@ -93,7 +93,7 @@ def test_fixed_logprobs_fill_a_new_batch_and_leave_the_input_as_it_was(policy, b
     come back. The result is a new batch; the input keeps its ``None`` fields."""
     model, tok = policy
     batch = _hand_batch(tok, [1.0, -1.0, 1.0, -1.0])
-    cfg = TrainConfig(group_size=4, beta=beta, mu=mu, logprob_chunk=5, entropy_rule="high")  # no KL of its own: beta's pass
+    cfg = TrainConfig(rollouts={"group_size": 4}, loss={"beta": beta, "entropy_rule": "high"}, optimizer={"mu": mu}, passes={"logprob_chunk": 5})  # no KL of its own: beta's pass
     fixed, entropy = _passes(model, cfg).fixed_logprobs(batch)
     assert fixed is not batch and batch.ref_logp is None and batch.old_logp is None
     assert fixed.input_ids is batch.input_ids and fixed.sampling_logp is None
@@ -124,9 +124,9 @@ def test_the_step_threshold_is_the_quantile_of_the_valid_entropies(policy):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     for keep in ("high", "low"):
         for quantile, threshold in ((0.25, 0.7), (0.4, 0.58)):
-            passes = _passes(model, TrainConfig(entropy_top_quantile=quantile, entropy_rule=keep))
+            passes = _passes(model, TrainConfig(loss={"entropy_rule_options": {keep: {"top_quantile": quantile}}, "entropy_rule": keep}))
             assert passes.step_threshold(entropy, mask).item() == pytest.approx(threshold, abs=1e-6)
-    assert _passes(model, TrainConfig(entropy_rule="high", entropy_top_quantile=1.0)).step_threshold(entropy, mask) is None
+    assert _passes(model, TrainConfig(loss={"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}})).step_threshold(entropy, mask) is None
 
 
 def test_step_normalizer_of_one_process_by_hand(policy):
@@ -134,7 +134,7 @@ def test_step_normalizer_of_one_process_by_hand(policy):
     2 x max_new_tokens 6."""
     model, _ = policy
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    got = {t: _passes(model, TrainConfig(loss_type=t, max_new_tokens=6)).step_normalizer(mask)
+    got = {t: _passes(model, TrainConfig(loss={"loss_type": t}, rollouts={"max_new_tokens": 6})).step_normalizer(mask)
            for t in ("dapo", "grpo", "dr_grpo")}
     assert got == {"dapo": 5.0, "grpo": 2.0, "dr_grpo": 12.0}
 
@@ -150,7 +150,7 @@ def test_entropy_rule_low_trains_the_complement_of_high(policy):
     normalizer = float(batch.mask.sum())
     out = {}
     for name, quantile, keep in (("high", 0.3, "high"), ("low", 0.3, "low"), ("all", 1.0, "high")):
-        passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=quantile, entropy_rule=keep))
+        passes = _passes(model, TrainConfig(rollouts={"group_size": 4}, loss={"entropy_rule_options": {keep: {"top_quantile": quantile}}, "entropy_rule": keep}))
         model.zero_grad(set_to_none=True)
         loss, stats, entropy, kept = passes.loss_backward(batch, normalizer)
         out[name] = (loss, entropy, kept, _lora_grads(model))
@@ -165,7 +165,7 @@ def test_entropy_rule_low_trains_the_complement_of_high(policy):
     for n in g_all:
         torch.testing.assert_close(g_high[n] + g_low[n], g_all[n], rtol=0, atol=1e-6)
     assert any(g.abs().max() > 1e-4 for g in g_low.values()) and any(g.abs().max() > 1e-4 for g in g_high.values())
-    passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=0.3, entropy_rule="high"))
+    passes = _passes(model, TrainConfig(rollouts={"group_size": 4}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.3}}, "entropy_rule": "high"}))
     given = ent_h[valid].min()  # every valid token is at or above it
     assert torch.equal(passes.loss_backward(batch, normalizer, given)[3], valid)
     model.zero_grad(set_to_none=True)
@@ -181,11 +181,11 @@ def test_engine_gap_and_truncated_importance_weights_by_hand(policy):
     batch = TrainBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
                        torch.zeros(1, 3, dtype=torch.long), torch.tensor([[1, 1, 0]]), torch.ones(1), 1,
                        sampling_logp=torch.tensor([[-1.5, -1.0, -3.0]]))
-    cfg = TrainConfig(importance_sampling_cap=1.5)
+    cfg = TrainConfig(rollouts={"importance_sampling_cap": 1.5})
     weights, stats = _passes(model, cfg).engine_gap(batch, old)
     assert stats == pytest.approx({"mismatch_sum": 1.5, "mismatch_max": 1.0, "is_weight_sum": 1.5 + math.exp(-1)})
     torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1), 1.5]]))
-    weights, stats = _passes(model, TrainConfig(importance_sampling_correction=False)).engine_gap(batch, old)
+    weights, stats = _passes(model, TrainConfig(rollouts={"importance_sampling_cap": None})).engine_gap(batch, old)
     assert weights is None and stats == pytest.approx({"mismatch_sum": 1.5, "mismatch_max": 1.0})
     batch.sampling_logp = None
     assert _passes(model, cfg).engine_gap(batch, old) == (None, {})
@@ -202,8 +202,7 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    cfg = TrainConfig(output_dir=str(tmp_path), group_size=4, lr=3e-3, warmup_steps=0, entropy_top_quantile=quantile,
-                      entropy_rule="high")  # the mask at quantile
+    cfg = TrainConfig(output_dir=str(tmp_path), rollouts={"group_size": 4}, optimizer={"lr": 3e-3, "warmup_steps": 0}, loss={"entropy_rule_options": {"high": {"top_quantile": quantile}}, "entropy_rule": "high"})  # the mask at quantile
     passes = _passes(model, cfg)
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
     batch = _hand_batch(tok, adv.tolist())
@@ -235,7 +234,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     real_no_grad = PolicyPasses.no_grad_pass
 
     def spy_no_grad(self, batch, *, adapter):
-        policy_passes.append(self.cfg.micro_batches)
+        policy_passes.append(self.cfg.passes.micro_batches)
         return real_no_grad(self, batch, adapter=adapter)
 
     monkeypatch.setattr(PolicyPasses, "no_grad_pass", spy_no_grad)
@@ -244,11 +243,9 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
-    fields = dict(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=10, checkpoint_every=0,
-                  entropy_top_quantile=0.2, entropy_rule=rule, mu=mu,
-                  entropy_rule_options={"archer": {"kl_low": 0.0}, "sent_kl": {"kl_low": 0.0}})
-    one = _passes(model, TrainConfig(**fields, micro_batches=1))
-    four = _passes(model, TrainConfig(**fields, micro_batches=4))
+    fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 10}, checkpoints={"every": 0}, loss={"entropy_rule_options": {"archer": {"kl_low": 0.0}, "sent_kl": {"kl_low": 0.0}}, "entropy_rule": rule}, optimizer={"mu": mu})
+    one = _passes(model, TrainConfig(**fields, passes={"micro_batches": 1}))
+    four = _passes(model, TrainConfig(**fields, passes={"micro_batches": 4}))
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2])  # (N,)
@@ -262,7 +259,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
         sums, keep = passes.accumulate_gradients(batch, normalizer)
         results.append((sums, keep, _lora_grads(model)))
     (s1, keep1, g1), (s4, keep4, g4) = results
-    assert policy_passes == ([4] if TOKEN_RULES[rule].needs_statistic(four.cfg) else [])
+    assert policy_passes == ([4] if TOKEN_RULES[rule].needs_statistic(four.cfg.loss) else [])
     assert torch.equal(keep1, keep4)
     if rule == "high":
         assert 0 < keep1.sum() < batch.mask.sum()  # the mask really selects
@@ -296,10 +293,7 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
     rows = {}
     with REWARDS.registered("toy_chars", lambda completions, answers: [float(len(c)) for c in completions]):
         for rule in ("high", "archer", "sent_kl"):
-            cfg = TrainConfig(output_dir=str(tmp_path / rule), steps=1, prompts_per_step=2, group_size=4,
-                              max_new_tokens=8, checkpoint_every=0, eval_every=0, warmup_steps=0,
-                              rewards={"toy_chars": 1.0}, truncated="score", rollout_backend="transformers",
-                              wandb_mode="disabled", entropy_rule=rule, mu=1)
+            cfg = TrainConfig(output_dir=str(tmp_path / rule), steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1}, wandb={"mode": "disabled"}, loss={"entropy_rule": rule})
             torch.manual_seed(0)
             model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
             give_adapter_a_say(model, std=0.3)
@@ -329,14 +323,14 @@ def test_where_the_rule_acts_is_counted_from_the_update_itself(policy):
     normalizer = float(batch.mask.sum())
     kept = {}
     for rule in ("high", "low"):
-        passes = _passes(model, TrainConfig(group_size=4, entropy_top_quantile=0.3, entropy_rule=rule))
+        passes = _passes(model, TrainConfig(rollouts={"group_size": 4}, loss={"entropy_rule_options": {rule: {"top_quantile": 0.3}}, "entropy_rule": rule}))
         stats = passes.loss_backward(batch, normalizer)[1]
         kept[rule] = stats["kept_grad"]
         assert "wide_tokens" not in stats and stats["policy_grad_abs"] > 0
     assert kept["high"] + kept["low"] == pytest.approx(stats["policy_grad_abs"], rel=1e-5)
     assert 0 < kept["high"] < stats["policy_grad_abs"]
 
-    cfg = TrainConfig(group_size=4, entropy_top_quantile=0.2, entropy_rule="archer", mu=2)
+    cfg = TrainConfig(rollouts={"group_size": 4}, loss={"entropy_rule_options": {"archer": {"top_quantile": 0.2}}, "entropy_rule": "archer"}, optimizer={"mu": 2})
     passes = _passes(model, cfg)
     entropy, logp = passes.no_grad_pass(batch, adapter=True)
     shift = torch.where(batch.advantages > 0, math.log(1.3), math.log(0.7)).unsqueeze(1)  # (4, 1)

@@ -49,9 +49,11 @@ def preset_params(preset: Path, model_dir: Path, tmp: Path) -> tuple[dict, dict]
     full = overlay_params(yaml.safe_load((REPO / "params.yaml").read_text()), raw)
     full["model"].update(name=str(model_dir), path=str(model_dir))
     train = full["train"]
-    train.update(steps=2, prompts_per_step=2, max_new_tokens=min(8, train["max_new_tokens"]),
-                 output_dir=str(tmp / "out"), adapter_dir=str(tmp / "adapter"), metrics_dir=str(tmp / "metrics"),
-                 data_path=str(tmp / "train.jsonl"), group_size=min(MAX_GROUP, train["group_size"]))
+    rollouts = train["rollouts"]
+    train.update(steps=2, output_dir=str(tmp / "out"), adapter_dir=str(tmp / "adapter"), metrics_dir=str(tmp / "metrics"),
+                 data_path=str(tmp / "train.jsonl"))
+    rollouts.update(prompts_per_step=2, max_new_tokens=min(8, rollouts["max_new_tokens"]),
+                    group_size=min(MAX_GROUP, rollouts["group_size"]))
     # the preset's rewards, plus a small reward that differs within every group (completion length),
     # so that a random model's advantages are non-zero and the update moves the LoRA weights
     train["rewards"] = {**train["rewards"], "chars": 1e-3}
@@ -183,7 +185,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     assert [r["step"] for r in rows] == [1, 2]
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed and all("lora_" in n for n in changed)
-    n_rows = cfg.prompts_per_step * cfg.group_size
+    n_rows = cfg.rollouts.prompts_per_step * cfg.rollouts.group_size
     for row, samples in steps:
         assert len(samples) == n_rows  # G completions per prompt
         assert row["completion_len"] > 0 and row["step_time_s"] > 0
@@ -191,56 +193,56 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
             assert f"reward_{name}_mean" in row
     assert sum(g["completions"] for g in gen_kwargs) == 2 * n_rows
     assert {(g["temperature"], g["top_p"], g["max_new_tokens"]) for g in gen_kwargs} == {
-        (cfg.temperature, cfg.top_p, cfg.max_new_tokens)}
-    if cfg.generation_batch_size:
-        assert all(g["completions"] <= max(cfg.generation_batch_size, cfg.group_size) for g in gen_kwargs)
+        (cfg.rollouts.temperature, cfg.rollouts.top_p, cfg.rollouts.max_new_tokens)}
+    if cfg.rollouts.generation_batch_size:
+        assert all(g["completions"] <= max(cfg.rollouts.generation_batch_size, cfg.rollouts.group_size) for g in gen_kwargs)
     else:
         assert len(gen_kwargs) == 2
     assert system_prompts == {cfg.system_prompt}
 
     # micro-batches: each update ran as several slices, and the step's threshold came from a no-grad pass
     slices = len(trainer.passes.slices(n_rows))
-    assert calls["micro_batch"] == 2 * cfg.mu * slices
-    if cfg.micro_batches > 1:
+    assert calls["micro_batch"] == 2 * cfg.optimizer.mu * slices
+    if cfg.passes.micro_batches > 1:
         assert slices > 1
     # beta > 0 or the rule's KL (sent_kl): a reference pass with the adapter disabled each step, and the KL term
     if trainer.passes.needs_reference():
         assert calls["reference_pass"] == 2 and disabled["n"] >= 2 * slices
-        assert all(kw["ref_logp"] and kw["beta"] == cfg.beta for kw in loss_kwargs)
+        assert all(kw["ref_logp"] and kw["beta"] == cfg.loss.beta for kw in loss_kwargs)
         assert all(r["kl"] >= 0 for r in rows)
     else:
         assert calls["reference_pass"] == 0 and disabled["n"] == 0
         assert all(not kw["ref_logp"] and kw["beta"] == 0 for kw in loss_kwargs)
     # mu > 1: the old policy's log-probs once per step, mu optimizer updates per step
-    statistic = slices > 1 and TOKEN_RULES[cfg.entropy_rule].needs_statistic(cfg)  # the threshold's own pass
-    expected_policy_passes = (2 if cfg.mu > 1 else 0) + (2 * (cfg.mu - (cfg.mu > 1)) if statistic else 0)
+    statistic = slices > 1 and TOKEN_RULES[cfg.loss.entropy_rule].needs_statistic(cfg.loss)  # the threshold's own pass
+    expected_policy_passes = (2 if cfg.optimizer.mu > 1 else 0) + (2 * (cfg.optimizer.mu - (cfg.optimizer.mu > 1)) if statistic else 0)
     assert calls["policy_pass"] == expected_policy_passes
-    assert clip_norms == [cfg.max_grad_norm] * (2 * cfg.mu)
+    assert clip_norms == [cfg.optimizer.max_grad_norm] * (2 * cfg.optimizer.mu)
     # the loss got the preset's loss type, policy loss and clip range (a rule with per-token bounds, archer:
     # the params' clip on its low-entropy tokens, its own clip_high on the others)
     assert {(kw["loss_type"], kw["policy_loss"], kw["max_length"]) for kw in loss_kwargs} == {
-        (cfg.loss_type, cfg.policy_loss, cfg.max_new_tokens)}
-    wide = {round(o.clip_high, 6) for o in cfg.entropy_rule_options.values() if hasattr(o, "clip_high")}
+        (cfg.loss.loss_type, cfg.loss.policy_loss, cfg.rollouts.max_new_tokens)}
+    wide = {round(o.clip_high, 6) for o in cfg.loss.entropy_rule_options.values() if hasattr(o, "clip_high")}
     for kw in loss_kwargs:
-        for got, own in ((kw["epsilon"], cfg.epsilon), (kw["epsilon_high"], cfg.epsilon_high)):
+        for got, own in zip((kw["epsilon"], kw["epsilon_high"]), cfg.loss.clip()):
             if torch.is_tensor(got):
-                assert {round(x, 6) for x in got.unique().tolist()} <= {round(own or cfg.epsilon, 6), *wide}
+                assert {round(x, 6) for x in got.unique().tolist()} <= {round(own, 6), *wide}
             else:
                 assert got == own
     # entropy mask: about the top quantile of tokens kept (all of them at 1.0)
     for r in rows:
-        if cfg.entropy_top_quantile >= 1.0:
+        if cfg.loss.rule_options().top_quantile >= 1.0:
             assert r["kept_frac"] == pytest.approx(1.0)
         else:
-            assert 0 < r["kept_frac"] <= TOKEN_RULES[cfg.entropy_rule].grad_fraction(cfg) + 0.15  # the rule's share of tokens with gradient
+            assert 0 < r["kept_frac"] <= TOKEN_RULES[cfg.loss.entropy_rule].grad_fraction(cfg.loss) + 0.15  # the rule's share of tokens with gradient
     # learning rate: warm-up and schedule as configured (the steps were shrunk, the shape kept)
     schedule = lr_lambda(cfg)
-    assert [r["lr"] for r in rows] == pytest.approx([cfg.lr * schedule(s) for s in range(2)])
-    if cfg.warmup_steps:
-        assert rows[0]["lr"] < rows[1]["lr"] <= cfg.lr
+    assert [r["lr"] for r in rows] == pytest.approx([cfg.optimizer.lr * schedule(s) for s in range(2)])
+    if cfg.optimizer.warmup_steps:
+        assert rows[0]["lr"] < rows[1]["lr"] <= cfg.optimizer.lr
     # gradient checkpointing: the decoder layers recomputed through the checkpoint function
     if mcfg.gradient_checkpointing:
-        assert recomputes["layer"] >= 2 * cfg.mu * slices * len(base.model.layers)
+        assert recomputes["layer"] >= 2 * cfg.optimizer.mu * slices * len(base.model.layers)
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
@@ -258,5 +260,5 @@ def test_preset_with_an_unknown_key_fails_with_one_line(preset, tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr
-    assert lines[0] == f"apply_preset: error: {bad}: train.learning_rate: unknown key; did you mean train.lr?"
+    assert lines[0] == f"apply_preset: error: {bad}: train.learning_rate: unknown key; did you mean train.optimizer.lr?"
     assert params.read_text() == (REPO / "params.yaml").read_text()

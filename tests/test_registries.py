@@ -33,9 +33,7 @@ from grpo.trainer import GRPOTrainer
 
 from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_adapter, tiny_engine_policy
 
-STEP = dict(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=8, checkpoint_every=0, eval_every=0,
-            warmup_steps=0, rewards={"toy_chars": 1.0}, truncated="score", rollout_backend="transformers",
-            wandb_mode="disabled", mu=1)
+STEP = dict(steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1}, wandb={"mode": "disabled"})
 """One step (one update) of the tiny model; a reward that differs within a group (the completion's characters:
 the random model seldom ends on EOS, so its completions are scored as cut off)."""
 CALLS: list[str] = []
@@ -81,10 +79,10 @@ class KeepNone(TokenRule):
         return 0.0
 
 
-def _one_step(model_dir, problems, out_dir, **train) -> tuple[dict, dict[str, torch.Tensor]]:
+def _one_step(model_dir, problems, out_dir, **loss) -> tuple[dict, dict[str, torch.Tensor]]:
     """One training step of a fresh tiny policy (seeded: the same rollouts every call) with the
-    params ``train`` over ``STEP``: the step's row and the change of every LoRA weight."""
-    cfg = params_from_dict({"train": {**STEP, "output_dir": str(out_dir), **train}}).train
+    loss part ``loss`` over ``STEP``'s: the step's row and the change of every LoRA weight."""
+    cfg = params_from_dict({"train": {**STEP, "output_dir": str(out_dir), "loss": loss}}).train
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**LORA))
     trainer = GRPOTrainer(model, load_tokenizer(model_dir), cfg, problems)
@@ -198,8 +196,8 @@ def toy_form():
 
 
 def test_a_toy_weights_form_is_a_valid_choice_and_its_own_params_rule_is_asked(toy_form):
-    params = params_from_dict({"train": {"engine_weights": "toy"}})
-    assert params.train.engine_weights == "toy" and FORM_CALLS == ["check_params"]
+    params = params_from_dict({"train": {"rollouts": {"engine_weights": "toy"}}})
+    assert params.train.rollouts.engine_weights == "toy" and FORM_CALLS == ["check_params"]
     assert object.__new__(toy_form).name == "toy"
 
 
@@ -207,12 +205,12 @@ def test_grpo_check_estimates_the_engine_with_the_toy_forms_own_needs(toy_form, 
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "model": {"name": str(tiny_model_dir), "path": "models/base"},
-        "train": {"engine_weights": "toy", "rollout_backend": "vllm", "gpu_memory_utilization": 0.5}}))
+        "train": {"rollouts": {"engine_weights": "toy", "backend": "vllm", "gpu_memory_utilization": 0.5}}}))
     code = cli.main(["check", "--params", str(tmp_path / "params.yaml"), "--device", "cuda", "--gpu-memory", "8"])
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = [line.strip() for line in out.splitlines()]
-    assert "engine: train.engine_weights toy -> toy (train.engine_weights)" in out
+    assert "engine: train.rollouts.engine_weights toy -> toy (train.rollouts.engine_weights)" in out
     assert "a vLLM engine of its own holding the policy (toy weights)" in out
     weights = next(line for line in lines if line.startswith("weights (toy)"))
     assert "the toy form: " in weights and "+ 7 MiB" in weights
@@ -234,13 +232,12 @@ def test_the_engine_factory_runs_the_toy_weights_form(toy_form, tiny_vllm_model_
 
     params = params_from_dict({
         "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype}, "lora": ENGINE_LORA,
-        "train": {"engine_weights": "toy", "prompts_per_step": 2, "group_size": 4, "max_model_len": 256,
-                  "gpu_memory_utilization": ENGINE_RAM, "max_num_batched_tokens": 40}})
+        "train": {"rollouts": {"engine_weights": "toy", "prompts_per_step": 2, "group_size": 4, "max_model_len": 256, "gpu_memory_utilization": ENGINE_RAM, "max_num_batched_tokens": 40}}})
     form, why = form_here(params, tmp_path, "cpu")
-    assert (form, why) == ("toy", "train.engine_weights")
+    assert (form, why) == ("toy", "train.rollouts.engine_weights")
     _, model, tok = tiny_engine_policy(tiny_vllm_model_dir, model_dtype)
     b = getattr(torch, model_dtype).itemsize
-    with policy_rollouts("vllm", tok, model, section=params.train, engine_dir=tmp_path / "engine", base=params.model,
+    with policy_rollouts("vllm", tok, model, section=params.train.rollouts, engine_dir=tmp_path / "engine", base=params.model,
                          form=form, dtype=model_dtype, bounds=train_bounds(params.train, model.config, "cpu", b)) as backend:
         assert isinstance(backend, PolicyEngine) and backend.weights_form == "toy" and isinstance(backend.form, toy_form)
         assert FORM_CALLS == ["check_params", "write_folder", "engine_lora", "start"]

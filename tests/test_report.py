@@ -179,7 +179,7 @@ def workspace(tmp_path) -> tuple[Path, list[dict]]:
     (ev / "baseline.jsonl").write_text("".join(json.dumps(eval_record(p, b, "baseline")) + "\n" for p, b, _ in EVAL))
     finals = [eval_record(p, f, "final") for p, _, f in EVAL] + [eval_record("p6", True, "final")]
     (ev / "final.jsonl").write_text("".join(json.dumps(r) + "\n" for r in finals))
-    (root / "params.yaml").write_text("train:\n  lr: 0.000123\n  loss_type: dapo\n")
+    (root / "params.yaml").write_text("train:\n  optimizer:\n    lr: 0.000123\n  loss:\n    loss_type: dapo\n")
     return root, steps
 
 
@@ -318,7 +318,7 @@ def test_header_names_the_date_commit_seeds_and_the_changed_params(workspace, tm
     head = md.split("## Result")[0]
     assert re.search(r"Made \d{4}-\d\d-\d\d \d\d:\d\d UTC \(not in a git repository\)", head)
     assert "Seeds: data 0, SENT 0, training 0." in head
-    assert table_row(head, "`train.lr`") == ["`train.lr`", "0.000123", "0.0003"]  # loss_type: dapo is the default
+    assert table_row(head, "`train.optimizer.lr`") == ["`train.optimizer.lr`", "0.000123", "0.0003"]  # loss_type: dapo is the default
     assert "loss_type" not in head
 
     for cmd in (["init", "-q"], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"]):
@@ -341,7 +341,7 @@ def test_the_kl_panel_is_left_out_when_it_is_zero_at_every_step(workspace, tmp_p
     md = build_report(root, tmp_path / "reports").read_text()
     titles = [ax.get_title() for ax in figures["signals.png"].axes]
     assert len(titles) == 3 and not any("KL" in t for t in titles)
-    assert "Not drawn: KL to the reference policy: 0 at every step (train.beta is 0" in md
+    assert "Not drawn: KL to the reference policy: 0 at every step (train.loss.beta is 0" in md
 
 
 def test_a_format_rate_of_zero_is_said_in_words(workspace, tmp_path):

@@ -67,7 +67,7 @@ def test_n_engines_need_n_shares_of_the_ram():
     with pytest.raises(ParamsError) as err:
         check_engine_memory(0.6, 2)
     line = str(err.value)
-    assert "\n" not in line and line.startswith("train.gpu_memory_utilization: 2 engines (one per process) x 0.6 ")
+    assert "\n" not in line and line.startswith("train.rollouts.gpu_memory_utilization: 2 engines (one per process) x 0.6 ")
     fits = float(line.rsplit("set it to ", 1)[1].split()[0])
     assert 0 < fits <= psutil.virtual_memory().available / psutil.virtual_memory().total / 2 + 0.01
     check_engine_memory(0.001, 2)
@@ -82,10 +82,10 @@ def test_a_data_parallel_engine_that_does_not_fit_is_refused_before_it_starts(po
     model, tok = policy
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # an engine started earlier in this process set it to 1
     engine = VLLMEngineConfig(gpu_memory_utilization=0.6)
-    with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 2 engines"):
+    with pytest.raises(ParamsError, match=r"^train.rollouts.gpu_memory_utilization: 2 engines"):
         policy_rollouts("vllm", tok, model, engine_dir=tmp_path / "engine", section=engine, dist=Dist(0, 2, 0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 processes on this machine of a larger run
-    with pytest.raises(ParamsError, match=r"^train.gpu_memory_utilization: 4 engines"):
+    with pytest.raises(ParamsError, match=r"^train.rollouts.gpu_memory_utilization: 4 engines"):
         policy_rollouts("vllm", tok, model, engine_dir=tmp_path / "engine", section=engine, dist=Dist(5, 8, 1))
     assert not (tmp_path / "engine").exists()
 

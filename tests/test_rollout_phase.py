@@ -51,11 +51,11 @@ def test_a_steps_samples_do_not_depend_on_its_calls_or_processes(backend):
     instead, each call would go on from where the last left off)."""
     backend, pad = backend
     prompts = ["What is 1 + 2?", "What is 3 + 4?"]
-    fields = dict(group_size=4, max_new_tokens=4, temperature=1.0, seed=5)
+    fields = dict(seed=5, rollouts={"group_size": 4, "max_new_tokens": 4, "temperature": 1.0})
     cfg = TrainConfig(**fields)
     whole = sample(backend, prompts, cfg, step=2, first_prompt=0, pad_id=pad)
     assert whole.completion_ids.shape[0] == 8
-    calls = sample(backend, prompts, TrainConfig(**fields, generation_batch_size=3), 2, 0, pad)
+    calls = sample(backend, prompts, TrainConfig(seed=5, rollouts={**fields["rollouts"], "generation_batch_size": 3}), 2, 0, pad)
     apart = [sample(backend, prompts[i:i + 1], cfg, 2, i, pad) for i in range(2)]
     assert calls.texts == whole.texts
     assert apart[0].texts + apart[1].texts == whole.texts
@@ -86,7 +86,7 @@ def test_score_of_hand_written_completions():
     equal rewards has advantages 0."""
     rows = [{"question": "3 + 4?", "answer": "7"}, {"question": "2 + 2?", "answer": 4}]
     texts = ["so #### 7", "it is 9", "#### 5", "#### 5"]
-    cfg = TrainConfig(group_size=2, rewards={"correctness": 1.0, "format_soft": 0.5})
+    cfg = TrainConfig(rewards={"correctness": 1.0, "format_soft": 0.5}, rollouts={"group_size": 2})
     scored = score(rows, 0, _rollout(texts), cfg, Dist(), CPU)
     assert scored.answers == ["7", "7", "4", "4"]
     assert scored.rewards == [1.5, 0.0, 0.5, 0.5]
@@ -101,7 +101,7 @@ def test_correctness_is_scored_for_the_log_when_it_is_not_a_reward():
     """Rewards without correctness: the totals are format_soft's alone, and correctness is still
     among the step's parts (the row's accuracy)."""
     texts = ["#### 7", "7"]
-    cfg = TrainConfig(group_size=2, rewards={"format_soft": 1.0})
+    cfg = TrainConfig(rewards={"format_soft": 1.0}, rollouts={"group_size": 2})
     scored = score([{"question": "3 + 4?", "answer": "7"}], 0, _rollout(texts), cfg, Dist(), CPU)
     assert scored.rewards == [1.0, 0.0]
     assert scored.step_reward_parts == {"format_soft": [1.0, 0.0], "correctness": [1.0, 1.0]}
@@ -114,7 +114,7 @@ def test_a_cut_off_completion_scores_zero_unless_asked(truncated):
     its text is scored as the finished one's."""
     texts = ["3 + 4 = 7", "First 3, then 4, and 3 + 4 = 7"]
     rollout = _rollout(texts, finished=[True, False])
-    cfg = TrainConfig(group_size=2, rewards={"correctness": 1.0, "format_soft": 0.5}, truncated=truncated)
+    cfg = TrainConfig(rewards={"correctness": 1.0, "format_soft": 0.5}, truncated=truncated, rollouts={"group_size": 2})
     scored = score([{"question": "3 + 4?", "answer": "7"}], 0, rollout, cfg, Dist(), CPU)
     full = REWARDS["correctness"](texts, ["7", "7"])
     assert full == [1.0, 1.0]

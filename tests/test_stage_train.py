@@ -66,7 +66,7 @@ def test_stage_outputs_and_resume_after_kill_9(tiny_model_dir, tiny_problems, tm
 
 @pytest.mark.slow
 def test_stage_logs_to_wandb_offline(tiny_model_dir, tiny_problems, tmp_path):
-    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=1, checkpoint_every=0, wandb_mode="offline")
+    params = _write_params(tmp_path, tiny_model_dir, tiny_problems, steps=1, checkpoints={"every": 0}, wandb={"mode": "offline"})
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(
         [sys.executable, "-m", "tasks.train", "--params", str(params)], cwd=REPO, env=env, capture_output=True, text=True
@@ -78,8 +78,9 @@ def test_stage_logs_to_wandb_offline(tiny_model_dir, tiny_problems, tmp_path):
 
 def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
     params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"]["optimizer"]["lr"] = -0.1
     params["train"].update(
-        lr=-0.1, output_dir=str(tmp_path / "out"), adapter_dir=str(tmp_path / "adapter"), metrics_dir=str(tmp_path / "m")
+        output_dir=str(tmp_path / "out"), adapter_dir=str(tmp_path / "adapter"), metrics_dir=str(tmp_path / "m")
     )
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -88,7 +89,7 @@ def test_cli_bad_param_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["train: error: train.lr: must be > 0, got -0.1"]
+    assert lines == ["train: error: train.optimizer.lr: must be > 0, got -0.1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
 
 
@@ -143,12 +144,12 @@ def test_ctrl_c_keeps_the_shipped_adapter_and_summary(tiny_model_dir, tiny_probl
 def test_a_changed_setting_moves_the_earlier_run_aside(tiny_model_dir, tiny_problems, tmp_path):
     """A run, then ``train.steps`` changed and a second run: it starts afresh, and the first run's
     checkpoints and step log are where its one warning line says, unchanged."""
-    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2, checkpoint_every=1))
+    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2, checkpoints={"every": 1}))
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     first = _files(tmp_path / "out")
 
-    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=3, checkpoint_every=1))
+    proc = _train(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=3, checkpoints={"every": 1}))
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     warnings = [line for line in out.splitlines() if "params or data changed" in line]

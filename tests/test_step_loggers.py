@@ -1,6 +1,6 @@
 """``grpo.step_loggers``: dvclive's step files from the trainer's rows (a None value left out at
 its step), dvclive optional (not importable: one warning, the other loggers still log), wandb off
-when disabled (``WANDB_MODE`` over ``train.wandb_mode``). wandb's offline run through the stage:
+when disabled (``WANDB_MODE`` over ``train.wandb.mode``). wandb's offline run through the stage:
 tests/test_stage_train.py."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def test_dvclive_writes_each_statistic_per_step_and_skips_none(tmp_path):
 
 def test_wandb_disabled_by_the_param_or_the_environment_logs_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    assert wandb_logger(_params(tmp_path, wandb_mode="disabled")) == (None, None)
+    assert wandb_logger(_params(tmp_path, wandb={"mode": "disabled"})) == (None, None)
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert wandb_logger(_params(tmp_path, wandb_mode="offline")) == (None, None)
-    loggers, closers = step_loggers(_params(tmp_path, wandb_mode="offline"))
+    assert wandb_logger(_params(tmp_path, wandb={"mode": "offline"})) == (None, None)
+    loggers, closers = step_loggers(_params(tmp_path, wandb={"mode": "offline"}))
     assert len(loggers) == len(closers) == 1  # dvclive alone
     assert not (tmp_path / "out").exists()  # no wandb run id kept
 
@@ -57,7 +57,7 @@ def test_without_dvclive_the_other_loggers_still_log(tmp_path, monkeypatch, capl
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     with caplog.at_level(logging.WARNING, logger="grpo.step_loggers"):
-        loggers, closers = step_loggers(_params(tmp_path, wandb_mode="offline"))
+        loggers, closers = step_loggers(_params(tmp_path, wandb={"mode": "offline"}))
     assert len(loggers) == len(closers) == 1 and len(_warnings(caplog)) == 1  # wandb alone
     loggers[0]({"step": 1, "loss": 0.5})
     closers[0]()

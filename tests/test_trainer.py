@@ -12,6 +12,7 @@ import torch
 from grpo.base_model import load_tokenizer
 from grpo.data import build_prompt
 from grpo.lora_policy import load_policy
+from grpo.overlay import overlay_params
 from grpo.rewards import REWARDS
 from grpo.rollout_backends import TransformersBackend
 from grpo.sections.lora import LoraConfig
@@ -32,8 +33,7 @@ def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, t
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     cfg = TrainConfig(
-        output_dir=str(tmp_path), steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8,
-        checkpoint_every=0, rewards={"chars": 0.1}, mu=2, beta=0.05, micro_batches=2, entropy_rule="high",  # the mask
+        output_dir=str(tmp_path), steps=2, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, checkpoints={"every": 0}, optimizer={"mu": 2}, loss={"beta": 0.05, "entropy_rule": "high"}, passes={"micro_batches": 2},  # the mask
     )
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -53,8 +53,7 @@ def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_m
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    cfg = TrainConfig(output_dir=str(tmp_path), prompts_per_step=2, group_size=4, max_new_tokens=5,
-                      generation_batch_size=3, checkpoint_every=0)
+    cfg = TrainConfig(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5, "generation_batch_size": 3}, checkpoints={"every": 0})
     backend = TransformersBackend(model, tok, min_new_tokens=5)
     calls = []
     generate = backend.generate
@@ -74,9 +73,7 @@ def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_probl
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, order_options={"curriculum": {"num_stages": 3}},
-                      prompts_per_step=1, group_size=2,
-                      max_new_tokens=3, checkpoint_every=0, warmup_steps=0)
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, order_options={"curriculum": {"num_stages": 3}}, rollouts={"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 3}, checkpoints={"every": 0}, optimizer={"warmup_steps": 0})
     trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
     stage_of_question = {tiny_problems[i]["question"]: s for s, idx in enumerate(trainer.stages) for i in idx}
     rows = trainer.train(progress=False)
@@ -99,8 +96,7 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)
-    fields = dict(output_dir=str(tmp_path), prompts_per_step=3, group_size=4, max_new_tokens=8, checkpoint_every=0,
-                  entropy_rule="high", entropy_top_quantile=1.0, mu=1)
+    fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 3, "group_size": 4, "max_new_tokens": 8}, checkpoints={"every": 0}, loss={"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}}, optimizer={"mu": 1})
     trainer = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:3]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
@@ -121,7 +117,7 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-6)
     assert any(g.abs().max() > 1e-4 for g in grads[0].values())
 
-    with_kl = GRPOTrainer(model, tok, TrainConfig(**fields, beta=0.04), tiny_problems)
+    with_kl = GRPOTrainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04}}), tiny_problems)
     assert with_kl.update_rows(batch, scored) is batch
     rank = StepRollouts(tiny_problems[1:2], 1, ["1"] * 4, rollout, rewards[4:8].tolist(), rewards, {}, advantages[4:8])
     placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only
@@ -142,9 +138,10 @@ def _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
-    train = TrainConfig(**{"output_dir": str(tmp_path), "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6,
-                           "checkpoint_every": 0, "eval_every": 0, "rewards": {"boom": 0.1}, "truncated": "score",
-                           "warmup_steps": 0, "lr": 1e-2, **cfg})
+    base = {"output_dir": str(tmp_path), "rewards": {"boom": 0.1}, "truncated": "score",
+            "rollouts": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+            "checkpoints": {"every": 0, "eval_every": 0}, "optimizer": {"warmup_steps": 0, "lr": 1e-2}}
+    train = TrainConfig(**overlay_params({"train": base}, {"train": cfg})["train"])
     return GRPOTrainer(model, tok, train, tiny_problems), model
 
 
@@ -178,7 +175,7 @@ def test_with_mu_2_a_non_finite_second_update_undoes_the_first(tiny_model_dir, t
     """mu = 2, and the step's second inner update is found non-finite (the detector made to say
     so on its second call): the first inner update, already applied, is undone, so the step's
     row says what holds: no update, LoRA weights and AdamW state as before the step."""
-    trainer, model = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(), steps=2, mu=2)
+    trainer, model = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(), steps=2, optimizer={"mu": 2})
     trainer.train_step()  # a normal step: AdamW has moments
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     moments = [s["exp_avg"].clone() for s in trainer.updater.optimizer.state.values()]
@@ -199,7 +196,7 @@ def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, t
     from grpo.errors import StageStop
 
     trainer, _ = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(range(3, 10)),
-                              steps=6, checkpoint_every=2, max_nonfinite_steps=2)
+                              steps=6, checkpoints={"every": 2}, guards={"max_nonfinite_steps": 2})
     with pytest.raises(StageStop) as err:
         trainer.train(progress=False)
     line = str(err.value)

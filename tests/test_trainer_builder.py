@@ -16,9 +16,10 @@ from .helpers import _write_params
 def test_depart_replaces_the_keys_named_and_keeps_the_rest():
     params = AllParams()
     before = params.model_dump()
-    out = depart(params, {"train.mu": 1, "train.steps": 3, "lora.rank": 4})
-    assert (out.train.mu, out.train.steps, out.lora.rank) == (1, 3, 4)
-    expected = {**before, "train": {**before["train"], "mu": 1, "steps": 3}, "lora": {**before["lora"], "rank": 4}}
+    out = depart(params, {"train.optimizer.mu": 1, "train.steps": 3, "lora.rank": 4})
+    assert (out.train.optimizer.mu, out.train.steps, out.lora.rank) == (1, 3, 4)
+    expected = {**before, "train": {**before["train"], "steps": 3, "optimizer": {**before["train"]["optimizer"], "mu": 1}},
+                "lora": {**before["lora"], "rank": 4}}
     assert out.model_dump() == expected
     assert params.model_dump() == before  # left as it was
     assert depart(params, {}) == params
@@ -29,18 +30,18 @@ def test_depart_keeps_the_sections_a_stage_loaded_and_no_others(tmp_path):
     from grpo.sections.train import TrainConfig
 
     path = tmp_path / "params.yaml"
-    path.write_text("train:\n  lr: 0.1\n")
-    out = depart(load_sections(path, TrainConfig), {"train.mu": 3})
-    assert (out.train.mu, out.train.lr) == (3, 0.1)
+    path.write_text("train:\n  optimizer:\n    lr: 0.1\n")
+    out = depart(load_sections(path, TrainConfig), {"train.optimizer.mu": 3})
+    assert (out.train.optimizer.mu, out.train.optimizer.lr) == (3, 0.1)
     with pytest.raises(AttributeError):
         _ = out.model
 
 
 @pytest.mark.parametrize(("departures", "message"), [
     ({"train.zzz": 1}, "train.zzz: unknown key"),
-    ({"train.learning_rate": 1e-4}, "train.learning_rate: unknown key; did you mean train.lr?"),
-    ({"train.mu": 0}, "train.mu: must be > 0, got 0"),
-    ({"train.mu": "x"}, "train.mu: must be an integer, got 'x'"),
+    ({"train.learning_rate": 1e-4}, "train.learning_rate: unknown key; did you mean train.optimizer.lr?"),
+    ({"train.optimizer.mu": 0}, "train.optimizer.mu: must be > 0, got 0"),
+    ({"train.optimizer.mu": "x"}, "train.optimizer.mu: must be an integer, got 'x'"),
 ])
 def test_an_unknown_key_or_a_bad_value_is_one_line_naming_it(departures, message):
     with pytest.raises(ParamsError) as err:
@@ -55,8 +56,8 @@ def test_an_unknown_section_is_one_line_naming_it(key):
 
 
 def test_departure_line_words_each_departure_or_none():
-    assert departure_line({"train.mu": 1, "train.steps": 3}) == "train.mu=1, train.steps=3"
-    assert departure_line({"train.entropy_rule": "high"}) == "train.entropy_rule=high"
+    assert departure_line({"train.optimizer.mu": 1, "train.steps": 3}) == "train.optimizer.mu=1, train.steps=3"
+    assert departure_line({"train.loss.entropy_rule": "high"}) == "train.loss.entropy_rule=high"
     assert departure_line({}) == "none"
 
 
@@ -75,9 +76,9 @@ def _lora_a(built) -> torch.Tensor:
 def test_the_trainer_carries_the_departure_and_the_stages_order_of_rng_use(tiny_params, tiny_problems):
     """The trainer's config is the departed params'; LoRA's initial weights are drawn after
     ``train.seed`` is set, so the same seed builds the same policy and another seed another."""
-    built = build_trainer(depart(tiny_params, {"train.mu": 3}), "cpu", problems=tiny_problems)
+    built = build_trainer(depart(tiny_params, {"train.optimizer.mu": 3}), "cpu", problems=tiny_problems)
     try:
-        assert built.trainer.cfg.mu == 3 and built.trainer.cfg.steps == tiny_params.train.steps == 2
+        assert built.trainer.cfg.optimizer.mu == 3 and built.trainer.cfg.steps == tiny_params.train.steps == 2
         assert built.trainer.model is built.model and built.trainer.backend is built.backend
         assert (built.weights_form, built.backend.name, built.closers) == (None, "transformers", [])
         assert built.problems == tiny_problems == built.trainer.problems  # every prompt fits

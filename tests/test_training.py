@@ -22,7 +22,7 @@ from .helpers import _write_params
 
 @pytest.mark.slow
 def test_a_run_from_python_ships_the_adapter_and_the_summary(tiny_model_dir, tiny_problems, tmp_path):
-    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2, checkpoint_every=0))
+    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, steps=2, checkpoints={"every": 0}))
     run(params)
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
@@ -52,8 +52,8 @@ def test_an_interrupted_run_before_its_first_checkpoint_says_a_rerun_starts_at_s
 
 def test_several_processes_need_the_command_of_a_worker(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, num_processes=2))
-    with pytest.raises(ValueError, match="train.num_processes is 2: run.. needs `worker`"):
+    params = load_params(_write_params(tmp_path, tiny_model_dir, tiny_problems, distribution={"num_processes": 2}))
+    with pytest.raises(ValueError, match="train.distribution.num_processes is 2: run.. needs `worker`"):
         run(params)
     assert not (tmp_path / "out").exists()
 

@@ -14,7 +14,7 @@ from grpo.distributed import Dist
 from grpo.sections.train import TrainConfig
 from grpo.updater import AdamWUpdater, make_updater
 
-CFG = TrainConfig(lr=0.1, weight_decay=0.01, max_grad_norm=0.5)
+CFG = TrainConfig(optimizer={"lr": 0.1, "weight_decay": 0.01, "max_grad_norm": 0.5})
 X = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]])  # (2, 3)
 
 
@@ -36,7 +36,7 @@ def test_backward_and_step_are_a_clipped_adamw_step():
     layer, ref = _layer(), _layer()
     params, ref_params = list(layer.parameters()), list(ref.parameters())
     updater = AdamWUpdater(params, CFG, Dist())
-    ref_opt = torch.optim.AdamW(ref_params, lr=CFG.lr, weight_decay=CFG.weight_decay)
+    ref_opt = torch.optim.AdamW(ref_params, lr=CFG.optimizer.lr, weight_decay=CFG.optimizer.weight_decay)
     for step in range(2):
         for loss in _losses(layer):
             updater.backward(loss)
@@ -44,18 +44,18 @@ def test_backward_and_step_are_a_clipped_adamw_step():
             loss.backward()
         grads = [p.grad.clone() for p in ref_params]
         norm = torch.sqrt(sum((g**2).sum() for g in grads))  # by hand, before clipping
-        assert float(torch.nn.utils.clip_grad_norm_(ref_params, CFG.max_grad_norm)) == pytest.approx(float(norm))
+        assert float(torch.nn.utils.clip_grad_norm_(ref_params, CFG.optimizer.max_grad_norm)) == pytest.approx(float(norm))
         ref_opt.step()
         ref_opt.zero_grad()
         result = updater.step()
-        assert result.grad_norm == pytest.approx(float(norm), rel=1e-6) and result.grad_norm > CFG.max_grad_norm
+        assert result.grad_norm == pytest.approx(float(norm), rel=1e-6) and result.grad_norm > CFG.optimizer.max_grad_norm
         assert result.wait_s == result.allreduce_s == 0.0 and result.optimizer_s >= 0
         assert all(p.grad is None for p in params)
         for p, q in zip(params, ref_params):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
         if step == 0:
             for p, g in zip(params, grads):
-                clipped = g * CFG.max_grad_norm / (norm + 1e-6)
+                clipped = g * CFG.optimizer.max_grad_norm / (norm + 1e-6)
                 torch.testing.assert_close(updater.optimizer.state[p]["exp_avg"], 0.1 * clipped)
     assert not torch.equal(layer.weight, _layer().weight)
 
@@ -95,7 +95,7 @@ def test_the_state_dict_resumes_the_optimizer():
 
 
 def test_make_updater_is_adamw_without_a_deepspeed_config():
-    """Without ``train.deepspeed_config``: ``AdamWUpdater`` over the given parameters with the
+    """Without ``train.distribution.deepspeed_config``: ``AdamWUpdater`` over the given parameters with the
     params' lr and weight decay. It drops the rows without signal (``masks_rows`` false); DeepSpeed's
     ZeRO updater keeps them masked (true: every rank must run the same backward passes)."""
     from grpo.zero import ZeroUpdater  # imports without deepspeed; only building one needs it
@@ -105,6 +105,6 @@ def test_make_updater_is_adamw_without_a_deepspeed_config():
     updater = make_updater(layer, params, CFG, Dist())
     assert type(updater) is AdamWUpdater and updater.params == params
     group = updater.optimizer.param_groups[0]
-    assert group["params"] == params and (group["lr"], group["weight_decay"]) == (CFG.lr, CFG.weight_decay)
+    assert group["params"] == params and (group["lr"], group["weight_decay"]) == (CFG.optimizer.lr, CFG.optimizer.weight_decay)
     assert AdamWUpdater.masks_rows is False and updater.masks_rows is False
     assert ZeroUpdater.masks_rows is True

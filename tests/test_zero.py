@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 with the optimizer offloaded to CPU (``train.deepspeed_config``, ``grpo.zero``) on
+"""DeepSpeed ZeRO-2 with the optimizer offloaded to CPU (``train.distribution.deepspeed_config``, ``grpo.zero``) on
 the tiny model: the shipped configs parse and accelerate's plugin takes the JSON; 1 and 2 gloo
 processes under ZeRO-2 + DeepSpeedCPUAdam make the plain path's steps; resume restarts the moments
 from the checkpoint's weights.
@@ -59,10 +59,7 @@ def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
     for n, p in sorted(model.named_parameters()):
         if "lora_B" in n:
             p.data = torch.randn(p.shape, generator=gen) * 0.3  # non-zero adapter: gradients reach A and B
-    cfg = TrainConfig(output_dir=str(out), prompts_per_step=4, group_size=2, max_new_tokens=8, checkpoint_every=0,
-                      eval_every=0, steps=4, warmup_steps=0, lr=1e-2, weight_decay=0.1, entropy_top_quantile=0.5,
-                      entropy_rule="high",  # the mask: ZeRO must keep the step-wide threshold over ranks
-                      truncated="score", **train)  # a random model's completions all hit max_new_tokens: score them
+    cfg = TrainConfig(output_dir=str(out), steps=4, truncated="score", **train, rollouts={"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 8}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 1e-2, "weight_decay": 0.1}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.5}}, "entropy_rule": "high"})  # a random model's completions all hit max_new_tokens: score them
     return grpo.trainer.GRPOTrainer(model, load_tokenizer(model_dir), cfg, PROBLEMS, dist=dist)
 
 
@@ -101,8 +98,7 @@ def test_shipped_configs_parse_and_the_trainer_sets_the_update_fields(tmp_path):
     launch = load_config_from_file(str(REPO / "configs" / "accelerate" / "zero2_offload.yaml"))
     path = REPO / launch.deepspeed_config["deepspeed_config_file"]
     assert DeepSpeedPlugin(hf_ds_config=str(path)).zero_stage == 2
-    cfg = TrainConfig(deepspeed_config=str(path), micro_batches=2, prompts_per_step=8, group_size=4, lr=3e-4,
-                      max_grad_norm=0.5)
+    cfg = TrainConfig(distribution={"deepspeed_config": str(path)}, passes={"micro_batches": 2}, rollouts={"prompts_per_step": 8, "group_size": 4}, optimizer={"lr": 3e-4, "max_grad_norm": 0.5})
     ds = engine_config(cfg, world_size=2)
     assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     assert ds["bf16"] == {"enabled": True}
@@ -113,8 +109,8 @@ def test_shipped_configs_parse_and_the_trainer_sets_the_update_fields(tmp_path):
                         (None, "cannot read")):
         bad_path = tmp_path / "bad.json"
         bad_path.write_text(json.dumps(bad) if bad else "{not json")
-        with pytest.raises(ValueError, match=f"train.deepspeed_config.*{needle}"):
-            engine_config(TrainConfig(deepspeed_config=str(bad_path)), world_size=1)
+        with pytest.raises(ValueError, match=f"train.distribution.deepspeed_config.*{needle}"):
+            engine_config(TrainConfig(distribution={"deepspeed_config": str(bad_path)}), world_size=1)
 
 
 # ---------------------------------------------------------------------------- the update
@@ -126,15 +122,15 @@ def test_one_process_zero2_offload_makes_the_plain_steps_and_resumes(tiny_model_
     them) and step 2 equals the plain path's step 2 with fresh AdamW moments."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(ZERO2_OFFLOAD))
-    trainer = _trainer(str(tiny_model_dir), tmp_path / "zero", Dist(), monkeypatch, deepspeed_config=str(ds),
-                       micro_batches=2)
+    trainer = _trainer(str(tiny_model_dir), tmp_path / "zero", Dist(), monkeypatch, distribution={"deepspeed_config": str(ds)},
+                       passes={"micro_batches": 2})
     assert type(trainer.updater.optimizer).__name__ == "DeepSpeedCPUAdam"
     first = trainer.train_step()
     path = trainer.save_checkpoint()
     second = trainer.train_step()
     _assert_same_steps([first, second], plain_steps[0], _lora(trainer), plain_steps[1])
 
-    resumed = _trainer(str(tiny_model_dir), tmp_path / "zero", Dist(), monkeypatch, deepspeed_config=str(ds))
+    resumed = _trainer(str(tiny_model_dir), tmp_path / "zero", Dist(), monkeypatch, distribution={"deepspeed_config": str(ds)})
     resumed.resume()  # from the newest checkpoint of its run directory: the step-1 one
     assert resumed.step == 1
     plain = _trainer(str(tiny_model_dir), tmp_path / "plain", Dist(), monkeypatch)  # fresh AdamW moments
@@ -152,7 +148,7 @@ def _zero_worker(rank: int, model_dir: str, port: int, out: str, ds: str) -> Non
     torch.set_num_threads(1)
     dist = init_from_env("cpu", timeout_s=120)
     try:
-        trainer = _trainer(model_dir, Path(out) / f"rank{rank}", dist, deepspeed_config=ds)
+        trainer = _trainer(model_dir, Path(out) / f"rank{rank}", dist, distribution={"deepspeed_config": ds})
         rows = [trainer.train_step() for _ in range(2)]
         torch.save({"rows": rows, "lora": _lora(trainer)}, Path(out) / f"rank{rank}.pt")
     finally:
@@ -183,4 +179,4 @@ def test_bf16_json_on_a_float32_policy_is_refused_naming_model_dtype(tiny_model_
 
     with pytest.raises(ParamsError, match=r"bf16.enabled .* float32; set model.dtype: bfloat16"):
         _trainer(str(tiny_model_dir), tmp_path, Dist(), monkeypatch,
-                 deepspeed_config=str(REPO / "configs" / "accelerate" / "ds_zero2_offload.json"))
+                 distribution={"deepspeed_config": str(REPO / "configs" / "accelerate" / "ds_zero2_offload.json")})

@@ -10,7 +10,7 @@ and ``paired_with``: variants compared to another variant than the reference (th
 shuffled order under one rule), in the same Holm family as the rest; ``seed_keys``: the params keys
 that take the experiment's seed (default ``[train.seed]``; ``[data.seed, sent.seed, train.seed]``
 varies which problems are drawn and SENT's samples with the training seed, a seed triple); and
-``pinned``: params keys every variant must set itself (``[train.mu]``: a variant's meaning does not
+``pinned``: params keys every variant must set itself (``[train.optimizer.mu]``: a variant's meaning does not
 move when params.yaml's default does).
 Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --queue -S
 <seed key>=s ... -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a

@@ -67,8 +67,9 @@ _PREVIOUS_RUN = re.compile(r"\d{8}-\d{6}\.\d{6}_\w+")
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 # train params that only place outputs, log, or spread the same update over processes (per-prompt
 # sampling seeds: 1 or N processes take the same steps): changing them continues the same run
-_NOT_FINGERPRINTED = ("checkpoint_every", "wandb_mode", "wandb_project", "metrics_dir", "adapter_dir",
-                      "num_processes", "dist_timeout_s")
+_NOT_FINGERPRINTED = ("checkpoints.every", "wandb", "metrics_dir", "adapter_dir", "distribution.num_processes",
+                      "distribution.dist_timeout_s")
+"""Train keys (dotted within the section) that only place outputs or log: left out of the fingerprint."""
 
 
 class CheckpointError(Exception):
@@ -361,7 +362,11 @@ def fingerprint(params) -> str:
     keep = {"lora": params.lora.model_dump(), "train": params.train.model_dump(),
             "model": [model.path, model.quantization, model.dtype, model.gradient_checkpointing]}
     for key in _NOT_FINGERPRINTED:
-        keep["train"].pop(key, None)
+        *parts, leaf = key.split(".")
+        node = keep["train"]
+        for part in parts:
+            node = node[part]
+        node.pop(leaf, None)
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True).encode())
     digest.update(Path(params.train.data_path).read_bytes())
     return digest.hexdigest()[:16]

@@ -19,11 +19,11 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "train.rewards": ("grpo.rewards", "REWARDS"),
     "sent.backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
     "evaluate.backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
-    "train.rollout_backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
-    "train.loss_type": ("grpo.loss", "AGGREGATIONS"),
-    "train.policy_loss": ("grpo.loss", "POLICY_LOSSES"),
-    "train.entropy_rule": ("grpo.entropy", "TOKEN_RULES"),
-    "train.engine_weights": ("grpo.engine.forms_catalogue", "WEIGHTS_FORMS"),
+    "train.rollouts.backend": ("grpo.rollout_backends", "ROLLOUT_BACKENDS"),
+    "train.loss.loss_type": ("grpo.loss", "AGGREGATIONS"),
+    "train.loss.policy_loss": ("grpo.loss", "POLICY_LOSSES"),
+    "train.loss.entropy_rule": ("grpo.entropy", "TOKEN_RULES"),
+    "train.rollouts.engine_weights": ("grpo.engine.forms_catalogue", "WEIGHTS_FORMS"),
     "decode.loop": ("grpo.sampling", "DECODE_LOOPS"),
 }
 """``section.key`` -> (module, attribute) of the registry whose names the param takes."""

@@ -91,9 +91,10 @@ def settings_lines(p: Params) -> list[str]:
 
     d, m, lo, s, e, t = p.data, p.model, p.lora, p.sent, p.evaluate, p.train
     source = f"jsonl {d.path}" if d.source == "jsonl" else d.source
-    gen = f"{t.generation_batch_size} completions" if t.generation_batch_size else "whole step"
+    gen = f"{t.rollouts.generation_batch_size} completions" if t.rollouts.generation_batch_size else "whole step"
     rewards = ", ".join(f"{k} {_g(v)}" for k, v in t.rewards.items())
-    clip = _g(t.epsilon) + (f"/{_g(t.epsilon_high)}" if t.epsilon_high is not None else "")
+    eps, eps_high = t.loss.clip()
+    clip = _g(eps) + (f"/{_g(eps_high)}" if eps_high != eps else "")
     return [
         f"  data      {source}, {d.train_size} train / {d.test_size} test -> {d.out_dir}",
         f"  model     {m.name} -> {m.path}, {m.quantization}, dtype {m.dtype}, gradient checkpointing "
@@ -101,11 +102,11 @@ def settings_lines(p: Params) -> list[str]:
         f"  lora      r{lo.rank} alpha {_g(lo.alpha)} dropout {_g(lo.dropout)} on {', '.join(lo.target_modules)}",
         f"  sent      {s.backend}, M={s.num_samples}, <= {s.max_new_tokens} tokens, T={_g(s.temperature)}, "
         f"{s.estimator}",
-        f"  train     {t.order} ({num_stages_of(t)} stages), {t.steps} steps x {t.prompts_per_step} prompts x "
-        f"G={t.group_size}, <= {t.max_new_tokens} new tokens, T={_g(t.temperature)}, lr {_g(t.lr)} {t.lr_schedule} "
-        f"(warm-up {t.warmup_steps}), {t.loss_type}, beta {_g(t.beta)}, clip {clip}, mu {t.mu}",
-        f"            entropy top {_g(t.entropy_top_quantile)}, micro-batches {t.micro_batches}, generation "
-        f"batch {gen}, kernel {t.kernel}, rewards {rewards}",
+        f"  train     {t.order} ({num_stages_of(t)} stages), {t.steps} steps x {t.rollouts.prompts_per_step} prompts x "
+        f"G={t.rollouts.group_size}, <= {t.rollouts.max_new_tokens} new tokens, T={_g(t.rollouts.temperature)}, lr {_g(t.optimizer.lr)} {t.optimizer.lr_schedule} "
+        f"(warm-up {t.optimizer.warmup_steps}), {t.loss.loss_type}, beta {_g(t.loss.beta)}, clip {clip}, mu {t.optimizer.mu}",
+        f"            entropy top {_g(t.loss.rule_options().top_quantile)}, micro-batches {t.passes.micro_batches}, generation "
+        f"batch {gen}, kernel {t.passes.kernel}, rewards {rewards}",
         f"  evaluate  {e.backend}, greedy, <= {e.max_new_tokens} tokens on {e.test_path}",
     ]
 
@@ -126,11 +127,11 @@ def cmd_check(args) -> int:
     print("\n".join(dvcstatus.describe(res.root, res.changed)))
 
     device = args.device or default_device()
-    engine = uses_engine(p.train.rollout_backend)  # the train stage's rule
+    engine = uses_engine(p.train.rollouts.backend)  # the train stage's rule
     print(f"decode: {decode_line(p, device, engine)}")
     shapes = memory.resolve_shapes(p.model, res.root)
     if isinstance(shapes, str):
-        known = not (device == "cuda" and p.train.engine_weights == "auto")  # auto on CUDA needs the shapes
+        known = not (device == "cuda" and p.train.rollouts.engine_weights == "auto")  # auto on CUDA needs the shapes
         form = needs.choose_engine_form(p, None, device, 0, None)[0] if engine and known else "auto"
         print(f"rollouts: {rollouts_line(p, engine, form)}")
         print(f"memory: no estimate: {shapes}")
@@ -148,12 +149,12 @@ def cmd_check(args) -> int:
     print(f"memory: one training step on {device} ({est.dtype} compute), estimated")
     print(f"  model: {s.source}: {s.total_params / 1e9:.3g} B params, {s.layers} layers, hidden {s.hidden}, "
           f"intermediate {s.intermediate}, {s.heads} heads / {s.kv_heads} kv heads x {s.head_dim}, vocab {s.vocab}")
-    print(f"  shape: {p.train.prompts_per_step} prompts x G={p.train.group_size}, prompt {prompt} tokens ({how}) "
-          f"+ {p.train.max_new_tokens} new tokens (all full length)")
+    print(f"  shape: {p.train.rollouts.prompts_per_step} prompts x G={p.train.rollouts.group_size}, prompt {prompt} tokens ({how}) "
+          f"+ {p.train.rollouts.max_new_tokens} new tokens (all full length)")
     print(f"  card: {card_how}")
     print(f"  rollouts: {rollouts_line(p, engine, form)}")
     if plan is not None:
-        print(f"  engine: train.engine_weights {p.train.engine_weights} -> {plan.form} ({plan.why}); max_num_seqs "
+        print(f"  engine: train.rollouts.engine_weights {p.train.rollouts.engine_weights} -> {plan.form} ({plan.why}); max_num_seqs "
               f"{plan.seqs}, max_num_batched_tokens {plan.batched_tokens}, enforce_eager")
         print("\n".join(f"  {line}" for line in memory.format_engine(plan, shapes)))
     print("\n".join(memory.format_table(est)))
@@ -182,7 +183,7 @@ def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved
         saved_plan, saved_prompt = saved[section]
         lines.append(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
     others = other_plans(p, shapes, device, prompt, plan) if plan is not None else []  # the advice's other forms
-    rule = f"train.entropy_rule {p.train.entropy_rule} (entropy_top_quantile {p.train.entropy_top_quantile})"
+    rule = f"train.loss.entropy_rule {p.train.loss.entropy_rule} (top_quantile {p.train.loss.rule_options().top_quantile})"
     lines.append(f"  train: {memory.verdict(p, est, card, plan, others)}; estimated for {rule}")
     return lines
 
@@ -224,10 +225,10 @@ def decode_line(p: Params, device: str, engine: bool) -> str:
     from grpo.sampling import plan_decode
 
     try:
-        train = plan_decode(p.decode, device, p.train.steps * p.train.max_new_tokens).why
+        train = plan_decode(p.decode, device, p.train.steps * p.train.rollouts.max_new_tokens).why
     except ValueError as err:
         return f"error: {err}"
-    train = "a vLLM engine samples (train.rollout_backend)" if engine else train
+    train = "a vLLM engine samples (train.rollouts.backend)" if engine else train
     return (f"train: {train}; sent and evaluate (where the decode loop samples): the same rule, with their own "
             "token steps (rows / batch_prompts x max_new_tokens), logged at their start")
 
@@ -236,7 +237,7 @@ def rollouts_line(p: Params, engine: bool, form: str | None) -> str:
     """What each training process samples with, as the train stage logs it (``rollouts_per_process``)."""
     from grpo.engine.forms import rollouts_per_process
 
-    return f"{rollouts_per_process(engine, p.train.num_processes, form)} (train.rollout_backend {p.train.rollout_backend})"
+    return f"{rollouts_per_process(engine, p.train.distribution.num_processes, form)} (train.rollouts.backend {p.train.rollouts.backend})"
 
 
 def card_bytes(gpu_memory: float | None, device: str) -> tuple[int | None, str]:
@@ -296,7 +297,7 @@ def stage_needs(p: Params, root: Path, card: int) -> dict[str, int]:
              for section, stages in memory.SAVED_MODEL_STAGES if uses_engine(getattr(p, section).backend)}
     found = longest_prompt_tokens(p, root)
     prompt = found[0] if found else DEFAULT_PROMPT_TOKENS
-    plan = engine_plan(p, shapes, "cuda", prompt, card) if uses_engine(p.train.rollout_backend) else None
+    plan = engine_plan(p, shapes, "cuda", prompt, card) if uses_engine(p.train.rollouts.backend) else None
     needs["train"] = memory.estimate(p, shapes, "cuda", prompt, engine=plan).peak
     return needs
 

@@ -17,8 +17,8 @@ Contract:
 * A stage loads the sections it reads (``load_sections(path, *classes)``, a ``Params`` holding
   them); ``grpo.params.load_params`` loads every section. An unknown key, a value of the wrong type
   or out of range fails with a ``ParamsError`` whose message is one line naming the field
-  (``train.lr: must be > 0, got -1.0``; an unknown key names the nearest known ones:
-  ``train.learning_rate: unknown key; did you mean train.lr?``; a key that moved names its new place,
+  (``train.optimizer.lr: must be > 0, got -1.0``; an unknown key names the nearest known ones:
+  ``train.learning_rate: unknown key; did you mean train.optimizer.lr?``; a key that moved names its new place,
   ``Section.MOVED``). Building a section directly (``TrainConfig(lr=-1)``) fails the same way.
 * A section's defaults are the embedded default run and equal ``params.yaml`` key for key (a test
   enforces it), so a key left out of ``params.yaml`` or of a preset never changes the experiment
@@ -135,7 +135,10 @@ class Section(BaseModel):
     def __getattribute__(self, name: str):
         reads = _READS.get()
         if reads is not None and not name.startswith("_") and name in type(self).model_fields:
-            reads.add(f"{type(self).SECTION}.{name}")
+            value = super().__getattribute__(name)
+            if not isinstance(value, Section):  # a part (``train.loss``) records the keys read in it
+                reads.add(f"{type(self).SECTION}.{name}")
+            return value
         return super().__getattribute__(name)
 
 

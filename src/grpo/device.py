@@ -46,7 +46,7 @@ residual: the overflow is in the residual stream of every layer, which both tran
 add in the compute dtype, so a fix would patch two model implementations we do not own
 (docs/gpu-notes.md#fp16-on-pre-ampere-cards)."""
 
-TRAIN_FP32 = " with train.rollout_backend: transformers (vLLM's LoRA kernels take fp16 and bf16 only)"
+TRAIN_FP32 = " with train.rollouts.backend: transformers (vLLM's LoRA kernels take fp16 and bf16 only)"
 """What fp32 training needs besides ``model.dtype: float32``: the decode loop for rollouts."""
 
 CUBLAS_WORKSPACE = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -11,7 +11,7 @@ Contract:
   process group: gloo on CPUs, NCCL on CUDA (one GPU per process: ``cuda:LOCAL_RANK``). Start-up
   (loading the model, starting an engine, resuming: ranks finish these at different times, by
   minutes on a large model) waits up to ``STARTUP_TIMEOUT_S``; ``Dist.start_steps(timeout_s)``, called
-  once before the first training step, lowers the bound to ``timeout_s`` (``train.dist_timeout_s``)
+  once before the first training step, lowers the bound to ``timeout_s`` (``train.distribution.dist_timeout_s``)
   for every later collective. Then a collective fails after ``timeout_s`` instead of waiting forever
   for a rank that is gone or hangs: it raises ``CollectiveTimeout`` (one line naming this rank and
   the collective); a stage that ends on it exits with ``TIMEOUT_EXIT_CODE`` so its launcher can
@@ -218,7 +218,7 @@ class Dist:
 STARTUP_TIMEOUT_S = 1800.0
 """How long a collective before the first training step waits for the other ranks (torch's own
 default for gloo): loading a base, starting an engine or resuming can keep one rank minutes behind
-another, and ``train.dist_timeout_s`` is meant for a rank that hangs mid-run."""
+another, and ``train.distribution.dist_timeout_s`` is meant for a rank that hangs mid-run."""
 
 
 def init_from_env(device_type: str, timeout_s: float) -> Dist:

@@ -41,11 +41,12 @@ def downstream(graph: dict[str, Stage], names: set[str]) -> list[str]:
 
 
 def flat_keys(tree: dict, prefix: str = "") -> dict[str, object]:
-    """``{"train.lr": 5e-4, ...}``: one entry per key of a params mapping (values kept whole)."""
+    """``{"train.optimizer.lr": 5e-4, ...}``: one entry per leaf of a params mapping, at any depth (a
+    mapping left empty is a leaf)."""
     out = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and not prefix:
-            out.update(flat_keys(value, f"{key}."))
+        if isinstance(value, dict) and value:
+            out.update(flat_keys(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

@@ -1,6 +1,6 @@
 """Token entropy and the token-entropy rules: pure tensor functions.
 
-``train.entropy_rule`` names a rule of ``TOKEN_RULES``: how a step treats its completion tokens by
+``train.loss.entropy_rule`` names a rule of ``TOKEN_RULES``: how a step treats its completion tokens by
 their predictive entropy H_t. Two rules follow "Beyond the 80/20 Rule" (arXiv 2506.01939): only
 the ``top_quantile`` fraction of valid completion tokens with the highest entropy ("forking
 tokens") receive policy gradient (``high``), or, as that paper's contrast, only the others
@@ -15,9 +15,9 @@ passes it to the rule's ``grad_mask`` for every part, so the split changes memor
 tokens that learn.
 
 Two rules discard no token (every valid token gets policy gradient) and treat the classes
-differently in the loss (``TokenRule.loss_terms``). With q = ``entropy_top_quantile`` (0.2),
+differently in the loss (``TokenRule.loss_terms``). With q = ``top_quantile`` (0.2),
 rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the reference policy
-(the adapter disabled), c = the rule's ``kl_low`` (0.001; ``train.entropy_rule_options.<rule>``):
+(the adapter disabled), c = the rule's ``kl_low`` (0.001; ``train.loss.entropy_rule_options.<rule>``):
 
 * ``archer`` (Archer, arXiv 2507.15778; code github.com/wizard-III/ArcherCodeR @ 8a1785be):
   tau_i = the ``1 - q`` quantile of response i's valid entropies (``torch.nanquantile`` along
@@ -26,7 +26,7 @@ rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the r
   ``clipped(rho_t, eps_t) + c * k3_t * low_t``. Code values: quantile 0.8 per response, clip 0.2 /
   0.5, KL coefficient 0.001 on low tokens and 0 on high ones (``core_algos.py:597-604``,
   ``dp_actor.py:397-449``, ``run_archer_qwen2.5_1.5b_code.sh:15, 62-67``). Departures: the KL goes
-  through ``train.loss_type``'s aggregation, whose denominator counts every valid token (``dapo``)
+  through ``train.loss.loss_type``'s aggregation, whose denominator counts every valid token (``dapo``)
   or every response's (``grpo``), not Archer's count of low tokens, so its weight is c times the
   low fraction (about 0.8c; set c / 0.8 to match); the cut is per response like Archer's code,
   unlike ``high`` / ``sent_kl``'s step-wide threshold; Archer's dual clip (-A * 10 bounds the term
@@ -39,7 +39,7 @@ rho_t the ratio, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 against the r
   an integer mask (``core_algos.py:880-881``), so it penalises |log rho| against the old policy on
   about 2 arbitrary tokens per micro-batch, unclipped (``core_algos.py:844-904``).
 
-Both need the reference pass even at ``train.beta`` 0 (``needs_reference``; ``c = 0`` drops the KL
+Both need the reference pass even at ``train.loss.beta`` 0 (``needs_reference``; ``c = 0`` drops the KL
 and the pass, and so does ``sent_kl`` at q = 1, where it has no low class and is ``high`` at 1) and
 keep the groups of equal rewards in the update (their KL has a gradient). Since every token keeps
 its gradient, the LM head runs with grad at every valid token: its rows of logits with grad
@@ -55,7 +55,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from grpo.config import PositiveFloat, Section
+from grpo.config import Fraction, PositiveFloat, Section
 from grpo.registry import Registry
 
 
@@ -94,7 +94,7 @@ class LossTerms(NamedTuple):
     """What a token-entropy rule puts into the loss besides its gradient mask (``TokenRule.loss_terms``,
     handed to ``grpo.loss.grpo_loss`` by ``grpo.passes.PolicyPasses.loss_backward``). Each is an
     (N, T) tensor or ``None``: the clip bounds ``1 - epsilon`` / ``1 + epsilon_high`` per token
-    (``None``: ``train.epsilon`` / ``train.epsilon_high``), and the coefficient of a k3 KL term to the
+    (``None``: the ``clipped`` term's ``epsilon`` / ``epsilon_high``), and the coefficient of a k3 KL term to the
     reference policy per token, added to the token terms before the aggregation (``None``: none;
     needs ``TokenRule.needs_reference``)."""
 
@@ -105,13 +105,13 @@ class LossTerms(NamedTuple):
 
 class TokenRule:
     """An entry of ``TOKEN_RULES``: what a step does with its tokens by their entropy. Entries are
-    classes of static methods (never instantiated); ``cfg`` is the ``grpo.sections.train.TrainConfig``,
-    from which a rule reads the section's params (``entropy_top_quantile`` here) and its own options
-    (``rule_options``: its ``Options`` model, under ``train.entropy_rule_options.<name>``). The defaults keep every
+    classes of static methods (never instantiated); ``cfg`` is the loss part of the train section
+    (``grpo.sections.train_parts.LossConfig``), from which a rule reads its own options
+    (``rule_options``: its ``Options`` model, under ``train.loss.entropy_rule_options.<name>``). The defaults keep every
     valid token, need no statistic and leave the loss as the params set it.
 
     - ``check(cfg)``: raise ``ValueError`` (one line naming the param) when the params do not
-      suit the rule; ``TrainConfig`` calls it when the section is built.
+      suit the rule; ``LossConfig`` calls it when the part is built.
     - ``needs_statistic(cfg)``: whether ``threshold`` needs the step's entropies (the passes
       gather every rank's valid entropies only then).
     - ``threshold(values, cfg)``: the step-wide statistic from the 1-D entropies of every valid
@@ -122,7 +122,7 @@ class TokenRule:
     - ``grad_fraction(cfg)``: the fraction of valid tokens ``grad_mask`` keeps, for the memory
       estimate (``grpo.memory``: the LM-head rows with grad).
     - ``needs_reference(cfg)``: whether ``loss_terms`` gives KL weights, so that the passes compute
-      the reference log-probs even at ``train.beta`` 0 (and the trainer keeps the groups of equal
+      the reference log-probs even at ``train.loss.beta`` 0 (and the trainer keeps the groups of equal
       rewards, whose KL term has a gradient).
     - ``loss_terms(entropy, mask, threshold, cfg)``: the ``LossTerms`` of a micro-batch (per-token
       clip bounds, per-token KL weights), from the same arguments as ``grad_mask``.
@@ -157,27 +157,62 @@ class TokenRule:
         return LossTerms()
 
 
-TOKEN_RULES: Registry[type[TokenRule]] = Registry("train.entropy_rule", "token-entropy rule")
-"""Rule name -> ``TokenRule`` subclass (``train.entropy_rule``)."""
+TOKEN_RULES: Registry[type[TokenRule]] = Registry("train.loss.entropy_rule", "token-entropy rule")
+"""Rule name -> ``TokenRule`` subclass (``train.loss.entropy_rule``)."""
+
+
+class QuantileOptions(Section):
+    """``train.loss.entropy_rule_options.high``: the rule's share of high-entropy tokens."""
+
+    SECTION: ClassVar[str] = "train.loss.entropy_rule_options.high"
+    top_quantile: Fraction = 0.2
+    """The fraction q of the step's valid completion tokens, by highest entropy, that the rule
+    counts as high-entropy (1.0: every token, no entropy treatment)."""
+
+
+class LowOptions(QuantileOptions):
+    """``train.loss.entropy_rule_options.low``."""
+
+    SECTION: ClassVar[str] = "train.loss.entropy_rule_options.low"
+
+
+class SentKLOptions(QuantileOptions):
+    """``train.loss.entropy_rule_options.sent_kl``."""
+
+    SECTION: ClassVar[str] = "train.loss.entropy_rule_options.sent_kl"
+    kl_low: Annotated[float, Field(ge=0)] = 0.001
+    """The coefficient c of the k3 KL to the reference policy on the low-entropy tokens, which needs
+    the reference pass even at ``train.loss.beta`` 0 (0: no KL, no pass)."""
+
+
+class ArcherOptions(SentKLOptions):
+    """``train.loss.entropy_rule_options.archer``."""
+
+    SECTION: ClassVar[str] = "train.loss.entropy_rule_options.archer"
+    clip_high: PositiveFloat = 0.5
+    """The clip range of the high-entropy tokens, ``1 - x`` to ``1 + x`` (Archer's 0.5; its
+    low-entropy tokens clip at ``train.loss.policy_loss_options.clipped``'s bounds)."""
 
 
 class QuantileRule(TokenRule):
-    """The rules of one threshold: the ``1 - entropy_top_quantile`` quantile of the step's valid
-    entropies (none at ``entropy_top_quantile`` 1)."""
+    """The rules of one threshold: the ``1 - top_quantile`` quantile of the step's valid
+    entropies (none at ``top_quantile`` 1)."""
 
     @staticmethod
     def needs_statistic(cfg: Any) -> bool:
-        return cfg.entropy_top_quantile < 1
+        return cfg.rule_options().top_quantile < 1
 
     @staticmethod
     def threshold(values: Tensor, cfg: Any) -> Tensor | None:
-        return entropy_threshold(values, cfg.entropy_top_quantile)
+        return entropy_threshold(values, cfg.rule_options().top_quantile)
 
 
 @TOKEN_RULES.register("high")
 class KeepHigh(QuantileRule):
-    """The top ``entropy_top_quantile`` of the valid tokens by entropy (at or above the threshold)
-    get policy gradient; ``entropy_top_quantile`` 1: every valid token."""
+    """The top ``top_quantile`` of the valid tokens by entropy (at or above the threshold) get
+    policy gradient; ``top_quantile`` 1: every valid token."""
+
+    Options = QuantileOptions
 
     @staticmethod
     def grad_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> Tensor:
@@ -186,19 +221,21 @@ class KeepHigh(QuantileRule):
 
     @staticmethod
     def grad_fraction(cfg: Any) -> float:
-        return cfg.entropy_top_quantile
+        return rule_options(cfg, "high").top_quantile
 
 
 @TOKEN_RULES.register("low")
 class KeepLow(QuantileRule):
     """The valid tokens below the threshold get policy gradient: the complement of ``high`` within
-    the valid tokens (the bottom ``1 - entropy_top_quantile``)."""
+    the valid tokens (the bottom ``1 - top_quantile``)."""
+
+    Options = LowOptions
 
     @staticmethod
     def check(cfg: Any) -> None:
-        if cfg.entropy_top_quantile >= 1:
-            raise ValueError("train.entropy_rule: low keeps the tokens below the top entropy_top_quantile; "
-                             "set train.entropy_top_quantile below 1")
+        if rule_options(cfg, "low").top_quantile >= 1:
+            raise ValueError("train.loss.entropy_rule_options.low.top_quantile: low keeps the tokens below the top "
+                             "top_quantile; set it below 1")
 
     @staticmethod
     def grad_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> Tensor:
@@ -207,7 +244,7 @@ class KeepLow(QuantileRule):
 
     @staticmethod
     def grad_fraction(cfg: Any) -> float:
-        return 1 - cfg.entropy_top_quantile
+        return 1 - rule_options(cfg, "low").top_quantile
 
 
 def per_response_high(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
@@ -222,26 +259,8 @@ def per_response_high(entropy: Tensor, mask: Tensor, top_quantile: float) -> Ten
     return (entropy > tau) & valid
 
 
-class SentKLOptions(Section):
-    """``train.entropy_rule_options.sent_kl``."""
-
-    SECTION: ClassVar[str] = "train.entropy_rule_options.sent_kl"
-    kl_low: Annotated[float, Field(ge=0)] = 0.001
-    """The coefficient c of the k3 KL to the reference policy on the low-entropy tokens, which needs
-    the reference pass even at ``train.beta`` 0 (0: no KL, no pass)."""
-
-
-class ArcherOptions(SentKLOptions):
-    """``train.entropy_rule_options.archer``."""
-
-    SECTION: ClassVar[str] = "train.entropy_rule_options.archer"
-    clip_high: PositiveFloat = 0.5
-    """The clip range of the high-entropy tokens, ``1 - x`` to ``1 + x`` (Archer's 0.5; its
-    low-entropy tokens clip at ``train.epsilon`` / ``train.epsilon_high``)."""
-
-
 def rule_options(cfg: Any, name: str) -> Any:
-    """The options of rule ``name`` in the train section ``cfg`` (``train.entropy_rule_options``)."""
+    """The options of rule ``name`` in the loss part ``cfg`` (``train.loss.entropy_rule_options``)."""
     return cfg.entropy_rule_options[name]
 
 
@@ -252,7 +271,7 @@ def low_kl_weights(low: Tensor, kl_low: float) -> Tensor | None:
 
 @TOKEN_RULES.register("archer")
 class Archer(TokenRule):
-    """Every valid token gets gradient; per response, the tokens above its ``1 - entropy_top_quantile``
+    """Every valid token gets gradient; per response, the tokens above its ``1 - top_quantile``
     entropy quantile clip at ``1 -+ clip_high``, the others at ``1 - epsilon`` / ``1 +
     epsilon_high`` and add ``kl_low`` x k3 to the reference (arXiv 2507.15778; see the module
     docstring)."""
@@ -261,9 +280,9 @@ class Archer(TokenRule):
 
     @staticmethod
     def check(cfg: Any) -> None:
-        if cfg.entropy_top_quantile >= 1:
-            raise ValueError("train.entropy_rule: archer treats the tokens below the top entropy_top_quantile "
-                             "apart; set train.entropy_top_quantile below 1")
+        if rule_options(cfg, "archer").top_quantile >= 1:
+            raise ValueError("train.loss.entropy_rule_options.archer.top_quantile: archer treats the tokens below "
+                             "the top top_quantile apart; set it below 1")
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
@@ -272,31 +291,32 @@ class Archer(TokenRule):
     @staticmethod
     def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
         opts = rule_options(cfg, "archer")
-        high = per_response_high(entropy, mask, cfg.entropy_top_quantile)  # (N, T) bool
-        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        high = per_response_high(entropy, mask, opts.top_quantile)  # (N, T) bool
+        eps, eps_high = cfg.clip()
         wide = torch.full_like(entropy, opts.clip_high, dtype=torch.float32)  # (N, T)
-        return LossTerms(epsilon=torch.where(high, wide, cfg.epsilon), epsilon_high=torch.where(high, wide, eps_high),
+        return LossTerms(epsilon=torch.where(high, wide, eps), epsilon_high=torch.where(high, wide, eps_high),
                          kl_weights=low_kl_weights(mask.bool() & ~high, opts.kl_low))
 
 
 @TOKEN_RULES.register("sent_kl")
 class SentKL(QuantileRule):
     """Every valid token gets gradient with the configured clip; the tokens below the step's
-    threshold (the bottom ``1 - entropy_top_quantile``) add ``kl_low`` x k3 to the reference
+    threshold (the bottom ``1 - top_quantile``) add ``kl_low`` x k3 to the reference
     (after arXiv 2512.04359, without its covariance selection; see the module docstring). At
-    ``entropy_top_quantile`` 1 there is no low class: no KL and no reference pass, the step of
-    ``high`` at 1 (every token, no entropy treatment), so ``entropy_top_quantile: 1.0`` means
+    ``top_quantile`` 1 there is no low class: no KL and no reference pass, the step of
+    ``high`` at 1 (every token, no entropy treatment), so ``top_quantile: 1.0`` means
     every token under either rule."""
 
     Options = SentKLOptions
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
-        return rule_options(cfg, "sent_kl").kl_low > 0 and cfg.entropy_top_quantile < 1
+        opts = rule_options(cfg, "sent_kl")
+        return opts.kl_low > 0 and opts.top_quantile < 1
 
     @staticmethod
     def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
-        if threshold is None:  # entropy_top_quantile 1 (or no valid token): no low class
+        if threshold is None:  # top_quantile 1 (or no valid token): no low class
             return LossTerms()
         return LossTerms(kl_weights=low_kl_weights(KeepLow.grad_mask(entropy, mask, threshold, cfg),
                                                    rule_options(cfg, "sent_kl").kl_low))

@@ -4,7 +4,7 @@ One training run is one draw: the same params with another ``train.seed`` end el
 "Experiments and seeds" has the default's sweep). This module queues the same params over several
 seeds and summarises a metric per set of params across them.
 
-    python -m grpo.experiments queue --name lr5e-4 --seeds 0 1 2 -S train.lr=5e-4 [--run --jobs 1]
+    python -m grpo.experiments queue --name lr5e-4 --seeds 0 1 2 -S train.optimizer.lr=5e-4 [--run --jobs 1]
     python -m grpo.experiments compare [--metric metrics/headline.json:test_accuracy_after] [--ignore 'train.wandb_*']
     python -m grpo.experiments table   # the experiments of HEAD: accuracies and what each changed, narrow
 
@@ -48,7 +48,7 @@ METRIC = "metrics/headline.json:test_accuracy_after"
 # The one declared metrics file is metrics/headline.json (written by the report stage); before it,
 # the evaluation and train summaries were declared metrics. A metric named either way is found in
 # an experiment of either kind (the validation accuracy: of the shipped adapter, which is the best
-# one with the default train.keep_best).
+# one with the default train.checkpoints.keep_best).
 SAME_METRIC = {"metrics/final.json:accuracy": "metrics/headline.json:test_accuracy_after",
                "metrics/baseline.json:accuracy": "metrics/headline.json:test_accuracy_before",
                "metrics/train.json:best_val_accuracy": "metrics/headline.json:val_accuracy"}
@@ -102,12 +102,12 @@ class Run:
     name: str
     rev: str
     state: str | None  # its queue task's state (success, failed, queued, running); None if it ran in the workspace
-    params: dict[str, object]  # params.yaml keys as "train.lr"; other params files' as "<file>:<key>"
+    params: dict[str, object]  # params.yaml keys as "train.optimizer.lr"; other params files' as "<file>:<key>"
     metric: float | None  # None when the experiment has not written it (queued, running, failed)
 
 
 def flat_params(files: dict) -> dict[str, object]:
-    """``{"train.lr": 5e-4, ...}`` from the ``params`` of one ``dvc exp show --json`` entry: nested
+    """``{"train.optimizer.lr": 5e-4, ...}`` from the ``params`` of one ``dvc exp show --json`` entry: nested
     mappings flattened with dots (as ``-S`` names them), lists kept whole."""
     out: dict[str, object] = {}
 

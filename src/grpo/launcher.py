@@ -33,7 +33,7 @@ def launch_processes(n: int, args: Sequence[str], timeout_s: float) -> None:
     for them. A process that fails makes the launcher stop the others (SIGTERM; SIGKILL after
     torch's 30 s grace: a frozen process ignores SIGTERM); ``LaunchFailed`` then names its rank and
     exit code, or, when it timed out in a collective (``timeout_s``, the workers'
-    ``train.dist_timeout_s``), the ranks that were still running: the ones that hang. Each process
+    ``train.distribution.dist_timeout_s``), the ranks that were still running: the ones that hang. Each process
     gets ``cores / n`` threads unless ``OMP_NUM_THREADS`` is set."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -54,9 +54,9 @@ def launch_processes(n: int, args: Sequence[str], timeout_s: float) -> None:
             if hung:
                 names = ", ".join(map(str, hung))
                 raise LaunchFailed(f"training process rank {names} hung: rank {rank} timed out waiting for it in a "
-                                   f"collective (train.dist_timeout_s = {timeout_s:g} s); the launcher stopped "
+                                   f"collective (train.distribution.dist_timeout_s = {timeout_s:g} s); the launcher stopped "
                                    f"every process", code) from None
-            raise LaunchFailed(f"training process rank {rank} timed out in a collective (train.dist_timeout_s = "
+            raise LaunchFailed(f"training process rank {rank} timed out in a collective (train.distribution.dist_timeout_s = "
                                f"{timeout_s:g} s) and no process was left running; see their output above",
                                code) from None
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"

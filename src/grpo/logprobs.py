@@ -70,7 +70,7 @@ def completion_hidden(body, input_ids: Tensor, attention_mask: Tensor, prompt_le
 
 
 def packed_layout(forward_layout: str, device_type: str) -> bool:
-    """Whether ``train.forward_layout`` packs each group into one sequence on a ``device_type``
+    """Whether ``train.passes.forward_layout`` packs each group into one sequence on a ``device_type``
     (``"cuda"``, ``"cpu"``) device: ``packed``, or ``auto`` anywhere but CUDA."""
     return forward_layout == "packed" or (forward_layout == "auto" and device_type != "cuda")
 
@@ -86,7 +86,7 @@ def packed_hidden(body, input_ids: Tensor, attention_mask: Tensor, positions: Te
     completion up to it; each token keeps the position id it has in its own row. So every
     completion sees exactly what it sees in its own padded row: the same states up to float
     reassociation, without the padding's compute. Attention grows as S^2 per group instead of
-    G C (P + C), which is why ``train.forward_layout: auto`` packs only off CUDA.
+    G C (P + C), which is why ``train.passes.forward_layout: auto`` packs only off CUDA.
     """
     ids, pos, mask, rows, index = pack_groups(input_ids, attention_mask, positions, prompt_len, group_size,
                                               body.get_input_embeddings().weight.dtype)  # the states' dtype

@@ -10,8 +10,8 @@ A group whose rewards are all equal carries no learning signal and gets A = 0 ex
 invented baseline).
 
 The loss has two axes, each a registry (as verl's ``core_algos.py``): the per-token policy term
-(``POLICY_LOSSES``, ``train.policy_loss``) and how the token terms become one number
-(``AGGREGATIONS``, ``train.loss_type``). ``grpo_loss`` composes them: policy term -> token
+(``POLICY_LOSSES``, ``train.loss.policy_loss``) and how the token terms become one number
+(``AGGREGATIONS``, ``train.loss.loss_type``). ``grpo_loss`` composes them: policy term -> token
 importance weights -> + beta * k3 KL (+ a token-entropy rule's per-token KL) -> aggregation. The one policy loss, ``clipped``, is the
 PPO-style clipped term of every completion token t:
 
@@ -34,11 +34,13 @@ is added, correcting for the engine's slightly different numerics.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Annotated, ClassVar, Protocol
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from grpo.config import PositiveFloat, Section
 from grpo.registry import Registry
 
 ADV_EPS = 1e-4
@@ -75,10 +77,10 @@ class Aggregation(Protocol):
     def aggregate(self, per_token: Tensor, mask: Tensor, normalizer: float) -> Tensor: ...
 
 
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("train.policy_loss", "policy loss")
-"""Policy-loss name -> ``PolicyLoss`` (``train.policy_loss``)."""
-AGGREGATIONS: Registry[Aggregation] = Registry("train.loss_type", "loss aggregation")
-"""Aggregation name -> ``Aggregation`` (``train.loss_type``)."""
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("train.loss.policy_loss", "policy loss")
+"""Policy-loss name -> ``PolicyLoss`` (``train.loss.policy_loss``)."""
+AGGREGATIONS: Registry[Aggregation] = Registry("train.loss.loss_type", "loss aggregation")
+"""Aggregation name -> ``Aggregation`` (``train.loss.loss_type``)."""
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> Tensor:
@@ -109,6 +111,16 @@ def signal_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------- policy losses
+class ClippedOptions(Section):
+    """``train.loss.policy_loss_options.clipped``: the clip range of the ratio."""
+
+    SECTION: ClassVar[str] = "train.loss.policy_loss_options.clipped"
+    epsilon: PositiveFloat = 0.2
+    """Lower clip of the ratio: ``1 - epsilon``."""
+    epsilon_high: Annotated[float, Field(gt=0)] | None = None
+    """Upper clip ``1 + epsilon_high`` (DAPO clip-higher); ``null`` means ``epsilon``."""
+
+
 @POLICY_LOSSES.register("clipped")
 def clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float | Tensor,
             epsilon_high: float | Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -119,6 +131,9 @@ def clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (N, T)
     per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (N, T)
     return per_token, clip_stats(ratio, advantages, mask, epsilon, epsilon_high)
+
+
+clipped.Options = ClippedOptions
 
 
 @torch.no_grad()
@@ -139,7 +154,7 @@ def wide_clip_band(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon: float, eps
     """Where a token-entropy rule's wider clip (archer's high-entropy tokens) changes the update.
 
     ``ratio``: (N, T) pi / pi_old; ``adv``: (N, 1); ``mask``: (N, T); ``epsilon``, ``epsilon_high``:
-    the ordinary clip (``train.epsilon`` / ``train.epsilon_high``); ``rule_epsilon``,
+    the ordinary clip (``clipped``'s options, ``LossConfig.clip``); ``rule_epsilon``,
     ``rule_epsilon_high``: (N, T) the rule's per-token bounds (``grpo.entropy.LossTerms``). Returns
     two (N, T) bool masks within ``mask``: ``wide``, the tokens whose rule bound is wider than the
     ordinary one on either side, and ``band``, those of them that plain PPO would clip and the rule

@@ -6,7 +6,7 @@ exactly as ``from_pretrained`` would build them (``grpo.model_shapes.model_shape
 a model not prepared yet from ``grpo.synthetic``'s named architectures: ``resolve_config``). Sizes below: ``H`` hidden,
 ``I`` intermediate, ``L`` layers, ``a`` attention heads, ``k`` KV heads, ``d`` head dim, ``V``
 vocabulary, ``r`` LoRA rank, ``b`` bytes of the compute dtype (2 for bf16, 4 for fp32), ``P``
-prompt tokens, ``C`` = ``train.max_new_tokens`` (every completion full length: the worst case).
+prompt tokens, ``C`` = ``train.rollouts.max_new_tokens`` (every completion full length: the worst case).
 
 Resident in both phases:
 
@@ -85,7 +85,7 @@ plus vLLM's LoRA buffers, its 4-bit layers, embedding and head being the trainer
 its profile run's forward and sampler pass, ``ENGINE_NON_TORCH``, and the KV cache of one call,
 ``2 L k d b`` bytes per token for its completions x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks.
 ``grpo.engine.needs.choose_engine_form`` (``grpo.engine.forms.choose_form``) picks the form for
-``train.engine_weights: auto``; ``verdict`` says whether the step fits a card and which param to turn.
+``train.rollouts.engine_weights: auto``; ``verdict`` says whether the step fits a card and which param to turn.
 
 The saved-model engines of SENT (the base) and the evaluations (the policy exported dense) are
 estimated the same way (``saved_model_needs``): dense weights in the stage's engine dtype, the
@@ -488,10 +488,10 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
 def _engine_awake(engine: EnginePlan) -> Term:
     if engine.budget is None:
         return Term("vLLM engine, awake", "generate", engine.need,
-                    f"its needs ({engine.form}); it holds train.gpu_memory_utilization {engine.utilization:g} x "
+                    f"its needs ({engine.form}); it holds train.rollouts.gpu_memory_utilization {engine.utilization:g} x "
                     "the card: --gpu-memory GIB")
     return Term("vLLM engine, awake", "generate", engine.budget,
-                f"train.gpu_memory_utilization {engine.utilization:g} x {gib(engine.card)} ({engine.form}: "
+                f"train.rollouts.gpu_memory_utilization {engine.utilization:g} x {gib(engine.card)} ({engine.form}: "
                 "weights, overhead, KV cache)")
 
 
@@ -504,13 +504,13 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
     from grpo.engine.bounds import largest_call
 
     model, lora, train = params.model, params.lora, params.train
-    add, g, c = est.terms.append, train.group_size, train.max_new_tokens
+    add, g, c = est.terms.append, train.rollouts.group_size, train.rollouts.max_new_tokens
     nf4, qn = model.quantization == "nf4", shapes.quantized_params
-    rows_gen = largest_call(train.prompts_per_step, g, train.generation_batch_size)
+    rows_gen = largest_call(train.rollouts.prompts_per_step, g, train.rollouts.generation_batch_size)
     add(Term("KV cache", "generate", kv_cache_bytes(shapes, rows_gen, p + c, b),
              f"{shapes.layers} layers x 2 x {shapes.kv_heads} kv heads x {shapes.head_dim} x {p + c} positions x "
              f"{rows_gen} rows x {b} B"))
-    per_entry = b + 8 + (4 if b != 4 else 0) + (13 if train.top_p < 1 else 0)
+    per_entry = b + 8 + (4 if b != 4 else 0) + (13 if train.rollouts.top_p < 1 else 0)
     add(Term("sampling logits", "generate", rows_gen * shapes.vocab * per_entry,
              f"{rows_gen} rows x {shapes.vocab} vocab x {per_entry} B"))
     if nf4:
@@ -544,11 +544,11 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     from grpo.logprobs import packed_layout
 
     model, lora, train = params.model, params.lora, params.train
-    add, g, c = est.terms.append, train.group_size, train.max_new_tokens
-    n = micro_batch_rows(train.prompts_per_step * g, train.micro_batches, g)
+    add, g, c = est.terms.append, train.rollouts.group_size, train.rollouts.max_new_tokens
+    n = micro_batch_rows(train.rollouts.prompts_per_step * g, train.passes.micro_batches, g)
     gc_on = model.gradient_checkpointing
-    packed = train.shared_prompt_forward and g > 1 and n % g == 0 and packed_layout(train.forward_layout, device)
-    shared = train.shared_prompt_forward and not gc_on and not packed
+    packed = train.passes.shared_prompt_forward and g > 1 and n % g == 0 and packed_layout(train.passes.forward_layout, device)
+    shared = train.passes.shared_prompt_forward and not gc_on and not packed
     seqs, seq_len = (n // g, p + g * (c - 1)) if packed else (n, p + c)  # a packed group: one sequence
     saved, one_layer = activation_bytes(
         shapes, rows=seqs, prompt=seq_len if packed else p, completion=0 if packed else c, group=g,
@@ -567,12 +567,12 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     hidden_tokens, pass_tokens = forward_tokens(n, g, p, c, packed=packed, shared=shared)
     add(Term("completion hidden states", "train", hidden_tokens * shapes.hidden * b,
              f"{hidden_tokens} tokens x {shapes.hidden} x {b} B"))
-    kernel = train.kernel if train.kernel != "auto" else ("triton" if device == "cuda" else "torch")
-    chunk = min(train.logprob_chunk, n * c)
+    kernel = train.passes.kernel if train.passes.kernel != "auto" else ("triton" if device == "cuda" else "torch")
+    chunk = min(train.passes.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
-    q = TOKEN_RULES[train.entropy_rule].grad_fraction(train)  # the valid tokens whose LM-head rows need grad
+    q = TOKEN_RULES[train.loss.entropy_rule].grad_fraction(train.loss)  # the valid tokens whose LM-head rows need grad
     kept = math.ceil(q * n * c)
-    head_rows = min(train.logprob_chunk, kept)
+    head_rows = min(train.passes.logprob_chunk, kept)
     head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)
     # the no-grad chunk pass, the LM head with grad and the body's backward run one after the other
     # (traced: bench/cuda_memory.py): the largest of the three counts
@@ -624,10 +624,10 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
                  f"{f' + {plan.dequant_how} {gib(plan.dequant)}' if plan.dequant else ''}, and its sampler pass, max_num_seqs {plan.seqs} x "
                  f"{s.vocab} x ({b} + {SAMPLER_BYTES}) B + the hidden states = {gib(plan.sampler)}"))
     rows.append(("non-torch (allowance)", ENGINE_NON_TORCH, "never measured"))
-    tokens = (f"{plan.seqs} {'completions' if plan.section == 'train' else 'sequences'} x {plan.seq_tokens}"
+    tokens = (f"{plan.seqs} {'completions' if plan.section == 'train.rollouts' else 'sequences'} x {plan.seq_tokens}"
               if plan.step_tokens == plan.seqs * plan.seq_tokens
               else "one max_model_len sequence, vLLM's least")
-    rows.append((f"KV cache of one {'step' if plan.section == 'train' else 'call'}", plan.kv_step,
+    rows.append((f"KV cache of one {'step' if plan.section == 'train.rollouts' else 'call'}", plan.kv_step,
                  f"{plan.step_tokens:,} tokens ({tokens}, in blocks of {ENGINE_BLOCK}) x {plan.kv_per_token / 1024:g}"
                  f" KiB/token (2 x {s.layers} layers x {s.kv_heads} kv heads x {s.head_dim} x {b} B)"))
     rows.append(("needs", plan.need, "" if plan.card is None else
@@ -637,7 +637,7 @@ def format_engine(plan: EnginePlan, shapes: ModelShapes) -> list[str]:
         left = f"{gib(room)} = {room / plan.kv_per_token / 1e3:.1f} k tokens" if room > 0 else "nothing"
         rows.append(("budget", plan.budget, f"{plan.section}.gpu_memory_utilization {plan.utilization:g} x "
                      f"{gib(plan.card)}; left for KV after weights and overhead: {left} (one "
-                     f"{'step' if plan.section == 'train' else 'call'}: {plan.step_tokens / 1e3:.1f} k)"))
+                     f"{'step' if plan.section == 'train.rollouts' else 'call'}: {plan.step_tokens / 1e3:.1f} k)"))
     width = max(len(name) for name, _, _ in rows) + 2
     return [f"  {name:<{width}}{gib(size):>11}  {how}".rstrip() for name, size, how in rows]
 
@@ -650,15 +650,15 @@ def _engine_knob(plan: EnginePlan, others: Sequence[EnginePlan], free: int, card
     no engine."""
     low, high = math.ceil(plan.need / card * 100) / 100, math.floor(free / card * 100) / 100
     if low <= high:
-        return f"train.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
+        return f"train.rollouts.gpu_memory_utilization: between {low:.2f} and {high:.2f}"
     leaner = next((o for o in others if o.form != plan.form and o.need < plan.need and o.need <= free), None)
     if leaner is not None:
-        return f"train.engine_weights: {leaner.form} (needs {gib(leaner.need)})"
+        return f"train.rollouts.engine_weights: {leaner.form} (needs {gib(leaner.need)})"
     per_seq = plan.seq_tokens * plan.kv_per_token
     fits = min((free - plan.fixed) // per_seq, plan.seqs - 1) if free > plan.fixed else 0
     if fits >= 1:
-        return f"train.generation_batch_size: at most {fits} completions per call (the KV cache of one call)"
-    return "train.rollout_backend: transformers (the decode loop: no engine)"
+        return f"train.rollouts.generation_batch_size: at most {fits} completions per call (the KV cache of one call)"
+    return "train.rollouts.backend: transformers (the decode loop: no engine)"
 
 
 def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
@@ -691,9 +691,9 @@ def verdict(params, est: Estimate, card: int, plan: EnginePlan | None = None,
     if total > card:
         if est.peak_phase == "training":
             knob = ("model.gradient_checkpointing: true" if not params.model.gradient_checkpointing
-                    else f"train.micro_batches: more than {params.train.micro_batches}")
+                    else f"train.passes.micro_batches: more than {params.train.passes.micro_batches}")
         else:
-            knob = "train.generation_batch_size: fewer completions per call"
+            knob = "train.rollouts.generation_batch_size: fewer completions per call"
         return (f"{head} does not fit: peak {gib(est.peak)} ({est.peak_phase}) + CUDA context "
                 f"{gib(CUDA_CONTEXT)} = {gib(total)}; turn {knob}")
     return (f"{head} fits: peak {gib(est.peak)} ({est.peak_phase}) + CUDA context allowance {gib(CUDA_CONTEXT)} = "
@@ -721,17 +721,25 @@ def load_measured(path: Path = MEASURED_FILE) -> list[dict]:
 
 
 def _get(params, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(params, section), name)
+    """The value at the dotted ``key`` (``train.rollouts.group_size``; a mapping's entry by name)."""
+    node = params
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
 
 
 def _with(params, values: dict):
-    """``params`` with ``section.key`` values replaced (no validation: the values are measured ones)."""
-    sections = {}
+    """``params`` with the dotted keys of ``values`` replaced (no validation: the values are measured ones)."""
     for key, value in values.items():
-        section, name = key.split(".")
-        sections.setdefault(section, {})[name] = value
-    return params.model_copy(update={s: getattr(params, s).model_copy(update=v) for s, v in sections.items()})
+        params = _replaced(params, key.split("."), value)
+    return params
+
+
+def _replaced(node, parts: list[str], value):
+    """A copy of ``node`` (a model or a mapping) with the value at ``parts`` replaced."""
+    head, rest = parts[0], parts[1:]
+    new = _replaced(node[head] if isinstance(node, dict) else getattr(node, head), rest, value) if rest else value
+    return {**node, head: new} if isinstance(node, dict) else node.model_copy(update={head: new})
 
 
 def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -> list[str]:
@@ -743,7 +751,7 @@ def measured_for(params, shapes: ModelShapes, device: str, prompt_tokens: int) -
         if m["device"] != device or any(getattr(shapes, k) != v for k, v in m["shape"].items()):
             continue
         figure = m["figure"] or f"not measured yet (no GPU so far; `{m['command']}` measures it)"
-        diffs = [f"{k.split('.')[1]}={v} (here {_get(params, k)})" for k, v in m["params"].items()
+        diffs = [f"{k.partition('.')[2]}={v} (here {_get(params, k)})" for k, v in m["params"].items()
                  if _get(params, k) != v]
         if not diffs:
             out.append(f"measured, {m['what']}, this shape: {figure}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 ALIASES: dict[str, str] = {
     # TRL's GRPOConfig / transformers' TrainingArguments names -> this project's train keys
@@ -98,7 +98,8 @@ def _number_as_text_hint(kind: str, value: Any) -> str:
 
 def one_line(err: ValidationError, cls) -> str:
     """The first error of ``err`` (building the section class ``cls``: its ``SECTION``, ``MOVED``
-    and fields) as ``section.key: what is wrong`` (one line)."""
+    and fields) as ``section.key: what is wrong`` (one line). An unknown key in a part of the
+    section (``train.loss.epsilon``) is answered from that part's fields and the section's ``MOVED``."""
     first = err.errors(include_url=False)[0]
     if first["type"] == "value_error":  # a cross-field rule: its message already names the field
         return describe(first)
@@ -109,10 +110,27 @@ def one_line(err: ValidationError, cls) -> str:
         key = str(first["loc"][-1]) if first["loc"] else ""
         if key in cls.MOVED:
             return f"{loc}: moved to {cls.MOVED[key]}"
-        near = suggest(key, set(cls.model_fields))
-        message += (f"; did you mean {did_you_mean(f'{section}.', near)}?" if near else
-                    f"; {section} has no key like it ({len(cls.model_fields)} keys: docs/configuration.md)")
+        part, prefix = _part_at(cls, first["loc"][:-1])
+        alias = ALIASES.get(key)
+        if alias in cls.MOVED and alias not in part.model_fields:
+            return f"{message}; did you mean {cls.MOVED[alias].split(' ')[0]}?"
+        near = suggest(key, set(part.model_fields))
+        message += (f"; did you mean {did_you_mean(f'{prefix}.', near)}?" if near else
+                    f"; {prefix} has no key like it ({len(part.model_fields)} keys: docs/configuration.md)")
     return message.replace("\n", " ")
+
+
+def _part_at(cls, loc: tuple) -> tuple[type, str]:
+    """The model class of the part of ``cls`` that ``loc`` (field names) leads to, with its dotted
+    name (``train.loss``); where ``loc`` leaves the nested models, the last one reached."""
+    prefix = cls.SECTION
+    for name in loc:
+        field = cls.model_fields.get(str(name))
+        sub = getattr(field, "annotation", None)
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            break
+        cls, prefix = sub, f"{prefix}.{name}"
+    return cls, prefix
 
 
 def yaml_error_line(path: Path, err: yaml.YAMLError) -> str:

@@ -6,15 +6,15 @@ micro-batch by micro-batch; with the adapter disabled it gives the reference pol
 it the sampling policy's (``mu > 1``: old_logp).
 
 With grad (``accumulate_gradients``, one update): the entropy threshold of the whole step (the
-statistic of the token-entropy rule ``train.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over every
+statistic of the token-entropy rule ``train.loss.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over every
 rank's valid token entropies; for ``high``, the ``1 - entropy_top_quantile`` quantile: taken in the
 one forward when there is one micro-batch, else from a no-grad pass first, which a rule without a
 statistic skips), then per micro-batch (``loss_backward``): one body forward with grad (each group's
 prompt once, its completions on the shared KV cache); entropy and log-prob of every completion token
 without grad (chunked, fused kernel: never a full (N, C, V) fp32 tensor); the LM head with grad only
 at the tokens the rule keeps (``high``: at or above the threshold; chunked as well, its gradient
-written over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.policy_loss``, with the
-rule's per-token clip bounds and KL weights where it has them, aggregated by ``train.loss_type``)
+written over the logits: no fp32 (K, V) tensor); ``grpo_loss`` (``train.loss.policy_loss``, with the
+rule's per-token clip bounds and KL weights where it has them, aggregated by ``train.loss.loss_type``)
 normalised over the whole step; the updater's backward. Micro-batching changes memory and time, not
 the update: the kept tokens and the normaliser are the step's.
 
@@ -23,7 +23,7 @@ normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all
 With ``mu = 1`` the old policy is the current one: old_logp is the detached current log-prob
 (ratio 1 in value, the usual on-policy gradient) and no extra pass runs. With engine rollouts
 each token's policy-gradient term is weighted by ``min(pi_trainer / pi_engine, cap)`` (truncated
-importance sampling) when ``importance_sampling_correction`` is on.
+importance sampling) when ``train.rollouts.importance_sampling_cap`` is set.
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ class PolicyPasses:
     def __init__(self, model, cfg: TrainConfig, dist: Dist, updater: Updater):
         self.model, self.cfg, self.dist, self.updater = model, cfg, dist, updater
         self.body, self.lm_head = lm_parts(model)
-        self.rule = TOKEN_RULES[cfg.entropy_rule]  # grpo.entropy.TokenRule
-        self.shared_group = cfg.group_size if cfg.shared_prompt_forward else 1  # see completion_hidden
+        self.rule = TOKEN_RULES[cfg.loss.entropy_rule]  # grpo.entropy.TokenRule
+        self.shared_group = cfg.rollouts.group_size if cfg.passes.shared_prompt_forward else 1  # see completion_hidden
         self.device = next(model.parameters()).device
-        self.packed = packed_layout(cfg.forward_layout, self.device.type)  # see completion_hidden
+        self.packed = packed_layout(cfg.passes.forward_layout, self.device.type)  # see completion_hidden
 
     def valid_only(self, mask: torch.Tensor) -> torch.Tensor | None:
         """The (m, C) mask to which the no-grad head pass keeps itself in the packed layout (padding
@@ -71,7 +71,7 @@ class PolicyPasses:
         return mask if self.packed else None
 
     def slices(self, n: int) -> list[slice]:
-        return micro_slices(n, self.cfg.micro_batches, self.cfg.group_size)
+        return micro_slices(n, self.cfg.passes.micro_batches, self.cfg.rollouts.group_size)
 
     # ------------------------------------------------------------------ without grad
     @torch.no_grad()
@@ -84,8 +84,8 @@ class PolicyPasses:
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
                 hidden = completion_hidden(self.body, part.input_ids, part.attention_mask, part.prompt_len,
                                            self.shared_group, self.packed)  # (m, C, H)
-            entropy, logp = chunked_entropy_logprobs(hidden, self.lm_head, part.targets, self.cfg.logprob_chunk,
-                                                     self.cfg.kernel, self.valid_only(part.mask))  # (m, C) each
+            entropy, logp = chunked_entropy_logprobs(hidden, self.lm_head, part.targets, self.cfg.passes.logprob_chunk,
+                                                     self.cfg.passes.kernel, self.valid_only(part.mask))  # (m, C) each
             entropies.append(entropy)
             logps.append(logp)
         return torch.cat(entropies), torch.cat(logps)
@@ -94,7 +94,7 @@ class PolicyPasses:
         """Whether the loss has a k3 KL term to the reference policy: ``beta > 0`` or the token-entropy
         rule's own (``TokenRule.needs_reference``). Then the reference pass runs, and rows of zero
         advantage still have a gradient."""
-        return bool(self.cfg.beta) or self.rule.needs_reference(self.cfg)
+        return bool(self.cfg.loss.beta) or self.rule.needs_reference(self.cfg.loss)
 
     def fixed_logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor | None]:
         """Phase 2: ``batch`` with ``ref_logp`` (``needs_reference``) and ``old_logp`` (``mu > 1``)
@@ -103,7 +103,7 @@ class PolicyPasses:
         entropy, fixed = None, {}
         if self.needs_reference():
             fixed["ref_logp"] = self.no_grad_pass(batch, adapter=False)[1]
-        if self.cfg.mu > 1:
+        if self.cfg.optimizer.mu > 1:
             entropy, fixed["old_logp"] = self.no_grad_pass(batch, adapter=True)
         return replace(batch, **fixed), entropy
 
@@ -112,17 +112,17 @@ class PolicyPasses:
         """The token-entropy rule's threshold of the whole step from this rank's (n, C) entropies and
         mask: the valid entropies of every rank are gathered and the rule's statistic taken over all
         of them (``None`` when the rule needs none: no gather)."""
-        if not self.rule.needs_statistic(self.cfg):
+        if not self.rule.needs_statistic(self.cfg.loss):
             return None
         values = self.dist.all_gather_cat(entropy[mask.bool()].float())  # (valid tokens of the step,)
-        return self.rule.threshold(values, self.cfg)
+        return self.rule.threshold(values, self.cfg.loss)
 
     def step_normalizer(self, mask: torch.Tensor) -> float:
         """The ``loss_type`` denominator of the whole step from this rank's (n, C) mask, summed over
         ranks: relies on the contract of ``grpo.loss.AGGREGATIONS`` that every aggregation's
         normaliser is a sum over completions (``dapo``: valid tokens; ``grpo``: rows; ``dr_grpo``:
         rows x ``max_new_tokens``)."""
-        local = loss_normalizer(mask, self.cfg.loss_type, self.cfg.max_new_tokens)
+        local = loss_normalizer(mask, self.cfg.loss.loss_type, self.cfg.rollouts.max_new_tokens)
         return float(self.dist.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device)))
 
     # ------------------------------------------------------------------ with grad
@@ -137,23 +137,24 @@ class PolicyPasses:
         cfg = self.cfg
         hidden = completion_hidden(self.body, batch.input_ids, batch.attention_mask, batch.prompt_len,
                                    self.shared_group, self.packed)  # (m, C, H)
-        entropy, logp_all = chunked_entropy_logprobs(hidden.detach(), self.lm_head, batch.targets, cfg.logprob_chunk,
-                                                     cfg.kernel, self.valid_only(batch.mask))  # (m, C) each, no grad
+        entropy, logp_all = chunked_entropy_logprobs(hidden.detach(), self.lm_head, batch.targets, cfg.passes.logprob_chunk,
+                                                     cfg.passes.kernel, self.valid_only(batch.mask))  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
-        keep = self.rule.grad_mask(entropy, batch.mask, threshold, cfg)  # (m, C) bool
-        terms = self.rule.loss_terms(entropy, batch.mask, threshold, cfg)  # per-token clip bounds, KL weights or None
-        kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.logprob_chunk,
-                                      cfg.kernel)  # (K,)
+        keep = self.rule.grad_mask(entropy, batch.mask, threshold, cfg.loss)  # (m, C) bool
+        terms = self.rule.loss_terms(entropy, batch.mask, threshold, cfg.loss)  # per-token clip bounds, KL weights or None
+        kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.passes.logprob_chunk,
+                                      cfg.passes.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
         old_logp = batch.old_logp if batch.old_logp is not None else logp_all  # (m, C), no grad
         weights, engine = self.engine_gap(batch, old_logp)
+        eps, eps_high = cfg.loss.clip()
         loss, stats = grpo_loss(logp, old_logp, batch.ref_logp, batch.advantages, batch.mask,
-                                epsilon=cfg.epsilon if terms.epsilon is None else terms.epsilon,
-                                epsilon_high=cfg.epsilon_high if terms.epsilon_high is None else terms.epsilon_high,
-                                beta=cfg.beta, kl_weights=terms.kl_weights, loss_type=cfg.loss_type,
-                                policy_loss=cfg.policy_loss, normalizer=normalizer,
-                                max_length=cfg.max_new_tokens, token_weights=weights)
+                                epsilon=eps if terms.epsilon is None else terms.epsilon,
+                                epsilon_high=eps_high if terms.epsilon_high is None else terms.epsilon_high,
+                                beta=cfg.loss.beta, kl_weights=terms.kl_weights, loss_type=cfg.loss.loss_type,
+                                policy_loss=cfg.loss.policy_loss, normalizer=normalizer,
+                                max_length=cfg.rollouts.max_new_tokens, token_weights=weights)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
         acted = self.rule_action(batch, logp_all, old_logp, keep, terms, weights, normalizer)
         return loss.item(), {**stats, **engine, **acted}, entropy, keep
@@ -172,15 +173,14 @@ class PolicyPasses:
         PPO would clip and the rule does not, and their part of the gradient). Observes only: the
         update is the same with or without it."""
         cfg = self.cfg
-        eps = cfg.epsilon
-        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        eps, eps_high = cfg.loss.clip()
         rule_eps = eps if terms.epsilon is None else terms.epsilon
         rule_eps_high = eps_high if terms.epsilon_high is None else terms.epsilon_high
         grads = policy_token_grads(logp, old_logp, batch.advantages, batch.mask, epsilon=rule_eps,
-                                   epsilon_high=rule_eps_high, loss_type=cfg.loss_type, policy_loss=cfg.policy_loss,
-                                   normalizer=normalizer, max_length=cfg.max_new_tokens, token_weights=weights)  # (m, C)
+                                   epsilon_high=rule_eps_high, loss_type=cfg.loss.loss_type, policy_loss=cfg.loss.policy_loss,
+                                   normalizer=normalizer, max_length=cfg.rollouts.max_new_tokens, token_weights=weights)  # (m, C)
         out = {"policy_grad_abs": float(grads.sum())}
-        if self.rule.grad_fraction(cfg) < 1:
+        if self.rule.grad_fraction(cfg.loss) < 1:
             out["kept_grad"] = float(grads[keep].sum())
         if terms.epsilon is not None or terms.epsilon_high is not None:
             as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
@@ -197,9 +197,9 @@ class PolicyPasses:
         valid = batch.mask.bool()
         gap = (old_logp - batch.sampling_logp).abs()[valid]  # (n_valid,)
         stats = {"mismatch_sum": float(gap.sum()), "mismatch_max": float(gap.max()) if gap.numel() else 0.0}
-        if not self.cfg.importance_sampling_correction:
+        if self.cfg.rollouts.importance_sampling_cap is None:
             return None, stats
-        weights = torch.exp(old_logp - batch.sampling_logp).clamp(max=self.cfg.importance_sampling_cap)  # (m, C)
+        weights = torch.exp(old_logp - batch.sampling_logp).clamp(max=self.cfg.rollouts.importance_sampling_cap)  # (m, C)
         stats["is_weight_sum"] = float(weights[valid].sum())
         return weights, stats
 
@@ -213,7 +213,7 @@ class PolicyPasses:
         update's ``grpo.metrics.Sums`` and the (n, C) kept mask."""
         slices = self.slices(len(batch))
         threshold = None
-        if len(slices) > 1 and self.rule.needs_statistic(self.cfg):
+        if len(slices) > 1 and self.rule.needs_statistic(self.cfg.loss):
             if policy_entropy is None:
                 policy_entropy = self.no_grad_pass(batch, adapter=True)[0]
             threshold = self.step_threshold(policy_entropy, batch.mask)

@@ -1,6 +1,6 @@
 """Named choices of the params, each registered once where it is implemented.
 
-A ``Registry`` maps the names a param accepts (``train.loss_type: dapo``) to the objects that
+A ``Registry`` maps the names a param accepts (``train.loss.loss_type: dapo``) to the objects that
 implement them (a function, a class). Each registry lives in the module of its entries
 (``grpo.loss.AGGREGATIONS``, ``grpo.entropy.TOKEN_RULES`` ...); an entry joins it with the
 decorator where it is defined::
@@ -10,7 +10,7 @@ decorator where it is defined::
 
 An entry may declare its own options as a small typed model, its ``Options`` attribute (a
 ``grpo.config.Section``): they sit in the params under the entry's name
-(``train.entropy_rule_options.archer.clip_high``), validated by that model, their defaults its
+(``train.loss.entropy_rule_options.archer.clip_high``), validated by that model, their defaults its
 own (``grpo.config.EntryOptions``); the section keeps only what every run has.
 
 ``grpo.choices`` lists every registry by the param it serves; ``grpo.config`` validates those

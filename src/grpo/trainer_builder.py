@@ -8,7 +8,7 @@ engine's bounds (``grpo.engine.bounds.train_bounds``), the rollout backend
 (``grpo.engine.policy_engine.policy_rollouts``) and ``grpo.trainer.GRPOTrainer``.
 
 A bench's departures from the params (a token rule, ``mu``, sizes) are params too: ``depart(params,
-{"train.mu": 1})`` returns validated params with those keys replaced, and ``departure_line`` words
+{"train.optimizer.mu": 1})`` returns validated params with those keys replaced, and ``departure_line`` words
 them for the bench to print. What a bench changes beyond params (a model already built, fixed
 prompt or completion lengths) is an argument of ``build_trainer``, named there.
 """
@@ -16,7 +16,6 @@ prompt or completion lengths) is an argument of ``build_trainer``, named there.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,30 +54,31 @@ class BuiltTrainer:
 
 
 def depart(params: Params, departures: dict[str, object]) -> Params:
-    """``params`` with each dotted key of ``departures`` (``{"train.mu": 1}``) replaced, each
-    changed section built again, so validated (``ParamsError`` of one line on a bad value). A key
-    names a section and a field of it; ``params`` is left as it was."""
-    changes: dict[str, dict] = defaultdict(dict)
-    for key, value in departures.items():
-        section, _, name = key.partition(".")
-        changes[section][name] = value
+    """``params`` with each dotted key of ``departures`` (``{"train.optimizer.mu": 1}``, any depth)
+    replaced, each changed section built again, so validated (``ParamsError`` of one line on a bad
+    value or key). A key names a section and a key in it; ``params`` is left as it was."""
+    from grpo.overlay import overlay_params
+
     sections = {name: getattr(params, name) for name in type(params).model_fields} | dict(params.model_extra or {})
-    for name, fields in changes.items():
-        if name not in sections or "" in fields:
+    names = {key.partition(".")[0] for key in departures}
+    for key in departures:
+        name, dot, rest = key.partition(".")
+        if name not in sections or not dot or not rest:
             raise ParamsError(f"{name}: a departure names a section and a key of it (section.key); "
                               f"sections: {', '.join(sections)}")
-        old = sections[name]
-        sections[name] = type(old)(**{**old.model_dump(), **fields})
+    raw = overlay_params({name: sections[name].model_dump() for name in names}, departures)
+    for name in names:
+        sections[name] = type(sections[name])(**raw[name])
     return type(params)(**sections)
 
 
 def _form(params: Params, device: str) -> str:
     """The training engine's weights form on this machine; ``dense`` where the decode loop samples."""
-    return form_here(params, Path("."), device)[0] if uses_engine(params.train.rollout_backend) else "dense"
+    return form_here(params, Path("."), device)[0] if uses_engine(params.train.rollouts.backend) else "dense"
 
 
 def departure_line(departures: dict[str, object]) -> str:
-    """The departures from the params, as a bench prints them: ``train.mu=1, train.steps=3``, or
+    """The departures from the params, as a bench prints them: ``train.optimizer.mu=1, train.steps=3``, or
     ``none`` (the params as the stage runs them)."""
     return ", ".join(f"{k}={v}" for k, v in departures.items()) or "none"
 
@@ -92,7 +92,7 @@ def build_trainer(params: Params, device: str, *, problems: list[dict], dist: Di
     for the order). ``dist``: this process among the data-parallel ones (one process when
     ``None``); ``loggers``: makes the step loggers' callbacks and closers, called where the stage
     makes them (``grpo.step_loggers.step_loggers``; none when ``None``); ``val_problems``: the
-    validation rows (``train.eval_every``); ``engine_dir``: the engine's folder (``train.output_dir``
+    validation rows (``train.checkpoints.eval_every``); ``engine_dir``: the engine's folder (``train.output_dir``
     /engine); ``form``: the engine's weights form (default: ``grpo.engine.needs.form_here``'s choice
     for this machine); ``source``: the rows' file, for the message about prompts that do not fit
     (``train.data_path``).
@@ -107,18 +107,18 @@ def build_trainer(params: Params, device: str, *, problems: list[dict], dist: Di
         torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(params.model.path) if tokenizer is None else tokenizer
     if max_prompt_tokens is None:  # else the backend cuts every prompt to that length: none is dropped
-        problems, _ = prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg, source or cfg.data_path)
+        problems, _ = prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg.rollouts, source or cfg.data_path)
     model = load_policy(params.model, params.lora, device) if model is None else model
     callbacks, closers = loggers() if loggers is not None else ([], [])
     bounds = train_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device).itemsize,
                           dist.world_size)
     t0 = time.perf_counter()
-    backend = backend or policy_rollouts(cfg.rollout_backend, tokenizer, model, section=cfg,
+    backend = backend or policy_rollouts(cfg.rollouts.backend, tokenizer, model, section=cfg.rollouts,
                               engine_dir=Path(engine_dir or Path(cfg.output_dir) / "engine"), base=params.model,
                               form=form or _form(params, device), bounds=bounds, seed=cfg.seed,
                               dtype=params.model.dtype, dist=dist, max_prompt_tokens=max_prompt_tokens,
                               min_new_tokens=min_new_tokens, decode=params.decode,
-                              planned_tokens=cfg.steps * cfg.max_new_tokens)
+                              planned_tokens=cfg.steps * cfg.rollouts.max_new_tokens)
     backend_start_s = time.perf_counter() - t0
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     try:

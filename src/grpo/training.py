@@ -9,12 +9,12 @@ adapter and the summary are replaced only once a run has completed (``RunDir.shi
 place; Ctrl-C raises ``Interrupted``, one line saying so and naming the checkpoint a rerun resumes
 from (the stage prints it and exits with code 130).
 
-With ``train.num_processes`` N > 1 the run launches N worker processes on this machine through
+With ``train.distribution.num_processes`` N > 1 the run launches N worker processes on this machine through
 torch.distributed's launcher (``grpo.launcher``: ``elastic_launch``, what ``torchrun
 --standalone`` runs; the stage's workers are ``python -m tasks.train`` again), waits for them and
 ends with their status: a process that fails stops the others, and ``LaunchFailed`` names its rank
 and exit code; a process that hangs (alive, but not at the collective the others wait in) makes
-them time out after ``train.dist_timeout_s`` (each raises ``grpo.distributed.CollectiveTimeout``,
+them time out after ``train.distribution.dist_timeout_s`` (each raises ``grpo.distributed.CollectiveTimeout``,
 exit code ``grpo.distributed.TIMEOUT_EXIT_CODE`` in the stage), and ``LaunchFailed`` names it. A
 process started by a launcher (``WORLD_SIZE`` set: the run's own launch, or ``torchrun`` /
 ``accelerate launch`` of ``-m tasks.train``, also across machines) joins the process group
@@ -55,18 +55,18 @@ class Interrupted(Exception):
 
 
 def run(params: Params, worker: Sequence[str] | None = None) -> None:
-    """Train with ``params`` in this process, or, with ``train.num_processes`` N > 1 in a process
+    """Train with ``params`` in this process, or, with ``train.distribution.num_processes`` N > 1 in a process
     no launcher started, in N launched processes of ``python *worker`` (the stage's: ``-m
     tasks.train --params FILE``: each loads the same params and calls ``run``), waiting for them
     (``grpo.launcher.LaunchFailed`` when one fails). Raises ``Interrupted`` on Ctrl-C."""
     cfg = check_across_sections(params).train
-    if cfg.num_processes > 1 and not launched():
+    if cfg.distribution.num_processes > 1 and not launched():
         if worker is None:
-            raise ValueError(f"train.num_processes is {cfg.num_processes}: run() needs `worker`, the python "
+            raise ValueError(f"train.distribution.num_processes is {cfg.distribution.num_processes}: run() needs `worker`, the python "
                              "arguments that start one training process (e.g. -m tasks.train --params FILE)")
-        if uses_engine(cfg.rollout_backend) and default_device() == "cpu":
-            check_engine_memory(cfg.gpu_memory_utilization, cfg.num_processes)  # before any process starts
-        launch_processes(cfg.num_processes, list(worker), cfg.dist_timeout_s)
+        if uses_engine(cfg.rollouts.backend) and default_device() == "cpu":
+            check_engine_memory(cfg.rollouts.gpu_memory_utilization, cfg.distribution.num_processes)  # before any process starts
+        launch_processes(cfg.distribution.num_processes, list(worker), cfg.distribution.dist_timeout_s)
         return
     if launched():
         die_with_parent()
@@ -74,7 +74,7 @@ def run(params: Params, worker: Sequence[str] | None = None) -> None:
         log.info("train.deterministic: torch's deterministic algorithms on, CUBLAS_WORKSPACE_CONFIG=%s",
                  make_deterministic())
     device = default_device()
-    dist = init_from_env(device, cfg.dist_timeout_s)
+    dist = init_from_env(device, cfg.distribution.dist_timeout_s)
     try:
         _train(params, dist, device)
     except KeyboardInterrupt:
@@ -87,7 +87,7 @@ def interrupted_line(params: Params) -> str:
     """What an interrupted run left: the shipped adapter and summary untouched, and the newest
     checkpoint the next run resumes from (when the params and data keep their fingerprint)."""
     cfg = params.train
-    ckpt = RunDir(cfg.output_dir, cfg.keep_best).latest_checkpoint()
+    ckpt = RunDir(cfg.output_dir, cfg.checkpoints.keep_best).latest_checkpoint()
     resume = f"rerun to resume from {ckpt}" if ckpt else f"no checkpoint yet in {cfg.output_dir}: a rerun starts at step 0"
     return (f"interrupted; {cfg.adapter_dir} and {Path(cfg.metrics_dir) / 'train.json'} are unchanged (the last "
             f"completed run's, if any); {resume}")
@@ -97,9 +97,9 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     """The run's work in one process of ``dist`` (rank 0 writes every output)."""
     cfg = params.train
     cfg.check_split(dist.world_size)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cfg.deepspeed_config:
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not cfg.distribution.deepspeed_config:
         ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "its DeepSpeed JSON")
-        raise ParamsError(f"train.deepspeed_config is empty but accelerate launched a DeepSpeed run: set it to "
+        raise ParamsError(f"train.distribution.deepspeed_config is empty but accelerate launched a DeepSpeed run: set it to "
                           f"{ds_file} (the trainer reads the JSON from the param; without it the run is plain "
                           "data parallelism)")
     problems = read_jsonl(cfg.data_path)
@@ -109,7 +109,7 @@ def _train(params: Params, dist: Dist, device: str) -> None:
         reset_if_changed(params)  # a changed run starts afresh (grpo.checkpoint.fingerprint)
     if dist.active and device == "cuda":
         device = f"cuda:{dist.local_rank}"
-    val_problems = read_jsonl(cfg.val_path) if cfg.eval_every else None
+    val_problems = read_jsonl(cfg.checkpoints.val_path) if cfg.checkpoints.eval_every else None
     built = build_trainer(params, device, problems=problems, dist=dist, val_problems=val_problems,
                           loggers=(lambda: step_loggers(params)) if dist.is_main else None)
     trainer, model, tokenizer, backend = built.trainer, built.model, built.tokenizer, built.backend

@@ -2,13 +2,13 @@
 
 The trainer computes each micro-batch's loss and hands it to ``Updater.backward``; after the
 last micro-batch of an update it calls ``Updater.step``, which makes the gradient global (summed
-over the data-parallel ranks), clips its norm to ``train.max_grad_norm``, takes the AdamW step on
+over the data-parallel ranks), clips its norm to ``train.optimizer.max_grad_norm``, takes the AdamW step on
 the LoRA parameters and clears the gradients. The trainer never knows which implementation runs:
 
 * ``AdamWUpdater``: ``loss.backward()``; one flat all-reduce of the LoRA gradients over ranks
   (each rank's loss is already divided by the step-wide normaliser, so their sum is the gradient
   of one process holding the whole step), ``clip_grad_norm_``, ``torch.optim.AdamW``.
-* ``grpo.zero.ZeroUpdater`` (``train.deepspeed_config`` names a DeepSpeed JSON): a DeepSpeed
+* ``grpo.zero.ZeroUpdater`` (``train.distribution.deepspeed_config`` names a DeepSpeed JSON): a DeepSpeed
   ZeRO-1/2 engine reduces, clips and steps.
 
 ``optimizer`` is the torch optimizer the LR schedule steps; ``state_dict`` / ``load_state_dict``
@@ -56,8 +56,8 @@ class AdamWUpdater:
     restores_state = True  # AdamW's moments are all in state_dict
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist):
-        self.params, self.dist, self.max_grad_norm = params, dist, cfg.max_grad_norm
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.params, self.dist, self.max_grad_norm = params, dist, cfg.optimizer.max_grad_norm
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
 
     def backward(self, loss: torch.Tensor) -> None:
         if loss.requires_grad:  # a micro-batch whose tokens were all masked out has nothing to give
@@ -95,8 +95,8 @@ class AdamWUpdater:
 
 
 def make_updater(model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist) -> Updater:
-    """DeepSpeed ZeRO when ``train.deepspeed_config`` names a JSON, else AdamW + all-reduce."""
-    if cfg.deepspeed_config:
+    """DeepSpeed ZeRO when ``train.distribution.deepspeed_config`` names a JSON, else AdamW + all-reduce."""
+    if cfg.distribution.deepspeed_config:
         from grpo.zero import ZeroUpdater
 
         return ZeroUpdater(model, params, cfg, dist)

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO for the trainer's update (``train.deepspeed_config``).
+"""DeepSpeed ZeRO for the trainer's update (``train.distribution.deepspeed_config``).
 
 With a DeepSpeed JSON named, the LoRA update runs through a DeepSpeed engine instead of the
 trainer's AdamW, hand all-reduce of the gradients and ``clip_grad_norm_``: ZeRO-2 reduce-scatters
@@ -12,11 +12,11 @@ Contract:
   optimizer over ``params`` (the trainable LoRA parameters). The JSON decides how the update is
   laid out (ZeRO stage 1 or 2, offload, bf16/fp16: DeepSpeed casts the whole model, so the policy
   must already compute in that dtype, ``model.dtype``); the trainer's params decide the update and
-  replace what the JSON says (logged when it differs): the optimizer (AdamW, ``train.lr``,
-  ``train.weight_decay``), ``gradient_clipping`` (``train.max_grad_norm``), and the accumulation:
+  replace what the JSON says (logged when it differs): the optimizer (AdamW, ``train.optimizer.lr``,
+  ``train.optimizer.weight_decay``), ``gradient_clipping`` (``train.optimizer.max_grad_norm``), and the accumulation:
   the trainer calls backward once per micro-batch and steps once per update, so
   ``managed_gradient_accumulation`` is false (every ``step()`` is the accumulation boundary),
-  ``gradient_accumulation_steps`` is ``train.micro_batches`` and ``train_micro_batch_size_per_gpu``
+  ``gradient_accumulation_steps`` is ``train.passes.micro_batches`` and ``train_micro_batch_size_per_gpu``
   the completions of one micro-batch on one rank (both only count samples then; the JSON's
   ``train_batch_size`` is dropped). A JSON ``scheduler`` is refused: the trainer's LR schedule
   steps ``optimizer``.
@@ -60,26 +60,26 @@ log = logging.getLogger(__name__)
 
 
 def engine_config(cfg: TrainConfig, world_size: int) -> dict:
-    """The DeepSpeed config: the JSON at ``cfg.deepspeed_config`` with the trainer's optimizer,
+    """The DeepSpeed config: the JSON at ``cfg.distribution.deepspeed_config`` with the trainer's optimizer,
     clipping and accumulation put over it (see the module docstring)."""
-    path = Path(cfg.deepspeed_config)
+    path = Path(cfg.distribution.deepspeed_config)
     try:
         ds = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ParamsError(f"train.deepspeed_config: cannot read {path} as JSON ({err})") from None
+        raise ParamsError(f"train.distribution.deepspeed_config: cannot read {path} as JSON ({err})") from None
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (1, 2):
-        raise ParamsError(f"train.deepspeed_config: {path}: zero_optimization.stage {stage}; the trainer runs "
+        raise ParamsError(f"train.distribution.deepspeed_config: {path}: zero_optimization.stage {stage}; the trainer runs "
                          "ZeRO stage 1 or 2 (stage 3 partitions the weights its own forward passes read)")
     if "scheduler" in ds:
-        raise ParamsError(f"train.deepspeed_config: {path}: remove 'scheduler'; train.lr_schedule and "
-                         "train.warmup_steps set the learning rate")
-    rows = math.ceil(cfg.prompts_per_step // world_size * cfg.group_size / cfg.micro_batches)
+        raise ParamsError(f"train.distribution.deepspeed_config: {path}: remove 'scheduler'; train.optimizer.lr_schedule and "
+                         "train.optimizer.warmup_steps set the learning rate")
+    rows = math.ceil(cfg.rollouts.prompts_per_step // world_size * cfg.rollouts.group_size / cfg.passes.micro_batches)
     ours = {
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.optimizer.lr, "weight_decay": cfg.optimizer.weight_decay,
                                                   "betas": [0.9, 0.999], "eps": 1e-8}},
-        "gradient_clipping": cfg.max_grad_norm,
-        "gradient_accumulation_steps": cfg.micro_batches,
+        "gradient_clipping": cfg.optimizer.max_grad_norm,
+        "gradient_accumulation_steps": cfg.passes.micro_batches,
         "train_micro_batch_size_per_gpu": rows,
         "managed_gradient_accumulation": False,
     }
@@ -100,7 +100,7 @@ def _ensure_process_group(dist: Dist) -> None:
 
     if not tdist.is_initialized():
         if dist.active:
-            raise RuntimeError("train.deepspeed_config: the process group of the data-parallel ranks is not up")
+            raise RuntimeError("train.distribution.deepspeed_config: the process group of the data-parallel ranks is not up")
         tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
 
 
@@ -114,7 +114,7 @@ def _check_precision(model: torch.nn.Module, config: dict, path: str) -> None:
         other = {str(p.dtype).removeprefix("torch.") for p in model.parameters()
                  if p.is_floating_point() and not p.requires_grad} - {name}
         if other:
-            raise ParamsError(f"train.deepspeed_config: {path}: {key}.enabled casts the policy to {name}, but it "
+            raise ParamsError(f"train.distribution.deepspeed_config: {path}: {key}.enabled casts the policy to {name}, but it "
                               f"computes in {', '.join(sorted(other))}; set model.dtype: {name} (or disable {key} "
                               "in the JSON)")
 
@@ -130,13 +130,13 @@ class ZeroUpdater:
 
         _ensure_process_group(dist)
         config = engine_config(cfg, dist.world_size)
-        _check_precision(model, config, cfg.deepspeed_config)
+        _check_precision(model, config, cfg.distribution.deepspeed_config)
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         self.params, self.world_size = params, dist.world_size
         self.optimizer = self.engine.optimizer.optimizer  # this rank's partition (DeepSpeedCPUAdam when offloaded)
         log.info("DeepSpeed ZeRO stage %d over %d LoRA tensors, optimizer %s, %d rank(s), from %s",
                  config["zero_optimization"]["stage"], len(params), type(self.optimizer).__name__,
-                 dist.world_size, cfg.deepspeed_config)
+                 dist.world_size, cfg.distribution.deepspeed_config)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled to DeepSpeed's averaging over ranks)."""
@@ -150,7 +150,7 @@ class ZeroUpdater:
         that leaves its partitioned state untouched (its own fp16 loss scaling skips overflowing
         steps; bf16 and fp32 have none)."""
         if skip:
-            raise StageStop("train: a non-finite loss or log-prob under DeepSpeed (train.deepspeed_config); "
+            raise StageStop("train: a non-finite loss or log-prob under DeepSpeed (train.distribution.deepspeed_config); "
                             "DeepSpeed cannot skip the update: resume from the last checkpoint in fp32 or bf16")
         t0 = time.perf_counter()
         self.engine.step()

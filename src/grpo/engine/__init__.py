@@ -7,7 +7,7 @@
     sampler.py       ``VLLMSampler``: samples a model saved in Hugging Face format (SENT, evaluation)
     forms.py         the weights form: how the policy reaches the train engine; ``WeightsForm``, the
                      contract of a form class (its folder, engine options, start, sync, params rule,
-                     memory), ``WEIGHTS_FORMS`` (``train.engine_weights``), ``auto`` resolved
+                     memory), ``WEIGHTS_FORMS`` (``train.rollouts.engine_weights``), ``auto`` resolved
                      (``choose_form``), and which backend each training process runs
     forms_catalogue.py  every form's module imported: the registry with its entries
     dense_form.py    ``dense`` (``DenseForm``): a dense copy of the base, merged ``W + s B A`` written

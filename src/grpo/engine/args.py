@@ -32,7 +32,7 @@ def engine_lora_rank(rank: int) -> int:
         if allowed >= rank:
             return allowed
     raise ValueError(f"lora.rank: {rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]} "
-                     "(train.engine_weights: dense)")
+                     "(train.rollouts.engine_weights: dense)")
 
 
 def request_amx() -> bool:

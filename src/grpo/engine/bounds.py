@@ -106,10 +106,10 @@ def saved_model_kv_bytes(config, seqs: int, positions: int, max_model_len: int, 
 def step_limits(cfg, processes: int = 1) -> tuple[int, int]:
     """``(max_num_seqs, max_num_batched_tokens)`` of the train engine for the ``TrainConfig`` ``cfg``:
     the completions of this process's largest call (``prompts_per_step / processes`` prompts), and
-    ``cfg.max_num_batched_tokens`` raised to that where below it (vLLM refuses fewer tokens than
+    ``cfg.rollouts.max_num_batched_tokens`` raised to that where below it (vLLM refuses fewer tokens than
     sequences) and capped at ``max_num_seqs * max_model_len`` (vLLM warns above it)."""
-    seqs = largest_call(cfg.prompts_per_step // processes, cfg.group_size, cfg.generation_batch_size)
-    return seqs, min(max(cfg.max_num_batched_tokens, seqs), seqs * cfg.max_model_len)
+    seqs = largest_call(cfg.rollouts.prompts_per_step // processes, cfg.rollouts.group_size, cfg.rollouts.generation_batch_size)
+    return seqs, min(max(cfg.rollouts.max_num_batched_tokens, seqs), seqs * cfg.rollouts.max_model_len)
 
 
 def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, rows: int, positions: int, b: int) -> int:
@@ -131,7 +131,7 @@ def cpu_kv_bytes(config, seqs: int, max_model_len: int, b: int) -> int:
 
 def train_bounds(cfg, config, device: str, b: int, processes: int = 1) -> Bounds:
     """The train engine's bounds: ``step_limits`` and, on a CPU, the KV cache of that call
-    (``cpu_kv_bytes`` of the model ``config`` at ``cfg.max_model_len``, ``b`` bytes an entry)."""
+    (``cpu_kv_bytes`` of the model ``config`` at ``cfg.rollouts.max_model_len``, ``b`` bytes an entry)."""
     seqs, tokens = step_limits(cfg, processes)
-    kv = cpu_kv_bytes(config, seqs, cfg.max_model_len, b) if device == "cpu" else None
+    kv = cpu_kv_bytes(config, seqs, cfg.rollouts.max_model_len, b) if device == "cpu" else None
     return Bounds(seqs, tokens, kv)

@@ -1,7 +1,7 @@
 """How the policy reaches the train engine (its weights form), chosen once, and what each training
 process runs.
 
-A weights form (``train.engine_weights``) is a class registered in ``WEIGHTS_FORMS`` under its
+A weights form (``train.rollouts.engine_weights``) is a class registered in ``WEIGHTS_FORMS`` under its
 name, in its own module, which owns everything about it (``WeightsForm``'s contract below): the
 engine's folder, its arguments, its start, the sync, its rule on the params and its memory. Two
 are registered (``grpo.engine.forms_catalogue`` imports their modules):
@@ -83,7 +83,7 @@ class WeightsForm:
 
     - ``unusable(params)``: why the form cannot serve ``params`` in a few words (``auto`` leaves it
       out and says so), or ``None`` (the default); ``check_params(params)``: raise
-      ``grpo.config.ParamsError`` of one line naming ``train.engine_weights`` where ``params``
+      ``grpo.config.ParamsError`` of one line naming ``train.rollouts.engine_weights`` where ``params``
       choose this form and it cannot serve them (params validation calls it; default: nothing);
     - ``needs(shapes, lora_rank, b, dtype) -> FormNeeds``: its engine's own memory for a model of
       ``grpo.model_shapes.ModelShapes`` ``shapes``, a policy of LoRA rank ``lora_rank`` and ``b``
@@ -147,7 +147,7 @@ class WeightsForm:
         raise NotImplementedError(f"{cls.__name__}.needs")
 
 
-WEIGHTS_FORMS: Registry[type[WeightsForm]] = Registry("train.engine_weights", "weights form", also=("auto",))
+WEIGHTS_FORMS: Registry[type[WeightsForm]] = Registry("train.rollouts.engine_weights", "weights form", also=("auto",))
 """The weights forms by name. Each registers itself in its module; importing
 ``grpo.engine.forms_catalogue`` imports them all."""
 
@@ -175,14 +175,14 @@ def gib(n: float) -> str:
 
 def choose_form(choice: str, device: str, candidates: Sequence[tuple[str, int | None]], budget: int | None,
                 utilization: float, left_out: Sequence[str] = ()) -> tuple[str, str]:
-    """``train.engine_weights`` resolved: ``(form, why)``. ``choice``: the param; ``candidates``: the
+    """``train.rollouts.engine_weights`` resolved: ``(form, why)``. ``choice``: the param; ``candidates``: the
     forms usable with the params, in ``auto``'s order (``forms_catalogue.auto_order``), each with its engine's needs on CUDA
     (weights, overhead, one step's KV cache; ``None`` where not computed: only ``auto`` on CUDA
     with more than one candidate reads them); ``budget``: ``gpu_memory_utilization x card``
     (``None``: no card known); ``left_out``: why each other registered form is not usable. The
     ``why`` of a form after the first names the needs of those before it that do not fit."""
     if choice != "auto":
-        return choice, "train.engine_weights"
+        return choice, "train.rollouts.engine_weights"
     first, first_need = candidates[0]
     if not device.startswith("cuda"):
         return first, f"auto: {first} on a CPU"
@@ -203,7 +203,7 @@ def choose_form(choice: str, device: str, candidates: Sequence[tuple[str, int | 
 def rollouts_per_process(engine: bool, processes: int, form: str | None) -> str:
     """What each of ``processes`` training processes samples its rollouts with: a vLLM engine of
     its own holding the policy in ``form`` (``engine``: ``grpo.rollout_backends.uses_engine`` of
-    ``train.rollout_backend``), or the decode loop on the policy."""
+    ``train.rollouts.backend``), or the decode loop on the policy."""
     who = "the process" if processes == 1 else f"each of {processes} processes"
     if not engine:
         return f"{who}: the decode loop on the policy (transformers)"

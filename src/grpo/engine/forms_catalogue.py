@@ -2,7 +2,7 @@
 module, which registers its class in ``grpo.engine.forms.WEIGHTS_FORMS``.
 
 The registry's home for everyone who looks a form up by name (``grpo.choices`` for
-``train.engine_weights``, ``grpo.engine.policy_engine``, ``grpo.engine.needs``): with it the
+``train.rollouts.engine_weights``, ``grpo.engine.policy_engine``, ``grpo.engine.needs``): with it the
 entries are there. A module of its own because ``grpo.engine.forms`` (the base class and the
 registry) is imported by the form modules and so cannot import them back (an import cycle), and
 because a stage's code dependencies follow imports (tests/test_dvc_graph.py): the forms are named

@@ -7,7 +7,7 @@ forward), the larger of its profile run's forward and sampler pass (``engine_pro
 ``ENGINE_NON_TORCH``, and the KV cache of one generation call, ``2 L k d b`` bytes per token for its
 sequences x (``P + C``) tokens in ``ENGINE_BLOCK`` blocks. Its budget is ``gpu_memory_utilization
 x`` the card. ``engine_needs`` is the train engine's plan in a given form; ``choose_engine_form``
-resolves ``train.engine_weights: auto`` by ``grpo.engine.forms.choose_form`` from the usable forms'
+resolves ``train.rollouts.engine_weights: auto`` by ``grpo.engine.forms.choose_form`` from the usable forms'
 plans; ``form_here`` does that for the train stage on this machine, from the prepared model's
 ``config.json`` (``grpo.model_shapes.prepared_shapes``), the longest training prompt and this card.
 ``grpo check`` (``grpo.memory``) prints the same plans; the saved-model engines' plans are there
@@ -94,7 +94,7 @@ class EnginePlan:
     utilization: float
     card: int | None  # bytes of the card, None where unknown
     dequant: int = 0  # the form's transient beside the forward (nf4: the largest 4-bit layer dequantised)
-    section: str = "train"  # the params section of its gpu_memory_utilization and max_model_len
+    section: str = "train.rollouts"  # where its gpu_memory_utilization and max_model_len are (a section or a part)
     max_model_len: int = 0  # that section's: the longest sequence, which vLLM needs KV room for at start
     weights_how: str = ""  # how the form counts its weights (grpo check's line)
     dequant_how: str = ""  # what the transient is
@@ -128,46 +128,46 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
     """The ``EnginePlan`` of the train engine holding the base in ``form``: the arguments the train
     stage would start it with (``grpo.engine.args.engine_args`` over ``grpo.engine.bounds.step_limits``,
     the form's LoRA rank), the form's own needs; one step's tokens: ``prompt_tokens +
-    train.max_new_tokens`` per completion of the largest call."""
+    train.rollouts.max_new_tokens`` per completion of the largest call."""
     from grpo.device import compute_dtype
 
     train, kind = params.train, weights_form(form)
     dtype = compute_dtype(params.model.dtype, device)
     b, name = dtype.itemsize, str(dtype).removeprefix("torch.")
-    args = engine_args(params.model.path, train, device=device, seed=train.seed, dtype=str(dtype), enforce_eager=True,
-                       bounds=bounds.Bounds(*bounds.step_limits(train, train.num_processes)),
-                       processes=train.num_processes, lora_rank=kind.engine_lora(params.lora.rank))
+    args = engine_args(params.model.path, train.rollouts, device=device, seed=train.seed, dtype=str(dtype), enforce_eager=True,
+                       bounds=bounds.Bounds(*bounds.step_limits(train, train.distribution.num_processes)),
+                       processes=train.distribution.num_processes, lora_rank=kind.engine_lora(params.lora.rank))
     seqs, tokens = args["max_num_seqs"], args["max_num_batched_tokens"]
     forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
     own = kind.needs(shapes, params.lora.rank, b, name)
     return EnginePlan(
         form=form, why=why, dtype=name, b=b, seqs=seqs, batched_tokens=tokens,
-        seq_tokens=engine_seq_tokens(prompt_tokens, train.max_new_tokens, train.max_model_len),
-        step_tokens=engine_step_tokens(seqs, prompt_tokens, train.max_new_tokens, train.max_model_len),
+        seq_tokens=engine_seq_tokens(prompt_tokens, train.rollouts.max_new_tokens, train.rollouts.max_model_len),
+        step_tokens=engine_step_tokens(seqs, prompt_tokens, train.rollouts.max_new_tokens, train.rollouts.max_model_len),
         kv_per_token=kv_bytes_per_token(shapes, b), weights=own.weights, lora_rank=params.lora.rank, lora=own.lora,
         forward=forward, sampler=sampler, utilization=args["gpu_memory_utilization"], card=card,
-        dequant=own.dequant, max_model_len=train.max_model_len, weights_how=own.weights_how,
+        dequant=own.dequant, max_model_len=train.rollouts.max_model_len, weights_how=own.weights_how,
         dequant_how=own.dequant_how)
 
 
 def decided_by_needs(params, device: str) -> bool:
-    """Whether ``train.engine_weights`` is resolved from the forms' needs: ``auto`` on CUDA with more
+    """Whether ``train.rollouts.engine_weights`` is resolved from the forms' needs: ``auto`` on CUDA with more
     than one form usable (elsewhere no shapes, prompt or card are looked up)."""
-    return params.train.engine_weights == "auto" and device.startswith("cuda") and len(usable_forms(params)[0]) > 1
+    return params.train.rollouts.engine_weights == "auto" and device.startswith("cuda") and len(usable_forms(params)[0]) > 1
 
 
 def choose_engine_form(params, shapes: ModelShapes | None, device: str, prompt_tokens: int,
                        card: int | None) -> tuple[str, str]:
-    """``train.engine_weights`` resolved by ``grpo.engine.forms.choose_form`` from the usable forms'
+    """``train.rollouts.engine_weights`` resolved by ``grpo.engine.forms.choose_form`` from the usable forms'
     needs (``engine_needs``; computed only where ``decided_by_needs``)."""
     train = params.train
     usable, left_out = usable_forms(params)
     if not decided_by_needs(params, device):
-        return choose_form(train.engine_weights, device, [(name, None) for name in usable], None,
-                           train.gpu_memory_utilization, left_out)
+        return choose_form(train.rollouts.engine_weights, device, [(name, None) for name in usable], None,
+                           train.rollouts.gpu_memory_utilization, left_out)
     plans = [engine_needs(params, shapes, device, prompt_tokens, name, card) for name in usable]
     return choose_form("auto", device, [(p.form, p.need) for p in plans], plans[0].budget,
-                       train.gpu_memory_utilization, left_out)
+                       train.rollouts.gpu_memory_utilization, left_out)
 
 
 def engine_plan(params, shapes: ModelShapes, device: str, prompt_tokens: int, card: int | None) -> EnginePlan:
@@ -192,7 +192,7 @@ def form_here(params, root: Path, device: str) -> tuple[str, str]:
         return choose_engine_form(params, None, device, 0, None)
     shapes = prepared_shapes(root / params.model.path)
     found = longest_prompt_tokens(params, root, (params.train.data_path,), provenance=False)  # the stage's own rows
-    prompt = found[0] if found else max(params.train.max_model_len - params.train.max_new_tokens, 1)
+    prompt = found[0] if found else max(params.train.rollouts.max_model_len - params.train.rollouts.max_new_tokens, 1)
     import torch
 
     card = torch.cuda.mem_get_info(torch.device(device))[1]

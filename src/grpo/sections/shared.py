@@ -1,7 +1,8 @@
-"""The ``train`` keys that every stage reads (the system prompt of every prompt, the metrics folder).
+"""The ``train`` keys that stages other than train read (the system prompt of every prompt, the
+metrics folder, the trained adapter's folder).
 
 ``TrainConfig`` inherits them, so their defaults have this one home; a stage that reads only these
-loads the ``train`` section as ``TrainSharedKeys`` (the section's other keys are left to the train
+loads the ``train`` section as ``OtherStagesTrainKeys`` (the section's other keys are left to the train
 stage to validate), so it does not depend on ``grpo/sections/train.py`` and an edit of the train
 schema re-runs only the stages that train.
 """
@@ -26,9 +27,11 @@ class SharedTrainKeys(Section):
     write their metrics here too."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     """System message (chat template) or preamble (plain template) of every prompt."""
+    adapter_dir: str = "models/adapter"
+    """The trained adapter, PEFT format (the train stage writes it, final_eval reads it)."""
 
 
-class TrainSharedKeys(SharedTrainKeys):
+class OtherStagesTrainKeys(SharedTrainKeys):
     """The ``train`` section as a stage other than train reads it: these keys validated, the rest
     ignored."""
 

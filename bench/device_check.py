@@ -92,7 +92,7 @@ import device_update  # noqa: E402
 import nan_guard  # noqa: E402
 import nf4_rows  # noqa: E402
 import sampler_calls  # noqa: E402
-from gpu_check_preset import blank, schema_errors  # noqa: E402  (the schema checker the preset check uses)
+from report_schema import blank, schema_errors  # noqa: E402
 
 from flows.process import StageTimeout, run_logged  # noqa: E402  (the one stop of a child's process tree)
 

@@ -20,6 +20,7 @@ from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import device_check  # noqa: E402
+import report_schema  # noqa: E402
 
 
 def run_check(out: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -177,3 +178,26 @@ def test_a_phase_that_would_not_finish_in_what_is_left_is_skipped(tmp_path):
     assert ran == [] and row["status"] == "skipped" and "under the 120 s it needs" in row["why"]
     run.phase("nf4_rows", lambda limit: ran.append(limit) or ("passed", 0, None))
     assert ran == [30] and run.report["phases"]["nf4_rows"]["status"] == "passed" and run.report["ok"]
+
+
+def test_the_schema_check_names_each_departure_from_a_hand_made_schema():
+    schema = {"a": "int: a count", "b": "number?: a figure or null", "c": {"d": "list[str]: names"},
+              "e": [{"f": "bool: a flag"}]}
+    good = {"a": 2, "b": None, "c": {"d": ["x"]}, "e": [{"f": False}, {"f": True}]}
+    assert report_schema.schema_errors(good, schema) == []
+    assert report_schema.schema_errors({**good, "b": 0.5}, schema) == []
+    cases = {
+        "a: missing": {k: v for k, v in good.items() if k != "a"},
+        "z: not in the schema": {**good, "z": 1},
+        "a: expected int, got str '2'": {**good, "a": "2"},
+        "a: expected int, got bool True": {**good, "a": True},
+        "a: null, expected int": {**good, "a": None},
+        "b: nan is not a finite number": {**good, "b": float("nan")},
+        "c.d: expected a list of strings, got ['x', 1]": {**good, "c": {"d": ["x", 1]}},
+        "c: expected an object, got list": {**good, "c": []},
+        "e[1].f: expected bool, got int 1": {**good, "e": [{"f": False}, {"f": 1}]},
+        "e[0].g: not in the schema": {**good, "e": [{"f": False, "g": 0}]},
+        "e: expected a list, got dict": {**good, "e": {"f": True}},
+    }
+    for error, bad in cases.items():
+        assert report_schema.schema_errors(bad, schema) == [error], error

@@ -16,7 +16,7 @@ from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import device_train  # noqa: E402
-from gpu_check_preset import schema_errors  # noqa: E402
+from report_schema import schema_errors  # noqa: E402
 
 
 def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_decode_loop(tmp_path):

@@ -6,7 +6,7 @@ dtype (``model.dtype: auto``), LoRA on q/k/v/o, gradient checkpointing, two micr
 against the adapter-disabled reference, and the Triton entropy/log-prob kernel (``kernel: auto``
 picks it on CUDA).
 
-``pytest -m cuda`` (bench/gpu_check.sh) runs every cuda-marked test of tests/ on the card it finds;
+``pytest -m cuda`` (bench/device_check.py's tests phase) runs every cuda-marked test of tests/ on the card it finds;
 ``test_the_cuda_tests_run_in_the_cards_16_bit_dtype`` lists here what dtype each would run in on a
 card of compute capability 7.5 and of 8.6, from the rules their fixtures apply
 (tests/helpers.py ``DTYPE_FIXTURES``).

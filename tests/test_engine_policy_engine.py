@@ -3,7 +3,7 @@ exact, steps with engine rollouts learn and log the sampler/trainer gap, truncat
 sampling weighs the loss, the stage resumes after kill -9, and PyTorch's CUDA cache is emptied
 before every wake-up. On the tiny random Llama.
 
-The engine tests carry the ``cuda`` marker (``pytest -m cuda``, bench/gpu_check.sh): on a GPU they
+The engine tests carry the ``cuda`` marker (``pytest -m cuda``, bench/device_check.py's tests phase): on a GPU they
 run the same checks on CUDA, the policy on the default device and both sides in the ``model_dtype``
 fixture's dtype (fp32 on the CPU, the card's 16-bit dtype on CUDA), held to that dtype's bounds
 (tests/helpers.py ``logp_gap``); sleep and wake-up only happen on CUDA."""

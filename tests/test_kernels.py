@@ -2,7 +2,7 @@
 log-prob with its gradient written over the logits.
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set in conftest.py); on CUDA, natively
-(marked ``cuda``: ``bench/gpu_check.sh`` runs them on a GPU). The 16-bit inputs are the card's
+(marked ``cuda``: ``bench/device_check.py`` runs them on a GPU). The 16-bit inputs are the card's
 16-bit dtype (the ``half_dtype`` fixture: fp16 below compute capability 8.0, bf16 from 8.0 and on
 the CPU).
 """

@@ -2,13 +2,12 @@
 on a random model of SmolLM2-135M's width (2 of its 30 layers: the per-layer shapes are the real ones):
 LoRA parameters against peft's trainable count, NF4 weight bytes against bitsandbytes' storage,
 the KV cache against a ``DynamicCache``, saved activations against autograd's saved tensors
-(``bench/memory_estimate.py`` runs the same checks on the full 30-layer shape).
+(``tests/real_memory.py``: the real objects).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -19,17 +18,7 @@ from grpo.engine import needs
 from grpo.trainer_builder import depart
 
 from .conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-from memory_estimate import (  # noqa: E402
-    batch,
-    real_kv_bytes,
-    real_lora_params,
-    real_weight_bytes,
-    saved_activation_bytes,
-)
-
-sys.path.remove(str(REPO / "bench"))
+from .real_memory import batch, real_kv_bytes, real_lora_params, real_weight_bytes, saved_activation_bytes
 
 
 @pytest.fixture(scope="module")

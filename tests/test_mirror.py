@@ -29,7 +29,7 @@ EXCEPTIONS = {
     "test_dvc_exp_show.py": "dvc.yaml: `dvc exp show` lists the headline metric only, the documented table fits 200 columns",
     "test_dvc_remote.py": "the DVC remote of .dvc/config: push, pull into a fresh clone, what git keeps",
     "test_presets.py": "presets/*.yaml: each preset's switches run two steps on the CPU",
-    "test_cuda.py": "the CUDA paths of several modules on a GPU (`pytest -m cuda`, bench/gpu_check.sh)",
+    "test_cuda.py": "the CUDA paths of several modules on a GPU (`pytest -m cuda`, bench/device_check.py)",
     "test_mirror.py": "this layout",
     "test_docs.py": "README.md, docs/ and mkdocs.yml: every path and module they name exists; the README's size",
     "test_prefect_yaml.py": "prefect.yaml: the deployment it declares equals flows/schedule.yaml",

@@ -156,7 +156,7 @@ class EngineGapGuard:
             raise StageStop(f"train: steps {step - self.count + 1}-{step}: the engine's log-probs {gap:.3g} nats/token "
                             f"from the policy's, above train.guards.max_logp_gap {self.bound:g} {self.count} steps in a row: "
                             "the engine does not hold the policy (a sync or wake-up lost it); "
-                            "try the other train.rollouts.engine_weights form, or report it with bench/gpu_check.sh's file")
+                            "try the other train.rollouts.engine_weights form, or report it with bench/device_check.py's file")
 
 
 class GRPOTrainer:

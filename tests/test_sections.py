@@ -157,3 +157,16 @@ def test_an_old_flat_train_section_is_answered_key_by_key():
         for part in MOVED[key].split(" ")[0].split(".")[1:]:  # the place named is a key of today's section
             part = "archer" if part == "<rule>" else part
             node = node[part] if isinstance(node, dict) else getattr(node, part)
+
+
+def test_an_old_params_file_gets_every_moved_key_in_one_message():
+    """A whole flat train section: one error that names the new place of each of its moved keys
+    (the user migrates the file in one pass, not one key a run)."""
+    from grpo.sections.train_parts import MOVED
+
+    old = {key: 1 for key in MOVED}
+    with pytest.raises(ParamsError) as err:
+        TrainConfig(**old)
+    clauses = str(err.value).split("; ")
+    assert "\n" not in str(err.value)
+    assert sorted(clauses) == sorted(f"train.{key}: moved to {MOVED[key]}" for key in old)

@@ -108,8 +108,8 @@ def one_line(err: ValidationError, cls) -> str:
     message = f"{loc}: {describe(first)}"
     if first["type"] == "extra_forbidden":
         key = str(first["loc"][-1]) if first["loc"] else ""
-        if key in cls.MOVED:
-            return f"{loc}: moved to {cls.MOVED[key]}"
+        if key in cls.MOVED:  # an older params file: every moved key of it, each in its own clause
+            return "; ".join(_moved(err, cls))
         part, prefix = _part_at(cls, first["loc"][:-1])
         alias = ALIASES.get(key)
         if alias in cls.MOVED and alias not in part.model_fields:
@@ -118,6 +118,17 @@ def one_line(err: ValidationError, cls) -> str:
         message += (f"; did you mean {did_you_mean(f'{prefix}.', near)}?" if near else
                     f"; {prefix} has no key like it ({len(part.model_fields)} keys: docs/configuration.md)")
     return message.replace("\n", " ")
+
+
+def _moved(err: ValidationError, cls) -> list[str]:
+    """``section.key: moved to NEW`` for each unknown key of ``err`` that ``cls.MOVED`` names."""
+    out = []
+    for e in err.errors(include_url=False):
+        key = str(e["loc"][-1]) if e["type"] == "extra_forbidden" and e["loc"] else ""
+        if key in cls.MOVED:
+            loc = ".".join(str(p) for p in (cls.SECTION, *e["loc"]) if p != "")
+            out.append(f"{loc}: moved to {cls.MOVED[key]}")
+    return out
 
 
 def _part_at(cls, loc: tuple) -> tuple[type, str]:

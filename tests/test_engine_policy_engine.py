@@ -63,7 +63,7 @@ def engine(tiny_vllm_model_dir, tmp_path_factory, model_dtype):
         pytest.skip("vLLM is not installed")
     model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir, model_dtype)
     b = getattr(torch, model_dtype).itemsize
-    with policy_rollouts("vllm", tok, model, section=STEP, engine_dir=tmp_path_factory.mktemp("engine"), base=model_cfg,
+    with policy_rollouts("vllm", tok, model, section=STEP.rollouts, engine_dir=tmp_path_factory.mktemp("engine"), base=model_cfg,
                          dtype=model_dtype, bounds=train_bounds(STEP, model.config, "cpu", b)) as backend:
         assert isinstance(backend, PolicyEngine) and backend.name == "vllm" and backend.weights_form == "dense"
         yield model, tok, backend

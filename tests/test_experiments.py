@@ -20,7 +20,7 @@ from .helpers import git_dvc_init
 # accuracy = lr * 10 + seed * lr: each group of seeds has its own mean and spread
 STAGE_CMD = ("python -c \"import json, os, yaml; p = yaml.safe_load(open('params.yaml'))['train']; "
              "os.makedirs('metrics', exist_ok=True); "
-             "json.dump(dict(accuracy=p['lr'] * 10 + p['seed'] * p['lr'], n=3), open('metrics/final.json', 'w'))\"")
+             "lr = p['optimizer']['lr']; json.dump(dict(accuracy=lr * 10 + p['seed'] * lr, n=3), open('metrics/final.json', 'w'))\"")
 LRS, SEEDS = (0.01, 0.02), (0, 1, 2)
 
 
@@ -138,11 +138,11 @@ def test_seed_sweep_through_the_dvc_queue_and_its_comparison(tmp_path, monkeypat
 
     # the options, on the same `dvc exp show --json`: another metric, more params ignored
     # (the learning rates pooled), a name prefix
-    table = comparison(parse_runs(show, "metrics/final.json:n"), "metrics/final.json:n", ignore=["train.l*"],
+    table = comparison(parse_runs(show, "metrics/final.json:n"), "metrics/final.json:n", ignore=["train.optimizer.*"],
                        prefix="lr0.02")
     assert "| (all the same) | 3 | 0, 1, 2 | 3.0000 | [3.0000, 3.0000] | 3.0000 | 3.0000 |" in table, table
-    assert "`train.l*`" in table
-    pooled = group_runs(runs, ["train.seed", "train.l*"])
+    assert "`train.optimizer.*`" in table
+    pooled = group_runs(runs, ["train.seed", "train.optimizer.*"])
     assert len(pooled) == 1 and pooled[0].summary.n == 6
 
 

@@ -93,9 +93,14 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
             assert getattr(mcfg, key) == value, f"model.{key}"
     for key, value in raw.get("lora", {}).items():
         assert getattr(lcfg, key) == value, f"lora.{key}"
-    for key, value in raw.get("train", {}).items():
-        if key not in TRAIN_SIZES and not (key == "group_size" and value > MAX_GROUP):
-            assert getattr(cfg, key) == value, f"train.{key}"
+    from grpo.dvcstatus import flat_keys
+    from grpo.memory import _get
+
+    for key, value in flat_keys({"train": raw.get("train", {})}).items():  # every leaf, parts included
+        leaf = key.rsplit(".", 1)[-1]
+        if key.startswith("train.rewards.") or leaf in TRAIN_SIZES or (leaf == "group_size" and value > MAX_GROUP):
+            continue
+        assert _get(params, key) == value, key
     assert {k: cfg.rewards[k] for k in raw["train"].get("rewards", {})} == raw["train"].get("rewards", {})
 
     torch.manual_seed(0)

@@ -131,6 +131,9 @@ def test_the_decision_rule_picks_the_cheapest_candidate_within_the_margin():
     assert "**cheap**, the cheapest candidate within 0.020 of the best variant (dear)" in ablations.decide(grid, table)[0]
     strict = Grid(grid.reference, grid.seeds, grid.variants, decision={"candidates": ["cheap"], "margin": 0.01})
     assert "no candidate is within 0.010 of the best (dear); the best candidate" in ablations.decide(strict, table)[0]
+    three_seeds = Grid(grid.reference, (0, 1, 2), grid.variants, decision=grid.decision)  # seed 2 has not finished
+    assert ablations.decide(three_seeds, table) == [
+        "Decision: not yet: 4 of the candidates' 6 experiments have finished (waiting: cheap-seed-2, dear-seed-2)."]
 
 
 STAGE = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('params.yaml'))['train']; "

@@ -361,6 +361,12 @@ def decide(grid: Grid, table: list[Row]) -> list[str]:
     means = {r.variant: statistics.fmean(v.values()) for r in table if (v := r.values.get(SELECT))}
     if not means:
         return ["Decision: no results yet."]
+    wanted = [(c, s) for c in grid.decision["candidates"] for s in grid.seeds]
+    done = {c: set(by_name[c].values.get(SELECT, {})) if c in by_name else set() for c in grid.decision["candidates"]}
+    missing = [exp_name(c, s) for c, s in wanted if s not in done[c]]
+    if missing:  # the rule chooses on the whole grid, never on the seeds that happen to have finished
+        return [f"Decision: not yet: {len(wanted) - len(missing)} of the candidates' {len(wanted)} experiments "
+                f"have finished (waiting: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})."]
     best = max(means, key=means.get)
 
     def shortfall(name: str) -> float:

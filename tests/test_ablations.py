@@ -337,3 +337,48 @@ def test_the_decision_at_equal_mu_picks_every_token_when_the_entropy_treatment_d
     assert f"sd {sd:.3f} over 3 seeds" in line and f"{ablations.detectable(sd, 3):.3f}" in line
     ar2 = next(r for r in table if r.variant == "ar2").compared[ablations.SELECT]
     assert ar2.diffs == pytest.approx(behind["et2"])  # ar2 - et2, seed by seed: paired at equal mu
+
+
+def test_the_headline_is_the_seed_mean_before_and_after_with_one_interval_method():
+    """Before comes from whichever variant ran the seed (the baseline does not depend on it); both
+    sides are means over the same seeds with the t interval across seeds."""
+    from scipy import stats
+
+    grid = Grid("a", (0, 1, 2), {"a": {}, "b": {"train.optimizer.mu": 2}},
+                decision={"candidates": ["a", "b"], "margin": 0.5})
+    after = {"a": {0: 0.50, 1: 0.40, 2: 0.45}, "b": {0: 0.52, 1: 0.41, 2: 0.47}}
+    before = {"a": {0: 0.09, 1: 0.11}, "b": {0: 0.09, 2: 0.07}}  # seed 2's baseline only in b's run
+    table = ablations.rows(grid, {ablations.TEST: _runs(after), ablations.SELECT: _runs(after),
+                                  ablations.BEFORE: _runs(before), ablations.COST: _runs({"a": {0: 1.0, 1: 1.0, 2: 1.0},
+                                                                                          "b": {0: 2.0, 1: 2.0, 2: 2.0}}),
+                                  ablations.N_EFF_AFTER: _runs({"a": {0: 300.0, 1: 200.0, 2: 250.0}})})
+    h = ablations.headline(table, "a")
+    assert h.seeds == (0, 1, 2)
+    for side, values in ((h.before, [0.09, 0.11, 0.07]), (h.after, [0.50, 0.40, 0.45])):
+        half = stats.t.ppf(0.975, 2) * stats.tstd(values) / math.sqrt(3)
+        assert side.mean == pytest.approx(sum(values) / 3)
+        assert (side.low, side.high) == pytest.approx((side.mean - half, side.mean + half))
+    assert h.n_eff_after == pytest.approx(250.0) and h.n_eff_before is None
+    text = ablations.markdown(grid, table)
+    assert "Decision (rule committed before the grid ran): **a**" in text  # the cheaper, within the margin
+    row = next(line for line in text.splitlines() if line.startswith("| **a** | 3 |"))
+    assert f"{h.before.mean:.3f} [{h.before.low:.3f}, {h.before.high:.3f}]" in row
+    assert f"{h.after.mean:.3f} [{h.after.low:.3f}, {h.after.high:.3f}]" in row
+
+
+def test_a_baseline_that_differs_between_two_variants_of_one_seed_is_refused():
+    grid = Grid("a", (0, 1), {"a": {}, "b": {"train.optimizer.mu": 2}})
+    table = ablations.rows(grid, {ablations.TEST: _runs({"a": {0: 0.5, 1: 0.4}}),
+                                  ablations.BEFORE: _runs({"a": {0: 0.09, 1: 0.1}, "b": {0: 0.08}})})
+    with pytest.raises(ValueError, match="seed 0: metrics/baseline.json:accuracy is 0.09 .* 0.08 in b's"):
+        ablations.headline(table, "a")
+
+
+def test_where_the_rule_acted_is_shown_seed_by_seed():
+    grid = Grid("et", (0, 1), {"et": {}, "ar": {"train.optimizer.mu": 2}})
+    band = {"ar": {0: 0.0116, 1: 0.0093}}
+    table = ablations.rows(grid, {ablations.SELECT: _runs({"et": {0: 0.3, 1: 0.3}, "ar": {0: 0.3, 1: 0.4}}),
+                                  ablations.BAND: _runs(band)})
+    text = ablations.markdown(grid, table)
+    assert "| ar | wide-clip tokens in the band | 0.0116 / 0.0093 |" in text
+    assert "| et | wide-clip" not in text

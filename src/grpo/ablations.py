@@ -41,7 +41,7 @@ import math
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpo.experiments import SEED_KEY, Run, cli_value, dvc, exp_show, parse_runs, read_runs
@@ -58,8 +58,13 @@ KL_SHARE = "metrics/train.json:mean_kl_grad_share"
 BAND = "metrics/train.json:mean_wide_band_frac"  # archer: wider-clip tokens beyond the ordinary clip
 BAND_SHARE = "metrics/train.json:mean_wide_band_grad_share"  # ... and their share of the policy gradient
 KEPT_SHARE = "metrics/train.json:mean_kept_grad_share"  # high: the kept tokens' share of the policy gradient
+BEFORE = "metrics/baseline.json:accuracy"  # the base model on the seed's test split: the same for every variant
+N_EFF_BEFORE = "metrics/baseline.json:effective_n"  # n / design effect, clusters = operand multisets
+N_EFF_AFTER = "metrics/final.json:effective_n"
+ROWS = "metrics/final.json:n"  # the test split's rows
 COMPARED = (SELECT, TEST)
-METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE, BAND, BAND_SHARE, KEPT_SHARE)
+METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE, BAND, BAND_SHARE, KEPT_SHARE, BEFORE, N_EFF_BEFORE,
+           N_EFF_AFTER, ROWS)
 ALPHA = 0.05
 
 
@@ -348,24 +353,37 @@ def markdown(grid: Grid, table: list[Row]) -> str:
              f"Test accuracy of the shipped adapter (`{TEST}`):", "", *_split_table(grid, table, TEST), "",
              "Cost and whether each part acted (means over seeds):", "", *_acting_table(grid, table),
              *_power_line(table)]
+    if per_seed := _acting_per_seed(grid, table):
+        lines += ["", "Where the entropy rule acted, per seed:", "", *per_seed]
+    pick = None
     if grid.decision:
-        lines += ["", *decide(grid, table)]
+        pick, decision = choose(grid, table)
+        lines += ["", *decision]
+    if heads := _headline_table(table, pick):
+        lines += ["", *heads]
     return "\n".join(lines) + "\n"
 
 
+
 def decide(grid: Grid, table: list[Row]) -> list[str]:
+    """The grid's decision rule applied, in words (``choose``)."""
+    return choose(grid, table)[1]
+
+
+def choose(grid: Grid, table: list[Row]) -> tuple[str | None, list[str]]:
     """The grid's decision rule applied: among ``decision.candidates``, the cheapest (train stage
     seconds) whose mean paired shortfall on ``SELECT`` to the best variant is at most
-    ``decision.margin``; when none is, the best candidate, with its shortfall stated."""
+    ``decision.margin``; when none is, the best candidate, with its shortfall stated. Returns the
+    chosen variant (None until every candidate has every seed) and the lines that say why."""
     by_name = {r.variant: r for r in table}
     means = {r.variant: statistics.fmean(v.values()) for r in table if (v := r.values.get(SELECT))}
     if not means:
-        return ["Decision: no results yet."]
+        return None, ["Decision: no results yet."]
     wanted = [(c, s) for c in grid.decision["candidates"] for s in grid.seeds]
     done = {c: set(by_name[c].values.get(SELECT, {})) if c in by_name else set() for c in grid.decision["candidates"]}
     missing = [exp_name(c, s) for c, s in wanted if s not in done[c]]
     if missing:  # the rule chooses on the whole grid, never on the seeds that happen to have finished
-        return [f"Decision: not yet: {len(wanted) - len(missing)} of the candidates' {len(wanted)} experiments "
+        return None, [f"Decision: not yet: {len(wanted) - len(missing)} of the candidates' {len(wanted)} experiments "
                 f"have finished (waiting: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})."]
     best = max(means, key=means.get)
 
@@ -383,7 +401,7 @@ def decide(grid: Grid, table: list[Row]) -> list[str]:
     else:
         pick = min(cands, key=shortfall)
         why = f"no candidate is within {margin:.3f} of the best ({best}); the best candidate"
-    return [f"Decision (rule committed before the grid ran): **{pick}**, {why}: shortfall "
+    return pick, [f"Decision (rule committed before the grid ran): **{pick}**, {why}: shortfall "
             f"{shortfall(pick):+.3f} on `{SELECT}`, train stage {cost[pick]:.0f} s. Candidates: "
             + ", ".join(f"{c} ({shortfall(c):+.3f}, {cost[c]:.0f} s)" for c in cands) + "."
             + _decision_power(by_name, best, [c for c in cands if c != best])]
@@ -403,6 +421,91 @@ def _decision_power(by_name: dict[str, Row], best: str, others: list[str]) -> st
     n = min(len(d) for d in diffs)
     return (f" The candidates' paired shortfalls to {best} spread with sd {sd:.3f} over {n} seeds: a true "
             f"shortfall is found with 80% power from {detectable(sd, n, ALPHA):.3f} (alpha {ALPHA}).")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A variant's test accuracy before (the base model) and after training, as means over the seeds
+    with both sides finished, by one interval method: the 95% t interval across seeds
+    (``grpo.stats.paired_test`` of the per-seed values). In a grid whose ``seed_keys`` draw the splits,
+    SENT's samples and the training run, a seed is one unit: its test rows, repeated operand multisets
+    and all, enter as one figure, so no repeated problem is counted as independent. The mean
+    effective n per seed (n / design effect, clusters = operand multisets) says how many independent
+    problems one seed's test is worth."""
+
+    variant: str
+    seeds: tuple[int, ...]
+    before: PairedTest
+    after: PairedTest
+    n_eff_before: float | None  # mean over ``seeds``; None where no run recorded it
+    n_eff_after: float | None
+    rows: float | None  # the test split's rows (mean over seeds)
+
+
+def baseline_by_seed(table: list[Row], key: str = BEFORE) -> dict[int, float]:
+    """``{seed: value}`` of a baseline metric (``key``) from any variant's run of that seed: the base
+    model's evaluation does not depend on the variant, so two runs of one seed that disagree mean
+    the stage is not reproducible (``ValueError`` naming the seed)."""
+    out: dict[int, float] = {}
+    for r in table:
+        for seed, value in r.values.get(key, {}).items():
+            if seed in out and not math.isclose(out[seed], value, rel_tol=1e-9):
+                raise ValueError(f"seed {seed}: {key} is {out[seed]} in one variant's run and {value} in "
+                                 f"{r.variant}'s; the baseline must not depend on the variant")
+            out[seed] = value
+    return out
+
+
+def headline(table: list[Row], variant: str) -> Headline | None:
+    """``variant``'s ``Headline`` over the seeds where both its test accuracy and the baseline's are
+    known; None below two such seeds (no interval)."""
+    row = next(r for r in table if r.variant == variant)
+    after, before = row.values.get(TEST, {}), baseline_by_seed(table)
+    seeds = tuple(sorted(set(after) & set(before)))
+    if len(seeds) < 2:
+        return None
+
+    def mean_of(values: dict[int, float]) -> float | None:
+        found = [values[s] for s in seeds if s in values]
+        return statistics.fmean(found) if found else None
+
+    return Headline(variant, seeds, paired_test([before[s] for s in seeds]), paired_test([after[s] for s in seeds]),
+                    mean_of(baseline_by_seed(table, N_EFF_BEFORE)), mean_of(row.values.get(N_EFF_AFTER, {})),
+                    mean_of(row.values.get(ROWS, {})))
+
+
+def _interval(t: PairedTest) -> str:
+    return f"{t.mean:.3f} [{t.low:.3f}, {t.high:.3f}]"
+
+
+def _headline_table(table: list[Row], pick: str | None) -> list[str]:
+    """Every variant's ``Headline`` (the decision's pick in bold), one row each."""
+    found = [h for r in table if (h := headline(table, r.variant))]
+    if not found:
+        return []
+    lines = ["Test accuracy before and after, means over seeds with their 95% t intervals across seeds (one "
+             "method both sides; a seed draws its own splits and is one unit); effective n per seed: "
+             "n / design effect with operand multisets as clusters:", "",
+             "| variant | seeds | before | after | effective n before / after (of rows) |", "|---|---|---|---|---|"]
+    for h in found:
+        name = f"**{h.variant}**" if h.variant == pick else h.variant
+        n_eff = f"{_f(h.n_eff_before, digits=0)} / {_f(h.n_eff_after, digits=0)} (of {_f(h.rows, digits=0)})"
+        lines.append(f"| {name} | {len(h.seeds)} | {_interval(h.before)} | {_interval(h.after)} | {n_eff} |")
+    return lines
+
+
+def _acting_per_seed(grid: Grid, table: list[Row]) -> list[str]:
+    """Where the entropy rule acted, seed by seed: archer's band (the high-entropy tokens whose ratio
+    lies beyond the ordinary clip but inside archer's wider one: their fraction and their share of
+    the policy gradient) and a dropping rule's kept tokens' share; rows only for variants that log them."""
+    keys = ((BAND, "wide-clip tokens in the band"), (BAND_SHARE, "their gradient share"),
+            (KEPT_SHARE, "kept tokens' gradient share"))
+    lines = [f"| variant | measure | seeds {', '.join(map(str, grid.seeds))} |", "|---|---|---|"]
+    for r in table:
+        for key, label in keys:
+            if values := r.values.get(key):
+                lines.append(f"| {r.variant} | {label} | {' / '.join(_f(values.get(s), digits=4) for s in grid.seeds)} |")
+    return lines if len(lines) > 2 else []
 
 
 def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:
@@ -557,7 +660,8 @@ def _compare(args: argparse.Namespace) -> int:
     (out / "ablations.json").write_text(json.dumps([
         {"variant": r.variant, "overrides": r.overrides, "values": r.values,
          "compared": {k: {"seeds": p.seeds, "diffs": p.diffs, "p": p.test.p if p.test else None,
-                          "p_holm": p.p_holm, "verdict": p.verdict} for k, p in r.compared.items()}}
+                          "p_holm": p.p_holm, "verdict": p.verdict} for k, p in r.compared.items()},
+         "headline": asdict(h) if (h := headline(table, r.variant)) else None}
         for r in table], indent=1, default=list) + "\n")
     forest_plot(grid, table, out / "ablations.png")
     print(text, end="")

@@ -44,6 +44,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grpo import seed_headline
 from grpo.experiments import SEED_KEY, Run, cli_value, dvc, exp_show, parse_runs, read_runs
 from grpo.stats import PairedTest, detectable, holm, paired_test, pooled_sd
 
@@ -646,6 +647,21 @@ def read_table(root: Path, grid: Grid, record: Path | None = None) -> list[Row]:
     return rows(grid, read_all(root, record))
 
 
+def write_headlines(path: Path, grid_file: str, grid: Grid, table: list[Row]) -> None:
+    """Every variant's ``headline`` with its overrides and the decision's pick, in the layout
+    ``grpo.seed_headline`` reads (the report shows the entry its run's params match)."""
+    pick = choose(grid, table)[0] if grid.decision else None
+    variants = {r.variant: {"overrides": r.overrides, **asdict(h)} for r in table if (h := headline(table, r.variant))}
+    for entry in variants.values():
+        for side in ("before", "after"):
+            t = entry[side]
+            entry[side] = {"mean": t["mean"], "low": t["low"], "high": t["high"]}
+        del entry["variant"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"cpu": cpu_kind(), "grid": grid_file, "chosen": pick, "variants": variants},
+                               indent=1, default=list) + "\n")
+
+
 def _compare(args: argparse.Namespace) -> int:
     root, grid = Path(args.root), load_grid(Path(args.root) / args.grid)
     record = Path(args.record) if args.record else None
@@ -664,6 +680,8 @@ def _compare(args: argparse.Namespace) -> int:
          "headline": asdict(h) if (h := headline(table, r.variant)) else None}
         for r in table], indent=1, default=list) + "\n")
     forest_plot(grid, table, out / "ablations.png")
+    if args.headline:
+        write_headlines(Path(args.headline), args.grid, grid, table)
     print(text, end="")
     print(f"(written to {args.out_dir}/ablations.md, .json, .png)")
     return 0
@@ -678,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--record", help="a JSON file of finished experiments, read first and rewritten by "
                         "compare: commit it and the grid goes on in another clone")
     common.add_argument("--out-dir", default=OUT_DIR, help=f"the comparison's folder, relative to --root (default: {OUT_DIR})")
+    common.add_argument("--headline", help="write every variant's seed-mean headline to this JSON file "
+                        f"(the report reads {seed_headline.PATH})")
     sub.add_parser("run", parents=[common], help="queue the grid's missing experiments, run them one at a time, compare")
     sub.add_parser("compare", parents=[common], help="paired differences to the reference, table and plot")
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import matplotlib
 
+from grpo import seed_headline
 from grpo.answers import CLASS_WORDS, CLASSES, examples_by_class
 from grpo.config import Params, ParamsError
 from grpo.device import describe_device
@@ -331,6 +332,15 @@ def _header_section(root: Path, params_file: Path) -> list[str]:
                  *(f"| `{k}` | {_value(v)} | {_value(d)} |" for k, v, d in changed), ""]
 
 
+def _over_seeds_section(root: Path, params_file: Path) -> list[str]:
+    """The committed headline over seeds (``grpo.seed_headline``) for this run's settings, if a grid ran them."""
+    try:
+        flat = _flat(load_params(params_file).model_dump()) if params_file.exists() else {}
+    except ParamsError:
+        flat = {}
+    return seed_headline.words(seed_headline.read(root / seed_headline.PATH), flat)
+
+
 def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params_path: str = "params.yaml") -> Path:
     """Write ``report.md``, ``report.html`` and the PNGs to ``out_dir``; return the markdown path."""
     root, out = Path(root), Path(out_dir)
@@ -340,6 +350,7 @@ def build_report(root: str | Path = ".", out_dir: str | Path = "reports", params
     md = ["# GRPO run report", ""]
     md += _header_section(root, root / params_path)
     md += _result_section(baseline, final, out)
+    md += _over_seeds_section(root, root / params_path)
     md += _training_section(read_step_metrics(metrics / "train" / "plots" / "metrics"), train, final, out)
     md += _sent_section(_jsonl(root / "data/cache/train_sorted.jsonl"), sent, out)
     before, after = _jsonl(root / "outputs/eval/baseline.jsonl"), _jsonl(root / "outputs/eval/final.jsonl")

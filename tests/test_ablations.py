@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,6 +180,48 @@ def test_a_grid_runs_through_the_dvc_queue_resumes_and_compares_in_pairs(tmp_pat
     assert "| +0.105 |" in row and "| 0.600 / 0.620 |" in row  # the paired mean and the per-seed test accuracy
     assert (repo / "outputs" / "ablations" / "ablations.png").stat().st_size > 5000
     print(table)
+
+
+PREP = ("python -c \"import os, yaml; d = yaml.safe_load(open('params.yaml'))['data']; "
+        "os.makedirs('data', exist_ok=True); os.makedirs('metrics/time', exist_ok=True); "
+        "open('data/prep.txt', 'w').write(str(d['seed'])); open('metrics/time/prep.json', 'w').write('{}'); "
+        "open('{count}', 'a').write(str(d['seed']) + chr(10))\"")
+TRAIN_ON_PREP = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('params.yaml'))['train']; "
+                 "os.makedirs('metrics', exist_ok=True); "
+                 "acc = 0.5 + (0.1 if t['order'] == 'shuffled' else 0) + 0.01 * int(open('data/prep.txt').read()); "
+                 "json.dump(dict(accuracy=acc), open('metrics/final.json', 'w')); "
+                 "json.dump(dict(final_val_accuracy=acc, total_time_s=10.0), open('metrics/train.json', 'w'))\"")
+
+
+@pytest.mark.slow
+def test_each_seeds_shared_stage_runs_once_not_once_per_experiment(tmp_path, monkeypatch, capfd):
+    """A data stage no variant sets a param of runs once per seed (two, not four runs for two
+    variants), each experiment trains on its own seed's data, and params.yaml and dvc.lock are
+    as committed afterwards."""
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    repo, count = tmp_path / "repo", tmp_path / "prep_runs.txt"
+    repo.mkdir()
+    grid = _grid_file(repo, {"default": {}, "shuffled": {"train.order": "shuffled"}}, seeds=[0, 3])
+    grid.write_text(yaml.safe_dump({**yaml.safe_load(grid.read_text()), "seed_keys": ["data.seed", "train.seed"]}))
+    stages = {"prep": {"cmd": PREP.replace("{count}", str(count)), "params": ["data"], "outs": ["data/prep.txt"],
+                       "metrics": [{"metrics/time/prep.json": {"cache": False}}]},
+              "train": {"cmd": TRAIN_ON_PREP, "deps": ["data/prep.txt"], "params": ["train"],
+                        "metrics": [{"metrics/final.json": {"cache": False}}, {"metrics/train.json": {"cache": False}}]}}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    git_dvc_init(repo)
+    committed = (repo / "params.yaml").read_text()
+    assert ablations.main(["run", "--root", str(repo)]) == 0
+    out = capfd.readouterr().out
+    assert "prep run once per seed in the workspace" in out
+    assert count.read_text().split() == ["0", "3"]  # once per seed, in seed order
+    runs = {r.name: r.metric for r in parse_runs(exp_show(repo), ablations.TEST)}
+    assert runs == pytest.approx({"default-seed-0": 0.5, "shuffled-seed-0": 0.6, "default-seed-3": 0.53,
+                                  "shuffled-seed-3": 0.63})
+    assert (repo / "params.yaml").read_text() == committed
+    status = subprocess.run(["git", "status", "--porcelain", "params.yaml", "dvc.lock"], cwd=repo, capture_output=True,
+                            text=True)
+    assert status.stdout == ""
 
 
 def test_stale_tasks_are_the_running_ones_without_a_worker():
@@ -382,3 +425,16 @@ def test_where_the_rule_acted_is_shown_seed_by_seed():
     text = ablations.markdown(grid, table)
     assert "| ar | wide-clip tokens in the band | 0.0116 / 0.0093 |" in text
     assert "| et | wide-clip" not in text
+
+
+def test_the_mu_grids_shared_stages_are_those_before_train():
+    """No variant of the mu grid sets a param of the data, model, SENT or baseline stages: those run
+    once per seed; train and what reads its adapter run per experiment; the report reads every param."""
+    from grpo.dvcfile import read_stages
+    from grpo.seed_stages import shared_stages
+
+    grid = load_grid(ROOT / "experiments" / "rule_mu_grid.yaml")
+    keys = {k for over in grid.variants.values() for k in over}
+    assert shared_stages(read_stages(ROOT / "dvc.yaml"), keys) == ["prepare_data", "prepare_model", "sent", "baseline_eval"]
+    assert "sent" not in shared_stages(read_stages(ROOT / "dvc.yaml"), keys | {"sent.samples"})
+    assert "baseline_eval" not in shared_stages(read_stages(ROOT / "dvc.yaml"), {"data"})  # upstream not shared

@@ -13,12 +13,15 @@ varies which problems are drawn and SENT's samples with the training seed, a see
 ``pinned``: params keys every variant must set itself (``[train.optimizer.mu]``: a variant's meaning does not
 move when params.yaml's default does).
 Variant ``v`` with seed ``s`` is the experiment ``v-seed-s``: ``dvc exp run --queue -S
-<seed key>=s ... -S <overrides> -n v-seed-s``, queued seed by seed (every variant of seed 0 first, so a
-run cut short still leaves pairs). ``run`` reads ``dvc exp show`` first and queues only the
-experiments that have no result and are not waiting in the queue (failed ones are removed from
-the queue and queued again; tasks left "running" by a worker that died are removed first:
-``clear_stale``), then runs the queue with one worker (``dvc exp run --run-all --jobs 1``): a
-second call after a finished run queues nothing and runs nothing. Once every experiment has a
+<seed key>=s ... -S <overrides> -n v-seed-s``, queued and run one seed at a time (every variant of seed 0
+first, so a run cut short still leaves pairs). Before a seed's experiments are queued, the stages
+no variant sets a param of (data, SENT, baseline) run once in the workspace for that seed
+(``grpo.seed_stages``): a queued experiment then skips them instead of making the same bytes again.
+``run`` reads ``dvc exp show`` first and queues only the experiments that have no result and are
+not waiting in the queue (failed ones are removed from the queue and queued again; tasks left
+"running" by a worker that died are removed first: ``clear_stale``), then runs each seed's queue
+with one worker (``dvc exp run --run-all --jobs 1``): a second call after a finished run queues
+nothing and runs nothing. Once every experiment has a
 result, ``run`` compares them (below), so one command does the whole grid.
 
 ``compare`` pairs each variant with the reference on the seeds both finished: the difference
@@ -44,7 +47,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from grpo import seed_headline
+from grpo import seed_headline, seed_stages
+from grpo.dvcfile import DVC_YAML, read_stages
 from grpo.experiments import SEED_KEY, Run, cli_value, dvc, exp_show, parse_runs, read_runs
 from grpo.stats import PairedTest, detectable, holm, paired_test, pooled_sd
 
@@ -560,6 +564,34 @@ def clear_stale(root: Path) -> list[str]:
     return stale
 
 
+def run_by_seed(root: Path, grid: Grid, queue: list[tuple[str, int]]) -> bool:
+    """Queue and run ``queue`` one seed at a time, each seed's shared stages (``grpo.seed_stages``) run
+    once in the workspace first; the workspace's params and lock are put back after. False when an
+    experiment could not be queued."""
+    stages = read_stages(root / DVC_YAML) if (root / DVC_YAML).exists() else {}
+    shared = seed_stages.shared_stages(stages, {k for over in grid.variants.values() for k in over})
+    files = seed_stages.touched_files(root, stages, shared) if shared else []
+    if shared:
+        seed_stages.check_clean(root, files)
+        print(f"ablations: {', '.join(shared)} run once per seed in the workspace (no variant sets their params)",
+              flush=True)
+    try:
+        for seed in dict.fromkeys(s for _, s in queue):
+            if shared:
+                seed_stages.prepare_seed(root, grid.seed_keys, seed, shared)
+            for variant in [v for v, s in queue if s == seed]:
+                cmd = queue_args(grid, variant, seed)
+                print("dvc " + " ".join(cmd), flush=True)
+                if dvc(root, cmd, capture=False).returncode != 0:
+                    print(f"ablations: error: queueing {exp_name(variant, seed)} failed", file=sys.stderr)
+                    return False
+            dvc(root, ["exp", "run", "--run-all", "--jobs", "1"], capture=False)
+    finally:
+        if shared and (warning := seed_stages.restore(root, files, shared)):
+            print(warning, file=sys.stderr)
+    return True
+
+
 def _run(args: argparse.Namespace) -> int:
     root, grid = Path(args.root), load_grid(Path(args.root) / args.grid)
     clear_stale(root)
@@ -569,14 +601,10 @@ def _run(args: argparse.Namespace) -> int:
           f"{len(todo.queue)} to queue ({len(todo.failed)} of them failed before)", flush=True)
     if todo.failed:
         dvc(root, ["queue", "remove", *todo.failed])
-    for variant, seed in todo.queue:
-        cmd = queue_args(grid, variant, seed)
-        print("dvc " + " ".join(cmd), flush=True)
-        if dvc(root, cmd, capture=False).returncode != 0:
-            print(f"ablations: error: queueing {exp_name(variant, seed)} failed", file=sys.stderr)
-            return 1
-    if todo.queue or todo.waiting:
+    if todo.waiting:  # queued by an earlier call: as they were queued
         dvc(root, ["exp", "run", "--run-all", "--jobs", "1"], capture=False)
+    if todo.queue and not run_by_seed(root, grid, todo.queue):
+        return 1
     left = plan(grid, record_runs(record).get(TEST, []) + read_runs(root, TEST))
     if left.queue or left.waiting:
         names = [exp_name(v, s) for v, s in left.queue] + left.waiting

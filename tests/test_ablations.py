@@ -426,15 +426,3 @@ def test_where_the_rule_acted_is_shown_seed_by_seed():
     assert "| ar | wide-clip tokens in the band | 0.0116 / 0.0093 |" in text
     assert "| et | wide-clip" not in text
 
-
-def test_the_mu_grids_shared_stages_are_those_before_train():
-    """No variant of the mu grid sets a param of the data, model, SENT or baseline stages: those run
-    once per seed; train and what reads its adapter run per experiment; the report reads every param."""
-    from grpo.dvcfile import read_stages
-    from grpo.seed_stages import shared_stages
-
-    grid = load_grid(ROOT / "experiments" / "rule_mu_grid.yaml")
-    keys = {k for over in grid.variants.values() for k in over}
-    assert shared_stages(read_stages(ROOT / "dvc.yaml"), keys) == ["prepare_data", "prepare_model", "sent", "baseline_eval"]
-    assert "sent" not in shared_stages(read_stages(ROOT / "dvc.yaml"), keys | {"sent.samples"})
-    assert "baseline_eval" not in shared_stages(read_stages(ROOT / "dvc.yaml"), {"data"})  # upstream not shared

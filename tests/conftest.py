@@ -125,6 +125,10 @@ def make_dvc_workspace(ws: Path, params: dict) -> Path:
     for name in ("tasks", "src", "flows"):
         shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
+    from grpo.seed_headline import PATH as HEADLINE  # the report stage's one committed data dependency
+
+    (ws / HEADLINE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / HEADLINE, ws / HEADLINE)
     from grpo.overlay import overlay_params
 
     full = overlay_params(yaml.safe_load((REPO / "params.yaml").read_text()), params)

@@ -679,12 +679,12 @@ def write_headlines(path: Path, grid_file: str, grid: Grid, table: list[Row]) ->
     """Every variant's ``headline`` with its overrides and the decision's pick, in the layout
     ``grpo.seed_headline`` reads (the report shows the entry its run's params match)."""
     pick = choose(grid, table)[0] if grid.decision else None
-    variants = {r.variant: {"overrides": r.overrides, **asdict(h)} for r in table if (h := headline(table, r.variant))}
-    for entry in variants.values():
-        for side in ("before", "after"):
-            t = entry[side]
-            entry[side] = {"mean": t["mean"], "low": t["low"], "high": t["high"]}
-        del entry["variant"]
+    def side(t: PairedTest) -> dict[str, float | None]:
+        return {"mean": t.mean, "low": t.low, "high": t.high}
+
+    variants = {r.variant: {"overrides": r.overrides, "seeds": h.seeds, "before": side(h.before), "after": side(h.after),
+                            "n_eff_before": h.n_eff_before, "n_eff_after": h.n_eff_after, "rows": h.rows}
+                for r in table if (h := headline(table, r.variant))}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"cpu": cpu_kind(), "grid": grid_file, "chosen": pick, "variants": variants},
                                indent=1, default=list) + "\n")

@@ -1,7 +1,7 @@
 """GPU memory of the real training update, traced on fake CUDA tensors on any machine (no GPU).
 
 The project's own update runs unmodified at a params file's shapes: ``PolicyPasses.fixed_logprobs``
-(the reference / old-policy no-grad passes), ``GRPOTrainer.update`` (``accumulate_gradients``: the
+(the reference no-grad pass), ``GRPOTrainer.update`` (``accumulate_gradients``: the
 step-wide entropy pass when there are several micro-batches, each micro-batch's
 ``loss_backward``; then the updater's all-reduce, clip and AdamW step). Every tensor is a
 ``FakeTensorMode`` tensor on a "cuda" device: shapes, dtypes and devices, no data. A dispatch mode
@@ -106,11 +106,11 @@ def main(argv=None) -> dict:
                     trace.reset()  # the figures are the second step's (AdamW's moments exist)
                 batch = batch_of()
                 trace.phase = "no-grad pass"
-                batch, entropy = trainer.passes.fixed_logprobs(batch)
+                batch = trainer.passes.fixed_logprobs(batch)
                 trace.phase = "update"
-                trainer.update(batch, entropy, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
+                trainer.update(batch, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
                 trace.phase = "between steps"
-                del batch, entropy
+                del batch
     out = report(args, p, res, shapes, est, prompt, trace, stubs, trainer, time.time() - t0)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

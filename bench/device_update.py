@@ -51,7 +51,7 @@ SCHEMA = {
     "memory_cap_gib": "number?: --memory-cap-gib, torch's allocator capped there (CUDA only)",
     "outside_init_gib": "number?: total - free - reserved once CUDA has started (the context alone)",
     "outside_load_gib": "number?: the same after the load",
-    "outside_forward_gib": "number?: the same after the second step's no-grad forward (PolicyPasses.fixed_logprobs)",
+    "outside_forward_gib": "number?: the same after the second step's reference forward (PolicyPasses.fixed_logprobs; none without a KL term)",
     "outside_step_gib": "number?: the same after the second step's update (forward and backward kernels loaded)",
 }
 GiB = 2**30
@@ -157,11 +157,11 @@ def measure(args) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             batch = batch_of()
-            batch, entropy = trainer.passes.fixed_logprobs(batch)
+            batch = trainer.passes.fixed_logprobs(batch)
             if cuda and _step == 2:  # a sync the step does not have: the step's time includes it
                 out["outside_forward_gib"] = outside_allocator_gib(torch)
-            trainer.update(batch, entropy, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
-            del batch, entropy
+            trainer.update(batch, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
+            del batch
             if cuda:
                 torch.cuda.synchronize()
             out["step_s"] = time.perf_counter() - t0

@@ -80,7 +80,7 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
         part = batch[slice(mine.start * G, mine.stop * G)]
         model.zero_grad(set_to_none=True)
         passes = trainer.passes
-        sums, keep = passes.accumulate_gradients(part, passes.step_normalizer(part.mask))
+        sums, keep, _logp = passes.accumulate_gradients(part, passes.step_normalizer(part.mask))
         if reduce:
             trainer.updater.reduce_gradients()
         threshold = passes.step_threshold(passes.no_grad_pass(part, adapter=True)[0], part.mask)

@@ -180,7 +180,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, mo
     params = {
         "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype},
         "lora": LORA,
-        "train": {"data_path": str(tmp_path / "train.jsonl"), "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 6, "checkpoints": {"val_path": str(tmp_path / "val.jsonl"), "every": 2, "eval_every": 3}, "rollouts": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "backend": "vllm", "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256}, "wandb": {"mode": "disabled"}},
+        "train": {"data_path": str(tmp_path / "train.jsonl"), "output_dir": str(tmp_path / "out"), "adapter_dir": str(tmp_path / "adapter"), "metrics_dir": str(tmp_path / "metrics"), "steps": 6, "checkpoints": {"val_path": str(tmp_path / "val.jsonl"), "every": 2, "eval_every": 3, "keep_best": True}, "rollouts": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "backend": "vllm", "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256}, "wandb": {"mode": "disabled"}},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     cmd = [sys.executable, "-m", "tasks.train", "--params", str(tmp_path / "params.yaml")]
@@ -201,7 +201,7 @@ def test_stage_with_engine_rollouts_resumes_after_kill_9(tiny_vllm_model_dir, mo
     assert [r["step"] for r in steps if "val_accuracy" in r] == [3, 6]
     summary = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert summary["rollout_backend"] == "vllm" and summary["engine_weights"] == "dense"  # auto, on the CPU
-    # keep_best (the default): the best validation accuracy, earliest on ties, across the kill
+    # keep_best: the best validation accuracy, earliest on ties, across the kill
     val = {r["step"]: r["val_accuracy"] for r in steps if "val_accuracy" in r}
     best = min(s for s, v in val.items() if v == max(val.values()))
     assert summary["adapter"]["adapter"] == "best validation accuracy" and summary["adapter"]["step"] == best

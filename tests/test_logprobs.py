@@ -222,7 +222,7 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
         monkeypatch.setattr(passes, "selected_logprobs", head_fn)
         model.train()
         model.zero_grad(set_to_none=True)
-        sums, keep = trainer.passes.accumulate_gradients(batch, normalizer)
+        sums, keep, _logp = trainer.passes.accumulate_gradients(batch, normalizer)
         results.append((sums, keep, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
     (s0, keep0, g0), (s1, keep1, g1) = results
     assert torch.equal(keep0, keep1) and 0 < keep1.sum() < batch.mask.sum()

@@ -86,33 +86,46 @@ def _forward_logprobs(model, batch: TrainBatch) -> torch.Tensor:
     return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize(("beta", "mu"), [(0.04, 1), (0.0, 2), (0.04, 2), (0.0, 1)])
-def test_fixed_logprobs_fill_a_new_batch_and_leave_the_input_as_it_was(policy, beta, mu):
+@pytest.mark.parametrize("beta", [0.04, 0.0])
+def test_fixed_logprobs_fill_the_reference_in_a_new_batch_and_leave_the_input_as_it_was(policy, beta):
     """``beta > 0``: ``ref_logp`` is the policy's with the adapter off (a plain forward under
-    ``disable_adapter``); ``mu > 1``: ``old_logp`` is the policy's own and the entropies of that pass
-    come back. The result is a new batch; the input keeps its ``None`` fields."""
+    ``disable_adapter``), in a new record; the input keeps its ``None`` fields. Without a KL term no
+    pass runs (the batch itself comes back). ``old_logp`` is never filled here, ``mu`` 2 or not: the
+    first update gives it (``test_the_first_update_gives_old_logp_...``)."""
     model, tok = policy
     batch = _hand_batch(tok, [1.0, -1.0, 1.0, -1.0])
-    cfg = TrainConfig(rollouts={"group_size": 4}, loss={"beta": beta, "entropy_rule": "high"}, optimizer={"mu": mu}, passes={"logprob_chunk": 5})  # no KL of its own: beta's pass
-    fixed, entropy = _passes(model, cfg).fixed_logprobs(batch)
-    assert fixed is not batch and batch.ref_logp is None and batch.old_logp is None
-    assert fixed.input_ids is batch.input_ids and fixed.sampling_logp is None
+    cfg = TrainConfig(rollouts={"group_size": 4}, loss={"beta": beta, "entropy_rule": "high"}, optimizer={"mu": 2}, passes={"logprob_chunk": 5})  # no KL of its own: beta's pass
+    fixed = _passes(model, cfg).fixed_logprobs(batch)
+    assert batch.ref_logp is None and batch.old_logp is None and fixed.old_logp is None
+    if not beta:
+        assert fixed is batch
+        return
+    assert fixed is not batch and fixed.input_ids is batch.input_ids and fixed.sampling_logp is None
     valid = batch.mask.bool()
-    if beta:
-        with model.disable_adapter():
-            reference = _forward_logprobs(model, batch)
-        assert fixed.ref_logp.shape == batch.mask.shape
-        torch.testing.assert_close(fixed.ref_logp[valid], reference[valid], rtol=0, atol=1e-4)
-    else:
-        assert fixed.ref_logp is None
-    if mu > 1:
-        own = _forward_logprobs(model, batch)
-        torch.testing.assert_close(fixed.old_logp[valid], own[valid], rtol=0, atol=1e-4)
-        assert entropy.shape == batch.mask.shape and (entropy[valid] > 0).all()
-    else:
-        assert fixed.old_logp is None and entropy is None
-    if beta and mu > 1:  # the adapter has a say: the two policies differ
-        assert (fixed.ref_logp - fixed.old_logp)[valid].abs().max() > 1e-3
+    with model.disable_adapter():
+        reference = _forward_logprobs(model, batch)
+    assert fixed.ref_logp.shape == batch.mask.shape
+    torch.testing.assert_close(fixed.ref_logp[valid], reference[valid], rtol=0, atol=1e-4)
+    own = _forward_logprobs(model, batch)  # the adapter has a say: the two policies differ
+    assert (fixed.ref_logp - own)[valid].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rule", ["high", "archer"])
+def test_the_first_update_gives_old_logp_the_values_of_a_no_grad_pass(policy, rule):
+    """One update's detached log-probs (``Accumulated.logp``) are, at every valid token, exactly the
+    no-grad pass's at the same weights: what ``GRPOTrainer.update`` uses as ``old_logp`` for the
+    later updates of ``mu`` in place of a pass of its own."""
+    model, tok = policy
+    batch = _hand_batch(tok, [1.0, -1.0, 0.5, -0.5])
+    passes = _passes(model, TrainConfig(rollouts={"group_size": 4}, loss={"entropy_rule": rule}, passes={"logprob_chunk": 5}))
+    batch = passes.fixed_logprobs(batch)  # archer's KL: the reference log-probs
+    _entropy, expected = passes.no_grad_pass(batch, adapter=True)  # (4, C)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    got = passes.accumulate_gradients(batch, float(batch.mask.sum())).logp
+    valid = batch.mask.bool()
+    assert got.shape == batch.mask.shape and not got.requires_grad
+    assert torch.equal(got[valid], expected[valid])
 
 
 def test_the_step_threshold_is_the_quantile_of_the_valid_entropies(policy):
@@ -152,7 +165,7 @@ def test_entropy_rule_low_trains_the_complement_of_high(policy):
     for name, quantile, keep in (("high", 0.3, "high"), ("low", 0.3, "low"), ("all", 1.0, "high")):
         passes = _passes(model, TrainConfig(rollouts={"group_size": 4}, loss={"entropy_rule_options": {keep: {"top_quantile": quantile}}, "entropy_rule": keep}))
         model.zero_grad(set_to_none=True)
-        loss, stats, entropy, kept = passes.loss_backward(batch, normalizer)
+        loss, stats, entropy, kept, _logp = passes.loss_backward(batch, normalizer)
         out[name] = (loss, entropy, kept, _lora_grads(model))
     model.zero_grad(set_to_none=True)
     valid = batch.mask.bool()
@@ -256,7 +269,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     for passes in (one, four):
         model.train()
         model.zero_grad(set_to_none=True)
-        sums, keep = passes.accumulate_gradients(batch, normalizer)
+        sums, keep, _logp = passes.accumulate_gradients(batch, normalizer)
         results.append((sums, keep, _lora_grads(model)))
     (s1, keep1, g1), (s4, keep4, g4) = results
     assert policy_passes == ([4] if TOKEN_RULES[rule].needs_statistic(four.cfg.loss) else [])
@@ -285,9 +298,9 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
     real = PolicyPasses.fixed_logprobs
 
     def spy(self, batch):
-        fixed, entropy = real(self, batch)
+        fixed = real(self, batch)
         refs.append(fixed.ref_logp)
-        return fixed, entropy
+        return fixed
 
     monkeypatch.setattr(PolicyPasses, "fixed_logprobs", spy)
     rows = {}

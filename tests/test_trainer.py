@@ -46,6 +46,40 @@ def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, t
     assert changed  # AdamW moved the LoRA weights (lr warm-up starts above zero)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_with_mu_2_the_first_update_gives_the_later_ones_old_logp(tiny_model_dir, tiny_problems, tmp_path, micro_batches):
+    """``GRPOTrainer.update`` at ``mu`` 2 from rollouts without ``old_logp`` ends at the same LoRA
+    weights, bit for bit, as from the same rollouts given ``old_logp`` by a no-grad pass at the
+    sampling weights (the pass the trainer no longer runs), and not where two on-policy updates
+    (``mu`` 1, twice) end: the second update is off policy. ``high`` at 0.3 with 2 micro-batches
+    takes its threshold from a no-grad pass at each update's weights."""
+    from dataclasses import replace
+
+    from grpo.metrics import PhaseTimer
+
+    tok = load_tokenizer(tiny_model_dir)
+    fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, checkpoints={"every": 0}, optimizer={"mu": 2, "warmup_steps": 0, "lr": 0.05, "lr_schedule": "constant"}, loss={"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 0.3}}}, passes={"micro_batches": micro_batches})
+    ends = {}
+    for way in ("first update", "no-grad pass", "on policy twice"):
+        torch.manual_seed(0)
+        model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
+        give_adapter_a_say(model, std=0.3)
+        mu = 1 if way == "on policy twice" else 2
+        trainer = GRPOTrainer(model, tok, TrainConfig(**{**fields, "optimizer": {**fields["optimizer"], "mu": mu}}), tiny_problems)
+        prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
+        rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
+        batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2]), torch.device("cpu"))
+        if way == "no-grad pass":
+            batch = replace(batch, old_logp=trainer.passes.no_grad_pass(batch, adapter=True)[1])
+        for _ in range(3 - mu):
+            trainer.update(batch, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
+        ends[way] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    lazy, passed, on_policy = ends["first update"], ends["no-grad pass"], ends["on policy twice"]
+    for n in lazy:
+        assert torch.equal(lazy[n], passed[n]), n
+    assert any(not torch.equal(lazy[n], on_policy[n]) for n in lazy)
+
+
 def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_model_dir, tiny_problems, tmp_path):
     """generation_batch_size 3 with 2 prompts x G=4: each group split over calls of 3 and 1 (a call
     never mixes prompts, so each prompt is prefilled once); min_new_tokens = max_new_tokens makes

@@ -2,8 +2,11 @@
 
 Without grad (``no_grad_pass``): the (N, C) token entropies and log-probs of a step's completions,
 micro-batch by micro-batch; with the adapter disabled it gives the reference policy's log-probs
-(``beta > 0``, or a token-entropy rule with a KL term: ``needs_reference``; no second model), with
-it the sampling policy's (``mu > 1``: old_logp).
+(``beta > 0``, or a token-entropy rule with a KL term: ``needs_reference``; no second model). The
+sampling policy's log-probs (``mu > 1``: old_logp) need no pass of their own: the first update's
+forward runs at the sampling weights, so its detached log-probs are old_logp (``Accumulated.logp``;
+``GRPOTrainer.update`` keeps them for the later updates): the values a no-grad pass gives, one
+forward fewer per step.
 
 With grad (``accumulate_gradients``, one update): the entropy threshold of the whole step (the
 statistic of the token-entropy rule ``train.loss.entropy_rule``, ``grpo.entropy.TOKEN_RULES``, over every
@@ -20,8 +23,9 @@ the update: the kept tokens and the normaliser are the step's.
 
 Tokens outside the mask carry their detached log-probs in the loss and get no gradient (value and
 normaliser as in arXiv 2506.01939: the sum runs over kept tokens, divided by all valid tokens).
-With ``mu = 1`` the old policy is the current one: old_logp is the detached current log-prob
-(ratio 1 in value, the usual on-policy gradient) and no extra pass runs. With engine rollouts
+Where ``old_logp`` is not given (``mu = 1``, and the first of ``mu`` updates) the old policy is the
+current one: old_logp is the detached current log-prob (ratio 1 in value, the usual on-policy
+gradient) and no extra pass runs. With engine rollouts
 each token's policy-gradient term is weighted by ``min(pi_trainer / pi_engine, cap)`` (truncated
 importance sampling) when ``train.rollouts.importance_sampling_cap`` is set.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +57,18 @@ def micro_slices(n: int, micro_batches: int, group: int) -> list[slice]:
     if size % group and size > group:
         size = math.ceil(size / group) * group
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+class Accumulated(NamedTuple):
+    """What one update's backward (``PolicyPasses.accumulate_gradients``) leaves besides the gradients."""
+
+    sums: Sums
+    """The update's ``grpo.metrics.Sums``."""
+    kept: torch.Tensor
+    """(n, C) bool, the tokens the rule gave gradient."""
+    logp: torch.Tensor
+    """(n, C) float32, the detached log-probs of the targets at the weights before this update's
+    optimizer step (the valid positions of ``batch.mask``; padding holds no meaning)."""
 
 
 class PolicyPasses:
@@ -96,16 +113,13 @@ class PolicyPasses:
         advantage still have a gradient."""
         return bool(self.cfg.loss.beta) or self.rule.needs_reference(self.cfg.loss)
 
-    def fixed_logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor | None]:
-        """Phase 2: ``batch`` with ``ref_logp`` (``needs_reference``) and ``old_logp`` (``mu > 1``)
-        filled, a new record (``batch`` is left as it is), and the (n, C) entropies at the current
-        weights when that pass computed them."""
-        entropy, fixed = None, {}
-        if self.needs_reference():
-            fixed["ref_logp"] = self.no_grad_pass(batch, adapter=False)[1]
-        if self.cfg.optimizer.mu > 1:
-            entropy, fixed["old_logp"] = self.no_grad_pass(batch, adapter=True)
-        return replace(batch, **fixed), entropy
+    def fixed_logprobs(self, batch: TrainBatch) -> TrainBatch:
+        """Phase 2: ``batch`` with ``ref_logp`` filled when the loss has a KL term
+        (``needs_reference``), a new record (``batch`` is left as it is); ``old_logp`` comes from the
+        first update (module docstring)."""
+        if not self.needs_reference():
+            return batch
+        return replace(batch, ref_logp=self.no_grad_pass(batch, adapter=False)[1])
 
     # ------------------------------------------------------------------ step-wide numbers
     def step_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -127,13 +141,13 @@ class PolicyPasses:
 
     # ------------------------------------------------------------------ with grad
     def loss_backward(self, batch: TrainBatch, normalizer: float, threshold: torch.Tensor | None = None
-                      ) -> tuple[float, dict, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[float, dict, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward with grad, the token-entropy rule's mask, GRPO loss and backward of one micro-batch.
 
         ``normalizer``: the step-wide ``loss_normalizer``; ``threshold``: the step-wide entropy
         threshold, or ``None`` when ``batch`` is the whole step (taken here then). Returns the loss
         value, its stats (with engine log-probs: the gap to the trainer's and the IS weights), the
-        (m, C) token entropies and the (m, C) kept mask."""
+        (m, C) token entropies, the (m, C) kept mask and the (m, C) detached log-probs of the forward."""
         cfg = self.cfg
         hidden = completion_hidden(self.body, batch.input_ids, batch.attention_mask, batch.prompt_len,
                                    self.shared_group, self.packed)  # (m, C, H)
@@ -157,7 +171,7 @@ class PolicyPasses:
                                 max_length=cfg.rollouts.max_new_tokens, token_weights=weights)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
         acted = self.rule_action(batch, logp_all, old_logp, keep, terms, weights, normalizer)
-        return loss.item(), {**stats, **engine, **acted}, entropy, keep
+        return loss.item(), {**stats, **engine, **acted}, entropy, keep, logp_all
 
     @torch.no_grad()
     def rule_action(self, batch: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor, keep: torch.Tensor,
@@ -203,25 +217,22 @@ class PolicyPasses:
         stats["is_weight_sum"] = float(weights[valid].sum())
         return weights, stats
 
-    def accumulate_gradients(self, batch: TrainBatch, normalizer: float, policy_entropy: torch.Tensor | None = None
-                             ) -> tuple[Sums, torch.Tensor]:
+    def accumulate_gradients(self, batch: TrainBatch, normalizer: float) -> Accumulated:
         """Backward of one update over the whole step, micro-batch by micro-batch (gradients add
         up; no optimizer step). The threshold is the step's: from the one forward when there is one
-        micro-batch, else from ``policy_entropy`` ((n, C), the no-grad pass at the current weights),
-        computed here when not given and the rule needs a statistic (``TokenRule.needs_statistic``;
-        ``archer``'s cut is per response, ``high`` at 1 has none: no extra pass). Returns the
-        update's ``grpo.metrics.Sums`` and the (n, C) kept mask."""
+        micro-batch, else from a no-grad pass over the rows at the current weights first, which a
+        rule without a statistic skips (``TokenRule.needs_statistic``; ``archer``'s cut is per
+        response, ``high`` at 1 has none). Returns the ``Accumulated`` record."""
         slices = self.slices(len(batch))
         threshold = None
         if len(slices) > 1 and self.rule.needs_statistic(self.cfg.loss):
-            if policy_entropy is None:
-                policy_entropy = self.no_grad_pass(batch, adapter=True)[0]
-            threshold = self.step_threshold(policy_entropy, batch.mask)
-        sums, kept = Sums(), []
+            threshold = self.step_threshold(self.no_grad_pass(batch, adapter=True)[0], batch.mask)
+        sums, kept, logps = Sums(), [], []
         for sl in slices:
-            loss, stats, entropy, keep = self.loss_backward(batch[sl], normalizer, threshold)
+            loss, stats, entropy, keep, logp = self.loss_backward(batch[sl], normalizer, threshold)
             m = batch.mask[sl]
             sums.add_micro_batch({**stats, "loss": loss, "entropy": float((entropy * m).sum()),
                                   "kept": float(keep.sum())}, float(m.sum()))
             kept.append(keep)
-        return sums, torch.cat(kept)
+            logps.append(logp)
+        return Accumulated(sums, torch.cat(kept), torch.cat(logps))

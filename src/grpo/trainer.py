@@ -9,13 +9,14 @@ One optimizer step (``GRPOTrainer.train_step``):
 2. **the update's rows** (``update_rows``): the step's loss normaliser is taken over every
    completion, then the groups whose rewards are all equal are dropped (their advantages are zero,
    so without a KL term their gradient is exactly zero: DAPO's filter, arXiv 2503.14476, without its
-   re-sampling); **no-grad passes** (``grpo.passes.PolicyPasses.fixed_logprobs``): with ``beta > 0``
-   or a token-entropy rule with a KL term (``PolicyPasses.needs_reference``) the reference
-   log-probs (the adapter disabled), with ``mu > 1`` the sampling policy's -> the ``TrainBatch``'s
-   fixed fields;
+   re-sampling); **the reference pass** (``grpo.passes.PolicyPasses.fixed_logprobs``, no grad):
+   with ``beta > 0`` or a token-entropy rule with a KL term (``PolicyPasses.needs_reference``) the
+   reference log-probs (the adapter disabled) -> the ``TrainBatch``'s ``ref_logp``;
 3. **update** (``update``): ``mu`` times the gradients of the step's rows, micro-batch by
    micro-batch, under the step's entropy mask (``PolicyPasses.accumulate_gradients``), then the
    updater's step (``grpo.updater``: all-reduce, clip, AdamW; or DeepSpeed ZeRO) -> ``UpdateStats``;
+   with ``mu > 1`` the first update's detached log-probs (taken at the sampling weights) are the
+   later updates' ``old_logp``;
 
 Dropping the uniform groups changes the update in one place only: the entropy threshold is the
 quantile over the tokens of the groups with signal, not over every token of the step (the tokens
@@ -239,12 +240,13 @@ class GRPOTrainer:
         return batch[rows.nonzero().squeeze(1)]  # (k,) rows
 
     # ------------------------------------------------------------------ phase 3: update
-    def update(self, batch: TrainBatch, policy_entropy: torch.Tensor | None, normalizer: float,
-               step_mask: torch.Tensor, timer: metrics.PhaseTimer) -> UpdateStats:
-        """``mu`` optimizer steps on ``batch`` (the update's rows; ``policy_entropy``: their (n, C)
-        entropies of the no-grad pass, when phase 2 ran it; ``normalizer``: the whole step's loss
-        normaliser; ``step_mask``: the (N, C) mask of all this rank's completions, for the counts),
-        then one step of the LR schedule; the optimizer's times go to ``timer``.
+    def update(self, batch: TrainBatch, normalizer: float, step_mask: torch.Tensor,
+               timer: metrics.PhaseTimer) -> UpdateStats:
+        """``mu`` optimizer steps on ``batch`` (the update's rows; ``normalizer``: the whole step's
+        loss normaliser; ``step_mask``: the (N, C) mask of all this rank's completions, for the
+        counts), then one step of the LR schedule; the optimizer's times go to ``timer``. The first
+        update runs at the sampling weights: its detached log-probs become ``old_logp`` of the
+        others (where ``batch`` has none), the values a no-grad pass would give.
 
         All or nothing: when an inner update is not applied (non-finite), the step's earlier inner
         updates are undone too (LoRA weights and optimizer state as before the step; under
@@ -254,8 +256,9 @@ class GRPOTrainer:
         updates, applied = [], True
         before = self.update_state() if self.cfg.optimizer.mu > 1 and self.updater.restores_state else None
         for _ in range(self.cfg.optimizer.mu):
-            sums, _kept = self.passes.accumulate_gradients(batch, normalizer, policy_entropy)
-            policy_entropy = None  # the weights change with this update
+            sums, _kept, logp = self.passes.accumulate_gradients(batch, normalizer)
+            if batch.old_logp is None and self.cfg.optimizer.mu > 1:
+                batch = replace(batch, old_logp=logp)  # (n, C): the sampling policy's, before its optimizer step
             updates.append(sums)
             result = self.updater.step(skip=not self.finite_everywhere(sums))
             applied = applied and result.applied
@@ -305,10 +308,10 @@ class GRPOTrainer:
             with timer.phase("time_logprob_s"):
                 step_batch = TrainBatch.from_rollout(scored.rollout, scored.advantages, self.device)
                 normalizer = self.passes.step_normalizer(step_batch.mask)  # over every completion of the step
-                batch, policy_entropy = self.passes.fixed_logprobs(self.update_rows(step_batch, scored))
+                batch = self.passes.fixed_logprobs(self.update_rows(step_batch, scored))
             lr = self.scheduler.get_last_lr()[0]
             with timer.phase("time_update_s"):
-                stats = self.update(batch, policy_entropy, normalizer, step_batch.mask, timer)
+                stats = self.update(batch, normalizer, step_batch.mask, timer)
         self.step += 1
         self.last_samples = [s for part in self.dist.all_gather_object(scored.samples(self.step)) for s in part]
         timer.add("peak_mem_mb", peak_memory_mb(self.device))

@@ -210,9 +210,11 @@ class CheckpointsConfig(TrainPart):
     backend (0: never)."""
     eval_max_new_tokens: Positive = 64
     """Length cap of the validation completions."""
-    keep_best: bool = True
+    keep_best: bool = False
     """Write the adapter of the best validation accuracy (earliest on ties) as the stage's adapter
-    instead of the last one; ``models/adapter/selection.json`` says which was written."""
+    instead of the last one; ``models/adapter/selection.json`` says which was written. Off by
+    default: the validation split chooses the rule (``grpo.ablations``), so it chooses no checkpoint
+    of the shipped run."""
 
 
 class DistributionConfig(TrainPart):

@@ -95,8 +95,8 @@ set none) and ``max_num_seqs`` = one call's sequences (``grpo.engine.bounds.save
 the card; ``saved_model_verdict`` says whether it fits, one line a stage.
 
 Peak = the larger phase total (generation memory is released before training). The no-grad
-passes (the reference's with ``beta > 0`` or a token-entropy rule's KL, ``mu > 1``, the step-wide
-threshold with several micro-batches) hold less than the training pass, so none is counted. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
+passes (the reference's with ``beta > 0`` or a token-entropy rule's KL, the step-wide threshold
+with several micro-batches) hold less than the training pass, so none is counted. CUDA's allocator slack, the CUDA context and, on the CPU, the process's
 libraries come on top (``max_memory_allocated`` is the comparable GPU figure).
 
 The exact parts are tested against real objects on the CPU (``tests/test_memory.py``): the LoRA

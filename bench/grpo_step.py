@@ -1,6 +1,6 @@
 """One full GRPO step, measured: time per phase and peak memory; ours against TRL's GRPOTrainer.
 
-A step is generation -> rewards -> log-prob passes (old/ref, when configured) -> training forward
+A step is generation -> rewards -> the reference pass (with a KL term) -> training forward
 and backward -> optimizer step, through the project's ``GRPOTrainer.train_step`` on a 4-bit NF4
 base with LoRA on q/k/v/o (``grpo.lora_policy.load_policy``). Each configuration runs in a fresh
 process, so no run inherits another's memory high-water mark, threads or caches.
@@ -31,8 +31,9 @@ architecture, 128 prompt + 512 completion tokens, EOS suppressed so every comple
 
 Smoke run at toy size on the CPU (what CI runs): ``--arch toy --steps 1 --ablate``.
 
-Phases. Ours: ``generate`` (sampling), ``logprob`` (rewards + the no-grad old/ref passes; none at
-mu = 1, beta = 0), ``fwd_bwd`` (training forward and backward), ``optimizer`` (clip + AdamW).
+Phases. Ours: ``generate`` (sampling), ``logprob`` (rewards + the no-grad reference pass, with a KL
+term; ``mu > 1`` takes its old log-probs from the first update: no pass), ``fwd_bwd`` (training
+forward and backward), ``optimizer`` (clip + AdamW).
 TRL: its ``_generate_single_turn`` is ``generate``; the rest of its input preparation (decoding,
 rewards, old/ref log-probs) is ``logprob``; ``compute_loss`` + ``accelerator.backward`` is
 ``fwd_bwd``; the remainder of the step (optimizer, scheduler, logging) is ``optimizer``.

@@ -295,7 +295,7 @@ def _mean_interval(values: dict[int, float]) -> str:
     if not values:
         return "-"
     t = paired_test(tuple(values.values()))
-    return f"{t.mean:.3f} [{t.low:.3f}, {t.high:.3f}]" if t.low is not None else f"{t.mean:.3f}"
+    return _interval(t) if t.low is not None else f"{t.mean:.3f}"
 
 
 def _split_table(grid: Grid, table: list[Row], key: str) -> list[str]:

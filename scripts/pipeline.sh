@@ -24,5 +24,6 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   python -m grpo.cli doctor --params params.yaml
 fi
 dvc repro
-echo "pipeline: done; see reports/report.html (offline), metrics/headline.json, and"
-echo "  python -m grpo.experiments table   (experiments: accuracies and what each changed)"
+echo "pipeline: done; see reports/report.html (offline) and metrics/headline.json. Next, in any shell:"
+echo "  source .venv/bin/activate          # once a shell: python, grpo and dvc are the project's"
+echo "  python -m grpo.experiments table   # experiments: accuracies and what each changed"

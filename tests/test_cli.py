@@ -143,7 +143,8 @@ def test_check_for_a_card_prints_the_saved_model_engines_and_a_verdict_per_stage
                for line in lines)
     assert any(line.startswith("  baseline_eval, final_eval: the policy exported dense in bfloat16; max_num_seqs 64 ")
                for line in lines)
-    stages = lines[lines.index("verdict per stage:") + 1:]
+    start = lines.index("verdict per stage:") + 1
+    stages = lines[start:next(i for i, line in enumerate(lines) if line.startswith("time: "))]  # the modelled times follow
     assert [line.split(":")[0].strip() for line in stages] == ["sent", "baseline_eval, final_eval", "train"]
     card = f"card {float(gib):.2f} GiB: "
     verdict = "fits: " if fits else "does not fit: "

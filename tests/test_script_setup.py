@@ -99,6 +99,32 @@ def test_torch_step_takes_the_cpu_build_from_the_cpu_index_else_stops_in_one_lin
     assert (proc.returncode, proc.stdout.strip()) == (0, f"torch: {CPU_BUILD} already installed")
 
 
+@pytest.mark.slow
+def test_an_older_drivers_torch_comes_from_torch_cuda_index(tmp_path):
+    """On a machine with nvidia-smi, TORCH_CUDA_INDEX replaces the registry's CUDA 13 build: torch==X
+    from that index (here a stand-in index holding the local X+cpu wheel, as PyTorch's cu126 index
+    holds X+cu126), and a second run keeps it instead of reinstalling the registry's build."""
+    wheel = _local_cpu_wheel()
+    if wheel is None:
+        pytest.skip(f"no local torch-{CPU_BUILD} wheel for this Python in PIP_FIND_LINKS")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    python = tmp_path / "venv" / "bin" / "python"
+    venv.create(tmp_path / "venv", with_pip=True)
+    older = _simple_index(tmp_path / "cu-older", wheel)
+    env = {**_public_only_env(_simple_index(tmp_path / "public", None), older), "TORCH_CUDA_INDEX": older,
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "scripts/install_torch.sh", str(python)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == f"torch: {CPU_BUILD} from {older}"
+    proc = subprocess.run(["bash", "scripts/install_torch.sh", str(python)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"torch: {CPU_BUILD} already installed")
+
+
 def _fake_python(path: Path, version_ok: bool, has_ensurepip: bool) -> Path:
     """An executable that answers setup.sh's two probes: the version check and ``import ensurepip``."""
     path.write_text("#!/bin/sh\n"

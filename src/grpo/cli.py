@@ -35,6 +35,7 @@ from grpo.engine.bounds import SAVED_MODEL_SEQS
 from grpo.errors import DeviceError, ModelConfigError, ParamsError
 from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
+from grpo.timing import format_times
 
 DEFAULT_PROMPT_TOKENS = 128
 
@@ -165,6 +166,7 @@ def cmd_check(args) -> int:
     saved = saved_model_plans(p, res.root, shapes, device, (prompt, how), bool(args.prompt_tokens), card)
     if card is not None:
         print("\n".join(stage_verdicts(p, shapes, device, prompt, card, saved, plan, est)))
+    print("\n".join(format_times(p, shapes, prompt)))
     return 0
 
 

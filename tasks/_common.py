@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from grpo import console
 from grpo.config import Params, Section, load_sections, read_params_yaml, reading_params
 from grpo.errors import DeviceError, ModelConfigError, ParamsError, StageStop
 from grpo.jsonio import DataError, write_json
@@ -66,17 +66,22 @@ def run_stage(name: str, body: Callable[[Params], None], sections: tuple[type[Se
     stage."""
     parser = argparse.ArgumentParser(prog=f"python -m tasks.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"every library's messages on the terminal too (or {console.VERBOSE_ENV}=1; "
+                             "by default they go to the log file the first line names)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
+    log_path = console.setup(name, verbose=args.verbose or console.verbose_from_env())
     t0 = time.perf_counter()
     try:
         params = load_sections(args.params, *sections)
+        console.route_libraries(log_path)
         with reading_params() as reads:
             body(params)
             metrics_dir = Path(params.train.metrics_dir)
     except USER_ERRORS as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
+    console.name_log(log_path)
     if not writes:  # another process of a data-parallel stage: rank 0 writes
         return 0
     path = time_file(name, args.params, metrics_dir)

@@ -28,7 +28,7 @@ def run_eval(params: Params, name: str, adapter_dir: str | None) -> dict:
         metrics["adapter"] = json.loads(selection.read_text())
     write_jsonl(Path("outputs/eval") / f"{name}.jsonl", per_problem)
     write_json(Path(params.train.metrics_dir) / f"{name}.json", metrics)
-    log.info("%s: accuracy %.3f [%.3f, %.3f], format %.3f, n=%d (%s, %s)", name, metrics["accuracy"],
-             metrics["accuracy_ci95_low"], metrics["accuracy_ci95_high"], metrics["format_rate"], metrics["n"],
-             metrics["backend"], metrics["weights"])
+    log.info("%s: accuracy %.3f [%.3f, %.3f] (95%%, clustered as the report's: effective n %.0f of %d), format %.3f (%s, %s)",
+             name, metrics["accuracy"], metrics["ci_low"], metrics["ci_high"], metrics["effective_n"], metrics["n"],
+             metrics["format_rate"], metrics["backend"], metrics["weights"])
     return metrics

@@ -268,3 +268,12 @@ def test_the_validation_interval_counts_a_problem_asked_twice_once():
     want = clustered_interval([True, True, False], ["3,4", "3,4", "5,6"])
     assert got == {"val_ci_low": want.low, "val_ci_high": want.high, "val_clusters": 2, "val_effective_n": want.effective_n}
     assert validation_interval([]) == {}
+
+
+def test_the_bar_shows_the_last_validation_measured_so_far():
+    from grpo.trainer import progress_postfix
+
+    rows = [{"reward_mean": 0.25, "rollout_accuracy": 0.125}]
+    assert progress_postfix(rows) == {"reward": "0.250", "acc": "0.125", "val": "-"}
+    rows += [{"reward_mean": 0.5, "rollout_accuracy": 0.5, "val_accuracy": 0.375}, {"reward_mean": None, "rollout_accuracy": 0.75}]
+    assert progress_postfix(rows) == {"reward": "-", "acc": "0.750", "val": "0.375"}

@@ -117,3 +117,14 @@ def test_acting_averages_where_the_rule_acted_over_the_steps_that_logged_it():
     assert out["mean_wide_band_grad_share"] == pytest.approx((0.0 + 0.3) / 2)
     assert out["mean_kept_grad_share"] == pytest.approx(0.6)
     assert acting([{"step": 1}]) == {}
+
+
+def test_the_stage_ends_on_one_short_line_of_the_figures_a_user_wants():
+    from grpo.training import summary_line
+
+    summary = {"steps": 40, "total_time_s": 301.4, "rollout_accuracy_first10": 0.1, "rollout_accuracy_last10": 0.6,
+               "final_val_accuracy": 0.56, "final_val_ci_low": 0.5, "final_val_ci_high": 0.61, "adapter": {"x": 1} }
+    line = summary_line(summary, "models/adapter", "metrics/train.json")
+    assert line.startswith("done: 40 steps in 301 s") and "0.100 -> 0.600" in line and "validation 0.560 [0.500, 0.610]" in line
+    assert "metrics/train.json" in line and len(line) < 200
+    assert "validation" not in summary_line({k: v for k, v in summary.items() if "val" not in k}, "a", "b")

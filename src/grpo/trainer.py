@@ -160,6 +160,15 @@ class EngineGapGuard:
                             "try the other train.rollouts.engine_weights form, or report it with bench/device_check.py's file")
 
 
+def progress_postfix(history: list[dict]) -> dict[str, str]:
+    """The training bar's figures: the last step's reward and rollout accuracy, and the last
+    validation accuracy measured so far ("-" before the first)."""
+    last = history[-1]
+    val = next((r["val_accuracy"] for r in reversed(history) if "val_accuracy" in r), None)
+    cells = {"reward": last["reward_mean"], "acc": last["rollout_accuracy"], "val": val}
+    return {k: "-" if v is None else f"{v:.3f}" for k, v in cells.items()}
+
+
 class GRPOTrainer:
     """Composes the phases of a step into optimizer steps over ``problems`` (module docstring)."""
 
@@ -404,7 +413,7 @@ class GRPOTrainer:
                             and not row.get("update_skipped"):  # a checkpoint is a step that updated
                         self.save_checkpoint()
                     bar.update(1)
-                    bar.set_postfix({k: "-" if row[k] is None else f"{row[k]:.3f}" for k in ("reward_mean", "rollout_accuracy")})
+                    bar.set_postfix(progress_postfix(self.history))
                 self.guard.check(row, self.run.latest_checkpoint)  # logged first; every rank stops alike
                 self.gap_guard.check(row)
         return self.history

@@ -130,7 +130,20 @@ def _train(params: Params, dist: Dist, device: str) -> None:
     write_json(summary_path, summary)
     for close in closers:
         close()
-    log.info("adapter written to %s; summary %s", adapter_dir, summary)
+    log.info("%s", summary_line(summary, adapter_dir, summary_path))
+
+
+def summary_line(summary: dict, adapter_dir, summary_path) -> str:
+    """The train stage's last line: steps, time, rollout accuracy first and last ten steps, the
+    last validation with its interval, where the adapter and the whole summary are."""
+    val = ""
+    if "final_val_accuracy" in summary:
+        ci = (f" [{summary['final_val_ci_low']:.3f}, {summary['final_val_ci_high']:.3f}]"
+              if "final_val_ci_low" in summary else "")
+        val = f", validation {summary['final_val_accuracy']:.3f}{ci}"
+    return (f"done: {summary['steps']} steps in {summary['total_time_s']:.0f} s, rollout accuracy "
+            f"{summary['rollout_accuracy_first10']:.3f} -> {summary['rollout_accuracy_last10']:.3f} (first/last 10 steps)"
+            f"{val}; adapter {adapter_dir}, the rest in {summary_path}")
 
 
 def acting(history: list[dict]) -> dict:

@@ -208,4 +208,4 @@ def _vllm_sampler(tokenizer, model_dir, section, seed: int, dtype: str, enforce_
         kv = (AutoConfig.from_pretrained(model_dir), positions, torch_dtype.itemsize)
     args = engine_args(model_dir, section, device=device, seed=seed, dtype=torch_dtype,
                        bounds=saved_model_bounds(section, kv), enforce_eager=enforce_eager)
-    return VLLMSampler(args, tokenizer, **lengths)
+    return VLLMSampler(args, tokenizer, progress=False, **lengths)  # the stage's own bar counts its calls (generate_in_batches)

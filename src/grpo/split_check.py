@@ -27,7 +27,7 @@ def train_refusals(cfg, train_rows: int | None, val_rows: int | None, val_what: 
     every = cfg.checkpoints.eval_every
     if every and val_rows == 0:
         out.append(f"train.checkpoints.eval_every: {every} evaluates {cfg.checkpoints.val_path} every {every} steps, "
-                   f"but it holds no row ({val_what}); carve a validation split (data.val_size) or set eval_every 0")
+                   f"but it holds no row ({val_what}): carve a validation split (data.val_size) or set eval_every 0")
     k = cfg.rollouts.prompts_per_step
     if train_rows:
         smallest = min(len(s) for s in stages_for(cfg.order, train_rows, num_stages_of(cfg), cfg.seed))

@@ -7,7 +7,8 @@ and where they come from:
   ``prepare_data`` carves it from the train split: the ``val_size`` rows after the first
   ``train_size`` (``grpo.data._listed_splits``).
 - ``jsonl``: the valid rows of ``data.path`` (a missing file is a ``DataError`` naming it), cut as
-  ``prepare_data`` cuts them: ``test_size`` rows, then at most ``train_size``, then the rest.
+  ``prepare_data`` cuts them: ``test_size`` rows, then at most ``train_size``, then at most
+  ``val_size`` of the rest (train and val are "at most" by that contract: refused only when empty).
 - ``arithmetic``: counted as the generator draws: every operand multiset of ``min_terms`` to
   ``max_terms`` operands in the operand range belongs to one split (``grpo.data.split_of``), and
   gives one question per distinct ordering of its operands, operator sequence whose value exists
@@ -45,10 +46,13 @@ COUNT_LIMIT = 200_000
 
 @dataclass(frozen=True)
 class Supply:
-    """The most rows each split can hold (None: no bound known) and, per split, where they come from."""
+    """The most rows each split can hold (None: no bound known), per split where they come from."""
 
     rows: dict[str, int | None]
     where: dict[str, str]
+    at_most: frozenset[str] = frozenset()
+    """The splits whose asked size is a most by the source's contract (jsonl's train and val: at
+    most that many of the rest): refused only when empty."""
 
 
 # ------------------------------------------------------------------------------ each source's sizes
@@ -76,7 +80,7 @@ def jsonl_supply(cfg, root: Path) -> Supply:
                   {"train": f"{cfg.path} ({n} valid rows) less data.test_size {cfg.test_size}",
                    "test": f"{cfg.path} ({n} valid rows)",
                    "val": f"{cfg.path} ({n} valid rows) less data.test_size {cfg.test_size} and data.train_size "
-                          f"{cfg.train_size}"})
+                          f"{cfg.train_size}"}, frozenset({"train", "val"}))
 
 
 def expressions_of(operands: tuple[int, ...], operators: list[str]) -> int:
@@ -152,11 +156,11 @@ def asked(cfg) -> dict[str, int]:
 
 
 def data_refusals(cfg, found: Supply) -> list[str]:
-    """One line per split asked more rows than ``found`` holds (an empty one first in its line)."""
+    """One line per split asked more rows than ``found`` holds (of an ``at_most`` split: none)."""
     out = []
     for split, n in asked(cfg).items():
         have = found.rows[split]
-        if n and have is not None and have < n:
+        if n and have is not None and (have == 0 or (have < n and split not in found.at_most)):
             there = "none" if have == 0 else f"only {have}"
             out.append(f"data.{split}_size: {n} {NAMES[split]} rows asked, but there are {there}: {found.where[split]}")
     return out

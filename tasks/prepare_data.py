@@ -10,13 +10,17 @@ from grpo.data import prepare_splits
 from grpo.jsonio import write_json, write_jsonl
 from grpo.sections.data_section import DataConfig
 from grpo.sections.shared import OtherStagesTrainKeys
+from grpo.split_sizes import data_refusals, drawn_supply, refuse, supply
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)
 
 
 def prepare_data(params: Params) -> None:
+    refuse(data_refusals(params.data, supply(params.data)))  # before a download or a draw
     train, test, val, stats = prepare_splits(params.data)
+    if stats["held_out_by"] != "question text":  # a generator's draw can stop short of its count
+        refuse(data_refusals(params.data, drawn_supply(stats)))
     log.info(
         "%s: train %d, test %d, validation %d (%d test rows dropped: question also in train; %d duplicate train "
         "rows; %d validation rows seen or repeated; %d rejected)",

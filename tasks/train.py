@@ -20,11 +20,13 @@ from grpo.sections.decode import DecodeConfig
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.train import TrainConfig
+from grpo.split_check import check_training_files
 from grpo.training import Interrupted, run
 from tasks._common import run_stage
 
 
 def train(params: Params, argv: list[str] = ()) -> None:
+    check_training_files(params.train)  # an empty validation split or too small a stage stops here, before the model loads
     run(params, worker=["-m", "tasks.train", *argv])
 
 

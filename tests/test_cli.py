@@ -252,3 +252,32 @@ def test_a_repeated_key_or_bad_yaml_exits_2_with_one_line(text, message, tmp_pat
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.splitlines() == [f"grpo check: error: {path}:{message}"]
     assert path.read_text() == text
+
+
+def test_check_refuses_a_preset_whose_validation_split_would_be_empty(tmp_path):
+    """Seed 003's preset as it was (all of GSM8K's train split for training): the real CLI exits 2
+    with one line naming the empty split and the evaluation interval that would meet it."""
+    raw = yaml.safe_load((REPO / "presets/seed003.yaml").read_text())
+    raw["data"]["train_size"] = 7473
+    preset = tmp_path / "presets" / "old_seed003.yaml"
+    preset.parent.mkdir()
+    preset.write_text(yaml.safe_dump(raw))
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    proc = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(preset), "--device", "cuda",
+                           "--gpu-memory", "7.6"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1
+    assert lines[0].startswith("grpo check: error: data.val_size: 200 validation rows asked, but there are none: ")
+    assert "; train.checkpoints.eval_every: 50 evaluates data/raw/val.jsonl" in lines[0]
+
+
+def test_check_prints_the_splits_of_seed003(capsys):
+    code, out, err = run(capsys, "check", "--params", str(REPO / "presets/seed003.yaml"), "--prompt-tokens", "100")
+    assert code == 0, err
+    splits = [line.strip() for line in out.splitlines() if line.startswith("  splits") or line.startswith(" " * 12)]
+    p = cli.resolve_params(REPO / "presets/seed003.yaml").params.data
+    assert f"splits    training {p.train_size} of {p.train_size} asked" in out
+    assert any(line.startswith(f"validation {p.val_size} of {p.val_size} asked (GSM8K's train split after its first "
+                               f"{p.train_size} rows") for line in splits)

@@ -267,3 +267,18 @@ def test_preset_with_an_unknown_key_fails_with_one_line(preset, tmp_path):
     assert len(lines) == 1 and "Traceback" not in proc.stderr
     assert lines[0] == f"apply_preset: error: {bad}: train.learning_rate: unknown key; did you mean train.optimizer.lr?"
     assert params.read_text() == (REPO / "params.yaml").read_text()
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_preset_splits_exist_at_the_sources_real_sizes(preset):
+    """Each preset passes the split check (grpo.split_check) at its source's real sizes, with a
+    validation split of the asked size wherever training evaluates."""
+    from grpo.cli import resolve_params
+    from grpo.split_check import check_params
+    from grpo.split_sizes import expected_rows, supply
+
+    params = resolve_params(preset).params
+    check_params(params, REPO)
+    rows = expected_rows(params.data, supply(params.data, REPO))
+    assert rows == {"train": params.data.train_size, "test": params.data.test_size, "val": params.data.val_size}
+    assert not params.train.checkpoints.eval_every or rows["val"] > 0

@@ -104,3 +104,27 @@ def test_a_run_of_another_params_file_leaves_the_workspace_time_alone(tmp_path):
     written = (tmp_path / "metrics" / "time" / "prepare_data.json").read_text()
     run("--params", "preset.yaml")
     assert (tmp_path / "metrics" / "time" / "prepare_data.json").read_text() == written
+
+
+def test_a_gsm8k_split_that_would_be_empty_is_refused_before_the_download(tmp_path):
+    """All of GSM8K's train split for training leaves no validation row: refused from GSM8K's sizes
+    (offline, so a download attempt would fail with the hub's line instead)."""
+    params = tmp_path / "params.yaml"
+    params.write_text(f"data: {{source: gsm8k, train_size: 7473, test_size: 1319, out_dir: {tmp_path}/raw}}\n")
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tasks.prepare_data", "--params", str(params)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "prepare_data: error: data.val_size: 200 validation rows asked, but there are none: GSM8K's train split")
+    assert not (tmp_path / "raw").exists()
+
+
+def test_a_jsonl_source_whose_file_is_missing_is_one_line_naming_it(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(f"data: {{source: jsonl, path: {tmp_path}/gone.jsonl, out_dir: {tmp_path}/raw}}\n"
+                      f"train: {{metrics_dir: {tmp_path}/metrics}}\n")
+    proc = subprocess.run([sys.executable, "-m", "tasks.prepare_data", "--params", str(params)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"prepare_data: error: data.path: {tmp_path}/gone.jsonl: file not found"]

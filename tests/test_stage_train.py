@@ -161,3 +161,17 @@ def test_a_changed_setting_moves_the_earlier_run_aside(tiny_model_dir, tiny_prob
         f"{tmp_path / 'out'})")
     assert _files(moved) == first and "checkpoints/step_000002/adapter.safetensors" in first
     assert [r["step"] for r in _steps(tmp_path)] == [1, 2, 3]
+
+
+def test_an_empty_validation_file_stops_the_stage_before_the_model_loads(tiny_problems, tmp_path):
+    """eval_every with a validation file of no row: one line naming the key, exit 2, no model read
+    (the model path does not exist)."""
+    (tmp_path / "val.jsonl").write_text("")
+    params = _write_params(tmp_path, tmp_path / "no_model", tiny_problems,
+                           checkpoints={"val_path": str(tmp_path / "val.jsonl"), "eval_every": 4})
+    proc = _train(params)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    assert out.strip().splitlines()[-1].startswith("train: error: train.checkpoints.eval_every: 4 evaluates "
+                                                   f"{tmp_path}/val.jsonl every 4 steps, but it holds no row (the file)")
+    assert not (tmp_path / "out").exists()

@@ -1,8 +1,9 @@
 """The ``grpo`` command: ``grpo check``, ``grpo ask`` and ``grpo doctor`` (also ``python -m grpo.cli``;
 ``grpo --version``).
 
-``grpo check [--params FILE] [--device cpu|cuda] [--gpu-memory GIB]`` validates the params, prints
-the main settings, the device, the stages ``dvc repro`` would run and an estimate of one training
+``grpo check [--params FILE] [--device cpu|cuda] [--gpu-memory GIB]`` validates the params, refuses
+splits that would be empty or short at the data source's real sizes or that training would misuse
+(``grpo.split_check``, one line naming the key, exit code 2), prints the main settings, the splits, the device, the stages ``dvc repro`` would run and an estimate of one training
 step's peak memory (``grpo.memory``); on CUDA with engine rollouts, the train engine's arithmetic
 and both phases with it, then the arithmetic of SENT's and the evaluations' engines (one generation
 call each), and for a card of ``GIB`` total, as the card reports it (else this machine's), a
@@ -33,6 +34,7 @@ from grpo.config import Params, read_params_yaml
 from grpo.dvcfile import find_root
 from grpo.engine.bounds import SAVED_MODEL_SEQS
 from grpo.errors import DeviceError, ModelConfigError, ParamsError
+from grpo.jsonio import DataError
 from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
 from grpo.timing import format_times
@@ -97,7 +99,7 @@ def settings_lines(p: Params) -> list[str]:
     eps, eps_high = t.loss.clip()
     clip = _g(eps) + (f"/{_g(eps_high)}" if eps_high != eps else "")
     return [
-        f"  data      {source}, {d.train_size} train / {d.test_size} test -> {d.out_dir}",
+        f"  data      {source}, {d.train_size} train / {d.test_size} test / {d.val_size} validation -> {d.out_dir}",
         f"  model     {m.name} -> {m.path}, {m.quantization}, dtype {m.dtype}, gradient checkpointing "
         f"{'on' if m.gradient_checkpointing else 'off'}",
         f"  lora      r{lo.rank} alpha {_g(lo.alpha)} dropout {_g(lo.dropout)} on {', '.join(lo.target_modules)}",
@@ -119,9 +121,12 @@ def cmd_check(args) -> int:
     from grpo.device import default_device, describe_device
     from grpo.engine import needs
     from grpo.rollout_backends import uses_engine
+    from grpo.split_check import check_params
 
+    splits = check_params(p, res.root)  # a split that would be empty or short stops here, before the estimate
     print(f"params: {res.label}: valid")
     print("\n".join(settings_lines(p)))
+    print("\n".join(f"  {'splits' if i == 0 else '':<10}{line}" for i, line in enumerate(splits)))
     here = describe_device()
     print(f"device: estimating for {args.device} (--device); this machine: {here}" if args.device
           else f"device: estimating for this machine: {here}")
@@ -401,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     try:
         return args.func(args)
-    except (ParamsError, ModelConfigError, DeviceError, FileNotFoundError) as err:
+    except (ParamsError, DataError, ModelConfigError, DeviceError, FileNotFoundError) as err:
         print(f"grpo {args.command}: error: {err}", file=sys.stderr)
         return 2
 

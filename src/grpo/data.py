@@ -105,6 +105,9 @@ def check_arithmetic_labels(rows: list[dict]) -> None:
 
 
 GSM8K_ID = "openai/gsm8k"
+GSM8K_ROWS = {"train": 7473, "test": 1319}
+"""The rows of GSM8K's splits (config ``main``; no validation split: ``_listed_splits`` carves one
+from train, after the first ``data.train_size`` rows). ``grpo.split_sizes`` checks asked sizes against them."""
 OFFLINE_SOURCES = "gsm_symbolic, arithmetic or jsonl"
 
 

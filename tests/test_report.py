@@ -456,3 +456,21 @@ def test_the_report_says_what_was_learned_with_intervals_that_count_a_problem_on
     assert table_row(learned, "1 & 1")[1:] == ["2", "0.00 (0/2)", "1.00 (2/2)"]
     assert f"*{CLASS_WORDS['sum_not_last']}, after training*" in learned and "plus 1 is 34" in learned
     assert "1.23%" in table_row(md, next(w for k, w in TRAIN_ROWS if k == "mean_wide_band_frac"))[1]
+
+
+def test_a_cell_with_pipes_stays_one_cell_in_the_html():
+    from grpo.report import _cell, to_html
+
+    words = "their share of the policy gradient (|dL/dlogp|), mean per step"
+    html = to_html("\n".join(["| quantity | value |", "|---|---|", f"| {_cell(words)} | {_cell('0.55%')} |", ""]))
+    row = html.split("<tbody>")[1].split("</tr>")[0]
+    assert row.count("<td>") == 2 and "(|dL/dlogp|)" in row and "0.55%" in row
+
+
+def test_a_signal_flat_at_every_step_is_left_out_with_its_value():
+    from grpo.report import signal_panels
+
+    steps = [{"step": i, "entropy_mean": 0.5 + i, "kept_frac": 1.0, "wide_band_frac": 0.01 * i} for i in range(3)]
+    shown, left_out = signal_panels(steps)
+    assert [k for k, _ in shown] == ["entropy_mean", "wide_band_frac"]
+    assert any(line.startswith("kept-token fraction (entropy mask): 1 at every step") for line in left_out)

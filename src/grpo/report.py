@@ -164,13 +164,16 @@ def plot_validation(steps: list[dict], out: Path, selected_step: int | None = No
 
 
 SIGNALS = (("entropy_mean", "token entropy (nats)"), ("kl", "KL to the reference policy"),
-           ("kept_frac", "kept-token fraction (entropy mask)"), ("completion_len", "completion length (tokens)"))
+           ("kept_frac", "kept-token fraction (entropy mask)"),
+           ("wide_band_frac", "tokens in archer's wider-clip band (plain PPO would clip them)"),
+           ("completion_len", "completion length (tokens)"))
 
 
 def signal_panels(steps: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
     """The ``SIGNALS`` panels that carry something, and a sentence for each one left out: a
-    statistic no step logged, or the KL when it is 0 at every step (``train.loss.beta`` 0: the loss has
-    no KL term and the reference log-probs are not computed)."""
+    statistic no step logged, the KL when it is 0 at every step (``train.loss.beta`` 0: the loss has
+    no KL term and the reference log-probs are not computed), or one with the same value at every
+    step (the kept-token fraction 1 of a rule that keeps every token: a flat line shows nothing)."""
     shown, left_out = [], []
     for key, title in SIGNALS:
         values = [r[key] for r in steps if key in r and not math.isnan(r[key])]
@@ -178,6 +181,8 @@ def signal_panels(steps: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
             left_out.append(f"{title}: not logged")
         elif key == "kl" and all(v == 0 for v in values):
             left_out.append(f"{title}: 0 at every step (train.loss.beta is 0, so it is not computed)")
+        elif len(set(values)) == 1:  # a flat line: the part does not act in this run (every token kept, say)
+            left_out.append(f"{title}: {values[0]:.3g} at every step")
         else:
             shown.append((key, title))
     return shown, left_out
@@ -213,6 +218,11 @@ def interval_words(m: dict) -> str:
     return m.get("ci_method", "clustered by operand multiset")
 
 
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell: its pipes escaped (``|dL/dlogp|`` would split the row)."""
+    return str(text).replace("|", "\\|")
+
+
 @_styled
 def plot_accuracy(baseline: dict, final: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
@@ -220,8 +230,8 @@ def plot_accuracy(baseline: dict, final: dict, out: Path) -> None:
     acc = [m["accuracy"] for m in ms]
     err = [[a - interval(m)[0] for a, m in zip(acc, ms)], [interval(m)[1] - a for a, m in zip(acc, ms)]]
     ax.bar(names, acc, yerr=err, capsize=8, color=["#999999", "#3b7dd8"])
-    for i, a in enumerate(acc):
-        ax.text(i, a / 2, f"{a:.3f}", ha="center", color="white")
+    for i, (a, m) in enumerate(zip(acc, ms)):  # the label above the interval's top, clear of its bar
+        ax.text(i, interval(m)[1] + 0.03, f"{a:.3f}", ha="center", va="bottom")
     ax.set_ylabel(f"test accuracy (n={final['n']}, 95% CI)")
     ax.set_ylim(0, 1)
     _save(fig, out)
@@ -326,8 +336,8 @@ def _header_section(root: Path, params_file: Path) -> list[str]:
     md += [f"Seeds: data {params.data.seed}, SENT {params.sent.seed}, training {params.train.seed}.", ""]
     changed = params_changed(params)
     if not changed:
-        return md + ["Params: the defaults of `src/grpo/config.py` (none changed).", ""]
-    return md + ["Params that differ from the defaults of `src/grpo/config.py`:", "",
+        return md + ["Params: the defaults of `src/grpo/sections/` (none changed).", ""]
+    return md + ["Params that differ from the defaults of `src/grpo/sections/`:", "",
                  "| param | this run | default |", "|---|---|---|",
                  *(f"| `{k}` | {_value(v)} | {_value(d)} |" for k, v, d in changed), ""]
 
@@ -506,7 +516,7 @@ def _training_section(steps: list[dict], train: dict | None, final: dict | None,
         if left_out:
             md += ["Not drawn: " + "; ".join(left_out) + ".", ""]
     if train:
-        md += ["| quantity | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in _train_rows(train)), ""]
+        md += ["| quantity | value |", "|---|---|", *(f"| {_cell(k)} | {_cell(v)} |" for k, v in _train_rows(train)), ""]
     return md
 
 
@@ -614,7 +624,8 @@ def _run_section(timings: dict[str, float], params_file: Path) -> list[str]:
 STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:1em auto;padding:0 1em;line-height:1.4}"
          "img{max-width:100%;height:auto}"
          "table{border-collapse:collapse;display:block;overflow-x:auto;max-width:100%;margin:1em 0}"
-         "td,th{border:1px solid #ccc;padding:3px 8px}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;overflow-wrap:anywhere}"
+         "@media (max-width:600px){table{font-size:0.8em}td,th{padding:2px 4px}}"
          "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
          "code{overflow-wrap:anywhere}summary{cursor:pointer;margin:1em 0}"
          "details pre{white-space:pre;overflow-x:auto}details code{overflow-wrap:normal}")

@@ -6,9 +6,9 @@ bitsandbytes builds it, the real ``GRPOTrainer``):
 
 * ``update``: one step's no-grad passes and update, as ``GRPOTrainer.train_step`` runs them after
   the rollouts (``PolicyPasses.step_normalizer``, ``fixed_logprobs``, ``GRPOTrainer.update``: ``mu``
-  updates of every micro-batch's forward and backward, the optimizer's steps). A first step runs
-  uncounted (AdamW's moments exist from then on, as in every step but the first); the second is
-  counted. ``bench/device_update.py`` timed the same call on the H200 (its ``step_s``).
+  updates of every micro-batch's forward and backward, the optimizer's steps), with AdamW's
+  moments made first (``warm_optimizer``), as in every step but the first.
+  ``bench/device_update.py`` timed the same call on the H200 (its ``step_s``).
 * ``decode_token``: one iteration of the static decode loop (``grpo.sampling.static_loop``, the loop
   ``decode.loop: auto`` runs on CUDA, its step not compiled) on the dense copies with LoRA folded in
   (``grpo.nf4_layers.dequantized_weights``, as ``TransformersBackend`` decodes), all
@@ -457,6 +457,15 @@ def state_cloned(trainer):
     return [p.detach().clone() for p in trainer.params], tree_map(clone, trainer.updater.state_dict())
 
 
+def warm_optimizer(trainer, torch) -> None:
+    """AdamW's moments made, uncounted, as a first step leaves them (an optimizer step on zero
+    gradients): the counted step is then like every step but the first."""
+    for q in trainer.params:
+        q.grad = torch.zeros_like(q)
+    trainer.updater.optimizer.step()
+    trainer.updater.optimizer.zero_grad(set_to_none=True)
+
+
 def run_update(trainer, batch_of, counter: OpCounter, flop_mode, rows: int | None = None) -> float:
     """One step's passes and update in ``GRPOTrainer.train_step``'s order, counted: the normaliser
     over every completion, the update's rows (the first ``rows``: ``update_rows``' groups with
@@ -590,9 +599,9 @@ def main(argv=None) -> dict:
         finite_as_on_a_card(trainer)
         n = trainer.cfg.rollouts.prompts_per_step * trainer.cfg.rollouts.group_size
         with flop_mode, counter.mode():
-            run_update(trainer, batch_of, counter, flop_mode)  # AdamW's moments made: uncounted
-            counter.reset()
+            warm_optimizer(trainer, torch)
             fc = run_update(trainer, batch_of, counter, flop_mode)
+            progress(t0, "the update")
             out["update"] = {"shape": update_shape(p, trainer, prompt, n), **counter.summary(args.top, fc)}
             variants = {}
             for name in args.variant_names:
@@ -608,11 +617,13 @@ def main(argv=None) -> dict:
                 fc = run_update(vt, vbatch_of, counter, flop_mode, rows)
                 variants[name] = {"departures": departures, "shape": update_shape(vp, vt, prompt, rows),
                                   **counter.summary(args.top, fc)}
+                progress(t0, f"variant {name}")
             out["variants"] = variants
             if not args.no_decode:
                 counter.reset()
                 fc, shape = run_decode_token(model, p, prompt, counter, flop_mode, torch)
                 out["decode_token"] = {"shape": shape, **counter.summary(args.top, fc)}
+                progress(t0, "one decode step")
                 m = measured()["decode"]
                 counter.reset()
                 run_decode_call(model, m["profile_tokens"], m["prompt_tokens"], m["rows"],
@@ -643,6 +654,10 @@ def main(argv=None) -> dict:
 
 
 # ------------------------------------------------------------------------------------- the report
+def progress(t0: float, what: str) -> None:
+    print(f"[{time.time() - t0:5.0f} s] counted: {what}", file=sys.stderr, flush=True)
+
+
 def fmt_s(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 

@@ -187,6 +187,12 @@ TENSOR_CORE = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_prod
                "_scaled_dot_product_cudnn_attention_backward", "_efficient_attention_forward",
                "_efficient_attention_backward", "_flash_attention_forward", "_flash_attention_backward"}
 """Ops whose FLOPs run on tensor cores in bf16/fp16."""
+OVERWRITES = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"}
+"""In-place ops that write their first argument without reading it: its bytes count once."""
+PARTIAL_WRITES = {"index_copy_", "index_put_", "_index_put_impl_", "scatter_", "scatter_add_", "scatter_reduce_",
+                  "masked_scatter_", "index_add_"}
+"""In-place ops that write part of their first argument (a KV cache's new position): what they read and
+the values they write count, not the whole destination."""
 FOREACH_TENSORS = 64
 """Tensors per kernel of a ``_foreach_*`` op (torch's multi-tensor apply packs tens of tensors a launch;
 assumed)."""
@@ -219,6 +225,20 @@ class CardCount:
 def phase_group(name: str) -> str:
     """``bench/cuda_memory.instrument``'s phase names with the micro-batch numbers taken out."""
     return re.sub(r"micro-batch \d+ forward\+backward.*", "micro-batches forward+backward", name)
+
+
+def moved_bytes(name: str, args, ins: list, outs: list) -> int:
+    """Bytes an op moves: the sizes of its tensor inputs and outputs (``OVERWRITES`` and
+    ``PARTIAL_WRITES``: what it reads, plus what it writes)."""
+    import torch
+
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    if (name in OVERWRITES or name in PARTIAL_WRITES) and args and isinstance(args[0], torch.Tensor):
+        dest = args[0]
+        others = [t for t in ins if t is not dest]
+        written = size(dest) if name in OVERWRITES else sum(size(t) for t in others if t.dtype == dest.dtype)
+        return sum(size(t) for t in others) + written
+    return sum(size(t) for t in ins + outs)
 
 
 class OpCounter:
@@ -275,7 +295,7 @@ class OpCounter:
                     self._add(key, card, kname, flops, nbytes, launches, tensor, bound["A"].dtype)
             self.flops += 2.0 * bound["A"].numel() * bound["shapeB"][0]
             return
-        nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
+        nbytes = moved_bytes(name, args, ins, outs)
         if nbytes == 0:
             return
         pkt = func.overloadpacket
@@ -378,6 +398,7 @@ VARIANTS = {
     "mu 1, micro_batches 2": ({"train.optimizer.mu": 1, "train.passes.micro_batches": 2}, 1.0),
     "archer kl_low 0 (no reference pass)": ({"train.loss.entropy_rule_options.archer.kl_low": 0.0}, 1.0),
     "archer kl_low 0, half the groups uniform (dropped)": ({"train.loss.entropy_rule_options.archer.kl_low": 0.0}, 0.5),
+    "high, mu 1 (the H100 runs' update)": ({"train.loss.entropy_rule": "high", "train.optimizer.mu": 1}, 1.0),
 }
 """Params the update's time and rows depend on. A rule without a KL term (``archer`` at ``kl_low`` 0,
 ``high``) lets ``GRPOTrainer.update_rows`` drop the groups of equal rewards; which groups those are
@@ -572,10 +593,10 @@ def main(argv=None) -> dict:
     fake_cuda.load()
     import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
     import torch
+    from cuda_memory import build_policy, instrument, make_trainer
     from fake_cuda.trace import DataDependent, patch_torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from cuda_memory import build_policy, instrument, make_trainer
     from grpo.trainer_builder import depart
 
     t0 = time.time()

@@ -57,35 +57,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fake_cuda  # noqa: E402  (before torch: see fake_cuda.load)
 
+from grpo.timing import CARDS, Card  # noqa: E402  (the cards' data-sheet figures; imports no torch)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-# ------------------------------------------------------------------------------------- the cards
-@dataclass(frozen=True)
-class Card:
-    """What the roofline needs of a card; ``source`` says where each figure comes from."""
+# the cards: grpo.timing.CARDS, the one home of their data-sheet figures (grpo check's times read them too)
 
-    name: str
-    bandwidth: float  # bytes / s of device memory
-    tensor_flops: float  # dense bf16/fp16 tensor-core FLOP/s with fp32 accumulation
-    fp32_flops: float  # FLOP/s of fp32 matmuls (no TF32: torch's default for matmuls)
-    launch_s: float  # cost of one kernel launch
-    sms: int  # streaming multiprocessors (bitsandbytes' kernel choice reads them)
-    capability: tuple[int, int]
-    source: str
-
-
-CARDS = {
-    "h200": Card("NVIDIA H200 SXM", 4.8e12, 989e12, 67e12, 5e-6, 132, (9, 0),
-                 "NVIDIA H200 spec sheet: HBM3e 4.8 TB/s, BF16/FP16 tensor 1,979 TFLOP/s with sparsity "
-                 "(989 dense), FP32 67 TFLOP/s; 132 SMs, sm_90; launch cost assumed 5 us"),
-    "rtx3060ti": Card("NVIDIA GeForce RTX 3060 Ti", 448e9, 32.4e12, 16.2e12, 5e-6, 38, (8, 6),
-                      "NVIDIA spec sheet: 8 GB GDDR6 at 14 Gbps on 256 bits = 448 GB/s, 38 SMs, 4,864 CUDA "
-                      "cores, boost 1,665 MHz, sm_86; Ampere GA10x tensor cores (GA102 whitepaper): 512 dense "
-                      "fp16 FMA per SM per clock with fp16 accumulation = 64.8 TFLOP/s at boost, half that "
-                      "with fp32 accumulation (bf16 and torch's fp16 matmuls accumulate in fp32) = 32.4; "
-                      "FP32 16.2 TFLOP/s; launch cost assumed 5 us"),
-}
 
 MEASURED_DIR = REPO / "docs" / "gpu-runs" / "2026-11-28-h200"
 

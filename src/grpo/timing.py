@@ -38,21 +38,31 @@ MEASURED_TIMES = Path(__file__).with_name("measured_times.yaml")
 
 @dataclass(frozen=True)
 class Card:
-    """A card's data-sheet figures: memory bandwidth (bytes/s) and dense bf16 tensor rate with
-    fp32 accumulation (FLOP/s), as torch's bf16 matmuls run."""
+    """What the roofline needs of a card; ``source`` says where each figure comes from."""
 
     name: str
-    bandwidth: float
-    bf16_flops: float
+    bandwidth: float  # bytes / s of device memory
+    tensor_flops: float  # dense bf16/fp16 tensor-core FLOP/s with fp32 accumulation
+    fp32_flops: float  # FLOP/s of fp32 matmuls (no TF32: torch's default for matmuls)
+    launch_s: float  # cost of one kernel launch
+    sms: int  # streaming multiprocessors (bitsandbytes' kernel choice reads them)
+    capability: tuple[int, int]
+    source: str
 
 
 CARDS = {
-    "h200": Card("NVIDIA H200 (SXM)", 4.8e12, 989e12),
-    "rtx3060ti": Card("NVIDIA RTX 3060 Ti", 448e9, 32.4e12),
+    "h200": Card("NVIDIA H200 SXM", 4.8e12, 989e12, 67e12, 5e-6, 132, (9, 0),
+                 "NVIDIA H200 spec sheet: HBM3e 4.8 TB/s, BF16/FP16 tensor 1,979 TFLOP/s with sparsity "
+                 "(989 dense), FP32 67 TFLOP/s; 132 SMs, sm_90; launch cost assumed 5 us"),
+    "rtx3060ti": Card("NVIDIA GeForce RTX 3060 Ti", 448e9, 32.4e12, 16.2e12, 5e-6, 38, (8, 6),
+                      "NVIDIA spec sheet: 8 GB GDDR6 at 14 Gbps on 256 bits = 448 GB/s, 38 SMs, 4,864 CUDA "
+                      "cores, boost 1,665 MHz, sm_86; Ampere GA10x tensor cores (GA102 whitepaper): 512 dense "
+                      "fp16 FMA per SM per clock with fp16 accumulation = 64.8 TFLOP/s at boost, half that "
+                      "with fp32 accumulation (bf16 and torch's fp16 matmuls accumulate in fp32) = 32.4; "
+                      "FP32 16.2 TFLOP/s; launch cost assumed 5 us"),
 }
-"""Cards the model knows, by name. H200: NVIDIA's H200 data sheet (4.8 TB/s HBM3e, 989 TFLOP/s
-dense bf16). RTX 3060 Ti: NVIDIA's Ampere GA102/GA104 whitepaper figures for the card (448 GB/s
-GDDR6; 64.8 TFLOP/s fp16 tensor with fp16 accumulation, half that with fp32 accumulation)."""
+"""Cards the model knows, by name: the data-sheet figures (``source``) of each; the launch cost is an
+assumption (bench/step_model.py counts launches; docs/benchmarks.md compares with the measured card)."""
 
 
 @dataclass(frozen=True)
@@ -107,9 +117,9 @@ def decode_step_s(shapes: ModelShapes, card: Card, rows: int, positions: int, re
 def update_s(shapes: ModelShapes, card: Card, rows: int, positions: int, mu: int, ref: Reference) -> float:
     """One step's update on ``card``: its FLOP floor plus the reference card's measured excess (scaled to the rows)."""
     ref_card = CARDS[ref.card]
-    ref_floor = update_flops(shapes, ref.update_rows, ref.update_positions, ref.update_mu) / ref_card.bf16_flops
+    ref_floor = update_flops(shapes, ref.update_rows, ref.update_positions, ref.update_mu) / ref_card.tensor_flops
     scale = (rows * positions * mu) / (ref.update_rows * ref.update_positions * ref.update_mu)
-    return update_flops(shapes, rows, positions, mu) / card.bf16_flops + max(ref.update_s - ref_floor, 0.0) * scale
+    return update_flops(shapes, rows, positions, mu) / card.tensor_flops + max(ref.update_s - ref_floor, 0.0) * scale
 
 
 @dataclass(frozen=True)

@@ -346,6 +346,7 @@ def main_all(args) -> dict:
     from grpo import memory
     from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
     from grpo.engine.needs import longest_prompt_tokens
+    from grpo.sampling import compiled_steps
     from grpo.trainer_builder import depart, departure_line
 
     t0 = time.time()
@@ -386,6 +387,7 @@ def main_all(args) -> dict:
                         what = stage_calls.train_step(trace, trainer, tok, p, prompt,
                                                       min(args.val_prompts, p.data.val_size))
                         trainer.backend.close()
+                        what["released"] = not compiled_steps(model)
                 predicted = memory.estimate(p, shapes, "cuda", prompt)
                 what["predicted_phase"] = predicted.peak_phase
                 predicted = predicted.peak

@@ -18,7 +18,9 @@ the step's buffers stay after it, for the next call: its ``StaticCache`` (N' x L
 pass runs beside them) when the call makes the step; a call on a step already held finds them
 allocated (outside the budget) and counts none. The decode phase then holds the prompts' cache
 (B' x P'), the larger of the six logits-sized tensors and the prefill's MLP activations (B' P'
-tokens), and the (N', C) token buffers.
+tokens), and the (N', C) token buffers; the log-prob pass what the trace of it shows
+(``logprob_pass_bytes``: the LM head's chunk of logits, not a KV cache, is its largest part). The
+uncompiled loops keep the terms above, with which the H200's call was checked.
 
 The larger of the two phases, times ``1 + ALLOWANCE``, is the call's prediction. ``ALLOWANCE`` covers
 what the terms leave out (allocator rounding, the copies of one layer while the cache is filled):

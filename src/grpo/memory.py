@@ -27,7 +27,16 @@ rounded to whole groups, or the whole step, ``prompts_per_step * G``):
   ``n * b`` for every quantised weight plus another for each one a LoRA adapter wraps: a term of its
   own, always taken on a CPU; on CUDA the decode loop takes them where they fit the free memory
   (``grpo.rollout_backends.dense_decode``), so ``verdict`` also tries the step without them (4-bit
-  decoding, slower) before it says the step does not fit.
+  decoding, slower) before it says the step does not fit;
+* with the decode step compiled (``decode.*`` on CUDA; ``_compiled_step_terms``), instead of the
+  KV cache: the compiled step's buffers, which stay through the update (its ``StaticCache`` for the
+  call padded to its shape, int64 mask, CUDA graph pool: ``grpo.decode_memory.compiled_step_bytes``),
+  and the prompts' cache while the prefill copies it in; validation's calls run on the same step,
+  and the dense copies stay too (``both``).
+
+SENT's and the evaluations' calls on the decode loop (no vLLM): ``decode_call`` (the dense model,
+the split ``TransformersBackend`` makes under the card's budget, ``grpo.decode_memory.call_bytes``),
+``decode_call_verdict`` its line.
 
 Training phase, per micro-batch of ``n`` rows (``prompts_per_step * G / micro_batches``, rounded up
 to whole groups as the trainer slices them), with ``T = P + C``:

@@ -28,7 +28,7 @@ cuBLAS workspaces, the allocator's fragmentation, the CUDA context, the vLLM eng
 Run: ``python bench/cuda_memory.py [--params presets/seed003.yaml] [--json out.json]``.
 The shim this needs is ``bench/fake_cuda`` (built with g++ on first use).
 
-``--all`` traces instead every CUDA call of the stages where the decode loop samples (no vLLM; the
+``--all`` (default params: ``presets/seed003.yaml``) traces instead every CUDA call of the stages where the decode loop samples (no vLLM; the
 params' backends departed to ``transformers``), each in a process of its own as the stages run
 them, on a card of ``--cap-gib`` with the measured CUDA context outside the allocator
 (``--context-gib``, default the H200 check's ``context.outside_forward_gib``): SENT's call,
@@ -64,7 +64,8 @@ GiB, MiB = 2**30, 2**20
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--params", default="params.yaml", help="params file (a preset over its workspace's params.yaml)")
+    ap.add_argument("--params", help="params file (a preset over its workspace's params.yaml; default params.yaml, "
+                    "with --all presets/seed003.yaml: the 8 GB card's)")
     ap.add_argument("--prompt-tokens", type=int, help="prompt length (default: as `grpo check` takes it)")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--top", type=int, default=10, help="largest live tensor groups shown at the peak")
@@ -73,7 +74,9 @@ def parse_args(argv=None):
     ap.add_argument("--context-gib", type=float, help=f"--all: memory outside the allocator (default: {CONTEXT_FILE})")
     ap.add_argument("--val-prompts", type=int, default=64, help="--all: validation's problems (at most val_size)")
     ap.add_argument("--calls", default="sent,evaluation,train_step", help="--all: the calls to trace")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.params = args.params or ("presets/seed003.yaml" if args.all else "params.yaml")
+    return args
 
 
 CONTEXT_FILE = "docs/gpu-runs/2026-11-28-h200/device_check.json"

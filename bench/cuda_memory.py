@@ -27,6 +27,16 @@ cuBLAS workspaces, the allocator's fragmentation, the CUDA context, the vLLM eng
 
 Run: ``python bench/cuda_memory.py [--params presets/seed003.yaml] [--json out.json]``.
 The shim this needs is ``bench/fake_cuda`` (built with g++ on first use).
+
+``--all`` (default params: ``presets/seed003.yaml``) traces instead every CUDA call of the stages where the decode loop samples (no vLLM; the
+params' backends departed to ``transformers``), each in a process of its own as the stages run
+them, on a card of ``--cap-gib`` with the measured CUDA context outside the allocator
+(``--context-gib``, default the H200 check's ``context.outside_forward_gib``): SENT's call,
+the evaluation's call and the train step whole (its rollouts on the compiled step with their
+cache and kept dense copies, validation's call, the update), each beside ``grpo check``'s
+prediction (``grpo.memory.decode_call``, ``grpo.memory.estimate``); ``bench/fake_cuda/calls.py``
+says what is replaced. ``--json`` then writes ``{"calls": {NAME: {"traced_gib", "predicted_gib",
+"cap_gib", "context_gib", ...}}}``, NAME one of ``sent``, ``evaluation``, ``train_step``.
 """
 
 from __future__ import annotations
@@ -54,15 +64,30 @@ GiB, MiB = 2**30, 2**20
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--params", default="params.yaml", help="params file (a preset over its workspace's params.yaml)")
+    ap.add_argument("--params", help="params file (a preset over its workspace's params.yaml; default params.yaml, "
+                    "with --all presets/seed003.yaml: the 8 GB card's)")
     ap.add_argument("--prompt-tokens", type=int, help="prompt length (default: as `grpo check` takes it)")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--top", type=int, default=10, help="largest live tensor groups shown at the peak")
-    return ap.parse_args(argv)
+    ap.add_argument("--all", action="store_true", help="every CUDA call of the stages (module docstring)")
+    ap.add_argument("--cap-gib", type=float, default=7.6, help="--all: the card's memory (seed 003's 8 GB card)")
+    ap.add_argument("--context-gib", type=float, help=f"--all: memory outside the allocator (default: {CONTEXT_FILE})")
+    ap.add_argument("--val-prompts", type=int, default=64, help="--all: validation's problems (at most val_size)")
+    ap.add_argument("--calls", default="sent,evaluation,train_step", help="--all: the calls to trace")
+    args = ap.parse_args(argv)
+    args.params = args.params or ("presets/seed003.yaml" if args.all else "params.yaml")
+    return args
+
+
+CONTEXT_FILE = "docs/gpu-runs/2026-11-28-h200/device_check.json"
+"""The measured CUDA context (its ``context.outside_forward_gib``: after a forward, the allocator capped)."""
+CALLS = ("sent", "evaluation", "train_step")
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.all:
+        return main_all(args)
     fake_cuda.load()
     import torch
     from fake_cuda.trace import DataDependent, LiveBytes, patch_torch
@@ -305,6 +330,137 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
     print(f"not counted: {NOT_COUNTED}")
     print(f"{seconds:.0f} s")
     return out
+
+
+# ------------------------------------------------------------------------------------- --all
+DECODE_LOOP = {"sent.backend": "transformers", "evaluate.backend": "transformers",
+               "train.rollouts.backend": "transformers"}
+"""``--all``'s departures: the decode loop samples (no vLLM can run on fake tensors, nor be carried to a card)."""
+
+
+def main_all(args) -> dict:
+    """Every CUDA call of the stages (module docstring): trace, prediction, cap, context."""
+    fake_cuda.load()
+    import torch
+    from fake_cuda import calls as stage_calls
+    from fake_cuda.trace import DataDependent, LiveBytes, patch_torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from grpo import memory
+    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
+    from grpo.engine.needs import longest_prompt_tokens
+    from grpo.sampling import compiled_steps
+    from grpo.trainer_builder import depart, departure_line
+
+    t0 = time.time()
+    res = resolve_params(args.params)
+    p = depart(res.params, DECODE_LOOP)
+    found = memory.resolve_config(p.model, res.root)
+    if isinstance(found, str):
+        raise SystemExit(f"{args.params}: {found}")
+    config, source = found
+    shapes = memory.model_shapes(config, source)
+    longest = None if args.prompt_tokens else longest_prompt_tokens(res.params, res.root)
+    prompt = args.prompt_tokens or (longest[0] if longest else DEFAULT_PROMPT_TOKENS)
+    context_gib = args.context_gib
+    if context_gib is None:
+        context_gib = json.loads((Path(__file__).resolve().parents[1] / CONTEXT_FILE).read_text())["context"][
+            "outside_forward_gib"]
+    card, context = int(args.cap_gib * GiB), int(context_gib * GiB)
+    wanted = [c for c in args.calls.split(",") if c]
+    unknown = sorted(set(wanted) - set(CALLS))
+    if unknown:
+        raise SystemExit(f"--calls: unknown {', '.join(unknown)} (of {', '.join(CALLS)})")
+    print(f"{args.params}: {source}; departures: {departure_line(DECODE_LOOP)}; prompt {prompt} tokens; "
+          f"card {args.cap_gib:g} GiB, CUDA context {context_gib:g} GiB")
+    patch_torch()
+    stubs = DataDependent(p.train.loss.rule_options().top_quantile)
+    out = {"params": args.params, "model": str(source), "prompt_tokens": prompt, "departures": DECODE_LOOP,
+           "calls": {}, "replaced": REPLACED + stage_calls.REPLACED, "not_counted": NOT_COUNTED_ALL}
+    stage_prompts = {"sent": p.data.train_size, "evaluation": p.data.test_size}
+    for name in wanted:
+        with FakeTensorMode(allow_non_fake_inputs=True), stubs, stage_calls.full_length_decoding(stubs):
+            if name == "train_step":
+                with tempfile.TemporaryDirectory() as out_dir:
+                    model, _ = build_policy(config, p, torch)
+                    tok = stage_calls.tokenizer()
+                    trace = LiveBytes(resident_tensors(model))
+                    with trace, stage_calls.on_a_card(trace, card, context), stage_calls.eager_compile(trace):
+                        trainer = step_trainer(model, tok, p, out_dir)
+                        what = stage_calls.train_step(trace, trainer, tok, p, prompt,
+                                                      min(args.val_prompts, p.data.val_size))
+                        trainer.backend.close()
+                        what["released"] = not compiled_steps(model)
+                predicted = memory.estimate(p, shapes, "cuda", prompt)
+                what["predicted_phase"] = predicted.peak_phase
+                predicted = predicted.peak
+            else:
+                section = "sent" if name == "sent" else "evaluate"
+                trace, what = stage_calls.saved_model_call(p, config, section, prompt, stage_prompts[name], card, context)
+                call = memory.decode_call(p, shapes, "cuda", section, prompt, card, context, stage_prompts[name])
+                predicted = call.need
+                what["predicted_per_call"], what["predicted_shape"] = call.per_call, str(call.compiled)
+        row = {"traced_gib": round(trace.peak / GiB, 4), "predicted_gib": round(predicted / GiB, 4),
+               "cap_gib": args.cap_gib, "context_gib": context_gib, "traced_bytes": trace.peak,
+               "predicted_bytes": predicted, "peak_phase": trace.peak_phase,
+               "phases": {k: round(v / GiB, 4) for k, v in trace.phase_peak.items()},
+               "resident_gib": round(trace.resident / GiB, 4), **what,
+               "live_at_peak": top_groups(trace.snap, args.top)}
+        row["fits"] = trace.peak <= predicted <= card - context
+        out["calls"][name] = row
+        print_call(name, row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    out["seconds"] = round(time.time() - t0, 1)
+    print("replaced: " + "; ".join(out["replaced"]))
+    print(f"not counted: {NOT_COUNTED_ALL}")
+    print(f"data-dependent answers given: {stubs.hits}")
+    print(f"{out['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return out
+
+
+NOT_COUNTED_ALL = ("kernel scratch, cuBLAS workspaces, fragmentation, torch.compile's own workspaces "
+                   "(the graph pool is a stand-in: one eager step's transient peak), the dense export before an "
+                   "evaluation, vLLM")
+
+
+def top_groups(snap, top: int) -> list[dict]:
+    """The ``top`` largest groups of live tensors in a trace's snapshot at its peak."""
+    groups: dict[str, list[int]] = {}
+    for phase, op, shape, dtype, nbytes in snap:
+        key = "resident" if phase == "resident" else f"{phase}: {op} {dtype} {'x'.join(map(str, shape))}"
+        g = groups.setdefault(key, [0, 0])
+        g[0], g[1] = g[0] + 1, g[1] + nbytes
+    return [{"what": k, "count": c, "mib": round(b / MiB, 1)}
+            for k, (c, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]
+
+
+def step_trainer(model, tok, p, out_dir: str):
+    """The train stage's trainer as ``build_trainer`` makes it (its own decode-loop backend,
+    completions at full length), in ``out_dir``, no checkpoints."""
+    from grpo.trainer_builder import build_trainer, depart
+
+    params = depart(p, {"train.output_dir": out_dir, "train.checkpoints.every": 0})
+    problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
+    return build_trainer(params, "cuda", problems=problems, model=model, tokenizer=tok,
+                         min_new_tokens=p.train.rollouts.max_new_tokens).trainer
+
+
+def print_call(name: str, row: dict) -> None:
+    cap = row["cap_gib"] - row["context_gib"]
+    print(f"  {name:<11} traced {row['traced_gib']:.3f} GiB <= predicted {row['predicted_gib']:.3f} GiB <= cap "
+          f"{row['cap_gib']:g} - context {row['context_gib']:g} = {cap:.3f} GiB: {'yes' if row['fits'] else 'NO'}"
+          f" (peak in {row['peak_phase']})")
+    for phase, gib_ in row["phases"].items():
+        print(f"      {phase:<40}{gib_:8.3f} GiB")
+    for item in row["live_at_peak"]:
+        print(f"      {item['mib']:9.1f} MiB {item['count']:4d} x {item['what']}")
+    extra = {k: v for k, v in row.items() if k not in ("phases", "live_at_peak", "traced_gib", "predicted_gib", "cap_gib",
+                                                        "context_gib", "traced_bytes", "predicted_bytes", "fits",
+                                                        "peak_phase")}
+    print("      " + ", ".join(f"{k} {v}" for k, v in extra.items()))
 
 
 if __name__ == "__main__":

@@ -73,3 +73,41 @@ def test_traced_update_agrees_with_the_estimate(tmp_path, setup):
     # the estimate counts the no-grad passes as smaller than the training pass: they must be
     assert phases["no-grad pass"]["traced_bytes"] < figures["peak"]["traced_bytes"]
     assert figures["replaced"] and "CUDA context" in figures["not_counted"]
+
+
+@pytest.fixture(scope="module")
+def every_call(tmp_path_factory):
+    """``bench/cuda_memory.py --all`` at seed 003's preset shapes (minutes: the 1.5B on fake tensors)."""
+    out = tmp_path_factory.mktemp("calls") / "calls.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--all", "--params", str(REPO / "presets" / "seed003.yaml"),
+                          "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+@pytest.mark.slow
+def test_every_cuda_call_of_seed003_fits_under_its_prediction_and_the_card(every_call):
+    """SENT's call, the evaluation's and the train step whole, traced through the stages' code at
+    seed 003's shapes on the decode loop with its compiled step: each traced peak <= ``grpo
+    check``'s prediction <= the 7.6 GiB card less the measured CUDA context; printed as written."""
+    figures, stdout = every_call
+    calls = figures["calls"]
+    assert sorted(calls) == ["evaluation", "sent", "train_step"]
+    for name, row in calls.items():
+        assert row["traced_bytes"] <= row["predicted_bytes"], name
+        assert row["predicted_gib"] <= row["cap_gib"] - row["context_gib"], name
+        assert row["cap_gib"] == 7.6 and f"  {name:<11} traced {row['traced_gib']:.3f} GiB" in stdout
+    assert calls["sent"]["per_call"] == calls["sent"]["predicted_per_call"]  # the split grpo check predicts
+
+
+@pytest.mark.slow
+def test_compiled_steps_are_held_once_and_released_with_their_sampler(every_call):
+    """The samplers' compiled steps (and their caches) are gone once the sampler closes; the train
+    step holds one step through its update, and validation's calls ran on it (no new shape)."""
+    calls = every_call[0]["calls"]
+    for name in ("sent", "evaluation"):
+        assert calls[name]["held_steps"] and calls[name]["released"], name
+        assert calls[name]["after_close"] < calls[name]["kept_after_call"], name
+    train = calls["train_step"]
+    assert len(train["held_steps"]) == 1 and train["held_steps"] == train["held_after_step_1"]
+    assert train["released"]

@@ -12,10 +12,15 @@ from transformers import AutoModelForCausalLM
 
 from grpo.decode_memory import (
     ALLOWANCE,
+    CompiledCall,
     allocator_budget,
+    call_bytes,
+    compiled_step_bytes,
     decode_working_bytes,
+    model_dims,
     prompts_per_call,
     sampler_call_bytes,
+    split_call,
 )
 from grpo.synthetic import architecture_config
 
@@ -72,3 +77,34 @@ def test_the_call_prediction_covers_the_h200_measurement(qwen_1_5b):
     fits = prompts_per_call(model, call["prompts"], call["samples"], prompt, call["new_tokens"], left, 64)
     assert 1 <= fits < call["prompts"]
     assert sampler_call_bytes(model, fits, call["samples"], prompt, call["new_tokens"], 64) <= left
+
+
+def test_a_compiled_call_counts_its_steps_buffers_beside_the_log_prob_pass(qwen_1_5b):
+    """A call that makes its compiled step holds the step's buffers (``StaticCache``, mask, graph
+    pool) in both phases, the log-prob pass included: it needs more than the same call on a step
+    already held, by those buffers (times 1 + ALLOWANCE) where the log-prob pass is the larger phase;
+    the uncompiled prediction is the one before compiled steps were counted."""
+    d = model_dims(qwen_1_5b)
+    new, held = CompiledCall(8, 128), CompiledCall(8, 128, new_step=False)
+    with_step, on_held = (call_bytes(d, 5, 8, 128, 512, 64, c) for c in (new, held))
+    kept = compiled_step_bytes(d, 64, 640)
+    assert with_step - on_held == pytest.approx(kept * (1 + ALLOWANCE), abs=2)
+    assert call_bytes(d, 5, 8, 128, 512, 64) == sampler_call_bytes(qwen_1_5b, 5, 8, 128, 512, 64)
+
+
+def test_a_compiled_call_is_split_onto_a_step_already_held(qwen_1_5b):
+    """``split_call``: with no budget every prompt in one call, padded to its bucket; with a step held
+    for 16 rows x 640 positions, a call of 64 greedy prompts runs 16 a call on that step (no new
+    step, no new cache) although more would fit beside it; a call too long for the held step makes
+    a new one; with nothing held, the most prompts whose padded call fits."""
+    d = model_dims(qwen_1_5b)
+    assert split_call(d, 64, 1, 128, 512, None, None, 64) == (64, CompiledCall(64, 128))
+    big = 6 * GIB
+    n, c = split_call(d, 64, 1, 100, 512, big, 64, 64, held=[(16, 640)])
+    assert (n, c) == (16, CompiledCall(16, 128, new_step=False))
+    n, c = split_call(d, 64, 1, 200, 512, big, 64, 64, held=[(16, 640)])
+    assert c.new_step and c.prompt_len == 256 and n > 16
+    n, c = split_call(d, 16, 8, 128, 512, int(3.5 * GIB), 64, 64)
+    assert c.new_step and 1 <= n < 16 and call_bytes(d, n, 8, 128, 512, 64, c) <= 3.5 * GIB
+    bigger = split_call(d, n + 1, 8, 128, 512, None, 64, 64)[1]
+    assert call_bytes(d, n + 1, 8, 128, 512, 64, bigger) > 3.5 * GIB

@@ -259,3 +259,30 @@ def test_on_cuda_the_decode_loops_dense_copies_are_a_term_and_left_out_where_the
     assert tight < est.peak + memory.CUDA_CONTEXT  # the dense copies make the difference
     assert " fits with 4-bit decoding: " in verdict(tight) and memory.gib(dense.bytes) in verdict(tight)
     assert " does not fit: " in verdict(lean_peak // 2)
+
+
+def test_the_compiled_decode_step_is_kept_and_the_saved_model_calls_fit_seed003s_card():
+    """Seed 003 with the decode loop on CUDA (the step compiled): the step's buffers (its cache for
+    the call padded to its shape, mask, graph pool) count in both phases instead of the KV cache;
+    on a CPU the terms are the dynamic loop's. SENT's and the evaluation's calls
+    (``decode_call``) are split to fit the 7.6 GiB card beside the CUDA context, onto a step of a
+    power of two of prompts, and not split where the card is unknown."""
+    from grpo.decode_memory import compiled_step_bytes, shapes_dims
+
+    params = depart(_preset("seed003"), {"train.rollouts.backend": "transformers"})
+    shapes = memory.resolve_shapes(params.model, REPO)
+    est = memory.estimate(params, shapes, "cuda", 128)
+    step = next(t for t in est.terms if t.name == memory.COMPILED_STEP)
+    rows = params.train.rollouts.prompts_per_step * params.train.rollouts.group_size
+    assert step.phase == "both" and step.bytes == compiled_step_bytes(shapes_dims(shapes, 2), rows, 128 + 512)
+    assert not any(t.name == "KV cache" for t in est.terms)
+    cpu = memory.estimate(params, shapes, "cpu", 128)
+    assert any(t.name == "KV cache" for t in cpu.terms) and not any(t.name == memory.COMPILED_STEP for t in cpu.terms)
+    card = int(7.6 * 2**30)
+    for section in ("sent", "evaluate"):
+        cfg = getattr(params, section)
+        call = memory.decode_call(params, shapes, "cuda", section, 128, card)
+        assert call.need + memory.CUDA_CONTEXT <= card and 1 <= call.per_call < cfg.batch_prompts, section
+        assert call.compiled.prompts >= call.per_call and call.compiled.prompts & (call.compiled.prompts - 1) == 0
+        assert "; fits" in memory.decode_call_verdict(call, card)
+        assert memory.decode_call(params, shapes, "cuda", section, 128, None).per_call == cfg.batch_prompts

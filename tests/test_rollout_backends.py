@@ -212,3 +212,19 @@ def test_a_call_split_to_fit_the_memory_left_gives_the_one_calls_rows(tiny_model
     for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "finished"):
         assert torch.equal(getattr(split, field), getattr(whole, field)), field
     torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_samplers_compiled_steps_are_released_when_it_closes(tiny_model_dir):
+    """A saved model's sampler on the decode loop with its step compiled (``decode.compile_step:
+    on``; Inductor on the CPU) holds the step for its next calls, and gives it back at ``close``
+    (``with sampler:``, as SENT and the evaluations use it): nothing held for its model after."""
+    from grpo.sampling import compiled_steps
+    from grpo.sections.decode import DecodeConfig
+
+    tok = load_tokenizer(tiny_model_dir)
+    with saved_model_sampler("transformers", tok, tiny_model_dir, dtype="float32",
+                             decode=DecodeConfig(compile_step="on")) as sampler:
+        sampler.generate(["What is 1 + 2?", "Hi"], 2, max_new_tokens=4, seeds=list(range(4)))
+        held = list(compiled_steps(sampler.model))
+    assert held and not compiled_steps(sampler.model)

@@ -217,3 +217,27 @@ def test_the_compiled_step_follows_the_policy_as_its_adapter_moves(tiny_model_di
                 if "lora_B" in n:
                     p.add_(0.2 * torch.randn_like(p))
     assert holds_dense_copies(model) and graphs[1] == graphs[0] == graphs[2], graphs
+
+
+def test_one_compiled_step_per_row_count_is_held_and_release_drops_them(tiny_model_dir):
+    """``compiled_step``: a step for as many rows and more positions replaces the shorter one (its
+    cache is freed), one of other rows joins it; ``call_shape`` puts a call on the smallest held
+    step with room for it (whole groups, the prompt), else a new bucket; ``release_compiled_steps``
+    drops every step of the model (made lazily: no compilation runs here)."""
+    import gc
+    import weakref
+
+    from grpo.sampling import call_shape, compiled_step, compiled_steps, release_compiled_steps
+
+    model, _ = _dense_fp32(tiny_model_dir)
+    cpu = torch.device("cpu")
+    first = weakref.ref(compiled_step(model, 4, 32, cpu).cache)
+    compiled_step(model, 8, 32, cpu)
+    compiled_step(model, 4, 64, cpu)
+    gc.collect()
+    assert sorted(compiled_steps(model)) == [(4, 64), (8, 32)] and first() is None
+    held = compiled_steps(model)
+    assert call_shape(3, 1, 40, 20, 16, held) == (4, 44)  # on (4, 64): 4 prompts of 64 - 20 tokens
+    assert call_shape(2, 4, 10, 20, 16, held) == (2, 12)  # on (8, 32): 2 groups of 4 rows
+    assert call_shape(3, 4, 10, 20, 16, held) == (4, 16)  # 12 rows: none held, a new bucket
+    assert release_compiled_steps(model) == 2 and not compiled_steps(model)

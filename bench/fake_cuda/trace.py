@@ -70,6 +70,23 @@ class DataDependent(TorchDispatchMode):
     def __init__(self, keep: float):
         super().__init__()
         self.keep, self.hits = keep, {}
+        self.full_length: int | None = None  # set inside a decode loop (``decoding``)
+
+    def decoding(self, max_new_tokens: int):
+        """Inside the block (a decode loop): booleans True (every row has ended at the loop's first
+        check: its shapes are fixed, so later steps allocate as those did) and numbers
+        ``max_new_tokens`` (every completion full length)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            before, self.full_length = self.full_length, max_new_tokens
+            try:
+                yield
+            finally:
+                self.full_length = before
+
+        return block()
 
     def _count(self, name):
         self.hits[name] = self.hits.get(name, 0) + 1
@@ -83,6 +100,8 @@ class DataDependent(TorchDispatchMode):
         if func is aten._local_scalar_dense.default:
             self._count(".item()")
             t = args[0]
+            if self.full_length is not None:
+                return True if t.dtype == torch.bool else self.full_length
             return False if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
         if func is aten.equal.default:
             self._count("equal")
@@ -117,6 +136,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live, self.info, self.cur, self.phase, self.op = {}, {}, 0, "resident", ""
         self.on_reset, self.phase_peak, self.peak, self.snap_at = [], {}, 0, 0
+        self.window = 0  # the most bytes live since open_window()
         for t in resident:
             self._add(t)
         self.reset()
@@ -128,6 +148,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak, self.peak_phase, self.phase_peak, self.snap, self.snap_at = self.cur, "resident", {}, [], 0
         for fn in self.on_reset:
             fn()
+
+    def open_window(self) -> None:
+        """Start ``window``, the most bytes live from now on."""
+        self.window = self.cur
 
     def _add(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
@@ -145,6 +169,7 @@ class LiveBytes(TorchDispatchMode):
 
         self.live[key] = weakref.ref(storage, gone)
         self.cur += nbytes
+        self.window = max(self.window, self.cur)
         self.info[key] = (self.phase, self.op, tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes)
         if self.cur > self.phase_peak.get(self.phase, 0):
             self.phase_peak[self.phase] = self.cur

@@ -27,7 +27,16 @@ rounded to whole groups, or the whole step, ``prompts_per_step * G``):
   ``n * b`` for every quantised weight plus another for each one a LoRA adapter wraps: a term of its
   own, always taken on a CPU; on CUDA the decode loop takes them where they fit the free memory
   (``grpo.rollout_backends.dense_decode``), so ``verdict`` also tries the step without them (4-bit
-  decoding, slower) before it says the step does not fit.
+  decoding, slower) before it says the step does not fit;
+* with the decode step compiled (``decode.*`` on CUDA; ``_compiled_step_terms``), instead of the
+  KV cache: the compiled step's buffers, which stay through the update (its ``StaticCache`` for the
+  call padded to its shape, int64 mask, CUDA graph pool: ``grpo.decode_memory.compiled_step_bytes``),
+  and the prompts' cache while the prefill copies it in; validation's calls run on the same step,
+  and the dense copies stay too (``both``).
+
+SENT's and the evaluations' calls on the decode loop (no vLLM): ``decode_call`` (the dense model,
+the split ``TransformersBackend`` makes under the card's budget, ``grpo.decode_memory.call_bytes``),
+``decode_call_verdict`` its line.
 
 Training phase, per micro-batch of ``n`` rows (``prompts_per_step * G / micro_batches``, rounded up
 to whole groups as the trainer slices them), with ``T = P + C``:
@@ -507,21 +516,115 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
     add, g, c = est.terms.append, train.rollouts.group_size, train.rollouts.max_new_tokens
     nf4, qn = model.quantization == "nf4", shapes.quantized_params
     rows_gen = largest_call(train.rollouts.prompts_per_step, g, train.rollouts.generation_batch_size)
-    add(Term("KV cache", "generate", kv_cache_bytes(shapes, rows_gen, p + c, b),
-             f"{shapes.layers} layers x 2 x {shapes.kv_heads} kv heads x {shapes.head_dim} x {p + c} positions x "
-             f"{rows_gen} rows x {b} B"))
+    from grpo.sampling import plan_decode
+
+    kept = plan_decode(params.decode, device, train.steps * c).options.get("compile_step", False)
+    if kept:  # the compiled step's buffers stay for the next step's rollouts and validation's calls
+        _compiled_step_terms(est, shapes, params, rows_gen, p, b)
+    else:
+        add(Term("KV cache", "generate", kv_cache_bytes(shapes, rows_gen, p + c, b),
+                 f"{shapes.layers} layers x 2 x {shapes.kv_heads} kv heads x {shapes.head_dim} x {p + c} positions x "
+                 f"{rows_gen} rows x {b} B"))
     per_entry = b + 8 + (4 if b != 4 else 0) + (13 if train.rollouts.top_p < 1 else 0)
     add(Term("sampling logits", "generate", rows_gen * shapes.vocab * per_entry,
              f"{rows_gen} rows x {shapes.vocab} vocab x {per_entry} B"))
     if nf4:
-        from grpo.sampling import plan_decode
-
         wrapped = sum(x.params for x in lora_targets(shapes, lora.target_modules) if x.quantized)
-        kept = plan_decode(params.decode, device, train.steps * c).options.get("compile_step", False)
         add(Term(DENSE_COPIES, "both" if kept else "generate", (qn + wrapped) * b,
                  f"({_n(qn)} + {_n(wrapped)} LoRA-merged) params x {b} B"
                  + ("; kept through the update: the compiled decode step holds them (decode.compile_step)" if kept
                     else "")))
+
+
+COMPILED_STEP = "compiled decode step (kept)"
+"""The name of the term of a compiled decode step's buffers, which stay between calls."""
+
+
+def _compiled_step_terms(est: Estimate, shapes: ModelShapes, params, rows: int, p: int, b: int) -> None:
+    """Training's rollouts on a compiled step (``grpo.sampling.call_shape``: the step's prompts to
+    a power of two, their length to ``decode.length_bucket``): its ``StaticCache``, mask and CUDA
+    graph pool (``grpo.decode_memory.compiled_step_bytes``) in both phases, and the prompts' own
+    cache while the prefill copies it in. Validation's calls run on the same step
+    (``grpo.decode_memory.split_call`` takes a held step first: as many prompts as its rows hold)."""
+    from grpo.decode_memory import compiled_step_bytes, shapes_dims
+    from grpo.sampling import call_shape
+
+    train, g = params.train, params.train.rollouts.group_size
+    c = train.rollouts.max_new_tokens
+    prompts, length = call_shape(rows // g, g, p, c, params.decode.length_bucket)
+    n, positions = prompts * g, length + c
+    est.terms.append(Term(COMPILED_STEP, "both", compiled_step_bytes(shapes_dims(shapes, b), n, positions),
+                          f"StaticCache {kv_cache_bytes(shapes, n, positions, b) / 2**20:.0f} MiB ({n} rows x "
+                          f"{length}+{c} positions) + int64 mask + CUDA graph pool (logits, one layer's MLP); "
+                          f"validation's calls run on it"))
+    est.terms.append(Term("prompt cache (prefill)", "generate", kv_cache_bytes(shapes, prompts, length, b),
+                          f"{prompts} prompts x {length} positions, while copied into the StaticCache"))
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """A saved model's largest decode-loop call on a card (SENT's, the evaluations'; ``decode_call``):
+    the dense weights, the prompts one call takes under the card's budget, the call's shape on a
+    compiled step (``None``: not compiled) and its working bytes (``grpo.decode_memory.call_bytes``)."""
+
+    section: str
+    dtype: str
+    weights: int
+    prompts: int  # the call's prompts: section.batch_prompts
+    samples: int
+    prompt_tokens: int
+    new_tokens: int
+    per_call: int  # prompts one decode call takes (the split)
+    compiled: object  # grpo.decode_memory.CompiledCall | None
+    working: int
+    why: str  # the decode plan
+
+    @property
+    def need(self) -> int:
+        return self.weights + self.working
+
+
+def decode_call(params, shapes: ModelShapes, device: str, section: str, prompt_tokens: int, card: int | None,
+                context: int = CUDA_CONTEXT, stage_prompts: int | None = None) -> DecodeCall:
+    """The largest call of ``section``'s (``sent``, ``evaluate``) saved-model sampler on the decode
+    loop (``grpo.engine.sampler.saved_model_sampler`` without vLLM: the model dense in the stage's
+    dtype, log-probs on): ``batch_prompts`` x (``num_samples`` for SENT, 1 greedy for the
+    evaluations) of ``prompt_tokens`` + ``max_new_tokens``, split as ``TransformersBackend`` splits
+    its first call against the budget ``card - context - weights`` (``card`` None: not split), on a
+    compiled step where ``decode.*`` compiles one for the stage's token steps (``stage_prompts``
+    prompts; None: unknown, taken as enough)."""
+    from grpo.decode_memory import LOGPROB_ROWS, call_bytes, shapes_dims, split_call
+    from grpo.rollout_backends import planned_tokens
+    from grpo.sampling import plan_decode
+
+    cfg = getattr(params, section)
+    dtype = saved_model_dtype(params, section, device)
+    b, d = dtype.itemsize, shapes_dims(shapes, dtype.itemsize)
+    samples = cfg.num_samples if section == "sent" else 1
+    weights = shapes.total_params * b
+    planned = None if stage_prompts is None else planned_tokens(stage_prompts, cfg)
+    plan = plan_decode(params.decode, device, planned)
+    budget = None if card is None else card - context - weights
+    args = (cfg.batch_prompts, samples, prompt_tokens, cfg.max_new_tokens)
+    compiled = None
+    if plan.options.get("compile_step"):
+        per_call, compiled = split_call(d, *args, budget, LOGPROB_ROWS, plan.options["length_bucket"])
+    else:
+        per_call = next((n for n in range(cfg.batch_prompts, 0, -1) if budget is None or
+                         call_bytes(d, n, samples, prompt_tokens, cfg.max_new_tokens, LOGPROB_ROWS) <= budget), 1)
+    working = call_bytes(d, per_call, samples, prompt_tokens, cfg.max_new_tokens, LOGPROB_ROWS, compiled)
+    return DecodeCall(section, str(dtype).removeprefix("torch."), weights, cfg.batch_prompts, samples, prompt_tokens,
+                      cfg.max_new_tokens, per_call, compiled, working, plan.why)
+
+
+def decode_call_verdict(call: DecodeCall, card: int, context: int = CUDA_CONTEXT) -> str:
+    """Whether ``call`` fits a card of ``card`` bytes beside ``context`` (one line for ``grpo check``)."""
+    shape = "" if call.compiled is None else (f", padded to {call.compiled.prompts} prompts of "
+                                              f"{call.compiled.prompt_len} tokens on the compiled step")
+    head = (f"card {gib(card)}: the decode loop, {call.per_call} of {call.prompts} prompts a call x {call.samples} of "
+            f"{call.prompt_tokens} + {call.new_tokens} tokens{shape}: weights {gib(call.weights)} + call "
+            f"{gib(call.working)} = {gib(call.need)} + CUDA context {gib(context)} = {gib(call.need + context)}")
+    return head + ("; fits" if call.need + context <= card else "; does not fit")
 
 
 def forward_tokens(n: int, g: int, p: int, c: int, *, packed: bool, shared: bool) -> tuple[int, int]:

@@ -43,10 +43,17 @@ from typing import Protocol
 
 import torch
 
-from grpo.decode_memory import allocator_budget, decode_working_bytes, prompts_per_call
+from grpo.decode_memory import (
+    LOGPROB_ROWS,
+    allocator_budget,
+    decode_working_bytes,
+    model_dims,
+    prompts_per_call,
+    split_call,
+)
 from grpo.nf4_layers import dequantized_weights
 from grpo.registry import Registry
-from grpo.sampling import DecodePlan, decode, plan_decode
+from grpo.sampling import DecodePlan, compiled_steps, decode, plan_decode, release_compiled_steps
 from grpo.sections.decode import DecodeConfig
 from grpo.types import Rollout
 
@@ -204,19 +211,25 @@ class TransformersBackend(RolloutBackend):
 
     def prompts_per_call(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
                          device: torch.device) -> int:
-        """How many of a call's ``prompts`` one decode call takes (``grpo.decode_memory.prompts_per_call``
-        against ``allocator_budget``; all of them off CUDA), logged when it splits."""
+        """How many of a call's ``prompts`` one decode call takes against ``allocator_budget`` (all
+        of them off CUDA), logged when it splits: ``grpo.decode_memory.prompts_per_call``, or with a
+        compiled step ``split_call`` (a step this model already holds first; the new step's buffers,
+        which stay, counted beside the log-prob pass)."""
         logprob_rows = self.LOGPROB_ROWS if self.return_logprobs else None
-        n = prompts_per_call(self.model, prompts, samples, prompt_len, new_tokens, allocator_budget(device),
-                             logprob_rows)
+        budget, options = allocator_budget(device), self.decode_plan(device).options
+        if options.get("compile_step"):
+            n = split_call(model_dims(self.model), prompts, samples, prompt_len, new_tokens, budget, logprob_rows,
+                           options["length_bucket"], compiled_steps(self.model))[0]
+        else:
+            n = prompts_per_call(self.model, prompts, samples, prompt_len, new_tokens, budget, logprob_rows)
         if n < prompts and n != self._split_said:
             log.info("decode loop: %d prompts x %d completions of %d + %d tokens do not fit the memory left; "
                      "%d prompts a call", prompts, samples, prompt_len, new_tokens, n)
             self._split_said = n
         return n
 
-    LOGPROB_ROWS = 64
-    """The teacher-forced log-prob pass's rows at a time (whole groups)."""
+    LOGPROB_ROWS = LOGPROB_ROWS
+    """The teacher-forced log-prob pass's rows at a time (whole groups; ``grpo.decode_memory``)."""
 
     def _generate_ids(self, ids, mask, num_samples: int, seeds: list[int] | None, *, max_new_tokens: int,
                       temperature: float, top_p: float) -> Rollout:
@@ -282,8 +295,11 @@ class TransformersBackend(RolloutBackend):
         return torch.cat(out) * completion_mask  # (N, C)
 
     def close(self) -> None:
-        """Nothing to release: the model is the caller's (a saved model's sampler frees its copy
-        when it is dropped)."""
+        """Release the compiled decode steps this process holds for the model (their
+        ``StaticCache``, mask and CUDA graph: ``grpo.sampling.release_compiled_steps``); the model
+        itself is the caller's (a saved model's sampler frees its copy when it is dropped).
+        ``sleep()`` keeps them: the next call runs on them."""
+        release_compiled_steps(self.model)
 
 
 def vllm_available() -> bool:

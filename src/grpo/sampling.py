@@ -254,16 +254,26 @@ def compiled_steps(model) -> dict:
     return _COMPILED.setdefault(model, {})
 
 
+def release_compiled_steps(model) -> int:
+    """Drop every compiled step this process holds for ``model`` (their ``StaticCache``, mask and
+    compiled function: the memory is the allocator's again once nothing else refers to them);
+    returns how many. The next compiled call of ``model`` compiles again."""
+    return len(_COMPILED.pop(model, {}))
+
+
 def compiled_step(model, rows: int, max_len: int, device: torch.device) -> CompiledStep:
     """The compiled step for ``rows`` x ``max_len`` positions of ``model``, made on its first use:
     ``torch.compile`` with ``mode="reduce-overhead"`` on CUDA (the step captured as a CUDA graph;
     its output is copied out before the next replay overwrites it), the default mode elsewhere.
-    The CUDA path follows the pinned libraries' code, not a run (docs/gpu-notes.md, "The `decode`
-    section")."""
+    A new step drops the steps of as many rows and fewer positions, which it serves instead
+    (``call_shape``): one step per row count is held. The CUDA path follows the pinned libraries'
+    code, not a run (docs/gpu-notes.md, "The `decode` section")."""
     steps, key = compiled_steps(model), (rows, max_len)
     if key not in steps:
         from transformers import StaticCache
 
+        for held in [k for k in steps if k[0] == rows and k[1] < max_len]:
+            del steps[held]  # before the new cache is allocated: the two are never held together
         cache = StaticCache(config=model.config, max_cache_len=max_len)
         attn = torch.ones(rows, max_len, dtype=torch.long, device=device)  # (N, L)
         mode = "reduce-overhead" if device.type == "cuda" else "default"
@@ -278,20 +288,44 @@ def compiled_step(model, rows: int, max_len: int, device: torch.device) -> Compi
     return steps[key]
 
 
+def call_shape(prompts: int, samples: int, prompt_len: int, new_tokens: int, length_bucket: int,
+               held=()) -> tuple[int, int]:
+    """(prompts, prompt length) a compiled call of ``prompts`` x ``samples`` completions of
+    ``prompt_len`` + ``new_tokens`` tokens is padded to: the smallest of the ``held`` steps' shapes
+    ((rows, positions) keys of ``compiled_steps``) with whole groups of ``samples`` for at least
+    ``prompts`` prompts and room for the prompt, so that the call runs on a step already compiled
+    (no compilation, no new cache); else the next power of two of ``prompts`` and ``prompt_len``
+    rounded up to a multiple of ``length_bucket`` (a new step)."""
+    fits = sorted((rows, positions) for rows, positions in held
+                  if rows % samples == 0 and rows // samples >= prompts and positions - new_tokens >= prompt_len)
+    if fits:
+        rows, positions = fits[0]
+        return rows // samples, positions - new_tokens
+    return 1 << (prompts - 1).bit_length(), bucket_up(prompt_len, length_bucket)
+
+
+def compiled_call_shape(model, prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                        length_bucket: int) -> tuple[int, int]:
+    """``call_shape`` against the steps this process holds for ``model``."""
+    return call_shape(prompts, samples, prompt_len, new_tokens, length_bucket, compiled_steps(model))
+
+
 def bucket_up(value: int, bucket: int) -> int:
     """``value`` rounded up to a multiple of ``bucket``."""
     return -(-value // bucket) * bucket
 
 
-def bucketed_call(ids: Tensor, mask: Tensor, s: Sampling, num_samples: int, length_bucket: int
-                  ) -> tuple[Tensor, Tensor, Sampling]:
-    """The call padded to a compiled step's shape bucket: prompts left-padded (mask 0) to a
-    multiple of ``length_bucket`` tokens, and the B prompts to the next power of two by repeating
-    the last one, its completions drawing the last completions' uniform numbers (they sample what
-    those do and end when they end; the caller drops them). Calls of one bucket share one
+def bucketed_call(ids: Tensor, mask: Tensor, s: Sampling, num_samples: int, length_bucket: int,
+                  shape: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Sampling]:
+    """The call padded to a compiled step's shape: ``shape`` (prompts, prompt length; default
+    ``call_shape`` without held steps: prompts left-padded (mask 0) to a multiple of
+    ``length_bucket`` tokens, the B prompts to the next power of two), the added prompts repeating
+    the last one, their completions drawing the last completions' uniform numbers (they sample
+    what those do and end when they end; the caller drops them). Calls of one shape share one
     compilation: a compiled step recompiles for every new shape."""
     (b, p) = ids.shape
-    pad_p, pad_b = bucket_up(p, length_bucket) - p, (1 << (b - 1).bit_length()) - b
+    to_b, to_p = shape or call_shape(b, num_samples, p, 0, length_bucket)
+    pad_p, pad_b = to_p - p, to_b - b
     if pad_p:
         ids = torch.cat([ids.new_zeros(b, pad_p), ids], 1)  # (B, P'): masked, any id will do
         mask = torch.cat([mask.new_zeros(b, pad_p), mask], 1)
@@ -324,12 +358,14 @@ def fill_static_cache(cache, prompt_cache, num_samples: int) -> None:
 def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling, check_every: int = 16,
                 compile_step: bool = False, length_bucket: int = 64) -> Tensor:
     """Every row runs every step on fixed shapes; one host sync per ``check_every`` tokens (module
-    docstring). With ``compile_step`` the step is compiled once per shape bucket (``bucketed_call``,
-    ``compiled_step``; ``length_bucket``: the prompt lengths' bucket). Returns the tokens up to the
-    last row's EOS, as the dynamic loop does."""
+    docstring). With ``compile_step`` the step is compiled once per shape (``call_shape``: a step
+    already held for as many rows or more, else a new bucket; ``bucketed_call``, ``compiled_step``;
+    ``length_bucket``: the prompt lengths' bucket). Returns the tokens up to the last row's EOS,
+    as the dynamic loop does."""
     n_real = ids.shape[0] * num_samples
     if compile_step:
-        ids, mask, s = bucketed_call(ids, mask, s, num_samples, length_bucket)
+        shape = compiled_call_shape(model, ids.shape[0], num_samples, ids.shape[1], s.max_new_tokens, length_bucket)
+        ids, mask, s = bucketed_call(ids, mask, s, num_samples, length_bucket, shape)
     (b, p), device = ids.shape, ids.device
     n = b * num_samples
     prompt_cache, logits = prefill(model, ids, mask, num_samples)  # logits (N, V)

@@ -28,7 +28,8 @@ def test_the_reference_card_models_its_own_measurements_at_their_shapes(shapes):
     ref = load_reference()
     card = CARDS[ref.card]
     assert decode_step_s(shapes, card, ref.decode_rows, ref.decode_positions, ref) == pytest.approx(ref.decode_step_s)
-    assert update_s(shapes, card, ref.update_rows, ref.update_positions, ref.update_mu, ref) == pytest.approx(ref.update_s)
+    assert update_s(shapes, card, ref.update_rows, ref.update_positions, ref.update_mu, ref.update_micro_batches,
+                    ref) == pytest.approx(ref.update_s)
 
 
 def test_a_slower_card_is_never_modelled_faster_and_work_adds_up(shapes):
@@ -50,3 +51,10 @@ def test_grpo_check_prints_each_stage_for_every_card(shapes, capsys):
     start = out.index(lines[0])
     assert [line.split()[0] for line in out[start + 2:start + 6]] == ["sent", "baseline_eval", "final_eval", "train"]
     assert all(name in out[start + 1] for name in CARDS)
+
+
+def test_fewer_micro_batches_model_a_shorter_update_on_the_launch_bound_card(shapes):
+    ref = load_reference()
+    card = CARDS[ref.card]
+    eight, two = (update_s(shapes, card, 16, 640, 2, mb, ref) for mb in (8, 2))
+    assert two < eight / 2

@@ -183,12 +183,15 @@ def stage_verdicts(p: Params, shapes, device: str, prompt: int, card: int, saved
 
     lines = ["verdict per stage:"]
     for section, stages in memory.SAVED_MODEL_STAGES:
+        call = memory.decode_call(p, shapes, device, section, prompt, card,
+                                  stage_prompts=p.data.train_size if section == "sent" else p.data.test_size)
+        loop = memory.decode_call_verdict(call, card)
         if section not in saved:
-            lines.append(f"  {', '.join(stages)}: the decode loop ({section}.backend {getattr(p, section).backend}): "
-                         "no engine, not estimated")
+            lines.append(f"  {', '.join(stages)}: {loop}")
             continue
         saved_plan, saved_prompt = saved[section]
         lines.append(f"  {', '.join(stages)}: {memory.saved_model_verdict(p, shapes, device, saved_plan, saved_prompt)}")
+        lines.append(f"    without vLLM (GRPO_NO_VLLM=1, or no vLLM for this torch): {loop}")
     others = other_plans(p, shapes, device, prompt, plan) if plan is not None else []  # the advice's other forms
     rule = f"train.loss.entropy_rule {p.train.loss.entropy_rule} (top_quantile {p.train.loss.rule_options().top_quantile})"
     lines.append(f"  train: {memory.verdict(p, est, card, plan, others)}; estimated for {rule}")

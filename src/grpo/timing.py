@@ -12,7 +12,7 @@ counted", how far the measured card was from each floor):
   measured step above its own floor (launches, host work, small kernels) is taken to be the same
   on every card, so ``step(card) = floor(card) + measured(ref) - floor(ref)``.
 - An update is its matmul FLOPs over the card's dense bf16 rate (its floor), plus the reference
-  card's measured update above its floor: forward, checkpointed recompute and the backward to the
+  card's measured update above its floor, scaled by passes x micro-batches (launch-bound): forward, checkpointed recompute and the backward to the
   activations are ``3 x 2 x params x tokens`` per update pass (the frozen weights get no gradient;
   LoRA's own work is under 1%), ``train.loss.mu`` passes a step.
 - A stage's decode calls run one after another, each to ``max_new_tokens`` (every completion full
@@ -77,6 +77,7 @@ class Reference:
     update_rows: int
     update_positions: int
     update_mu: int
+    update_micro_batches: int
 
 
 def load_reference(path: Path = MEASURED_TIMES) -> Reference:
@@ -84,7 +85,7 @@ def load_reference(path: Path = MEASURED_TIMES) -> Reference:
     d = yaml.safe_load(path.read_text())
     dec, upd = d["decode_step"], d["update"]
     return Reference(d["card"], dec["seconds"], dec["rows"], dec["positions"], upd["seconds"], upd["rows"],
-                     upd["positions"], upd["mu"])
+                     upd["positions"], upd["mu"], upd["micro_batches"])
 
 
 def dense_bytes(shapes: ModelShapes, b: int = 2) -> int:
@@ -114,11 +115,14 @@ def decode_step_s(shapes: ModelShapes, card: Card, rows: int, positions: int, re
     return decode_floor_s(shapes, card, rows, positions) + max(excess, 0.0)
 
 
-def update_s(shapes: ModelShapes, card: Card, rows: int, positions: int, mu: int, ref: Reference) -> float:
-    """One step's update on ``card``: its FLOP floor plus the reference card's measured excess (scaled to the rows)."""
+def update_s(shapes: ModelShapes, card: Card, rows: int, positions: int, mu: int, micro_batches: int,
+             ref: Reference) -> float:
+    """One step's update on ``card``: its FLOP floor plus the reference card's measured excess, scaled
+    by the passes and micro-batches (the excess is kernel launches, whose count follows the
+    micro-batches, not the rows: bench/step_model.py)."""
     ref_card = CARDS[ref.card]
     ref_floor = update_flops(shapes, ref.update_rows, ref.update_positions, ref.update_mu) / ref_card.tensor_flops
-    scale = (rows * positions * mu) / (ref.update_rows * ref.update_positions * ref.update_mu)
+    scale = (micro_batches * mu) / (ref.update_micro_batches * ref.update_mu)
     return update_flops(shapes, rows, positions, mu) / card.tensor_flops + max(ref.update_s - ref_floor, 0.0) * scale
 
 
@@ -149,8 +153,8 @@ def stage_seconds(params, shapes: ModelShapes, card: Card, prompt: int, ref: Ref
         out[stage] = StageTime(sec, f"{calls} calls x {e.max_new_tokens} token steps of {e.batch_prompts} rows")
     r = t.rollouts
     rows, new = r.prompts_per_step * r.group_size, r.max_new_tokens
-    step = new * decode_step_s(shapes, card, rows, prompt + new, ref) + update_s(shapes, card, rows, prompt + new,
-                                                                                   t.optimizer.mu, ref)
+    step = new * decode_step_s(shapes, card, rows, prompt + new, ref) + update_s(
+        shapes, card, rows, prompt + new, t.optimizer.mu, t.passes.micro_batches, ref)
     cp = t.checkpoints
     evals = t.steps // cp.eval_every if cp.eval_every and d.val_size else 0
     val, _ = _calls_s(shapes, card, ref, d.val_size, e.batch_prompts, 1, cp.eval_max_new_tokens, prompt)

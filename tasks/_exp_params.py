@@ -1,7 +1,7 @@
 """What becomes of ``params.yaml`` when ``tasks.check_params`` refuses it inside ``dvc exp run``.
 
 ``dvc exp run -S key=value`` writes its values into ``params.yaml`` before any stage runs
-(``dvc/repo/experiments/queue/base.py:320-323`` -> ``dvc/utils/hydra.py:83-120``, whose YAML
+(``dvc/repo/experiments/queue/base.py:320-323`` -> ``dvc/utils/hydra.py``, ``apply_overrides``, lines 83-120, whose YAML
 writer also re-flows the file: ``["+"]`` becomes a block list), and a failed experiment in the
 workspace leaves the file so (``WorkspaceExecutor.cleanup``, ``dvc/repo/experiments/executor/local.py:247``,
 resets refs, not files): the bad value would stay in ``params.yaml`` and ``dvc status`` would

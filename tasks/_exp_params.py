@@ -1,12 +1,12 @@
 """What becomes of ``params.yaml`` when ``tasks.check_params`` refuses it inside ``dvc exp run``.
 
 ``dvc exp run -S key=value`` writes its values into ``params.yaml`` before any stage runs
-(``dvc/repo/experiments/queue/base.py:320-323`` -> ``dvc/utils/hydra.py``, ``apply_overrides``, lines 83-120, whose YAML
-writer also re-flows the file: ``["+"]`` becomes a block list), and a failed experiment in the
+(``dvc/repo/experiments/queue/base.py:320-323`` -> ``apply_overrides`` of ``dvc/utils/hydra.py``, lines
+83-120, whose YAML writer also re-flows the file: ``["+"]`` becomes a block list), and a failed experiment in the
 workspace leaves the file so (``WorkspaceExecutor.cleanup``, ``dvc/repo/experiments/executor/local.py:247``,
 resets refs, not files): the bad value would stay in ``params.yaml`` and ``dvc status`` would
-report a change the user never made. ``after_refusal`` puts the file back, under a rule that never
-loses a change of the user's:
+report a change the user never made. ``after_refusal`` puts the file back, under a rule that loses
+no change of the user's but a value of the key ``-S`` itself replaced:
 
 * only inside a workspace experiment: DVC sets ``DVC_EXP_BASELINE_REV`` and ``DVC_ROOT`` in every
   stage's environment, and the stage runs in ``DVC_ROOT`` (a ``--temp`` or queued run works in a

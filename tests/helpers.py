@@ -16,7 +16,8 @@
 - a Prefect server's API from tests: ``prefect_env``, ``sh``, ``api_call``, ``wait_final``, ``run_states``,
   ``wait_until``, ``log_entries``, ``run_logs``, ``wait_log`` (test_flow_deploy, test_flow_operator);
 - the real dvc.yaml over fake stage commands, run and committed: ``FAKE_STAGE``, ``fake_stage_repo``
-  (test_dvc_exp_show, test_stage_check_params).
+  (test_dvc_exp_show, test_stage_check_params); ``workspace_md5``, every file of a workspace by hash
+  (test_stage_check_params, test_pipeline).
 """
 
 from __future__ import annotations
@@ -431,3 +432,12 @@ def fake_stage_repo(repo: Path, real: tuple[str, ...] = (), env: dict | None = N
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, f"{cmd}: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     return repo
+
+
+def workspace_md5(root: Path) -> dict[str, str]:
+    """md5 of every file of the workspace ``root`` but git's and DVC's own (``.git``, ``.dvc``) and
+    Python's caches: what a command must leave as it was."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.relative_to(root).parts[0] not in (".git", ".dvc") and "__pycache__" not in p.parts}

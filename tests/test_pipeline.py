@@ -17,7 +17,7 @@ import pytest
 
 from grpo.dvcfile import read_stages
 from tests.conftest import make_dvc_workspace
-from tests.helpers import TINY_PARAMS
+from tests.helpers import TINY_PARAMS, workspace_md5
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +82,18 @@ def test_second_repro_runs_nothing(workspace):
     assert _ran(out) == set()
     _sh(workspace, "git", "add", "-A")
     _sh(workspace, "git", "commit", "-qm", "baseline run")
+
+
+@pytest.mark.parametrize("value", ["train.steps=forty", "train.nonexistent=1"])
+def test_a_refused_experiment_changes_nothing(workspace, value):
+    """After the committed run: a bad value through `dvc exp run -S` is refused before any stage's
+    outputs are removed (check_params, or DVC itself for a key params.yaml lacks): every file (the
+    adapter, dvclive's files, the times) and `dvc status` as before."""
+    before, status = workspace_md5(workspace), _sh(workspace, sys.executable, "-m", "dvc", "status", "--json").stdout
+    proc = _sh(workspace, sys.executable, "-m", "dvc", "exp", "run", "-S", value, check=False)
+    assert proc.returncode != 0 and value.split("=")[0] in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert workspace_md5(workspace) == before
+    assert _sh(workspace, sys.executable, "-m", "dvc", "status", "--json").stdout == status
 
 
 def test_experiment_reruns_only_train_and_after(workspace):

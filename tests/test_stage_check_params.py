@@ -6,7 +6,6 @@ has run (the real dvc.yaml, check_params real, the other stages' commands faked)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ from grpo.dvcfile import read_stages
 from grpo.dvcstatus import downstream
 
 from .conftest import REPO
-from .helpers import fake_stage_repo
+from .helpers import fake_stage_repo, workspace_md5
 
 GUARD = "check_params"
 
@@ -73,12 +72,6 @@ def _dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def _snapshot(repo: Path) -> dict[str, str]:
-    """md5 of every file of the workspace but git's and DVC's own (``.git``, ``.dvc``)."""
-    return {str(p.relative_to(repo)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(repo.rglob("*"))
-            if p.is_file() and p.relative_to(repo).parts[0] not in (".git", ".dvc") and "__pycache__" not in p.parts}
-
-
 def _status(repo: Path) -> dict:
     proc = _dvc(repo, "status", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -101,10 +94,10 @@ def ran(tmp_path_factory) -> Path:
 def test_a_refused_dvc_exp_run_changes_nothing(ran, value):
     """The guard refuses what ``-S`` wrote into params.yaml before DVC reaches any other stage; the
     outputs, params.yaml (put back: DVC left its rewrite there) and ``dvc status`` are as before."""
-    before, status = _snapshot(ran), _status(ran)
+    before, status = workspace_md5(ran), _status(ran)
     assert status == {}
     proc = _dvc(ran, "exp", "run", "-S", value)
-    after, status_after = _snapshot(ran), _status(ran)
+    after, status_after = workspace_md5(ran), _status(ran)
     assert proc.returncode != 0
     key = value.lstrip("+").split("=")[0]
     (line,) = _guard_lines(proc)
@@ -117,11 +110,11 @@ def test_a_refused_dvc_exp_run_changes_nothing(ran, value):
 def test_an_unknown_key_without_plus_is_refused_by_dvc_itself(ran):
     """``-S train.nonexistent=1``: DVC's Hydra override refuses a key params.yaml lacks before it writes
     anything (``dvc/utils/hydra.py:103-116``): nothing changes; its message names the key."""
-    before, status = _snapshot(ran), _status(ran)
+    before, status = workspace_md5(ran), _status(ran)
     proc = _dvc(ran, "exp", "run", "-S", "train.nonexistent=1")
     status_after = _status(ran)
     assert proc.returncode != 0 and "train.nonexistent" in proc.stderr and not _guard_lines(proc)
-    assert _snapshot(ran) == before and status_after == status
+    assert workspace_md5(ran) == before and status_after == status
 
 
 @pytest.mark.slow
@@ -132,13 +125,13 @@ def test_dvc_repro_after_a_bad_edit_removes_nothing_and_keeps_the_edit(ran):
     committed = params.read_text()
     params.write_text(committed.replace("\n  steps: ", "\n  steps: forty #", 1))
     try:
-        before, status = _snapshot(ran), _status(ran)
+        before, status = workspace_md5(ran), _status(ran)
         assert GUARD in status and "train" in status
         proc = _dvc(ran, "repro")
         assert proc.returncode != 0
         (line,) = _guard_lines(proc)
         assert line.startswith("check_params: error: train.steps: ") and "back as" not in line, line
-        assert _snapshot(ran) == before and _status(ran) == status
+        assert workspace_md5(ran) == before and _status(ran) == status
     finally:
         params.write_text(committed)
 

@@ -7,7 +7,7 @@ params before Prefect is imported.
 
 No Prefect import at module level: ``main()`` imports the flow (``flows/dvc_flow.py``, and so
 Prefect) only once the workspace lock is held and the params the run would use (``params.yaml`` with
-the ``--set`` values put over it, in memory) are valid (``flows.overrides.check_params``). A refused run
+the ``--set`` values put over it, in memory) are valid (``flows.overrides.check_run_params``). A refused run
 (a busy workspace, an unknown stage, a remote server without credentials, a bad key or value)
 therefore answers at once in one line, having written nothing and started no server. The flow
 never imports this module (no import cycle): what both need, the stage list and
@@ -22,11 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-from flows.overrides import check_params
+from flows.overrides import check_run_params
 from flows.process import StageFailed, StageTimeout
 from flows.server_auth import ALLOW_FLAG, check_api_auth
 from flows.workspace import STAGE_TIMEOUT_S, WorkspaceBusy, select_stages, stages_of, workspace_lock
-from grpo.dvcfile import PARAMS_YAML
 from grpo.errors import DeviceError, ParamsError
 
 # Without PREFECT_API_URL the flow starts Prefect's temporary ("ephemeral") server, which Prefect
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
-            check_params(root / PARAMS_YAML, overrides)  # and bad params: no server started, nothing written
+            check_run_params(root, overrides)  # and bad params: no server started, nothing written
             os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
             os.environ.setdefault(EPHEMERAL_TIMEOUT, str(EPHEMERAL_TIMEOUT_S))
             from flows.dvc_flow import pipeline

@@ -4,9 +4,12 @@ Prefect is imported: tests/test_flow_pipeline.py."""
 
 from __future__ import annotations
 
-import pytest
+import shutil
 
-from flows.overrides import check_params, override_values
+import pytest
+import yaml
+
+from flows.overrides import check_params, check_run_params, override_values
 from grpo.errors import ParamsError
 
 from .conftest import REPO
@@ -33,3 +36,17 @@ def test_the_params_with_the_overrides_are_checked_without_writing(tmp_path):
     with pytest.raises(ParamsError, match=f"^{params}: lora.rank: "):
         check_params(params)
     assert "rank: 0 #" in params.read_text()
+    check_params(tmp_path / "none.yaml")  # a workspace without params: nothing to check
+    with pytest.raises(ParamsError, match="none.yaml: params file not found"):
+        check_params(tmp_path / "none.yaml", {"train.seed": "1"})
+
+
+def test_a_workspace_is_checked_when_its_dvc_yaml_has_the_guard_or_the_run_sets_params(tmp_path):
+    (tmp_path / "params.yaml").write_text("unused: 1\n")  # not this project's params
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"one": {"cmd": "true"}}}))
+    check_run_params(tmp_path)  # another project's stages: theirs to check
+    with pytest.raises(ParamsError, match="overrides train.seed over .*: unused: unknown params section"):
+        check_run_params(tmp_path, {"train.seed": "1"})
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")  # this project's, check_params first
+    with pytest.raises(ParamsError, match=r"params.yaml: unused: unknown params section"):
+        check_run_params(tmp_path)

@@ -5,6 +5,7 @@ command-line check. The refusal beside a real ``dvc repro`` and two flows: tests
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ def test_bad_params_are_refused_in_one_line_before_prefect_is_imported(tmp_path,
     as it was: answered before Prefect is imported (the import log shows no ``prefect``), so no Prefect
     server was started for it."""
     ws = _dvc_repo(tmp_path / "ws")
+    shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")  # this project's stages: check_params first
     text = (REPO / "params.yaml").read_text()
     if not argv:  # a hand edit of params.yaml
         text = text.replace("\n  rank: ", "\n  rank: 0 #", 1)

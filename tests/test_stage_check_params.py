@@ -60,6 +60,28 @@ def test_the_guard_is_upstream_of_every_stage():
     assert spec["outs"] == [{stamp: {"cache": False, "persist": True}}]  # left in place while the check runs
 
 
+def test_the_dvc_exp_run_command_lines_it_reads():
+    """The ``-S`` values of a ``dvc exp run`` process, however DVC was started (DVC's own parser)."""
+    from tasks._exp_params import exp_set_params
+
+    argv = ["/venv/bin/python", "/venv/bin/dvc", "exp", "run", "-S", "a.b=1", "--set-param=c=2", "-Sd=3", "-n", "x"]
+    assert exp_set_params(argv) == ["a.b=1", "c=2", "d=3"]
+    assert exp_set_params(["python", "-m", "dvc", "exp", "run", "--set-param", "params.yaml:a=1"]) == ["params.yaml:a=1"]
+    assert exp_set_params(["python", "-m", "dvc", "exp", "run"]) == []
+    assert exp_set_params(["python", "-m", "dvc", "repro"]) is None
+    assert exp_set_params(["/bin/sh", "-c", "python -m tasks.check_params"]) is None
+
+
+def test_dvcs_rewrite_is_dvcs_own():
+    """The bytes ``dvc exp run -S`` leaves in params.yaml: DVC's writer re-flows the file (a flow list
+    becomes a block list), which is why a refusal cannot simply undo the one value."""
+    from tasks._exp_params import dvc_rewrite
+
+    text = "# note\ntrain:\n  steps: 40   # steps\n  ops: [\"+\"]\n"
+    out = dvc_rewrite(text, ["train.steps=forty"])
+    assert yaml.safe_load(out) == {"train": {"steps": "forty", "ops": ["+"]}} and out != text.replace("40 ", "forty")
+
+
 # ------------------------------------------------------------------------------- through the real DVC
 def _env(repo: Path) -> dict:
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "PYTHONPATH": f"{repo / 'src'}:{repo}"}
@@ -132,6 +154,26 @@ def test_dvc_repro_after_a_bad_edit_removes_nothing_and_keeps_the_edit(ran):
         (line,) = _guard_lines(proc)
         assert line.startswith("check_params: error: train.steps: ") and "back as" not in line, line
         assert workspace_md5(ran) == before and _status(ran) == status
+    finally:
+        params.write_text(committed)
+
+
+@pytest.mark.slow
+def test_uncommitted_edits_are_left_as_dvc_wrote_them(ran):
+    """A workspace with an uncommitted edit of params.yaml: the check refuses ``-S``'s bad value, removes
+    no output, and leaves the file as DVC wrote it (the user's edit with the bad value), saying so."""
+    params = ran / "params.yaml"
+    committed = params.read_text()
+    params.write_text(committed.replace("\n  seed: ", "\n  seed: 5 #", 1))  # data.seed, the first seed
+    try:
+        before = workspace_md5(ran)
+        proc = _dvc(ran, "exp", "run", "-S", "train.steps=forty")
+        (line,) = _guard_lines(proc)
+        assert line.startswith("check_params: error: train.steps: ") and "keeps what `dvc exp run -S` wrote" in line
+        kept = yaml.safe_load(params.read_text())
+        assert kept["data"]["seed"] == 5 and kept["train"]["steps"] == "forty"
+        assert {k: v for k, v in workspace_md5(ran).items() if k != "params.yaml"} == \
+            {k: v for k, v in before.items() if k != "params.yaml"}
     finally:
         params.write_text(committed)
 

@@ -243,15 +243,13 @@ def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
     """Set dotted keys (``train.optimizer.lr=5e-4``; a string value is read as YAML) in params.yaml, keeping its
     comments (``grpo.config.write_params``); a result the stages would refuse writes nothing and raises
     ``ParamsError`` naming the key."""
-    from ruamel.yaml import YAML
-
+    from flows.overrides import override_values, refusal
     from grpo.params import write_params
 
-    values = {key: YAML(typ="safe").load(raw) if isinstance(raw, str) else raw for key, raw in overrides.items()}
     try:
-        write_params(params_path, values)
+        write_params(params_path, override_values(overrides))
     except ParamsError as err:
-        raise ParamsError(f"overrides {', '.join(overrides)} over {params_path}: {err}") from None
+        raise refusal(params_path, overrides, err) from None
 
 
 def _publish(workdir: Path, results: list[dict]) -> None:

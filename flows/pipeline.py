@@ -1,13 +1,15 @@
-"""``python -m flows.pipeline``: the pipeline's command line, which refuses a busy workspace before
-Prefect is imported.
+"""``python -m flows.pipeline``: the pipeline's command line, which refuses a busy workspace or bad
+params before Prefect is imported.
 
     python -m flows.pipeline                                  # like `dvc repro`, with Prefect logs
     python -m flows.pipeline --set train.optimizer.lr=5e-4 --name lr5e-4  # an experiment `dvc exp show` lists
     python -m flows.pipeline --stages prepare_data sent         # only these stages (dvc.yaml's order)
 
 No Prefect import at module level: ``main()`` imports the flow (``flows/dvc_flow.py``, and so
-Prefect) only once the workspace lock is held. A refused run (a busy workspace, an unknown stage, a
-remote server without credentials) therefore answers at once, having written nothing. The flow
+Prefect) only once the workspace lock is held and the params the run would use (``params.yaml`` with
+the ``--set`` values put over it, in memory) are valid (``flows.overrides.check_run_params``). A refused run
+(a busy workspace, an unknown stage, a remote server without credentials, a bad key or value)
+therefore answers at once in one line, having written nothing and started no server. The flow
 never imports this module (no import cycle): what both need, the stage list and
 ``STAGE_TIMEOUT_S`` (the default of ``--stage-timeout``, the flow's ``stage_timeout_s``), is
 ``flows/workspace.py``'s.
@@ -20,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+from flows.overrides import check_run_params
 from flows.process import StageFailed, StageTimeout
 from flows.server_auth import ALLOW_FLAG, check_api_auth
 from flows.workspace import STAGE_TIMEOUT_S, WorkspaceBusy, select_stages, stages_of, workspace_lock
@@ -41,7 +44,8 @@ def _positive(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description="Run the DVC pipeline as a Prefect flow.")
-    ap.add_argument("--workdir", default=".")
+    ap.add_argument("--workdir", default=".", metavar="DIR",
+                    help="the DVC workspace to run: its dvc.yaml, params.yaml and outputs (default: the current folder)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a param (repeatable), e.g. --set train.optimizer.lr=5e-4; the run becomes a DVC experiment")
     ap.add_argument("--name", help="experiment name (with --set)")
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         with workspace_lock(root):  # before Prefect starts: a busy workspace is refused at once
+            check_run_params(root, overrides)  # and bad params: no server started, nothing written
             os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
             os.environ.setdefault(EPHEMERAL_TIMEOUT, str(EPHEMERAL_TIMEOUT_S))
             from flows.dvc_flow import pipeline

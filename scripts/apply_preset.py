@@ -27,15 +27,30 @@ def apply_preset(preset: Path, params: Path) -> None:
         raise ParamsError(f"{preset}: {err}") from None
 
 
+PRESETS = Path(__file__).resolve().parent.parent / "presets"
+"""The project's presets folder."""
+
+
+def known_presets() -> str:
+    """The words naming the project's presets (``PRESETS``), as paths to pass here from the current
+    folder (relative below it, else absolute)."""
+    found = sorted(PRESETS.glob("*.yaml"))
+    here = Path.cwd().resolve()
+    shown = [p.relative_to(here) if p.is_relative_to(here) else p for p in found]
+    return f"the presets: {', '.join(map(str, shown))}" if found else f"{PRESETS} holds no presets (*.yaml)"
+
+
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2:
         print(__doc__.splitlines()[0], file=sys.stderr)
         return 2
     preset, params = Path(argv[0]), Path(argv[1] if len(argv) > 1 else "params.yaml")
-    for path in (preset, params):
-        if not path.exists():
-            print(f"apply_preset: error: {path}: not found", file=sys.stderr)
-            return 2
+    if not preset.is_file():
+        print(f"apply_preset: error: {preset}: not found; {known_presets()}", file=sys.stderr)
+        return 2
+    if not params.exists():
+        print(f"apply_preset: error: {params}: not found", file=sys.stderr)
+        return 2
     try:
         apply_preset(preset, params)
     except ParamsError as err:

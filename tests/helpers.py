@@ -14,7 +14,10 @@
   test_evaluate, test_engine_sampler, test_kernels);
 - ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients;
 - a Prefect server's API from tests: ``prefect_env``, ``sh``, ``api_call``, ``wait_final``, ``run_states``,
-  ``wait_until``, ``log_entries``, ``run_logs``, ``wait_log`` (test_flow_deploy, test_flow_operator).
+  ``wait_until``, ``log_entries``, ``run_logs``, ``wait_log`` (test_flow_deploy, test_flow_operator);
+- the real dvc.yaml over fake stage commands, run and committed: ``FAKE_STAGE``, ``fake_stage_repo``
+  (test_dvc_exp_show, test_stage_check_params); ``workspace_md5``, every file of a workspace by hash
+  (test_stage_check_params, test_pipeline).
 """
 
 from __future__ import annotations
@@ -352,3 +355,89 @@ def wait_log(api: str, run_id: str, text: str, worker: subprocess.Popen) -> tupl
     def found():
         return next(((t, m) for t, m in log_entries(api, run_id) if text in m), None)
     return wait_until(found, f"run {run_id}'s log line with {text!r}", worker, timeout=60)
+
+
+# ---------------------------------------------------------------- the real dvc.yaml over fake stage commands
+FAKE_STAGE = '''
+import json, random, shutil, sys
+from pathlib import Path
+import yaml
+
+stage, outs = sys.argv[1], sys.argv[2:]
+params = yaml.safe_load(open("params.yaml"))
+seed, lr = params["train"]["seed"], params["train"]["optimizer"]["lr"]
+for out in map(Path, outs):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    committed = Path("committed") / out
+    if out.name == "headline.json":
+        body = {"test_accuracy_before": 0.2844, "test_accuracy_after": round(0.7 + seed / 100 + lr, 4),
+                "val_accuracy": round(0.8 + seed / 100, 4)}
+        out.write_text(json.dumps(body))
+    elif out.as_posix() == "metrics/train/metrics.json":  # dvclive's summary: every value differs per experiment
+        body = json.loads(committed.read_text())
+        out.write_text(json.dumps({k: round(v + seed + lr, 6) for k, v in body.items()}))
+    elif out.parts[:2] == ("metrics", "time"):
+        out.write_text(json.dumps({"seconds": round(random.uniform(1, 100), 2)}))
+    elif committed.is_file():
+        out.write_text(committed.read_text().replace("0.5625", str(0.5 + seed / 10)))
+    elif committed.is_dir():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(committed, out)
+    elif out.suffix:
+        out.write_text(f"{stage} {seed} {lr}\\n")
+    else:  # a directory output (models/base, models/adapter, reports)
+        out.mkdir(exist_ok=True)
+        (out / "file.txt").write_text(f"{stage} {seed} {lr}\\n")
+'''
+
+
+def fake_stage_repo(repo: Path, real: tuple[str, ...] = (), env: dict | None = None) -> Path:
+    """A git + DVC repo at ``repo`` with this repo's dvc.yaml and params.yaml after ``dvc repro``,
+    committed: each stage's command replaced by ``FAKE_STAGE``, which writes the stage's declared
+    outputs in a second (the committed metrics files where the repo has them), but the stages named
+    in ``real``, which keep their commands (src/ and tasks/ are copied whole for them; ``env``: the
+    environment of the DVC commands, e.g. a PYTHONPATH of the copy). Every dependency no stage writes
+    is copied (test_dvc_exp_show, test_stage_check_params)."""
+    import shutil
+
+    from grpo.dvcfile import read_stages
+
+    repo.mkdir(parents=True)
+    stages = read_stages(REPO / "dvc.yaml")
+    produced = {o for s in stages.values() for o in s.outs}
+    for dep in {d for s in stages.values() for d in s.deps} - produced:  # code and data no stage writes
+        src, dst = REPO / dep, repo / dep
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():  # a package dep (src/grpo/kernels) may hold files other stages name one by one
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        else:
+            shutil.copy(src, dst)
+    if real:
+        for name in ("src", "tasks"):
+            shutil.copytree(REPO / name, repo / name, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(REPO / "metrics", repo / "committed" / "metrics")  # what the fake stages write
+    shutil.copy(REPO / "params.yaml", repo / "params.yaml")
+    (repo / "fake_stage.py").write_text(FAKE_STAGE)
+    spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    for name, stage in spec["stages"].items():
+        if name not in real:
+            stage["cmd"] = f"python fake_stage.py {name} " + " ".join(stages[name].outs)
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", **(env or {})}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "ci@example.com"],
+                ["git", "config", "user.name", "ci"], [sys.executable, "-m", "dvc", "init", "-q"],
+                [sys.executable, "-m", "dvc", "repro", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "the pipeline"]):
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, f"{cmd}: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return repo
+
+
+def workspace_md5(root: Path) -> dict[str, str]:
+    """md5 of every file of the workspace ``root`` but git's and DVC's own (``.git``, ``.dvc``) and
+    Python's caches: what a command must leave as it was."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.relative_to(root).parts[0] not in (".git", ".dvc") and "__pycache__" not in p.parts}

@@ -193,11 +193,17 @@ TRAIN_ON_PREP = ("python -c \"import json, os, yaml; t = yaml.safe_load(open('pa
                  "json.dump(dict(final_val_accuracy=acc, total_time_s=10.0), open('metrics/train.json', 'w'))\"")
 
 
+GUARD = ("python -c \"import os; os.makedirs('metrics', exist_ok=True); "
+         "open('metrics/ok.json', 'w').write('{}'); open('{count}.guard', 'a').write('x')\"")
+
+
 @pytest.mark.slow
-def test_each_seeds_shared_stage_runs_once_not_once_per_experiment(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("guarded", [False, True])
+def test_each_seeds_shared_stage_runs_once_not_once_per_experiment(tmp_path, monkeypatch, capfd, guarded):
     """A data stage no variant sets a param of runs once per seed (two, not four runs for two
     variants), each experiment trains on its own seed's data, and params.yaml and dvc.lock are
-    as committed afterwards."""
+    as committed afterwards; also behind a guard that reads every param and that both stages depend
+    on (``meta: {guard: true}``, as check_params): it runs in every experiment and holds nothing back."""
     monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     repo, count = tmp_path / "repo", tmp_path / "prep_runs.txt"
@@ -208,6 +214,11 @@ def test_each_seeds_shared_stage_runs_once_not_once_per_experiment(tmp_path, mon
                        "metrics": [{"metrics/time/prep.json": {"cache": False}}]},
               "train": {"cmd": TRAIN_ON_PREP, "deps": ["data/prep.txt"], "params": ["train"],
                         "metrics": [{"metrics/final.json": {"cache": False}}, {"metrics/train.json": {"cache": False}}]}}
+    if guarded:
+        guard = {"cmd": GUARD.replace("{count}", str(count)), "meta": {"guard": True}, "params": [{"params.yaml": None}],
+                 "outs": [{"metrics/ok.json": {"cache": False, "persist": True}}]}
+        stages = {"check": guard, **{name: {**st, "deps": ["metrics/ok.json", *st.get("deps", [])]}
+                                     for name, st in stages.items()}}
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     git_dvc_init(repo)
     committed = (repo / "params.yaml").read_text()
@@ -215,6 +226,8 @@ def test_each_seeds_shared_stage_runs_once_not_once_per_experiment(tmp_path, mon
     out = capfd.readouterr().out
     assert "prep run once per seed in the workspace" in out
     assert count.read_text().split() == ["0", "3"]  # once per seed, in seed order
+    if guarded:  # once per seed's shared stages, then in each of the four experiments
+        assert len(Path(f"{count}.guard").read_text()) >= 4
     runs = {r.name: r.metric for r in parse_runs(exp_show(repo), ablations.TEST)}
     assert runs == pytest.approx({"default-seed-0": 0.5, "shuffled-seed-0": 0.6, "default-seed-3": 0.53,
                                   "shuffled-seed-3": 0.63})

@@ -10,17 +10,13 @@ import csv
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from grpo.dvcfile import read_stages
-
-from .conftest import REPO
+from .helpers import fake_stage_repo
 
 pytestmark = pytest.mark.slow
 
@@ -28,38 +24,6 @@ pytestmark = pytest.mark.slow
 TABLE = ["exp", "show", "--only-changed", "--drop", ".*/|[a-z_]+$", "--keep", "test_accuracy.*|metrics/headline.json:.*"]
 HEADLINE = ["test_accuracy_before", "test_accuracy_after", "val_accuracy"]
 HEADLINE_COLUMNS = ["test_accuracy_before", "test_accuracy_after", "metrics/headline.json:val_accuracy"]
-
-FAKE_STAGE = '''
-import json, random, shutil, sys
-from pathlib import Path
-import yaml
-
-stage, outs = sys.argv[1], sys.argv[2:]
-params = yaml.safe_load(open("params.yaml"))
-seed, lr = params["train"]["seed"], params["train"]["optimizer"]["lr"]
-for out in map(Path, outs):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    committed = Path("committed") / out
-    if out.name == "headline.json":
-        body = {"test_accuracy_before": 0.2844, "test_accuracy_after": round(0.7 + seed / 100 + lr, 4),
-                "val_accuracy": round(0.8 + seed / 100, 4)}
-        out.write_text(json.dumps(body))
-    elif out.as_posix() == "metrics/train/metrics.json":  # dvclive's summary: every value differs per experiment
-        body = json.loads(committed.read_text())
-        out.write_text(json.dumps({k: round(v + seed + lr, 6) for k, v in body.items()}))
-    elif out.parts[:2] == ("metrics", "time"):
-        out.write_text(json.dumps({"seconds": round(random.uniform(1, 100), 2)}))
-    elif committed.is_file():
-        out.write_text(committed.read_text().replace("0.5625", str(0.5 + seed / 10)))
-    elif committed.is_dir():
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(committed, out)
-    elif out.suffix:
-        out.write_text(f"{stage} {seed} {lr}\\n")
-    else:  # a directory output (models/base, models/adapter, reports)
-        out.mkdir(exist_ok=True)
-        (out / "file.txt").write_text(f"{stage} {seed} {lr}\\n")
-'''
 
 
 def _dvc(repo: Path, *args: str, columns: int = 200) -> str:
@@ -71,40 +35,13 @@ def _dvc(repo: Path, *args: str, columns: int = 200) -> str:
     return proc.stdout
 
 
-def _git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     """The real dvc.yaml (stage commands faked), params.yaml and the code files the stages depend on,
     after `dvc repro` and two experiments (train.seed=1; train.optimizer.lr=0.0005). A plain `dvc exp show`
     of it still has ~160 columns (every param of params.yaml, the report's dependency, and every
     dependency's hash: DVC has no setting that hides them), hence the documented command."""
-    repo = tmp_path_factory.mktemp("exp_show") / "repo"
-    repo.mkdir()
-    stages = read_stages(REPO / "dvc.yaml")
-    produced = {o for s in stages.values() for o in s.outs}
-    for dep in {d for s in stages.values() for d in s.deps} - produced:  # code and data no stage writes
-        src, dst = REPO / dep, repo / dep
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():  # a package dep (src/grpo/kernels) may hold files other stages name one by one
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
-        else:
-            shutil.copy(src, dst)
-    shutil.copytree(REPO / "metrics", repo / "committed" / "metrics")  # what the fake stages write
-    shutil.copy(REPO / "params.yaml", repo / "params.yaml")
-    (repo / "fake_stage.py").write_text(FAKE_STAGE)
-    spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
-    for name, stage in spec["stages"].items():
-        stage["cmd"] = f"python fake_stage.py {name} " + " ".join(stages[name].outs)
-    (repo / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    for cmd in (["init", "-q"], ["config", "user.email", "ci@example.com"], ["config", "user.name", "ci"]):
-        _git(repo, *cmd)
-    _dvc(repo, "init", "-q")
-    _dvc(repo, "repro", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "the pipeline")
+    repo = fake_stage_repo(tmp_path_factory.mktemp("exp_show") / "repo")
     _dvc(repo, "exp", "run", "-q", "-n", "seed-1", "-S", "train.seed=1")
     _dvc(repo, "exp", "run", "-q", "-n", "lr5e-4", "-S", "train.seed=0", "-S", "train.optimizer.lr=0.0005")
     return repo

@@ -12,7 +12,9 @@ from .conftest import REPO
 
 def test_the_repos_stages_in_file_order_with_what_each_reads_and_writes():
     stages = read_stages(REPO / "dvc.yaml")
-    assert list(stages) == ["prepare_data", "prepare_model", "sent", "baseline_eval", "train", "final_eval", "report"]
+    assert list(stages) == ["check_params", "prepare_data", "prepare_model", "sent", "baseline_eval", "train",
+                            "final_eval", "report"]
+    assert [name for name, s in stages.items() if s.guard] == ["check_params"]  # `meta: {guard: true}`
     train = stages["train"]
     assert train.cmd == "python -m tasks.train" and "src/grpo/trainer.py" in train.deps
     assert train.params == ("train", "lora", "decode", "model.path", "model.quantization", "model.dtype",
@@ -30,10 +32,12 @@ def test_a_file_in_every_form_dvc_accepts(tmp_path):
               "params": ["x.y", {"params.yaml": ["z"]}, {"other.yaml": ["w"]}],
               "outs": [{"out": {"cache": False, "persist": True}}, "kept"], "plots": [{"p.tsv": None}]},
         "a": {"foreach": [1, 2], "do": {"cmd": "echo ${item}"}},
+        "g": {"cmd": "check", "meta": {"guard": True}, "outs": ["ok"]}, "m": {"cmd": "x", "meta": "a note"},
         "empty": None,
     }}, sort_keys=False))
     stages = read_stages(tmp_path / "dvc.yaml")
-    assert list(stages) == ["b", "a", "empty"]
+    assert list(stages) == ["b", "a", "g", "m", "empty"]
+    assert stages["g"].guard and not stages["m"].guard and not stages["b"].guard
     assert stages["b"] == Stage(cmd=["echo 1", "echo 2"], deps=("in.txt", "big.bin"), outs=("out", "kept", "p.tsv"),
                                 uncached=("out",), params=("x.y", "z"))  # other.yaml's keys are not params.yaml's
     assert stages["a"].templated and stages["empty"] == Stage()

@@ -33,6 +33,18 @@ def test_downstream_follows_outputs_into_inputs_in_file_order():
     assert downstream(GRAPH, {"report"}) == []
 
 
+def test_a_guard_passes_nothing_downstream():
+    """A guard (``meta: {guard: true}``, as check_params) writes the same bytes whenever it succeeds: its
+    running re-runs no stage that reads its output, while what it guards still passes changes on."""
+    guarded = {"check": Stage(outs=("metrics/ok.json",), all_params=True, guard=True),
+               **{name: Stage(deps=(*stage.deps, "metrics/ok.json"), outs=stage.outs, params=stage.params)
+                  for name, stage in GRAPH.items()}}
+    assert downstream(guarded, {"check"}) == []
+    assert downstream(guarded, {"check", "prepare"}) == ["train", "evaluate", "report"]
+    unguarded = {**guarded, "check": Stage(outs=("metrics/ok.json",), all_params=True)}
+    assert downstream(unguarded, {"check"}) == list(GRAPH)
+
+
 def test_flat_keys_are_dotted_leaves_at_any_depth():
     params = {"train": {"rewards": {"correctness": 1.0}, "optimizer": {"lr": 5e-4}, "order_options": {}}, "seed": 3}
     assert flat_keys(params) == {"train.optimizer.lr": 5e-4, "train.rewards.correctness": 1.0,

@@ -5,6 +5,7 @@ command-line check. The refusal beside a real ``dvc repro`` and two flows: tests
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,34 @@ def test_a_busy_workspace_is_refused_before_prefect_is_imported(tmp_path):
     assert errors[0].startswith(f"flow: error: workspace {ws} is busy: PID {os.getpid()} "), errors
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "flows.workspace" in imported and not [m for m in imported if m.split(".")[0] == "prefect"]
+
+
+@pytest.mark.parametrize(("argv", "key"), [(["--set", "train.nonexistent=1"], "train.nonexistent"),
+                                           (["--set", "train.seed=2", "--set", "train.steps=forty"], "train.steps"),
+                                           ([], "lora.rank")])
+def test_bad_params_are_refused_in_one_line_before_prefect_is_imported(tmp_path, argv, key):
+    """A bad ``--set`` (or a bad params.yaml) is one ``flow: error:`` line naming the key, with params.yaml
+    as it was: answered before Prefect is imported (the import log shows no ``prefect``), so no Prefect
+    server was started for it."""
+    ws = _dvc_repo(tmp_path / "ws")
+    shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")  # this project's stages: check_params first
+    text = (REPO / "params.yaml").read_text()
+    if not argv:  # a hand edit of params.yaml
+        text = text.replace("\n  rank: ", "\n  rank: 0 #", 1)
+    (ws / "params.yaml").write_text(text)
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "flows.pipeline", "--workdir", str(ws), *argv],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("flow: error: ") and f"{key}: " in errors[0], errors
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "grpo.params" in imported and not [m for m in imported if m.split(".")[0] == "prefect"]
+    assert (ws / "params.yaml").read_text() == text and not (ws / ".dvc" / "tmp" / "grpo-flow.lock").exists()
+
+
+def test_every_option_has_help():
+    assert all(a.help for a in _parser()._actions)
 
 
 def test_stage_timeout_option():

@@ -1,7 +1,7 @@
 """The whole DAG through real DVC and the Prefect flow, on a tiny model in a temporary git repo.
 
 One module-scoped workspace: `dvc repro` runs every stage; a second `dvc repro` runs nothing;
-`dvc exp run -S train.seed=1` re-runs only train, final_eval and report and `dvc exp show` lists
+`dvc exp run -S train.seed=1` re-runs only check_params (the guard), train, final_eval and report and `dvc exp show` lists
 the experiment (the seed, not the lr: on a tiny model every group can tie, so a new lr may leave the
 adapter byte-identical and DVC rightly skips final_eval; a new seed always draws new LoRA weights);
 the Prefect flow then skips every cached stage (the flow beside a running DVC: tests/test_flow_workspace.py).
@@ -17,7 +17,7 @@ import pytest
 
 from grpo.dvcfile import read_stages
 from tests.conftest import make_dvc_workspace
-from tests.helpers import TINY_PARAMS
+from tests.helpers import TINY_PARAMS, workspace_md5
 
 pytestmark = pytest.mark.slow
 
@@ -64,15 +64,16 @@ def test_dvc_repro_runs_the_whole_dag(workspace):
         assert (workspace / "reports" / png).stat().st_size > 1000
     # every params field a stage read is declared in its `params:` (else DVC misses the change)
     stages = read_stages(workspace / "dvc.yaml")
+    timed = {name for name, stage in stages.items() if not stage.guard}  # a guard (check_params) writes its stamp alone
     reads = [json.loads(line) for line in reads_log.read_text().splitlines()]
-    assert {r["stage"] for r in reads} == set(stages)
+    assert {r["stage"] for r in reads} == timed
     for r in reads:
         declared = stages[r["stage"]].params
         if stages[r["stage"]].all_params:  # the whole file
             continue
         undeclared = [k for k in r["params"] if k not in declared and k.split(".")[0] not in declared]
         assert not undeclared, f"{r['stage']} reads {undeclared} but dvc.yaml does not declare them"
-    for stage in stages:
+    for stage in timed:
         assert json.loads((workspace / "metrics" / "time" / f"{stage}.json").read_text())["seconds"] > 0
 
 
@@ -119,20 +120,36 @@ def test_the_readme_and_pipeline_follow_up_commands_run_in_a_fresh_shell(workspa
     exactly as written, in a new shell whose PATH has no venv, in a workspace that has run; without the
     activation the same commands are not found (so the activation the docs say is what makes them run)."""
     venv = workspace / ".venv"
-    if not venv.exists():
-        venv.symlink_to(sys.prefix)  # the workspace's .venv is this suite's environment, as setup makes it in a clone
-    readme, after = readme_shell_commands(), pipeline_next_commands()
-    assert after[0] == ACTIVATE and len(readme) > 1 and len(after) > 1
-    for command in dict.fromkeys(readme[1:] + after[1:]):
-        proc = fresh_shell(workspace, f"{ACTIVATE} && {command}")
-        assert proc.returncode == 0, f"{command!r} in a fresh shell: rc {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
-    bare = fresh_shell(workspace, readme[1])
-    assert bare.returncode != 0, f"{readme[1]!r} ran without the activation: the test's PATH is not a fresh shell's"
+    venv.symlink_to(sys.prefix)  # the workspace's .venv is this suite's environment, as setup makes it in a clone
+    try:
+        readme, after = readme_shell_commands(), pipeline_next_commands()
+        assert after[0] == ACTIVATE and len(readme) > 1 and len(after) > 1
+        for command in dict.fromkeys(readme[1:] + after[1:]):
+            proc = fresh_shell(workspace, f"{ACTIVATE} && {command}")
+            assert proc.returncode == 0, (f"{command!r} in a fresh shell: rc {proc.returncode}\n{proc.stdout[-1500:]}\n"
+                                          f"{proc.stderr[-1500:]}")
+        bare = fresh_shell(workspace, readme[1])
+        assert bare.returncode != 0, f"{readme[1]!r} ran without the activation: the test's PATH is not a fresh shell's"
+    finally:
+        venv.unlink()  # the workspace as the later tests expect it
+
+
+@pytest.mark.parametrize("value", ["train.steps=forty", "train.nonexistent=1"])
+def test_a_refused_experiment_changes_nothing(workspace, value):
+    """After the committed run: a bad value through `dvc exp run -S` is refused before any stage's
+    outputs are removed (check_params, or DVC itself for a key params.yaml lacks): every file (the
+    adapter, dvclive's files, the times) and `dvc status` as before."""
+    before, status = workspace_md5(workspace), _sh(workspace, sys.executable, "-m", "dvc", "status", "--json").stdout
+    proc = _sh(workspace, sys.executable, "-m", "dvc", "exp", "run", "-S", value, check=False)
+    assert proc.returncode != 0 and value.split("=")[0] in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert workspace_md5(workspace) == before
+    assert _sh(workspace, sys.executable, "-m", "dvc", "status", "--json").stdout == status
 
 
 def test_experiment_reruns_only_train_and_after(workspace):
     out = _sh(workspace, sys.executable, "-m", "dvc", "exp", "run", "-n", "seed-1", "-S", "train.seed=1").stdout
-    assert _ran(out) == {"train", "final_eval", "report"}
+    guards = {name for name, stage in read_stages(workspace / "dvc.yaml").items() if stage.guard}
+    assert _ran(out) == {"train", "final_eval", "report"} | guards  # the guard's stamp unchanged: nothing more
     shown = json.loads(_sh(workspace, sys.executable, "-m", "dvc", "exp", "show", "--json").stdout)
     assert "seed-1" in json.dumps(shown)
     table = _sh(workspace, sys.executable, "-m", "dvc", "exp", "show", "--no-pager", "--md").stdout

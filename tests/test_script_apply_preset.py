@@ -42,3 +42,14 @@ def test_apply_preset_refuses_a_bad_preset_and_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "train.learning_rate: unknown key" in proc.stderr
     assert target.read_text() == (REPO / "params.yaml").read_text()
+
+
+def test_a_missing_preset_is_one_line_that_lists_the_presets_there_are(tmp_path):
+    target = tmp_path / "params.yaml"
+    target.write_text((REPO / "params.yaml").read_text())
+    proc = subprocess.run([sys.executable, "scripts/apply_preset.py", "presets/nope.yaml", str(target)], cwd=REPO,
+                          capture_output=True, text=True)
+    there = sorted(f"presets/{p.name}" for p in (REPO / "presets").glob("*.yaml"))
+    assert proc.returncode == 2 and there
+    assert proc.stderr == f"apply_preset: error: presets/nope.yaml: not found; the presets: {', '.join(there)}\n"
+    assert target.read_text() == (REPO / "params.yaml").read_text()

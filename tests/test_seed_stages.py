@@ -3,6 +3,7 @@ them once per seed is tested end to end in ``tests/test_ablations.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,18 @@ def test_the_mu_grids_shared_stages_are_those_before_train():
     assert shared_stages(read_stages(ROOT / "dvc.yaml"), keys) == ["prepare_data", "prepare_model", "sent", "baseline_eval"]
     assert "sent" not in shared_stages(read_stages(ROOT / "dvc.yaml"), keys | {"sent.samples"})
     assert "baseline_eval" not in shared_stages(read_stages(ROOT / "dvc.yaml"), {"data"})  # upstream not shared
+
+
+def test_a_guard_upstream_holds_no_stage_back():
+    """check_params reads every param and every stage depends on its output, but it writes the same
+    bytes for every valid variant (``Stage.guard``): the stages after it are shared as before; a stage
+    like it that is no guard would make none shared."""
+    stages = read_stages(ROOT / "dvc.yaml")
+    guard = next(name for name, st in stages.items() if st.guard)
+    assert stages[guard].all_params and all(stages[guard].outs[0] in st.deps for n, st in stages.items() if n != guard)
+    assert guard not in shared_stages(stages, {"train.seed"})
+    unguarded = {**stages, guard: dataclasses.replace(stages[guard], guard=False)}
+    assert shared_stages(unguarded, {"train.seed"}) == []
 
 
 def test_uncommitted_params_are_refused_naming_the_file(tmp_path):

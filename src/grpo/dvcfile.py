@@ -34,6 +34,8 @@ class Stage:
     params: tuple[str, ...] = ()  # keys or whole sections of params.yaml: ``model.path``, ``train``
     all_params: bool = False  # ``- params.yaml:`` with no keys: the stage reads every key
     templated: bool = False  # a ``foreach`` or ``matrix`` stage (its paths are not expanded here)
+    guard: bool = False  # ``meta: {guard: true}``: its outputs are the same bytes whenever it succeeds, so its
+    # re-running re-runs nothing downstream (tasks/check_params.py); DVC ignores ``meta``
 
 
 def _paths(spec: dict, key: str) -> tuple[list[str], list[str]]:
@@ -67,7 +69,8 @@ def _stage(spec) -> Stage:
         else:
             params.append(str(item))
     return Stage(cmd=spec.get("cmd"), deps=tuple(deps), outs=tuple(outs), uncached=tuple(uncached),
-                 params=tuple(params), all_params=all_params, templated=bool({"foreach", "matrix"} & set(spec)))
+                 params=tuple(params), all_params=all_params, templated=bool({"foreach", "matrix"} & set(spec)),
+                 guard=isinstance(spec.get("meta"), dict) and bool(spec["meta"].get("guard")))
 
 
 def read_stages(path: Path) -> dict[str, Stage]:

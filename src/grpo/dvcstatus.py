@@ -26,7 +26,8 @@ def _under(path: str, out: str) -> bool:
 
 
 def downstream(graph: dict[str, Stage], names: set[str]) -> list[str]:
-    """Stages that take an input from ``names`` or from a stage downstream of them (file order)."""
+    """Stages that take an input from ``names`` or from a stage downstream of them (file order). A
+    guard (``Stage.guard``: its outputs are the same whenever it succeeds) passes nothing on."""
     hit = set(names)
     changed = True
     while changed:
@@ -34,7 +35,7 @@ def downstream(graph: dict[str, Stage], names: set[str]) -> list[str]:
         for name, stage in graph.items():
             if name in hit:
                 continue
-            if any(_under(dep, out) for up in hit for out in graph[up].outs for dep in stage.deps):
+            if any(_under(dep, out) for up in hit if not graph[up].guard for out in graph[up].outs for dep in stage.deps):
                 hit.add(name)
                 changed = True
     return [n for n in graph if n in hit and n not in names]

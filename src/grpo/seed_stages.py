@@ -36,7 +36,8 @@ def shared_stages(stages: dict[str, Stage], variant_keys: Iterable[str]) -> list
     """The names of ``stages`` (``grpo.dvcfile.read_stages``) that every experiment of one seed
     runs alike, in ``dvc.yaml``'s order: none of their params is set by a variant (``variant_keys``:
     every key any variant overrides), none reads all of ``params.yaml``, and every stage whose
-    outputs they depend on is shared too."""
+    outputs they depend on is shared too (a guard, ``Stage.guard``, writes the same bytes for every valid
+    variant: it runs in each experiment and holds no stage back)."""
     keys = list(variant_keys)
     producer = {out: name for name, st in stages.items() for out in st.outs}
     memo: dict[str, bool] = {}
@@ -46,6 +47,7 @@ def shared_stages(stages: dict[str, Stage], variant_keys: Iterable[str]) -> list
             memo[name] = False  # a cycle (not a valid dvc.yaml) is not shared
             st = stages[name]
             upstream = {producer[out] for dep in st.deps for out in producer if _overlaps(dep, out)} - {name}
+            upstream = {u for u in upstream if not stages[u].guard}  # the same output for every valid variant
             memo[name] = (not st.all_params and not st.templated
                           and not any(_overlaps(p, k) for p in st.params for k in keys)
                           and all(shared(u) for u in upstream))

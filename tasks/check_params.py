@@ -25,20 +25,23 @@ import sys
 from pathlib import Path
 
 from grpo.errors import ParamsError
-from grpo.jsonio import write_json
+from grpo.jsonio import DataError, write_json
 from grpo.params import load_params
+from grpo.split_check import check_params as check_splits
 
 STAMP = Path("metrics/params_check.json")
 """This stage's one output (``dvc.yaml``): ``{"valid": true}``, written after every successful check."""
 
 
 def check(path: Path) -> None:
-    """Validate the params file ``path`` whole (every section, the rules across sections); a refusal is
+    """Validate the params file ``path`` whole (every section, the rules across sections, and the splits
+    at the data source's real sizes: ``grpo.split_check``, as ``grpo check`` does); a refusal is
     a ``ParamsError`` of one line naming the key, with what became of ``params.yaml`` when a
     ``dvc exp run -S`` had written it (``tasks._exp_params.after_refusal``)."""
     try:
-        load_params(path)
-    except ParamsError as err:
+        params = load_params(path)
+        check_splits(params, path.resolve().parent)
+    except (ParamsError, DataError) as err:
         from tasks._exp_params import after_refusal  # the failure path's: not what the stage writes
 
         raise ParamsError(f"{err}{after_refusal(path)}") from None
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check(Path(args.params))
-    except ParamsError as err:
+    except (ParamsError, DataError) as err:
         print(f"check_params: error: {err}", file=sys.stderr)
         return 2
     write_json(STAMP, {"valid": True})

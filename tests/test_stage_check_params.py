@@ -188,3 +188,17 @@ def test_a_valid_experiment_runs_the_guard_and_only_the_stages_that_read_the_key
     ran_stages = {x.split("'")[1] for x in proc.stdout.splitlines() if x.startswith("Running stage '")}
     readers = {n for n, s in stages.items() if s.all_params or any(p in ("train", "train.seed") for p in s.params)}
     assert GUARD in readers and ran_stages == readers | set(downstream(stages, readers)) and "sent" not in ran_stages
+
+
+def test_a_split_the_source_cannot_fill_is_refused_before_any_stage(tmp_path):
+    """seed 003's old data section (all 7473 of GSM8K's train rows for training, params.yaml's
+    val_size 200): no validation row can be drawn, so the guard refuses it, naming data.val_size,
+    and writes no stamp (grpo.split_check, as grpo check)."""
+    other = tmp_path / "old_seed003.yaml"
+    other.write_text("data:\n  source: gsm8k\n  train_size: 7473\n  test_size: 1319\n")
+    proc = _check(tmp_path, "--params", str(other))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("check_params: error: data.val_size: "), proc.stderr
+    assert not (tmp_path / "metrics" / "params_check.json").exists()
+    other.write_text("data:\n  source: gsm8k\n  train_size: 7273\n  test_size: 1319\n")  # the fixed preset's
+    assert _check(tmp_path, "--params", str(other)).returncode == 0

@@ -369,6 +369,7 @@ def count_triton(counter: OpCounter) -> None:
 # ------------------------------------------------------------------------------------- the runs
 VARIANTS = {
     # name -> (departures from the params, share of the step's groups the update keeps)
+    "micro_batches 8 (seed 003 before 2)": ({"train.passes.micro_batches": 8}, 1.0),
     "micro_batches 4": ({"train.passes.micro_batches": 4}, 1.0),
     "micro_batches 2": ({"train.passes.micro_batches": 2}, 1.0),
     "micro_batches 1": ({"train.passes.micro_batches": 1}, 1.0),

@@ -19,7 +19,14 @@ after CUDA starts, after the load, after the measured step's no-grad forward and
 the device check's ``context`` phase: the allocator of an 8 GB card), the allowance ``grpo check``
 adds as ``grpo.memory.CUDA_CONTEXT``.
 
-    python bench/device_update.py [--params presets/seed003.yaml] [--entropy-rule high] [--memory-cap-gib 7.6] [--json FILE]
+``--profile`` adds a third step under ``torch.profiler`` (CPU and, on CUDA, CUDA activities; the
+second step's figures stay unprofiled): the operators and kernels of most CUDA time (CPU time on a
+CPU), the step's CPU and CUDA time, its kernel launches (the CUDA runtime's launch calls) and
+kernels run, the operators dispatched, and CUDA's peak allocated over that step (``PROFILE``; on a
+CPU its CUDA figures are null and the profiler still runs, so the fields are there).
+
+    python bench/device_update.py [--params presets/seed003.yaml] [--entropy-rule high] [--memory-cap-gib 7.6]
+                                  [--profile] [--json FILE]
     python bench/device_update.py --dry-run    # on a CPU: the same code at toy sizes (no CUDA figures)
 """
 
@@ -54,6 +61,23 @@ SCHEMA = {
     "outside_forward_gib": "number?: the same after the second step's reference forward (PolicyPasses.fixed_logprobs; none without a KL term)",
     "outside_step_gib": "number?: the same after the second step's update (forward and backward kernels loaded)",
 }
+TOP = 12
+"""Rows of the profile's tables."""
+OPERATOR = {"name": "str: the operator or kernel", "cuda_ms": "number?: its self CUDA time over the step (null on a CPU)",
+            "cpu_ms": "number: its self CPU time over the step", "calls": "int: how many times it ran"}
+PROFILE = {
+    "device": "str?: cuda, or cpu (no CUDA activity: the CUDA figures are null)",
+    "step_s": "number?: the profiled (third) step's wall seconds, the profiler's overhead included",
+    "cpu_ms": "number?: self CPU time of every operator over the step",
+    "cuda_ms": "number?: self CUDA time of every kernel over the step",
+    "launches": "int?: the CUDA runtime's kernel launch calls (cudaLaunchKernel and the like, graph launches included)",
+    "kernels": "int?: kernels that ran on the card",
+    "operators": "int?: aten operators dispatched (nested ones included)",
+    "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the profiled step",
+    "top_cuda": [OPERATOR],
+    "top_cpu": [OPERATOR],
+}
+SCHEMA["profile"] = PROFILE
 GiB = 2**30
 
 
@@ -64,6 +88,7 @@ def parse_args(argv=None):
     ap.add_argument("--entropy-rule", help="train.loss.entropy_rule to measure under (default: the params')")
     ap.add_argument("--memory-cap-gib", type=float,
                     help="on CUDA: cap torch's allocator at this many GiB (set_per_process_memory_fraction)")
+    ap.add_argument("--profile", action="store_true", help="a third step under torch.profiler (PROFILE)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a toy model, 8 new tokens: checks the script")
     ap.add_argument("--json", help="write the figures here")
     return ap.parse_args(argv)
@@ -112,6 +137,43 @@ def outside_allocator_gib(torch) -> float:
     return (total - free - torch.cuda.memory_reserved()) / GiB
 
 
+def blank_profile() -> dict:
+    return {k: [] if isinstance(v, list) else None for k, v in PROFILE.items()}
+
+
+def operator_rows(events, key: str, cuda: bool) -> list[dict]:
+    """The ``TOP`` events of most ``key`` time (``self_device_time_total`` or ``self_cpu_time_total``)."""
+    top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:TOP]
+    return [{"name": e.key[:160], "cuda_ms": round(e.self_device_time_total / 1000, 3) if cuda else None,
+             "cpu_ms": round(e.self_cpu_time_total / 1000, 3), "calls": int(e.count)} for e in top]
+
+
+def profile_figures(prof, seconds: float, cuda: bool, torch) -> dict:
+    """``PROFILE`` from a finished ``torch.profiler.profile`` of one step (``seconds`` its wall time)."""
+    events = prof.key_averages()
+    device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    launch = [e for e in events if "LaunchKernel" in e.key or "GraphLaunch" in e.key or e.key == "cuLaunchKernelEx"]
+    return {"device": "cuda" if cuda else "cpu", "step_s": round(seconds, 4),
+            "cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1000, 3),
+            "cuda_ms": round(sum(e.self_device_time_total for e in events) / 1000, 3) if cuda else None,
+            "launches": sum(int(e.count) for e in launch) if cuda else None,
+            "kernels": sum(int(e.count) for e in device_events) if cuda else None,
+            "operators": sum(int(e.count) for e in events if e.key.startswith("aten::")),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 4) if cuda else None,
+            "top_cuda": operator_rows(device_events, "self_device_time_total", True) if cuda else [],
+            "top_cpu": operator_rows(events, "self_cpu_time_total", cuda)}
+
+
+def profiled_step(step, cuda: bool, torch) -> dict:
+    """``step(False)`` once more under ``torch.profiler``: its ``PROFILE``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        seconds = step(False)
+    return profile_figures(prof, seconds, cuda, torch)
+
+
 def measure(args) -> dict:
     import torch
 
@@ -151,33 +213,47 @@ def measure(args) -> dict:
             out["resident_gib"] = torch.cuda.memory_allocated() / GiB
             out["outside_load_gib"] = outside_allocator_gib(torch)
         trainer, batch_of = make_trainer(model, tok, p, args.prompt_tokens, str(Path(tmp) / "run"), torch)
-        for _step in (1, 2):  # the second step is measured (AdamW has moments then)
+
+        def step(measured: bool) -> float:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            batch = batch_of()
-            batch = trainer.passes.fixed_logprobs(batch)
-            if cuda and _step == 2:  # a sync the step does not have: the step's time includes it
+            batch = trainer.passes.fixed_logprobs(batch_of())
+            if cuda and measured:  # a sync the step does not have: the step's time includes it
                 out["outside_forward_gib"] = outside_allocator_gib(torch)
             trainer.update(batch, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
             del batch
             if cuda:
                 torch.cuda.synchronize()
-            out["step_s"] = time.perf_counter() - t0
+            return time.perf_counter() - t0
+
+        step(False)
+        out["step_s"] = step(True)  # the second step is measured (AdamW has moments then)
         if cuda:
             out["outside_step_gib"] = outside_allocator_gib(torch)
-        if cuda:
             free, total = torch.cuda.mem_get_info()
             out.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
                        peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
                        free_gib=free / GiB, total_gib=total / GiB)
+        out["profile"] = profiled_step(step, cuda, torch) if args.profile else blank_profile()
         shapes = memory.model_shapes(config, source)
         est = memory.estimate(p, shapes, "cuda", args.prompt_tokens)
         out["estimate_gib"] = est.total("train") / GiB
         if out["peak_allocated_gib"] is not None:
             out["ratio"] = out["peak_allocated_gib"] / out["estimate_gib"]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def print_profile(prof: dict) -> None:
+    if prof["step_s"] is None:
+        return
+    print(f"  profile: step {prof['step_s']} s under the profiler, CPU {prof['cpu_ms']} ms, CUDA {prof['cuda_ms']} ms, "
+          f"{prof['launches']} launches, {prof['kernels']} kernels, {prof['operators']} aten operators, peak "
+          f"{prof['peak_allocated_gib']} GiB")
+    for title, key in (("by CUDA time", "top_cuda"), ("by CPU time", "top_cpu")):
+        for row in prof[key][:6]:
+            print(f"    {title}: {row['name'][:90]}: CUDA {row['cuda_ms']} ms, CPU {row['cpu_ms']} ms, {row['calls']} calls")
 
 
 def main(argv=None) -> dict:
@@ -190,6 +266,7 @@ def main(argv=None) -> dict:
                 "ratio", "step_s", "memory_cap_gib", "outside_init_gib", "outside_load_gib", "outside_forward_gib",
                 "outside_step_gib"):
         print(f"  {key:<20} {out[key]}")
+    print_profile(out["profile"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out

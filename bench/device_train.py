@@ -114,6 +114,8 @@ SCHEMA = {
     "setup_s": "number?: seconds from this process's start to the first part (imports, the base, the params): "
                "counted against --budget-s",
     "budget_s": "number?: --budget-s, the seconds all parts may take from this process's start (null: no limit)",
+    "estimate_gib": "number?: grpo check's step peak for the unbroken run's params on this device "
+                    "(grpo.memory.estimate(...).peak), beside the runs' peak_allocated_gib",
     "val_rows": "int?: validation problems at step N (a step's rollout rows: the same compiled shape)",
     "lanes": "int?: the resume lane and the kernels' lane ran side by side (2) or one after the other (1)",
     "unbroken": RUN, "unbroken_again": RUN, "killed": RUN, "resumed": RUN,
@@ -542,13 +544,27 @@ def blank_record(args, device: str, source, dtype) -> dict:
     """The record before any part ran: a part not run keeps its ``RUN`` with every figure null."""
     out = {k: None for k in SCHEMA}
     for name in RUNS:
-        out[name] = {k: [] if isinstance(v, list) else None for k, v in RUN.items()}
+        out[name] = {k: [] if isinstance(v, list) or v.startswith("list[") else None for k, v in RUN.items()}
     out.update(killed_after=[], skipped=[], dense_export={k: None for k in SCHEMA["dense_export"]}, device=device,
                model=str(source), dtype=str(dtype).removeprefix("torch."), steps=args.steps, ok=False,
                budget_s=args.budget_s, unbroken_pair={k: None for k in PAIR},
                deterministic_pair={k: None for k in PAIR})
     out["dense_export"]["files"] = []
     return out
+
+
+def step_estimate_gib(params_file: Path, config, source, device: str, prompt_tokens: int) -> float:
+    """``grpo check``'s step peak (``grpo.memory.estimate(...).peak``) for a run's params file."""
+    import yaml
+
+    from grpo import memory
+    from grpo.params import params_from_dict
+    from grpo.rewards import REWARDS
+
+    with REWARDS.registered("text_length", text_length):
+        p = params_from_dict(yaml.safe_load(params_file.read_text()))
+    est = memory.estimate(p, memory.model_shapes(config, source), device, prompt_tokens)
+    return round(est.peak / GiB, 4)
 
 
 def measure(args, save, clock: Clock) -> dict:
@@ -590,6 +606,7 @@ def measure(args, save, clock: Clock) -> dict:
                    eval_tokens=t["checkpoints"]["eval_max_new_tokens"],
                    prompt_tokens=max(len(tok(build_prompt(tok, r["question"], t["system_prompt"]),
                                              add_special_tokens=False)["input_ids"]) for r in arithmetic_rows(64)),
+                   estimate_gib=step_estimate_gib(parts.params["unbroken"], config, source, device, out["prompt_tokens"]),
                    setup_s=round(clock.elapsed(), 2))
         save(out)
         parts.run_all({**res.params.model.model_dump(), "path": str(base)})

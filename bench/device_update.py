@@ -19,11 +19,13 @@ after CUDA starts, after the load, after the measured step's no-grad forward and
 the device check's ``context`` phase: the allocator of an 8 GB card), the allowance ``grpo check``
 adds as ``grpo.memory.CUDA_CONTEXT``.
 
-``--profile`` adds a third step under ``torch.profiler`` (CPU and, on CUDA, CUDA activities; the
-second step's figures stay unprofiled): the operators and kernels of most CUDA time (CPU time on a
-CPU), the step's CPU and CUDA time, its kernel launches (the CUDA runtime's launch calls) and
-kernels run, the operators dispatched, and CUDA's peak allocated over that step (``PROFILE``; on a
-CPU its CUDA figures are null and the profiler still runs, so the fields are there).
+``--profile`` runs the second step under ``torch.profiler`` (CPU and, on CUDA, CUDA activities; its
+seconds then include the profiler's overhead, ``step_s`` says so, and its memory figures are
+unchanged: the profiler allocates nothing on the card): the operators and kernels of most CUDA time
+(CPU time on a CPU), the step's CPU and CUDA time, its kernel launches (the CUDA runtime's launch
+calls) and kernels run, the operators dispatched, and CUDA's peak allocated over that step
+(``PROFILE``; on a CPU its CUDA figures are null and the profiler still runs, so the fields are
+there). The JSON is written after the first step too, so a run cut off keeps what it measured.
 
     python bench/device_update.py [--params presets/seed003.yaml] [--entropy-rule high] [--memory-cap-gib 7.6]
                                   [--profile] [--json FILE]
@@ -54,7 +56,7 @@ SCHEMA = {
     "total_gib": "number?: torch.cuda.mem_get_info's total",
     "estimate_gib": "number?: grpo check's training figure for these params (grpo.memory.estimate)",
     "ratio": "number?: peak allocated / estimate",
-    "step_s": "number?: seconds of the second step's passes and update",
+    "step_s": "number?: seconds of the second step's passes and update (under the profiler with --profile)",
     "memory_cap_gib": "number?: --memory-cap-gib, torch's allocator capped there (CUDA only)",
     "outside_init_gib": "number?: total - free - reserved once CUDA has started (the context alone)",
     "outside_load_gib": "number?: the same after the load",
@@ -67,7 +69,7 @@ OPERATOR = {"name": "str: the operator or kernel", "cuda_ms": "number?: its self
             "cpu_ms": "number: its self CPU time over the step", "calls": "int: how many times it ran"}
 PROFILE = {
     "device": "str?: cuda, or cpu (no CUDA activity: the CUDA figures are null)",
-    "step_s": "number?: the profiled (third) step's wall seconds, the profiler's overhead included",
+    "step_s": "number?: the profiled (second) step's wall seconds, the profiler's overhead included",
     "cpu_ms": "number?: self CPU time of every operator over the step",
     "cuda_ms": "number?: self CUDA time of every kernel over the step",
     "launches": "int?: the CUDA runtime's kernel launch calls (cudaLaunchKernel and the like, graph launches included)",
@@ -88,7 +90,7 @@ def parse_args(argv=None):
     ap.add_argument("--entropy-rule", help="train.loss.entropy_rule to measure under (default: the params')")
     ap.add_argument("--memory-cap-gib", type=float,
                     help="on CUDA: cap torch's allocator at this many GiB (set_per_process_memory_fraction)")
-    ap.add_argument("--profile", action="store_true", help="a third step under torch.profiler (PROFILE)")
+    ap.add_argument("--profile", action="store_true", help="the second step under torch.profiler (PROFILE)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a toy model, 8 new tokens: checks the script")
     ap.add_argument("--json", help="write the figures here")
     return ap.parse_args(argv)
@@ -164,14 +166,14 @@ def profile_figures(prof, seconds: float, cuda: bool, torch) -> dict:
             "top_cpu": operator_rows(events, "self_cpu_time_total", cuda)}
 
 
-def profiled_step(step, cuda: bool, torch) -> dict:
-    """``step(False)`` once more under ``torch.profiler``: its ``PROFILE``."""
+def profiled_step(step, cuda: bool, torch) -> tuple[float, dict]:
+    """``step(True)`` under ``torch.profiler``: (its seconds, its ``PROFILE``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        seconds = step(False)
-    return profile_figures(prof, seconds, cuda, torch)
+        seconds = step(True)
+    return seconds, profile_figures(prof, seconds, cuda, torch)
 
 
 def measure(args) -> dict:
@@ -190,7 +192,11 @@ def measure(args) -> dict:
     p, config, source, device = setup(args)
     dtype = compute_dtype(p.model.dtype, device)
     cuda = device == "cuda"
-    out = {k: None for k in SCHEMA}
+    out = {k: None for k in SCHEMA} | {"profile": blank_profile()}
+
+    def save(record: dict) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     t = p.train
     out.update(device=device, model=str(source), dtype=str(dtype).removeprefix("torch."),
                rows=t.rollouts.prompts_per_step * t.rollouts.group_size, prompt_tokens=args.prompt_tokens,
@@ -229,14 +235,18 @@ def measure(args) -> dict:
             return time.perf_counter() - t0
 
         step(False)
-        out["step_s"] = step(True)  # the second step is measured (AdamW has moments then)
+        save(out)
+        if args.profile:  # the second step is measured (AdamW has moments then)
+            out["step_s"], out["profile"] = profiled_step(step, cuda, torch)
+        else:
+            out["step_s"], out["profile"] = step(True), blank_profile()
         if cuda:
             out["outside_step_gib"] = outside_allocator_gib(torch)
             free, total = torch.cuda.mem_get_info()
             out.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
                        peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
                        free_gib=free / GiB, total_gib=total / GiB)
-        out["profile"] = profiled_step(step, cuda, torch) if args.profile else blank_profile()
+
         shapes = memory.model_shapes(config, source)
         est = memory.estimate(p, shapes, "cuda", args.prompt_tokens)
         out["estimate_gib"] = est.total("train") / GiB

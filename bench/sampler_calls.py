@@ -202,11 +202,15 @@ def measure(args) -> tuple[dict, list[str]]:
         for stage in calls(p, args.dry_run):
             out[stage] = row = child_call(args, stage, base, Path(tmp))
             if row["error"]:
-                failures.append(oom.describe(f"{stage}'s call", row, out["memory_cap_gib"]) if row["oom"]
-                                else f"{stage}'s call: {row['error']}")
+                failures.append(failure(stage, row, out["memory_cap_gib"]))
             print(f"  {stage:<9} " + ", ".join(f"{k} {v}" for k, v in row.items() if v is not None), flush=True)
             save()
     return out, failures
+
+
+def failure(stage: str, row: dict, cap_gib: float | None) -> str:
+    """One line naming a failed call: an out-of-memory error with its figures (``oom.describe``)."""
+    return oom.describe(f"{stage}'s call", row, cap_gib) if row["oom"] else f"{stage}'s call: {row['error']}"
 
 
 def main(argv=None) -> int:
@@ -215,6 +219,9 @@ def main(argv=None) -> int:
     if args.call:
         row = stage_call(args)
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
+        if row["error"]:
+            print(f"sampler_calls: FAILED: {failure(args.call, row, args.memory_cap_gib if row['allocated_gib'] is not None else None)}",
+                  flush=True)
         return 1 if row["error"] else 0
     _, failures = measure(args)
     if failures:

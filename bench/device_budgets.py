@@ -5,10 +5,13 @@ The figures are read from the runs' own JSON (``H200_RUN``: the H200 at d650e3f,
 and the two runs beside it; ``H100_RUNS``: the H100's three device checks, for the phases the H200
 did not run), never copied (``figures``). Each phase's need is a formula over them (``NEEDS``: the
 seconds it is expected to take on a card at the default call's sizes, said in words beside it);
-where a part was never measured, the guess is a named constant (``PROFILER_FACTOR``,
+where a part was never measured, the guess is a named constant (``PROFILE_WINDOW_S``,
 ``LANE_FACTOR``) that the next card's JSON replaces. A default phase's limit is its need rounded up
 to ``ROUND_S``; the last default phase (``train_stage``, which leaves out the parts that would not
-fit) gets what the budget leaves. ``budgets`` refuses a default call whose needs do not fit it.
+fit) gets what the budget leaves. The train stage's need follows ``bench/device_train.py``'s own
+rule for starting a part (``EXPECTED`` and ``EXPORT_S``: a part starts only when its expected time
+fits), so a need that fits means every part starts. ``budgets`` refuses a default call whose needs
+do not fit it.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 H200_RUN = REPO / "docs" / "gpu-runs" / "2026-11-28-h200"
 H100_RUNS = sorted((REPO / "docs" / "gpu-runs").glob("2026-11-26-h100-run*.json"))
-ROUND_S = 5
+ROUND_S = 1
 """A limit is its need rounded up to a multiple of this."""
-PROFILER_FACTOR = 1.5
-"""The profiled update step's seconds over the unprofiled one's (a guess: never measured on a card;
-the update phase's JSON has both, ``step_s`` and ``profile.step_s``)."""
+PROFILE_WINDOW_S = 5
+"""Seconds the update phase's profiled micro-batch adds, its events parsed included (a guess: never
+measured on a card; the phase's JSON has ``profile.window_s`` and the step's seconds)."""
 LANE_FACTOR = 1.15
 """Seconds of two train stage processes side by side over the longer alone (a guess: they are
 launch-bound, each on its own CPU cores, the card mostly idle; ``train_stage``'s JSON shows it)."""
@@ -98,8 +101,23 @@ def _train_parts(f: dict) -> dict[str, float]:
             "resumed": f["resumed_s"] + f["compile_s"] + per_step}
 
 
-def needs() -> dict[str, tuple[float, str]]:
-    """Phase -> (need in seconds, its basis in words)."""
+def train_need(t: dict[str, float], margin_s: float) -> float:
+    """The train stage's seconds from its process's start to the last part's end, with the parts
+    started as ``device_train.Clock.fits`` starts them: the unbroken run alone, then the resume lane
+    (killed, resumed) beside the kernels' lane (unbroken again), each ``LANE_FACTOR`` slower; a part
+    needs its expected time (``EXPECTED`` x the unbroken run's) and ``EXPORT_S`` left when it starts."""
+    from device_train import EXPECTED, EXPORT_S
+
+    u, lanes_start = t["unbroken"], t["setup"] + t["unbroken"]
+    resumed_start = lanes_start + LANE_FACTOR * t["killed"]
+    resume_end = resumed_start + max(EXPECTED["resumed"] * u + EXPORT_S, LANE_FACTOR * t["resumed"])
+    again_end = lanes_start + max(EXPECTED["unbroken_again"] * u + EXPORT_S, LANE_FACTOR * u)
+    return max(resume_end, again_end) + margin_s
+
+
+def needs(train_margin_s: float = 0.0) -> dict[str, tuple[float, str]]:
+    """Phase -> (need in seconds, its basis in words); ``train_margin_s``: what the device check's
+    train phases keep back of their limit beyond the script's budget."""
     f = figures()
     call = f["compile_s"] + f["sent_call_s"] * f["graph_ms"] / f["static_ms"]
     load = f["update_phase_s"] - 2 * f["update_step_s"]
@@ -110,9 +128,9 @@ def needs() -> dict[str, tuple[float, str]]:
     g = {k: round(v, 2) for k, v in f.items()}
     return {
         "probe": (f["probe_s"], f"the H200's probe {g['probe_s']} s"),
-        "update": (load + f["update_step_s"] * (1 + PROFILER_FACTOR),
-                   f"load {round(load, 1)} s (the H200's update phase {g['update_phase_s']} s less two steps of "
-                   f"{g['update_step_s']} s) + a step + the profiled step x{PROFILER_FACTOR}"),
+        "update": (f["update_phase_s"] + PROFILE_WINDOW_S,
+                   f"the H200's update phase {g['update_phase_s']} s (load {round(load, 1)} s and two steps of "
+                   f"{g['update_step_s']} s) + {PROFILE_WINDOW_S} s for the profiled micro-batch"),
         "samplers": (f["sampler_setup_s"] + f["stage_outside_s"] + 2 * call,
                      f"setup {g['sampler_setup_s']} s + a second process {g['stage_outside_s']} s + 2 calls of a "
                      f"compile {g['compile_s']} s and SENT's {g['sent_call_s']} s x {g['graph_ms']}/{g['static_ms']} ms"),
@@ -120,15 +138,15 @@ def needs() -> dict[str, tuple[float, str]]:
                        + 2 * NEW_TOKENS * f["graph_ms"] / 1000,
                        f"load {g['generation_load_s']} s + {UNCOMPILED_TOKENS} x {g['static_ms']} ms + compile "
                        f"{g['compile_s']} s + 2 x {NEW_TOKENS} x {g['graph_ms']} ms"),
-        "train_stage": (t["setup"] + t["unbroken"] + LANE_FACTOR * max(t["unbroken"], t["killed"] + t["resumed"]),
+        "train_stage": (train_need(t, train_margin_s),
                         f"setup {round(t['setup'], 1)} s + unbroken {round(t['unbroken'], 1)} s + x{LANE_FACTOR} of "
                         f"the longer lane: killed {round(t['killed'], 1)} + resumed {round(t['resumed'], 1)} s beside "
                         f"unbroken again (the H200's processes at {g['stage_tokens']:.0f} tokens + a compile "
-                        f"{g['compile_s']} s + the longer steps)"),
+                        f"{g['compile_s']} s + the longer steps), as device_train starts them, + {train_margin_s:.0f} s"),
         "context": (f["context_phase_s"], f"the H200's context {g['context_phase_s']} s"),
         "rules": (2 * f["update_phase_s"], f"two update phases of {g['update_phase_s']} s (the default's own: the "
                                            "update phase's is profiled)"),
-        "deterministic": (t["setup"] + t["unbroken"] * (1 + det),
+        "deterministic": (t["setup"] + t["unbroken"] * (1 + det) + train_margin_s,
                           f"setup {round(t['setup'], 1)} s + unbroken {round(t['unbroken'], 1)} s x (1 + {det}: "
                           "device_train.EXPECTED's guess for the two deterministic runs)"),
         "tests": (f["h100_tests_s"], f"the H100's longest tests phase {g['h100_tests_s']} s"),
@@ -142,12 +160,12 @@ def round_up(seconds: float) -> float:
     return float(ROUND_S * math.ceil(seconds / ROUND_S))
 
 
-def budgets(default: tuple[str, ...], budget_s: float, margin_s: float) -> dict[str, Budget]:
+def budgets(default: tuple[str, ...], budget_s: float, margin_s: float, train_margin_s: float) -> dict[str, Budget]:
     """Every phase's ``Budget``: a limit its need rounded up (a non-default phase's with a quarter
     more: it runs in a call of its own); the last of ``default`` gets what ``budget_s`` less
     ``margin_s`` and the other default limits leave. Raises ``ValueError`` when that is under its need."""
     out = {}
-    for name, (need, basis) in needs().items():
+    for name, (need, basis) in needs(train_margin_s).items():
         out[name] = Budget(round(need, 1), round_up(need if name in default else 1.25 * need), basis)
     last = default[-1]
     rest = budget_s - margin_s - sum(out[n].limit_s for n in default[:-1])

@@ -160,7 +160,10 @@ class Phase(NamedTuple):
     """Where the need comes from (``device_budgets.needs``)."""
 
 
-BUDGETS = device_budgets.budgets(DEFAULT_PHASES, DEFAULT_BUDGET_S, RUN_MARGIN_S)
+TRAIN_MARGIN_S = 5
+"""Seconds of a train phase's limit that ``bench/device_train.py``'s budget leaves: its last part's
+save and its exit."""
+BUDGETS = device_budgets.budgets(DEFAULT_PHASES, DEFAULT_BUDGET_S, RUN_MARGIN_S, TRAIN_MARGIN_S)
 PHASES = {name: Phase(BUDGETS[name].limit_s, BUDGETS[name].need_s, what, BUDGETS[name].basis)
           for name, what in WHAT.items()}
 GENERATION_VARIANTS = "dense-static,dense-static-graph"
@@ -176,9 +179,6 @@ DRY_NEED_S = 10
 """A phase's need on ``--dry-run`` (toy sizes: the floor below which no phase starts)."""
 CONTEXT_CAP_GIB = 7.6
 """The context phase's allocator cap: seed 003's card (``grpo check --gpu-memory 7.6``)."""
-TRAIN_MARGIN_S = 10
-"""Seconds of the train_stage phase's limit that ``bench/device_train.py``'s budget leaves: its last
-part's save and its exit."""
 RULE_BESIDE = "high"
 """The token rule the rules phase measures beside the params' own."""
 PHASE = {

@@ -19,13 +19,19 @@ after CUDA starts, after the load, after the measured step's no-grad forward and
 the device check's ``context`` phase: the allocator of an 8 GB card), the allowance ``grpo check``
 adds as ``grpo.memory.CUDA_CONTEXT``.
 
-``--profile`` runs the second step under ``torch.profiler`` (CPU and, on CUDA, CUDA activities; its
-seconds then include the profiler's overhead, ``step_s`` says so, and its memory figures are
-unchanged: the profiler allocates nothing on the card): the operators and kernels of most CUDA time
-(CPU time on a CPU), the step's CPU and CUDA time, its kernel launches (the CUDA runtime's launch
-calls) and kernels run, the operators dispatched, and CUDA's peak allocated over that step
-(``PROFILE``; on a CPU its CUDA figures are null and the profiler still runs, so the fields are
-there). The JSON is written after the first step too, so a run cut off keeps what it measured.
+``--profile`` profiles one micro-batch of the second step with ``torch.profiler`` (CPU and, on CUDA,
+CUDA activities): the ``PROFILED_CALL``-th call of ``PolicyPasses.loss_backward`` (a micro-batch's
+forward with grad, the token rule's mask, the loss and its backward), in the step's steady state.
+A window, not the whole step: the step runs about a million operators at seed 003's shapes (28
+layers x 8 micro-batches x mu 2; the toy's 2 layers x 2 micro-batches dispatch about 23,000),
+whose events the profiler would take tens of seconds to parse. Recorded (``PROFILE``): the
+operators and kernels of most CUDA time (CPU time on a CPU), the window's CPU and CUDA time, its
+kernel launches (the CUDA runtime's launch calls) and kernels run, the operators dispatched, the
+calls of ``loss_backward`` in the step (the window times that many is the micro-batches' share of
+the step; the threshold's no-grad pass and the optimizer are outside it), and the whole step's
+wall and process CPU seconds and CUDA's peak allocated over it. On a CPU the CUDA figures are
+null and the profiler still runs, so the fields are there. The JSON is written after the first
+step too, so a run cut off keeps what it measured.
 
     python bench/device_update.py [--params presets/seed003.yaml] [--entropy-rule high] [--memory-cap-gib 7.6]
                                   [--profile] [--json FILE]
@@ -56,7 +62,7 @@ SCHEMA = {
     "total_gib": "number?: torch.cuda.mem_get_info's total",
     "estimate_gib": "number?: grpo check's training figure for these params (grpo.memory.estimate)",
     "ratio": "number?: peak allocated / estimate",
-    "step_s": "number?: seconds of the second step's passes and update (under the profiler with --profile)",
+    "step_s": "number?: seconds of the second step's passes and update (with --profile, one micro-batch profiled inside)",
     "memory_cap_gib": "number?: --memory-cap-gib, torch's allocator capped there (CUDA only)",
     "outside_init_gib": "number?: total - free - reserved once CUDA has started (the context alone)",
     "outside_load_gib": "number?: the same after the load",
@@ -67,15 +73,21 @@ TOP = 12
 """Rows of the profile's tables."""
 OPERATOR = {"name": "str: the operator or kernel", "cuda_ms": "number?: its self CUDA time over the step (null on a CPU)",
             "cpu_ms": "number: its self CPU time over the step", "calls": "int: how many times it ran"}
+PROFILED_CALL = 3
+"""The ``loss_backward`` call of the second step that is profiled (past its first micro-batch)."""
 PROFILE = {
     "device": "str?: cuda, or cpu (no CUDA activity: the CUDA figures are null)",
-    "step_s": "number?: the profiled (second) step's wall seconds, the profiler's overhead included",
-    "cpu_ms": "number?: self CPU time of every operator over the step",
-    "cuda_ms": "number?: self CUDA time of every kernel over the step",
-    "launches": "int?: the CUDA runtime's kernel launch calls (cudaLaunchKernel and the like, graph launches included)",
-    "kernels": "int?: kernels that ran on the card",
-    "operators": "int?: aten operators dispatched (nested ones included)",
-    "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the profiled step",
+    "window": "str?: what the profiler saw",
+    "calls": "int?: PolicyPasses.loss_backward calls in the step (micro-batches x mu): the window's count",
+    "window_s": "number?: the window's wall seconds, the profiler's overhead included",
+    "step_s": "number?: the whole step's wall seconds (the window inside it)",
+    "step_cpu_s": "number?: the whole step's process CPU seconds (time.process_time: every thread)",
+    "cpu_ms": "number?: self CPU time of every operator in the window",
+    "cuda_ms": "number?: self CUDA time of every kernel in the window",
+    "launches": "int?: the CUDA runtime's kernel launch calls in the window (cudaLaunchKernel and the like)",
+    "kernels": "int?: kernels (and copies) that ran on the card in the window",
+    "operators": "int?: aten operators dispatched in the window (nested ones included)",
+    "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the whole step",
     "top_cuda": [OPERATOR],
     "top_cpu": [OPERATOR],
 }
@@ -90,7 +102,8 @@ def parse_args(argv=None):
     ap.add_argument("--entropy-rule", help="train.loss.entropy_rule to measure under (default: the params')")
     ap.add_argument("--memory-cap-gib", type=float,
                     help="on CUDA: cap torch's allocator at this many GiB (set_per_process_memory_fraction)")
-    ap.add_argument("--profile", action="store_true", help="the second step under torch.profiler (PROFILE)")
+    ap.add_argument("--profile", action="store_true", help="one micro-batch of the second step under torch.profiler "
+                                                           "(PROFILE)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a toy model, 8 new tokens: checks the script")
     ap.add_argument("--json", help="write the figures here")
     return ap.parse_args(argv)
@@ -150,30 +163,56 @@ def operator_rows(events, key: str, cuda: bool) -> list[dict]:
              "cpu_ms": round(e.self_cpu_time_total / 1000, 3), "calls": int(e.count)} for e in top]
 
 
-def profile_figures(prof, seconds: float, cuda: bool, torch) -> dict:
-    """``PROFILE`` from a finished ``torch.profiler.profile`` of one step (``seconds`` its wall time)."""
+def profile_figures(prof, cuda: bool, torch) -> dict:
+    """``PROFILE``'s window figures from a finished ``torch.profiler.profile``."""
     events = prof.key_averages()
     device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-    launch = [e for e in events if "LaunchKernel" in e.key or "GraphLaunch" in e.key or e.key == "cuLaunchKernelEx"]
-    return {"device": "cuda" if cuda else "cpu", "step_s": round(seconds, 4),
-            "cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1000, 3),
+    launch = [e for e in events if "LaunchKernel" in e.key or "GraphLaunch" in e.key]
+    return {"cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1000, 3),
             "cuda_ms": round(sum(e.self_device_time_total for e in events) / 1000, 3) if cuda else None,
             "launches": sum(int(e.count) for e in launch) if cuda else None,
             "kernels": sum(int(e.count) for e in device_events) if cuda else None,
             "operators": sum(int(e.count) for e in events if e.key.startswith("aten::")),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 4) if cuda else None,
             "top_cuda": operator_rows(device_events, "self_device_time_total", True) if cuda else [],
             "top_cpu": operator_rows(events, "self_cpu_time_total", cuda)}
 
 
-def profiled_step(step, cuda: bool, torch) -> tuple[float, dict]:
-    """``step(True)`` under ``torch.profiler``: (its seconds, its ``PROFILE``)."""
+def profiled_step(step, passes, cuda: bool, torch) -> tuple[float, dict]:
+    """``step(True)`` with its ``PROFILED_CALL``-th ``passes.loss_backward`` call under
+    ``torch.profiler`` (the method wrapped on this instance for the step, then given back):
+    (the step's seconds, its ``PROFILE``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    method, seen, window = passes.loss_backward, [], {}
+
+    def loss_backward(*args, **kwargs):
+        seen.append(1)
+        if len(seen) != PROFILED_CALL:
+            return method(*args, **kwargs)
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            result = method(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+        window.update(seconds=time.perf_counter() - t0, prof=prof)
+        return result
+
+    passes.loss_backward = loss_backward
+    try:
+        cpu0 = time.process_time()
         seconds = step(True)
-    return seconds, profile_figures(prof, seconds, cuda, torch)
+        cpu_s = time.process_time() - cpu0
+    finally:
+        del passes.loss_backward  # the class's method again
+    out = blank_profile() | {"device": "cuda" if cuda else "cpu", "calls": len(seen), "step_s": round(seconds, 4),
+                             "step_cpu_s": round(cpu_s, 3)}
+    if "prof" in window:
+        out.update(window=f"PolicyPasses.loss_backward call {PROFILED_CALL} of {len(seen)} in the second step",
+                   window_s=round(window["seconds"], 4), **profile_figures(window["prof"], cuda, torch))
+    if cuda:
+        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 4)
+    return seconds, out
 
 
 def measure(args) -> dict:
@@ -237,7 +276,7 @@ def measure(args) -> dict:
         step(False)
         save(out)
         if args.profile:  # the second step is measured (AdamW has moments then)
-            out["step_s"], out["profile"] = profiled_step(step, cuda, torch)
+            out["step_s"], out["profile"] = profiled_step(step, trainer.passes, cuda, torch)
         else:
             out["step_s"], out["profile"] = step(True), blank_profile()
         if cuda:
@@ -258,9 +297,9 @@ def measure(args) -> dict:
 def print_profile(prof: dict) -> None:
     if prof["step_s"] is None:
         return
-    print(f"  profile: step {prof['step_s']} s under the profiler, CPU {prof['cpu_ms']} ms, CUDA {prof['cuda_ms']} ms, "
-          f"{prof['launches']} launches, {prof['kernels']} kernels, {prof['operators']} aten operators, peak "
-          f"{prof['peak_allocated_gib']} GiB")
+    print(f"  profile: {prof['window']}: {prof['window_s']} s, CPU {prof['cpu_ms']} ms, CUDA {prof['cuda_ms']} ms, "
+          f"{prof['launches']} launches, {prof['kernels']} kernels, {prof['operators']} aten operators; the step "
+          f"{prof['step_s']} s wall, {prof['step_cpu_s']} s CPU, peak {prof['peak_allocated_gib']} GiB")
     for title, key in (("by CUDA time", "top_cuda"), ("by CPU time", "top_cpu")):
         for row in prof[key][:6]:
             print(f"    {title}: {row['name'][:90]}: CUDA {row['cuda_ms']} ms, CPU {row['cpu_ms']} ms, {row['calls']} calls")

@@ -22,6 +22,7 @@ from .conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import device_budgets  # noqa: E402
 import device_check  # noqa: E402
+import device_train  # noqa: E402
 import report_schema  # noqa: E402
 
 
@@ -189,7 +190,24 @@ def test_the_budgets_come_from_the_cards_json_and_add_up_to_one_call():
     assert sum(phases[n].limit_s for n in default) + device_check.RUN_MARGIN_S <= device_check.DEFAULT_BUDGET_S <= 570
     assert all(phases[n].need_s <= phases[n].limit_s for n in phases)
     with pytest.raises(ValueError, match="train_stage would get"):
-        device_budgets.budgets(default, 400, device_check.RUN_MARGIN_S)
+        device_budgets.budgets(default, 400, device_check.RUN_MARGIN_S, device_check.TRAIN_MARGIN_S)
+
+
+def test_the_train_stages_limit_lets_every_part_start_at_the_h200s_times():
+    """The train stage's need follows device_train's own rule: at the times the H200's figures
+    predict for each part's start (the unbroken run alone, then the two lanes side by side), the
+    clock of the phase's budget (its limit less TRAIN_MARGIN_S) lets each part start."""
+    import time
+
+    parts = device_budgets._train_parts(device_budgets.figures())
+    budget = device_check.PHASES["train_stage"].limit_s - device_check.TRAIN_MARGIN_S
+    u, lane = parts["unbroken"], device_budgets.LANE_FACTOR
+    starts = {"unbroken_again": parts["setup"] + u, "killed": parts["setup"] + u,
+              "resumed": parts["setup"] + u + lane * parts["killed"]}
+    for part, at in starts.items():
+        clock = device_train.Clock(budget, start=time.monotonic() - at)
+        assert clock.fits(part, u), (part, at, clock.left())
+    assert starts["resumed"] + lane * parts["resumed"] <= budget and starts["killed"] + lane * u <= budget
 
 
 def test_usage_errors_are_one_line(tmp_path):

@@ -69,9 +69,11 @@ def test_a_pair_of_adapters_is_compared_by_bytes_then_by_their_largest_differenc
 
 
 def test_a_part_starts_only_when_its_expected_time_fits_the_budget():
-    clock = device_train.Clock(100)
-    assert clock.fits("killed", 100) and not clock.fits("unbroken_again", 100)  # 80 + 15 fit, 100 + 15 do not
-    assert not clock.fits("deterministic", 60) and device_train.Clock(None).fits("deterministic", 1e6)
+    clock, e, keep = device_train.Clock(100), device_train.EXPECTED, device_train.EXPORT_S
+    unbroken = 0.99 * (100 - keep) / e["killed"]  # the killed run's expected time just fits
+    assert clock.fits("killed", unbroken) and not clock.fits("unbroken_again", unbroken)
+    assert not clock.fits("deterministic", 1.01 * (100 - keep) / e["deterministic"])
+    assert device_train.Clock(None).fits("deterministic", 1e6)
 
 
 def test_the_budget_counts_from_the_process_start_not_from_the_first_part():

@@ -601,13 +601,13 @@ def measure(args, save, clock: Clock) -> dict:
         t = parts.train
         r = t["rollouts"]
         write_rows(work / "val.jsonl", arithmetic_rows(val_rows(t), "v"))
+        prompt_tokens = max(len(tok(build_prompt(tok, row["question"], t["system_prompt"]),
+                                    add_special_tokens=False)["input_ids"]) for row in arithmetic_rows(64))
         out.update(rows=r["prompts_per_step"] * r["group_size"], completion_tokens=r["max_new_tokens"],
-                   val_rows=val_rows(t),
-                   micro_batches=t["passes"]["micro_batches"], entropy_rule=t["loss"]["entropy_rule"],
-                   eval_tokens=t["checkpoints"]["eval_max_new_tokens"],
-                   prompt_tokens=max(len(tok(build_prompt(tok, r["question"], t["system_prompt"]),
-                                             add_special_tokens=False)["input_ids"]) for r in arithmetic_rows(64)),
-                   estimate_gib=step_estimate_gib(parts.params["unbroken"], config, source, device, out["prompt_tokens"]),
+                   val_rows=val_rows(t), micro_batches=t["passes"]["micro_batches"],
+                   entropy_rule=t["loss"]["entropy_rule"], eval_tokens=t["checkpoints"]["eval_max_new_tokens"],
+                   prompt_tokens=prompt_tokens,
+                   estimate_gib=step_estimate_gib(parts.params["unbroken"], config, source, device, prompt_tokens),
                    setup_s=round(clock.elapsed(), 2))
         save(out)
         parts.run_all({**res.params.model.model_dump(), "path": str(base)})

@@ -89,7 +89,7 @@ def figures() -> dict[str, float]:
     }
 
 
-def _train_parts(f: dict) -> dict[str, float]:
+def train_parts(f: dict) -> dict[str, float]:
     """The train stage's processes at ``NEW_TOKENS`` with the step compiled once per process (the
     validation shares the rollouts' shape): the H200's processes at ``stage_tokens``, plus a
     compile, the longer update of each step (``update_step_s``, measured at 512, against the
@@ -121,7 +121,7 @@ def needs(train_margin_s: float = 0.0) -> dict[str, tuple[float, str]]:
     f = figures()
     call = f["compile_s"] + f["sent_call_s"] * f["graph_ms"] / f["static_ms"]
     load = f["update_phase_s"] - 2 * f["update_step_s"]
-    t = _train_parts(f)
+    t = train_parts(f)
     from device_train import EXPECTED
 
     det = EXPECTED["deterministic"] + EXPECTED["deterministic_again"]

@@ -199,7 +199,7 @@ def test_the_train_stages_limit_lets_every_part_start_at_the_h200s_times():
     clock of the phase's budget (its limit less TRAIN_MARGIN_S) lets each part start."""
     import time
 
-    parts = device_budgets._train_parts(device_budgets.figures())
+    parts = device_budgets.train_parts(device_budgets.figures())
     budget = device_check.PHASES["train_stage"].limit_s - device_check.TRAIN_MARGIN_S
     u, lane = parts["unbroken"], device_budgets.LANE_FACTOR
     starts = {"unbroken_again": parts["setup"] + u, "killed": parts["setup"] + u,

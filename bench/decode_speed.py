@@ -13,16 +13,23 @@ and is timed whole (prefill, dense copies, every decode step):
 * ``dense-static``: the static loop (``grpo.sampling``: ``StaticCache``, fixed shapes, EOS checked
   every 16 tokens) on the dense copies, what ``auto`` runs on CUDA where the copies fit;
 * ``dense-static-graph``: the same with the step captured as a CUDA graph (``compile_step``; CUDA
-  only: its first call compiles, so it is timed on a second call).
+  only: its first call compiles, so it is timed on a second call), on the persistent dense copies
+  (``dequantized_weights(persistent=True)``, refilled in place at each call) as training's
+  rollouts run it (``grpo.rollout_backends.TransformersBackend``: the compiled step holds the
+  copies' addresses, so fresh copies each call would recompile it).
 
 Per variant: seconds, milliseconds per token (seconds / tokens), and the share of rows whose
 tokens equal the reference's: ``dense-dynamic``'s, or without it the first variant run's (same
-seeds; bf16 rounding may differ with the batch's shape, and a compiled step's kernels round apart).
+seeds; bf16 rounding may differ with the batch's shape, and a compiled step's kernels round apart;
+compared over the shorter length, so ``--uncompiled-tokens`` may make the uncompiled variants short).
+A variant that fails is recorded (``error``, an out-of-memory error with its figures: ``bench/oom.py``)
+and the next still runs; the script then exits 1, its last line naming each failure.
 ``--profile`` adds a ``torch.profiler`` split of ``--profile-tokens`` tokens for the first and the
 last variant run: CPU and CUDA self time per token, kernel launches per token, the top operators.
 The JSON is rewritten after each variant, so a run cut off keeps what it measured.
 
-    python bench/decode_speed.py [--params presets/seed003.yaml] [--rows 16] [--new-tokens 512] [--profile] [--json FILE]
+    python bench/decode_speed.py [--params presets/seed003.yaml] [--rows 16] [--new-tokens 512] [--uncompiled-tokens 64]
+                                 [--profile] [--json FILE]
     python bench/decode_speed.py --dry-run    # on a CPU: the toy model, a few tokens (checks the script)
 """
 
@@ -37,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device_update  # noqa: E402  (the params' architecture, drawn at random, as the update check does)
+import oom  # noqa: E402
 
 VARIANTS = {  # name -> (dense copies, loop, compile the step)
     "nf4-dynamic": (False, "dynamic", False),
@@ -51,7 +59,9 @@ VARIANT = {
     "same_tokens": "number?: share of rows equal to the reference's over the shorter length (same seeds): "
                    "dense-dynamic's, else the first variant run's (null for the reference itself)",
     "peak_allocated_gib": "number?: CUDA's max_memory_allocated during the call",
+    "persistent": "bool?: the dense copies were the persistent ones (the compiled step's, as training runs it)",
     "error": "str?: why the variant did not run, one line",
+    **oom.SCHEMA,
 }
 PROFILE = {
     "variant": "str?: the variant profiled", "tokens": "int?: tokens profiled",
@@ -77,6 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens per completion")
     ap.add_argument("--before-tokens", type=int, default=64, help="tokens per completion of nf4-dynamic")
+    ap.add_argument("--uncompiled-tokens", type=int,
+                    help="tokens per completion of dense-dynamic and dense-static (default: --new-tokens)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, in this order")
     ap.add_argument("--profile", action="store_true", help="profile the first and the last variant")
     ap.add_argument("--profile-tokens", type=int, default=16)
@@ -86,6 +98,7 @@ def parse_args(argv=None):
     args.entropy_rule = None  # device_update.setup's other knobs
     if args.dry_run:
         args.rows, args.prompt_tokens, args.new_tokens, args.before_tokens, args.profile_tokens = 4, 16, 8, 8, 4
+        args.uncompiled_tokens = min(args.uncompiled_tokens or 8, 8)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
@@ -122,7 +135,8 @@ class Model:
         from grpo.sampling import decode
 
         options = {"compile_step": compile_step} if loop == "static" else {}
-        with dequantized_weights(self.policy) if dense else contextlib.nullcontext():
+        # the compiled step keeps its copies, as TransformersBackend does: dequantized_weights(model, persistent=compiled)
+        with dequantized_weights(self.policy, persistent=compile_step) if dense else contextlib.nullcontext():
             return decode(self.policy, self.ids, self.mask, self.group, max_new_tokens=tokens, eos_ids={0}, pad_id=0,
                           temperature=1.0, min_new_tokens=tokens, row_seeds=self.seeds, loop=loop, **options)
 
@@ -153,7 +167,8 @@ def timed(model: Model, tokens: int, how: tuple) -> dict:
     out = model.sample(tokens, dense, loop, compile_step)
     sync(torch, model.device)
     seconds = time.perf_counter() - t0
-    row.update(tokens=out.shape[1], seconds=round(seconds, 3), ms_per_token=round(1000 * seconds / out.shape[1], 3))
+    row.update(tokens=out.shape[1], seconds=round(seconds, 3), ms_per_token=round(1000 * seconds / out.shape[1], 3),
+               persistent=bool(dense and compile_step))
     if model.device == "cuda":
         row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     row["_out"] = out
@@ -201,6 +216,7 @@ def measure(args) -> dict:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
+    failures = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Model(args, Path(tmp))
         out.update(device=model.device, model=str(model.source), dtype=str(model.dtype).removeprefix("torch."),
@@ -208,11 +224,11 @@ def measure(args) -> dict:
         names = args.variants.split(",")
         reference, ref_name = None, "dense-dynamic" if "dense-dynamic" in names else names[0]
         for name in names:
-            tokens = args.before_tokens if name == "nf4-dynamic" else args.new_tokens
             try:
-                row = timed(model, tokens, VARIANTS[name])
+                row = timed(model, variant_tokens(args, name), VARIANTS[name])
             except Exception as err:  # one variant failing (a compile on a new card) leaves the others
-                row = {k: None for k in VARIANT} | {"error": f"{type(err).__name__}: {err}"[:300]}
+                row = {k: None for k in VARIANT} | (oom.oom_figure(err) or {}) | {"error": f"{type(err).__name__}: {err}"[:300]}
+                failures.append(oom.describe(name, row, None) if row["oom"] else f"{name}: {row['error']}")
             got = row.pop("_out", None)
             if name == ref_name:
                 reference = got
@@ -231,18 +247,31 @@ def measure(args) -> dict:
             fastest = min(ran, key=lambda n: out["variants"][n]["ms_per_token"])
             out["profile_after"] = profiled(model, fastest, args.profile_tokens)
     save()
-    return out
+    return out, failures
 
 
-def main(argv=None) -> dict:
+def variant_tokens(args, name: str) -> int:
+    """Tokens per completion of variant ``name``."""
+    if name == "nf4-dynamic":
+        return args.before_tokens
+    return args.new_tokens if VARIANTS[name][2] else (args.uncompiled_tokens or args.new_tokens)
+
+
+def main(argv=None) -> int:
+    """Exit 0 when every variant asked for ran (a graph on a CPU is not asked of it: its error is
+    recorded, not a failure); 1 otherwise, the last line naming each failure."""
     args = parse_args(argv)
     print(f"{args.params}: {args.rows} rows x {args.new_tokens} new tokens after {args.prompt_tokens} prompt tokens "
-          f"(nf4-dynamic: {args.before_tokens})", flush=True)
-    out = measure(args)
+          f"(nf4-dynamic: {args.before_tokens}; the other uncompiled: {args.uncompiled_tokens or args.new_tokens})",
+          flush=True)
+    out, failures = measure(args)
     for key in ("speedup", "profile_before", "profile_after"):
         print(f"  {key:<20} {out[key]}")
-    return out
+    if failures:
+        print(f"decode_speed: FAILED: {'; '.join(failures)}", flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,12 @@
 """The GPU check for a machine without network and without vLLM: everything but the engine, at seed
-003's real shapes; the default phases in one command of at most 570 s (all of them: two).
+003's real shapes; the default phases in one command of at most 570 s (all of them: about three).
 
 Two steps:
 
     python bench/device_check.py pack [DIR]          # here, with the package registry (default DIR .device-wheels)
     python3 bench/device_check.py run [OUT] --wheels DIR --commit SHA [--budget-s 570]   # there (OUT default: $OUT)
     python bench/device_check.py run OUT --dry-run [--phases all] [--without dvclive]   # on this CPU, toy sizes
+    python bench/device_check.py budget                # the phases' budgets: need, limit, basis
     python bench/device_check.py validate OUT/device_check.json
 
 ``pack`` downloads the wheels the GPU image lacks (bitsandbytes, pydantic and its three helpers,
@@ -16,46 +17,52 @@ this tree's commit (``git rev-parse HEAD``, ``+dirty`` when the tree has changes
 machine's copy of the repository carries a stale ``.git``, so the JSON's ``commit`` is the one
 passed (``commit_source`` says ``passed``, or ``git`` when read from the copy's own git).
 
-``run`` runs the phases below in this order (``PHASES``; without ``--phases`` the four of
+``run`` runs the phases below in this order (``PHASES``; without ``--phases`` the five of
 ``DEFAULT_PHASES``, ``--phases all`` every one), each a child process under its own time limit
 (``PHASES``, or ``--limit PHASE=SECONDS``, and never past ``--budget-s`` for the whole run; a phase
-whose expected time, ``PHASES``' need, no longer fits in what is left is skipped, saying so). After each
-phase it rewrites ``OUT/device_check.json`` (keys: ``SCHEMA`` below, the one home of the format),
-so a run cut short still leaves what it measured; every phase's output goes to ``OUT/device_check.log``
-under a header line, and the tests' JUnit XML to ``OUT/pytest.xml`` (three files: a device call
-brings back at most eight).
+whose expected time, ``PHASES``' need, no longer fits in what is left is skipped, saying so). It
+prints the budget table first (``budget`` prints it alone). After each phase it rewrites
+``OUT/device_check.json`` (keys: ``SCHEMA`` below, the one home of the format), so a run cut short
+still leaves what it measured; every phase's output goes to ``OUT/device_check.log`` under a header
+line, and the tests' JUnit XML to ``OUT/pytest.xml`` (three files: a device call brings back at
+most eight). A phase fails when its child exits non-zero or names an out-of-memory error, its
+``why`` the line with the figure (``outcome``); the scripts record an OOM with its bytes
+(``bench/oom.py``) and exit 1.
+
+The default phases, most questions answered per second first:
 
 1. ``probe``: Python, torch, the driver, the card and its compute capability, the C compiler and
    ``Python.h`` that Triton needs; installs the carried wheels into a ``--target`` folder; ``grpo
    doctor --params presets/seed003.yaml`` on the real card.
-2. ``train_stage``: the train stage whole (``bench/device_train.py``, the phase's limit its budget):
-   ``tasks.train`` for 2 steps at seed 003's shapes on random weights, two unbroken runs, one killed
-   with -9 after its first checkpoint and resumed (the adapters' bytes compared pair by pair), and
-   two runs with ``train.deterministic: true`` when a pair differs and the time left holds them;
-   validation, the adapter and the dense export; its steps' seconds are seed 003's whole step
-   through the decode loop ``auto`` picks.
+2. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py
+   --profile``): CUDA's peak allocated / reserved and free memory against ``grpo check``'s
+   estimate; its second step under ``torch.profiler``: the top kernels by CUDA time, CPU time,
+   launches, kernels and operators, the step's peak.
 3. ``samplers``: SENT's and the evaluations' decode loop at seed 003's call sizes, as they run
-   where vLLM is missing (``bench/sampler_calls.py``): seconds and peak memory per call.
-4. ``generation``: the loop ``auto`` picks on CUDA at 16 rows x 512 tokens (``bench/decode_speed.py
-   --variants`` ``GENERATION_VARIANTS``): static, then static with the compiled step; milliseconds
-   per token, the compile's first call, the share of rows with the same tokens.
-5. ``update``: seed 003's update at its real shapes on random weights (``bench/device_update.py``):
-   CUDA's peak allocated / reserved and free memory against ``grpo check``'s estimate.
-6. ``context``: the memory outside torch's allocator with the allocator capped at 7.6 GiB
-   (``bench/device_update.py --memory-cap-gib 7.6``); skipped on a CPU.
-7. ``rules``: the update under the params' token rule beside ``high`` (``bench/device_update.py
-   --entropy-rule high``; the default's figures are the ``update`` phase's when it ran).
-8. ``tests``: ``pytest -m cuda`` over the test files that need no vLLM (``NO_VLLM_TESTS``), with a
-   JUnit XML.
-9. ``nan_guard``: a real bf16 overflow in the update (``bench/nan_guard.py``).
-10. ``nf4_rows``: bitsandbytes' NF4 kernels by row count at seed 003's linear shapes
-   (``bench/nf4_rows.py``).
-11. ``step``: one GRPO step through the decode loop at seed 003's call sizes (``bench/grpo_step.py``),
-    under ``high`` and under the params' rule.
+   where vLLM is missing, each in a process of its own (``bench/sampler_calls.py``): seconds and
+   peak memory per call against the prediction.
+4. ``generation``: the loop training runs on CUDA at 16 rows x 512 tokens (``bench/decode_speed.py
+   --variants`` ``GENERATION_VARIANTS``): the uncompiled static loop over its first tokens, then
+   the compiled step on the persistent dense copies; milliseconds per token, the compile's first
+   call, the share of rows with the same tokens.
+5. ``train_stage``: the train stage whole (``bench/device_train.py``, the phase's limit its budget):
+   ``tasks.train`` for 2 steps at seed 003's shapes on random weights: an unbroken run alone, then
+   a run killed with -9 after its first checkpoint and resumed beside a second unbroken run (the
+   adapters' bytes compared pair by pair); validation at the rollouts' compiled shape, the adapter
+   and the dense export; its steps' seconds are seed 003's whole step through the decode loop
+   ``auto`` picks.
 
-The limits come from what the phases took on an H200 at d650e3f, or for the ones not measured
-there from the parts that were (docs/gpu-notes.md#the-device-check-phase-by-phase has the table);
-the default phases' limits with ``RUN_MARGIN_S`` fill the default budget, 570 s, one device call.
+The others (``--phases``): ``context`` (the memory outside torch's allocator with the allocator
+capped at 7.6 GiB; skipped on a CPU), ``rules`` (the update under the params' token rule beside
+``high``), ``deterministic`` (the train stage's unbroken run and two runs with
+``train.deterministic: true``: they do not fit beside the resume lanes in one call), ``tests``
+(``pytest -m cuda`` over ``NO_VLLM_TESTS``, with a JUnit XML), ``nan_guard`` (a real bf16 overflow
+in the update), ``nf4_rows`` (bitsandbytes' NF4 kernels by row count), ``step`` (one GRPO step
+through the decode loop at seed 003's call sizes, under ``high`` and under the params' rule).
+
+Each phase's need and limit are ``bench/device_budgets.py``'s, derived there from what the phases
+took on the H200 at d650e3f and the H100 (their JSON under docs/gpu-runs/): the default phases'
+limits with ``RUN_MARGIN_S`` fill the default budget, 570 s, one device call.
 ``--without dvclive`` runs every phase as on a machine without dvclive (``hide_modules``), which the
 GPU machine lacks: the train stage then logs one warning and goes on (``grpo.step_loggers``), and
 ``pack`` does not carry it (dvclive needs dvc and its dependencies).
@@ -87,6 +94,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path[:0] = [str(BENCH), str(REPO)]
 import decode_speed  # noqa: E402  (each phase script holds its part of the schema)
+import device_budgets  # noqa: E402  (the phases' needs and limits, from the cards' JSON)
 import device_train  # noqa: E402
 import device_update  # noqa: E402
 import nan_guard  # noqa: E402
@@ -110,6 +118,37 @@ NO_VLLM_TESTS = ("tests/test_kernels.py", "tests/test_cuda.py", "tests/test_logp
 SEED003 = "presets/seed003.yaml"
 LOG = "device_check.log"
 
+DEFAULT_PHASES = ("probe", "update", "samplers", "generation", "train_stage")
+"""What ``run`` runs without ``--phases``, in this order: their limits and ``RUN_MARGIN_S`` sum to the
+default budget, one device call (``device_budgets``; the last, ``train_stage``, gets what the others
+leave and leaves out the parts that would not fit). ``--phases all``: every phase, about three calls."""
+DEFAULT_BUDGET_S = 570
+"""The run's default time limit: a device call may run 600 s."""
+RUN_MARGIN_S = 5
+"""Seconds a phase leaves of the budget (``Run.phase``): the report's last save and the summary."""
+WHAT = {  # the default ones (DEFAULT_PHASES) first; their budgets: bench/device_budgets.py
+    "probe": "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor",
+    "update": "seed 003's update at its real shapes, its second step under torch.profiler: CUDA peak memory against "
+              "grpo check, the top kernels by CUDA time, CPU time, launches",
+    "samplers": "SENT's and the evaluations' decode loop (no vLLM) at seed 003's call sizes, each in its own process: "
+                "seconds, peak memory against the prediction; an out-of-memory error fails the phase with its figure",
+    "generation": "the decode loop as training runs it on CUDA at 16 rows x 512 tokens: the compiled step on the "
+                  "persistent dense copies (its first call, the compile, timed apart), beside the uncompiled static "
+                  "loop's first tokens; the same tokens",
+    "train_stage": "tasks.train for 2 steps at seed 003's shapes (512 new tokens, validation at the rollouts' compiled "
+                   "shape): an unbroken run, then a run killed with -9 after a checkpoint and resumed beside a second "
+                   "unbroken run; validation, adapter and dense export",
+    "context": "memory outside torch's allocator (total - free - reserved), the allocator capped at 7.6 GiB",
+    "rules": "the update under the params' token rule beside high: peak memory and seconds",
+    "deterministic": "the train stage's unbroken run and two runs with train.deterministic: true: the switch's cost "
+                     "and whether it makes two runs equal",
+    "tests": "pytest -m cuda on the test files that need no vLLM (the packed layout's included)",
+    "nan_guard": "a bf16 overflow in the update: not applied, state unchanged, then the stop",
+    "nf4_rows": "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048",
+    "step": "one GRPO step through the decode loop at seed 003's call sizes, under high and under the params' rule",
+}
+
+
 class Phase(NamedTuple):
     limit_s: float
     """Seconds at most (``--limit`` changes it)."""
@@ -117,37 +156,20 @@ class Phase(NamedTuple):
     """Seconds it is expected to take on a card: with less left in the budget it is skipped (on
     ``--dry-run`` ``DRY_NEED_S``)."""
     what: str
+    basis: str
+    """Where the need comes from (``device_budgets.needs``)."""
 
 
-PHASES = {  # the default ones (DEFAULT_PHASES) first, most valuable first; limits from the H200 run (docs/gpu-notes.md)
-    "probe": Phase(35, 25, "versions, driver, card, compiler, Python.h; the carried wheels installed; grpo doctor"),
-    "train_stage": Phase(330, 290, "tasks.train for 2 steps at seed 003's shapes (512 new tokens): two unbroken runs, "
-                                   "one killed with -9 after a checkpoint and resumed, the deterministic switch when "
-                                   "a pair differs and time allows; validation, adapter and dense export"),
-    "samplers": Phase(100, 85, "SENT's and the evaluations' decode loop (no vLLM) at seed 003's call sizes: seconds, "
-                               "peak memory against the prediction"),
-    "generation": Phase(100, 85, "the decode loop auto picks on CUDA at 16 rows x 512 tokens: static, then static with "
-                                 "the compiled step (its first call, the compile, timed apart); the same tokens"),
-    "update": Phase(75, 62, "seed 003's update at its real shapes: CUDA peak memory against grpo check"),
-    "context": Phase(55, 45, "memory outside torch's allocator (total - free - reserved), the allocator capped at "
-                             "7.6 GiB"),
-    "rules": Phase(75, 62, "the update under the params' token rule beside high: peak memory and seconds"),
-    "tests": Phase(50, 40, "pytest -m cuda on the test files that need no vLLM (the packed layout's included)"),
-    "nan_guard": Phase(45, 30, "a bf16 overflow in the update: not applied, state unchanged, then the stop"),
-    "nf4_rows": Phase(30, 15, "bitsandbytes NF4 at seed 003's linear shapes: M rows alone against the same rows of M=2048"),
-    "step": Phase(150, 120, "one GRPO step through the decode loop at seed 003's call sizes, under high and under "
-                            "the params' rule"),
-}
-DEFAULT_PHASES = ("probe", "train_stage", "samplers", "generation")
-"""What ``run`` runs without ``--phases``: their limits and ``RUN_MARGIN_S`` sum to at most the
-default budget, one device call (``--phases all``: every phase, about two calls)."""
-DEFAULT_BUDGET_S = 570
-"""The run's default time limit: a device call may run 600 s."""
-RUN_MARGIN_S = 5
-"""Seconds a phase leaves of the budget (``Run.phase``): the report's last save and the summary."""
+TRAIN_MARGIN_S = 5
+"""Seconds of a train phase's limit that ``bench/device_train.py``'s budget leaves: its last part's
+save and its exit."""
+BUDGETS = device_budgets.budgets(DEFAULT_PHASES, DEFAULT_BUDGET_S, RUN_MARGIN_S, TRAIN_MARGIN_S)
+PHASES = {name: Phase(BUDGETS[name].limit_s, BUDGETS[name].need_s, what, BUDGETS[name].basis)
+          for name, what in WHAT.items()}
 GENERATION_VARIANTS = "dense-static,dense-static-graph"
 """``bench/decode_speed.py``'s variants in the generation phase: the loop ``auto`` picks on CUDA,
-uncompiled and compiled (the 4-bit and dynamic loops were measured at d650e3f)."""
+uncompiled (its first ``device_budgets.UNCOMPILED_TOKENS`` tokens) and compiled on the persistent
+copies (the 4-bit and dynamic loops were measured at d650e3f)."""
 DRY_SCALE = 3
 """On ``--dry-run`` the phases' own limits (``PHASES``) and the default budget are this many times
 longer: the toy sizes run on a CPU at whatever speed it has (one shared with other work runs them
@@ -157,9 +179,6 @@ DRY_NEED_S = 10
 """A phase's need on ``--dry-run`` (toy sizes: the floor below which no phase starts)."""
 CONTEXT_CAP_GIB = 7.6
 """The context phase's allocator cap: seed 003's card (``grpo check --gpu-memory 7.6``)."""
-TRAIN_MARGIN_S = 10
-"""Seconds of the train_stage phase's limit that ``bench/device_train.py``'s budget leaves: its last
-part's save and its exit."""
 RULE_BESIDE = "high"
 """The token rule the rules phase measures beside the params' own."""
 PHASE = {
@@ -168,6 +187,14 @@ PHASE = {
     "seconds": "number?: wall seconds", "limit_s": "number?: its time limit",
     "what": "str: what the phase checks",
     "why": "str?: why it was skipped or failed, one line",
+}
+BUDGET = {"need_s": "number: seconds expected on a card", "limit_s": "number: seconds at most",
+          "basis": "str: where the need comes from (bench/device_budgets.py)"}
+PEAK = {"measured_gib": "number?: CUDA's peak allocated in this run", "predicted_gib": "number?: the prediction beside it"}
+PEAKS = {  # named as bench/cuda_memory.py --all --json names its traced calls
+    "sent": "SENT's call: samplers.sent (peak_allocated_gib, predicted_gib)",
+    "evaluation": "the evaluation's call: samplers.evaluate",
+    "train_step": "the train stage's step: train_stage.unbroken.peak_allocated_gib against train_stage.estimate_gib",
 }
 SCHEMA = {
     "schema": f"str: this file's format ({SCHEMA_VERSION})",
@@ -178,6 +205,9 @@ SCHEMA = {
     "started": "str: UTC start time, ISO 8601",
     "wall_s": "number: seconds so far",
     "budget_s": "number: the run's time limit",
+    "budgets": {name: BUDGET for name in WHAT},
+    "default_sum_s": "number: the default phases' limits and RUN_MARGIN_S (at most DEFAULT_BUDGET_S)",
+    "peaks": {name: PEAK for name in PEAKS},
     "ok": "bool: every phase run passed",
     "finished": "bool: the run reached its end (false while it runs or when cut off)",
     "carried": "list[str]: the wheels installed from --wheels",
@@ -197,6 +227,7 @@ SCHEMA = {
     "update": device_update.SCHEMA,
     "generation": decode_speed.SCHEMA,
     "train_stage": device_train.SCHEMA,
+    "deterministic": device_train.SCHEMA,
     "rules": {
         "default_rule": "str?: the params' train.loss.entropy_rule",
         "default_from": "str?: update (the update phase's figures, this run) or rules (measured in this phase)",
@@ -210,7 +241,7 @@ SCHEMA = {
     "nan_guard": nan_guard.SCHEMA,
     "nf4_rows": nf4_rows.SCHEMA,
     "step": "object?: bench/grpo_step.py's JSON (config, ours: its steps and phases)",
-    "phases": {name: PHASE for name in PHASES},
+    "phases": {name: PHASE for name in WHAT},
 }
 
 
@@ -324,6 +355,8 @@ class Run:
                            ok=True, finished=False, without=list(without))
         for name, phase in PHASES.items():
             self.report["phases"][name].update(status="skipped", what=phase.what, why="not reached or not asked for")
+            self.report["budgets"][name].update(need_s=phase.need_s, limit_s=phase.limit_s, basis=phase.basis)
+        self.report["default_sum_s"] = sum(PHASES[n].limit_s for n in DEFAULT_PHASES) + RUN_MARGIN_S
         hidden = [str(hide_modules(site / "without", without))] if without else []
         path = os.pathsep.join([*hidden, str(REPO / "src"), str(REPO), str(site)]
                                + os.environ.get("PYTHONPATH", "").split(os.pathsep))
@@ -337,6 +370,7 @@ class Run:
 
     def save(self) -> None:
         self.report["wall_s"] = round(time.monotonic() - self.t0, 1)
+        self.report["peaks"] = peaks(self.report)
         tmp = self.out / "device_check.json.tmp"
         tmp.write_text(json.dumps(self.report, indent=1) + "\n")
         tmp.replace(self.out / "device_check.json")
@@ -408,14 +442,35 @@ class Run:
         return result
 
 
+def peaks(report: dict) -> dict:
+    """``PEAKS``: each sampler call's and the train step's measured peak beside its prediction."""
+    samplers, train = report["samplers"] or {}, report["train_stage"] or {}
+
+    def call(row):
+        return {"measured_gib": (row or {}).get("peak_allocated_gib"), "predicted_gib": (row or {}).get("predicted_gib")}
+    return {"sent": call(samplers.get("sent")), "evaluation": call(samplers.get("evaluate")),
+            "train_step": {"measured_gib": (train.get("unbroken") or {}).get("peak_allocated_gib"),
+                           "predicted_gib": train.get("estimate_gib")}}
+
+
+OOM_MARKS = ("OutOfMemoryError", "CUDA out of memory", "out of memory in ", "can't allocate memory")
+"""Words of an out-of-memory error in a child's output: CUDA's type and message, the CPU allocator's,
+and ``bench/oom.py``'s line."""
+
+
 def outcome(rc: int | None, text: str) -> tuple[str, int | None, str | None]:
-    """(status, rc, why) of a child: why is its last non-empty line when it did not pass."""
+    """(status, rc, why) of a child. Exit 0 passes; otherwise why is its last line naming an
+    out-of-memory error (the scripts' own summary line first: it carries the figures), else its
+    last non-empty line. A child whose output names an out-of-memory error fails even on exit 0."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    oom = [line for line in lines if any(m in line for m in OOM_MARKS)]
     if rc is None:
-        return "timed out", None, "killed at its time limit"
-    if rc == 0:
+        return "timed out", None, "killed at its time limit" + (f"; {oom[-1][:250]}" if oom else "")
+    if rc == 0 and not oom:
         return "passed", 0, None
-    lines = [line for line in text.splitlines() if line.strip()]
-    return "failed", rc, (lines[-1][:300] if lines else f"exit {rc}")
+    summary = [line for line in oom if ": FAILED: " in line]
+    why = (summary or oom or lines or [f"exit {rc}"])[-1]
+    return "failed", rc, why[:300]
 
 
 # ---- the phases
@@ -510,12 +565,14 @@ def ratio(a, b) -> float | None:
 
 def phase_rules(run: Run, toy: list[str]):
     """The update under the params' rule beside ``RULE_BESIDE``: the default's figures are the
-    update phase's when it passed in this run (the same script and params), else measured here
-    first (then each gets half the limit)."""
+    update phase's when it passed in this run unprofiled (the same script and params), else measured
+    here first (then each gets half the limit)."""
     def body(limit):
         t0 = time.monotonic()
         rules = run.report["rules"]
-        reuse = run.report["phases"]["update"]["status"] == "passed" and run.report["update"]["entropy_rule"]
+        update = run.report["update"]
+        reuse = (run.report["phases"]["update"]["status"] == "passed" and update["entropy_rule"]
+                 and update["profile"]["step_s"] is None)
         base = ["bench/device_update.py", "--params", SEED003, *toy]
         if reuse:
             rules.update(default=run.report["update"], default_from="update")
@@ -559,15 +616,17 @@ def phase_step(run: Run, toy: list[str]):
                  "--rollout", "transformers", "--data", str(problems_file())], limit))
 
 
-def phase_train_stage(run: Run, toy: list[str]):
-    """``bench/device_train.py`` with the phase's limit as its budget (less ``TRAIN_MARGIN_S``), so
-    it leaves out the parts that would not fit instead of being killed in one; on a dry run the
-    deterministic runs always (the path checked), on a card when a pair's bytes differ."""
-    def body(limit):
-        how = "always" if run.dry_run else "auto"
-        return run.script("train_stage", ["bench/device_train.py", "--params", SEED003, "--budget-s",
-                                          str(round(limit - TRAIN_MARGIN_S)), "--deterministic", how, *toy], limit)
-    run.phase("train_stage", body)
+def train_phase(name: str, how: str):
+    """A phase that is ``bench/device_train.py --deterministic how`` with the phase's limit as its
+    budget (less ``TRAIN_MARGIN_S``; it counts from the script's start), so it leaves out the parts
+    that would not fit instead of being killed in one. ``train_stage``: the resume and the kernels'
+    lanes, no deterministic runs (they do not fit beside them in one call); ``deterministic``: the
+    unbroken run and the two deterministic runs, in a call of their own."""
+    def runner(run: Run, toy: list[str]):
+        run.phase(name, lambda limit: run.script(name, [
+            "bench/device_train.py", "--params", SEED003, "--budget-s", str(round(limit - TRAIN_MARGIN_S)),
+            "--deterministic", how, *toy], limit))
+    return runner
 
 
 def one_script(name: str, script: str, *argv: str):
@@ -576,10 +635,11 @@ def one_script(name: str, script: str, *argv: str):
 
 
 RUNNERS = {
-    "update": one_script("update", "bench/device_update.py", "--params", SEED003),
+    "update": one_script("update", "bench/device_update.py", "--params", SEED003, "--profile"),
     "generation": one_script("generation", "bench/decode_speed.py", "--params", SEED003, "--variants",
-                             GENERATION_VARIANTS),
-    "train_stage": phase_train_stage,
+                             GENERATION_VARIANTS, "--uncompiled-tokens", str(device_budgets.UNCOMPILED_TOKENS)),
+    "train_stage": train_phase("train_stage", "never"),
+    "deterministic": train_phase("deterministic", "only"),
     "rules": phase_rules,
     "context": phase_context,
     "samplers": one_script("samplers", "bench/sampler_calls.py", "--params", SEED003),
@@ -634,6 +694,7 @@ def cmd_run(args) -> int:
     site = Path(tempfile.mkdtemp(prefix="device-check-site-"))
     budget = args.budget_s or DEFAULT_BUDGET_S * (DRY_SCALE if args.dry_run else 1)
     run = Run(out.resolve(), budget, args.dry_run, site, limits, args.commit, tuple(args.without))
+    print_budgets()
     run.save()
     try:
         run_all(run, wheels, only)
@@ -641,11 +702,24 @@ def cmd_run(args) -> int:
         run.report["finished"] = True
         run.save()
         shutil.rmtree(site, ignore_errors=True)
-    print(f"  {'phase':<11} {'status':<10} {'seconds':>7} {'limit':>6}  why")
+    print(f"  {'phase':<13} {'status':<10} {'seconds':>7} {'limit':>6}  why")
     for name, row in run.report["phases"].items():
-        print(f"  {name:<11} {row['status']:<10} {row['seconds'] or 0:>7} {row['limit_s'] or '-':>6}  {row['why'] or ''}")
+        print(f"  {name:<13} {row['status']:<10} {row['seconds'] or 0:>7} {row['limit_s'] or '-':>6}  {row['why'] or ''}")
+    print("  peaks (GiB, measured / predicted): " + "; ".join(
+        f"{k} {v['measured_gib']} / {v['predicted_gib']}" for k, v in run.report["peaks"].items()))
     print(f"device_check: {'ok' if run.report['ok'] else 'FAILED'}: {out / 'device_check.json'}")
     return 0 if run.report["ok"] else 1
+
+
+def print_budgets() -> None:
+    """The budget table (``device_budgets``): each phase's need on a card, its limit, the basis."""
+    print("device_check: the phases' budgets on a card (bench/device_budgets.py, from docs/gpu-runs/):")
+    print("\n".join(device_budgets.table(BUDGETS, DEFAULT_PHASES, RUN_MARGIN_S)), flush=True)
+
+
+def cmd_budget(args) -> int:
+    print_budgets()
+    return 0
 
 
 def cmd_validate(args) -> int:
@@ -679,6 +753,8 @@ def main(argv=None) -> int:
     run.add_argument("--limit", action="append", default=[], metavar="PHASE=SECONDS",
                      help="a phase's own time limit instead of PHASES' (repeatable)")
     run.set_defaults(func=cmd_run)
+    bud = sub.add_parser("budget", help="print the phases' budgets (needs, limits, their basis)")
+    bud.set_defaults(func=cmd_budget)
     val = sub.add_parser("validate", help="check a device_check.json against SCHEMA")
     val.add_argument("file")
     val.set_defaults(func=cmd_validate)

@@ -1,4 +1,5 @@
-"""bench/device_check.py on the CPU: the dry run of every phase, the time limits, the cut wheel.
+"""bench/device_check.py on the CPU: the dry run of every phase, the time limits and budgets, an
+out-of-memory error failing its phase, the cut wheel.
 
 The GPU machine is lent now and then, for minutes: the check must work the first time there.
 Here it runs as it runs there (the same children, limits and JSON), at toy sizes.
@@ -19,7 +20,9 @@ import pytest
 from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
+import device_budgets  # noqa: E402
 import device_check  # noqa: E402
+import device_train  # noqa: E402
 import report_schema  # noqa: E402
 
 
@@ -51,12 +54,15 @@ def test_the_dry_run_passes_every_phase_without_dvclive_and_writes_three_files_t
     assert generation["dense-static"]["ms_per_token"] > 0 and generation["nf4-dynamic"]["ms_per_token"] is None
     assert generation["dense-static-graph"]["error"] == "a CUDA graph needs CUDA"
     train = report["train_stage"]
-    assert train["ok"] and train["resumed_from"] == 1 and train["skipped"] == []
+    assert train["ok"] and train["resumed_from"] == 1 and train["skipped"] == [] and train["lanes"] == 2
     assert train["unbroken_pair"] == {"same_bytes": True, "max_abs_diff": 0.0}  # the CPU: equal bytes
-    assert train["deterministic_why"].startswith("--deterministic always; ran 2 of 2")
-    assert train["deterministic_pair"]["same_bytes"] and train["deterministic_step_ratio"] > 0
-    rules = report["rules"]
-    assert rules["default_from"] == "update" and rules["default"] == report["update"]
+    assert train["deterministic_why"] == "--deterministic never" and train["deterministic"]["rc"] is None
+    det = report["deterministic"]
+    assert det["ok"] and det["deterministic_why"].startswith("--deterministic only; ran 2 of 2")
+    assert det["deterministic_pair"]["same_bytes"] and det["deterministic_step_ratio"] > 0
+    assert set(det["skipped"]) == {"unbroken_again", "killed", "resumed"}
+    rules = report["rules"]  # the update phase's default is profiled: rules measures its own
+    assert rules["default_from"] == "rules" and rules["default"]["profile"]["step_s"] is None
     assert rules["high"]["entropy_rule"] == "high" and rules["default_rule"] == report["update"]["entropy_rule"]
     assert report["context"]["memory_cap_gib"] is None  # a CUDA figure: null on the CPU
     assert report["step"]["ours"]["steps"]
@@ -81,12 +87,134 @@ def test_a_phase_past_its_limit_is_killed_and_the_run_goes_on_within_its_budget(
     assert report["phases"]["step"]["seconds"] < 10
 
 
+@pytest.mark.slow
+def test_the_default_dry_run_passes_every_default_phase_prints_the_budgets_and_profiles_the_update(tmp_path):
+    """The default call on the CPU (``--without dvclive``, as on the GPU machine): every default
+    phase passes, the others are not run; the budget table is printed and in the JSON, its default
+    limits adding up to at most the budget; the update's profile has its fields (CPU figures on a
+    CPU, its CUDA ones null); the peaks are named as bench/cuda_memory.py names its calls."""
+    done = run_check(tmp_path / "out", "--without", "dvclive",
+                     timeout=device_check.DEFAULT_BUDGET_S * device_check.DRY_SCALE + 60)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert device_check.schema_errors(report, device_check.SCHEMA) == []
+    status = {name: row["status"] for name, row in report["phases"].items()}
+    assert status == {name: "passed" if name in device_check.DEFAULT_PHASES else "skipped" for name in device_check.PHASES}
+    assert report["default_sum_s"] <= device_check.DEFAULT_BUDGET_S
+    assert {n: b["limit_s"] for n, b in report["budgets"].items()} == {n: p.limit_s for n, p in device_check.PHASES.items()}
+    table = device_budgets.table(device_check.BUDGETS, device_check.DEFAULT_PHASES, device_check.RUN_MARGIN_S)
+    assert all(line in done.stdout for line in table)
+    profile = report["update"]["profile"]
+    assert profile["device"] == "cpu" and profile["step_s"] > 0 and profile["cpu_ms"] > 0 and profile["operators"] > 0
+    assert profile["top_cpu"] and all(row["calls"] > 0 and row["cpu_ms"] >= 0 for row in profile["top_cpu"])
+    assert profile["cuda_ms"] is None and profile["launches"] is None and profile["top_cuda"] == []
+    assert report["update"]["step_s"] == profile["step_s"]  # the second step, profiled
+    generation = report["generation"]["variants"]
+    assert generation["dense-static"]["tokens"] == 8 and generation["dense-static"]["persistent"] is False
+    assert generation["dense-static-graph"]["error"] == "a CUDA graph needs CUDA"
+    assert report["samplers"]["sent"]["loop"].startswith("dynamic") and report["samplers"]["evaluate"]["seconds"] > 0
+    assert set(report["peaks"]) == {"sent", "evaluation", "train_step"}
+    assert report["peaks"]["sent"]["predicted_gib"] == report["samplers"]["sent"]["predicted_gib"]
+    assert report["peaks"]["train_step"]["predicted_gib"] == report["train_stage"]["estimate_gib"] > 0
+    train = report["train_stage"]
+    assert train["ok"] and train["lanes"] == 2 and train["skipped"] == [] and train["deterministic"]["rc"] is None
+
+
+def toy_base(path: Path) -> Path:
+    """A toy model saved as the samplers phase saves its random base."""
+    from grpo.synthetic import architecture_config, random_model_dir
+
+    return random_model_dir(path, architecture_config("toy"), device="cpu")
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_error_in_a_phase_child_fails_the_phase_with_its_figure(tmp_path):
+    """A real allocation beyond what the machine can map, in the real call path of the samplers
+    phase's child (SENT's call of 2**46 tokens: its per-completion uniforms alone are 2**48 bytes):
+    the allocator raises, the child records the OOM with the bytes asked for and exits 1, and the
+    phase is failed, its why the line with the figure; never passed."""
+    tokens = 2**46
+    run = device_check.Run(tmp_path / "out", 600, True, tmp_path / "site", {})
+    (tmp_path / "out").mkdir()
+    argv = ["bench/sampler_calls.py", "--params", device_check.SEED003, "--dry-run", "--call", "sent", "--base",
+            str(toy_base(tmp_path / "base")), "--new-tokens", str(tokens)]
+    run.phase("samplers", lambda limit: run.script("samplers", argv, limit))
+    row, call = run.report["phases"]["samplers"], run.report["samplers"]
+    assert row["status"] == "failed" and row["rc"] == 1 and not run.report["ok"]
+    assert call["oom"] is True and call["requested_gib"] >= tokens * 4 / 2**30
+    assert call["error"].startswith("RuntimeError") and "can't allocate memory" in call["error"]
+    assert row["why"] == (f"sampler_calls: FAILED: out of memory in sent's call: asked for {call['requested_gib']} GiB, "
+                          f"predicted {call['predicted_gib']} GiB")
+
+
+def test_a_child_that_names_an_out_of_memory_error_fails_even_on_exit_0():
+    """``outcome``: an OOM line fails a child whatever its exit code, and its why is the scripts'
+    summary line (the one with the figures) before any other."""
+    torch = pytest.importorskip("torch")
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 7.60 GiB")
+    text = f"step 1\ntorch.OutOfMemoryError: {err}\nmore lines\n"
+    assert device_check.outcome(0, text) == ("failed", 0, f"torch.OutOfMemoryError: {err}")
+    summary = "sampler_calls: FAILED: out of memory in sent's call: asked for 2.5 GiB, cap 7.6 GiB"
+    assert device_check.outcome(1, text + summary + "\nTraceback\n") == ("failed", 1, summary)
+    assert device_check.outcome(0, "all good\n") == ("passed", 0, None)
+    assert device_check.outcome(None, text)[2].startswith("killed at its time limit; torch.OutOfMemoryError")
+
+
+def test_the_oom_figure_is_read_from_either_allocators_message():
+    """bench/oom.py on the real exception types: CUDA's ``torch.OutOfMemoryError`` (c10's sizes) and
+    the CPU allocator's ``RuntimeError`` from a real allocation that cannot be mapped."""
+    torch = pytest.importorskip("torch")
+    import oom
+
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79 GiB")
+    assert oom.oom_figure(cuda)["requested_gib"] == round(20 * 2**20 / 2**30, 3)
+    with pytest.raises(RuntimeError) as raised:
+        torch.empty(2**46, dtype=torch.float32)  # 2**48 bytes: beyond the address space
+    figure = oom.oom_figure(raised.value)
+    assert figure["oom"] and figure["requested_gib"] == 2**48 / 2**30 and figure["peak_allocated_gib"] is None
+    assert oom.oom_figure(ValueError("Tried to allocate 2.00 GiB")) is None  # not an allocator's error
+    assert oom.describe("SENT's call", {**figure, "predicted_gib": 7.9}, 7.6) == (
+        f"out of memory in SENT's call: asked for {figure['requested_gib']} GiB, predicted 7.9 GiB, cap 7.6 GiB")
+
+
+def test_the_budgets_come_from_the_cards_json_and_add_up_to_one_call():
+    """Each phase's need is derived from the runs' JSON under docs/gpu-runs/ (the probe's is the
+    H200's own seconds, the generation's counts the compile the H200 measured); the default limits
+    cover their needs and, with the margin, fill at most the 570 s of one device call; a budget too
+    small for the default phases is refused."""
+    h200 = json.loads((device_budgets.H200_RUN / "device_check.json").read_text())
+    gen = json.loads((device_budgets.H200_RUN / "call2-gen2.json").read_text())
+    phases, default = device_check.PHASES, device_check.DEFAULT_PHASES
+    assert phases["probe"].need_s == h200["phases"]["probe"]["seconds"]
+    assert phases["generation"].need_s > gen["variants"]["dense-static-graph"]["first_call_s"]
+    assert sum(phases[n].limit_s for n in default) + device_check.RUN_MARGIN_S <= device_check.DEFAULT_BUDGET_S <= 570
+    assert all(phases[n].need_s <= phases[n].limit_s for n in phases)
+    with pytest.raises(ValueError, match="train_stage would get"):
+        device_budgets.budgets(default, 400, device_check.RUN_MARGIN_S, device_check.TRAIN_MARGIN_S)
+
+
+def test_the_train_stages_limit_lets_every_part_start_at_the_h200s_times():
+    """The train stage's need follows device_train's own rule: at the times the H200's figures
+    predict for each part's start (the unbroken run alone, then the two lanes side by side), the
+    clock of the phase's budget (its limit less TRAIN_MARGIN_S) lets each part start."""
+    import time
+
+    parts = device_budgets.train_parts(device_budgets.figures())
+    budget = device_check.PHASES["train_stage"].limit_s - device_check.TRAIN_MARGIN_S
+    u, lane = parts["unbroken"], device_budgets.LANE_FACTOR
+    starts = {"unbroken_again": parts["setup"] + u, "killed": parts["setup"] + u,
+              "resumed": parts["setup"] + u + lane * parts["killed"]}
+    for part, at in starts.items():
+        clock = device_train.Clock(budget, start=time.monotonic() - at)
+        assert clock.fits(part, u), (part, at, clock.left())
+    assert starts["resumed"] + lane * parts["resumed"] <= budget and starts["killed"] + lane * u <= budget
+
+
 def test_usage_errors_are_one_line(tmp_path):
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--phases", "probe,gpu"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "device_check: --phases/--limit: unknown gpu (phases: probe, train_stage, samplers, generation, update, context, "
-        "rules, tests, nan_guard, nf4_rows, step)"]
+        f"device_check: --phases/--limit: unknown gpu (phases: {', '.join(device_check.PHASES)})"]
     done = subprocess.run([sys.executable, "bench/device_check.py", "run", str(tmp_path), "--wheels", "no-such"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "--wheels no-such: no such folder" in done.stderr
@@ -138,15 +266,9 @@ def test_the_report_names_the_commit_passed_or_else_git(tmp_path):
     assert (read["commit"], read["commit_source"]) == (device_check.git_commit(), "git")
 
 
-def test_the_default_phases_fit_one_device_call_and_each_needs_less_than_its_limit():
-    """The default phases come first in ``PHASES`` and their limits, with the margin each phase
-    leaves, fit the default budget (570 s: a device call runs at most 600 s), so each gets its whole
-    limit; every phase's need is within its limit."""
+def test_the_default_phases_come_first_and_every_phase_has_a_runner():
     names, default = list(device_check.PHASES), list(device_check.DEFAULT_PHASES)
-    assert names[:len(default)] == default and default[0] == "probe"
-    assert sum(device_check.PHASES[n].limit_s for n in default) + device_check.RUN_MARGIN_S <= device_check.DEFAULT_BUDGET_S
-    assert device_check.DEFAULT_BUDGET_S <= 570
-    assert all(p.need_s <= p.limit_s for p in device_check.PHASES.values())
+    assert names[:len(default)] == default and default[0] == "probe" and default[-1] == "train_stage"
     assert set(device_check.RUNNERS) == set(names) - {"probe"}
 
 
@@ -173,11 +295,13 @@ def test_a_phase_that_would_not_finish_in_what_is_left_is_skipped(tmp_path):
     """On a card a phase starts only when the budget left holds its expected time."""
     run = device_check.Run(tmp_path, 100, False, tmp_path / "site", {})
     ran = []
-    run.phase("step", lambda limit: ran.append(limit) or ("passed", 0, None))  # needs 250 s of the 100 left
+    step, nf4 = device_check.PHASES["step"], device_check.PHASES["nf4_rows"]
+    assert step.need_s > 100 - device_check.RUN_MARGIN_S > nf4.limit_s
+    run.phase("step", lambda limit: ran.append(limit) or ("passed", 0, None))
     row = run.report["phases"]["step"]
-    assert ran == [] and row["status"] == "skipped" and "under the 120 s it needs" in row["why"]
+    assert ran == [] and row["status"] == "skipped" and f"under the {step.need_s:.0f} s it needs" in row["why"]
     run.phase("nf4_rows", lambda limit: ran.append(limit) or ("passed", 0, None))
-    assert ran == [30] and run.report["phases"]["nf4_rows"]["status"] == "passed" and run.report["ok"]
+    assert ran == [nf4.limit_s] and run.report["phases"]["nf4_rows"]["status"] == "passed" and run.report["ok"]
 
 
 def test_the_schema_check_names_each_departure_from_a_hand_made_schema():

@@ -26,7 +26,7 @@ def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_de
     from grpo.params import params_from_dict
     from grpo.rewards import REWARDS
 
-    args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=64, dry_run=False)
+    args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=None, dry_run=False)
     path, train = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")
     seed003 = resolve_params(REPO / "presets" / "seed003.yaml").params.train
     with REWARDS.registered("text_length", device_train.text_length):
@@ -38,6 +38,7 @@ def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_de
     assert train["loss"]["entropy_rule"] == seed003.loss.entropy_rule and train["optimizer"]["mu"] == seed003.optimizer.mu
     assert (train["steps"], train["checkpoints"]["every"], train["checkpoints"]["eval_every"], r["backend"]) == (
         2, 1, 2, "transformers")
+    assert train["checkpoints"]["eval_max_new_tokens"] == seed003.rollouts.max_new_tokens  # the rollouts' shape
     assert train["rewards"] == {**seed003.rewards, "text_length": 1.0} and "text_length" not in REWARDS
     assert train["output_dir"] == str(tmp_path / "unbroken" / "out")
 
@@ -68,9 +69,56 @@ def test_a_pair_of_adapters_is_compared_by_bytes_then_by_their_largest_differenc
 
 
 def test_a_part_starts_only_when_its_expected_time_fits_the_budget():
-    clock = device_train.Clock(100)
-    assert clock.fits("killed", 100) and not clock.fits("unbroken_again", 100)  # 80 + 15 fit, 100 + 15 do not
-    assert not clock.fits("deterministic", 60) and device_train.Clock(None).fits("deterministic", 1e6)
+    clock, e, keep = device_train.Clock(100), device_train.EXPECTED, device_train.EXPORT_S
+    unbroken = 0.99 * (100 - keep) / e["killed"]  # the killed run's expected time just fits
+    assert clock.fits("killed", unbroken) and not clock.fits("unbroken_again", unbroken)
+    assert not clock.fits("deterministic", 1.01 * (100 - keep) / e["deterministic"])
+    assert device_train.Clock(None).fits("deterministic", 1e6)
+
+
+def test_the_budget_counts_from_the_process_start_not_from_the_first_part():
+    """The device check's phase limit starts when the script's process starts: the clock that
+    ``main`` gives the parts starts at the module's import (``STARTED``), so the time spent on the
+    imports and the base's build is spent from the budget."""
+    import time
+
+    spent = time.monotonic() - device_train.STARTED
+    clock = device_train.Clock(100, start=device_train.STARTED)
+    assert spent > 0 and clock.left() <= 100 - spent and clock.elapsed() >= spent
+
+
+def test_validation_reuses_the_rollouts_compiled_shape_at_seed_003s_sizes(tmp_path):
+    """At seed 003's 2 steps x 512 tokens the stage's decode step is compiled on CUDA (1024 token
+    steps reach decode.compile_min_tokens); each call is padded to its compiled shape by the
+    library's own ``bucketed_call``. Every step's call (two prompts of the data, 8 completions each)
+    and the validation's (``val_rows`` problems, one completion each) come out at the same rows x
+    positions, so a process compiles one shape, not two."""
+    import torch
+
+    from grpo.cli import resolve_params
+    from grpo.data import build_prompt
+    from grpo.sampling import Sampling, bucketed_call, plan_decode
+    from grpo.synthetic import architecture_config, char_tokenizer
+
+    args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=None, dry_run=False)
+    _, train = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")
+    decode = resolve_params(REPO / "presets" / "seed003.yaml").params.decode
+    r, c = train["rollouts"], train["checkpoints"]
+    assert plan_decode(decode, "cuda", train["steps"] * r["max_new_tokens"]).options["compile_step"]
+    tok = char_tokenizer(architecture_config("qwen2-1.5b").vocab_size)
+    tok.padding_side = "left"
+
+    def shape(rows: list[dict], samples: int, new_tokens: int) -> tuple[int, int]:
+        enc = tok([build_prompt(tok, row["question"], train["system_prompt"]) for row in rows], return_tensors="pt",
+                  padding=True, add_special_tokens=False)
+        s = Sampling(new_tokens, torch.tensor([0]), 0, 1.0, 1.0, 0, None)
+        ids, _, _ = bucketed_call(enc["input_ids"], enc["attention_mask"], s, samples, decode.length_bucket)
+        return ids.shape[0] * samples, ids.shape[1] + new_tokens
+
+    data, n = device_train.arithmetic_rows(64), r["prompts_per_step"]
+    steps = {shape(data[i:i + n], r["group_size"], r["max_new_tokens"]) for i in range(0, len(data), n)}
+    val = shape(device_train.arithmetic_rows(device_train.val_rows(train), "v"), 1, c["eval_max_new_tokens"])
+    assert steps == {val} and val[0] == r["prompts_per_step"] * r["group_size"]
 
 
 def test_fewer_than_two_steps_is_a_usage_error():
@@ -82,11 +130,12 @@ def test_fewer_than_two_steps_is_a_usage_error():
 @pytest.mark.slow
 def test_the_dry_run_kills_resumes_and_ships_the_unbroken_runs_adapter_bytes(tmp_path):
     """On the CPU two unbroken runs and the resumed run ship the same adapter bytes, so the
-    deterministic runs are not needed (``--deterministic auto``); each completed run validated at
-    step 2 and wrote its adapter, the dense export exists; no CUDA figures."""
+    deterministic runs are not needed (``--deterministic auto``); the two lanes ran side by side (a
+    CPU always); each completed run validated at step 2 and wrote its adapter, the dense export
+    exists; no CUDA figures; the setup before the first part was spent from the budget."""
     out = tmp_path / "train.json"
-    done = subprocess.run([sys.executable, "bench/device_train.py", "--dry-run", "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "bench/device_train.py", "--dry-run", "--budget-s", "580", "--json",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert schema_errors(report, device_train.SCHEMA) == []
@@ -101,3 +150,6 @@ def test_the_dry_run_kills_resumes_and_ships_the_unbroken_runs_adapter_bytes(tmp
         assert report[run]["rc"] == 0 and report[run]["adapter"] and report[run]["val_accuracy"] is not None
         assert report[run]["peak_allocated_gib"] is None  # a CUDA figure
     assert report["dense_export"]["files"] and report["dense_export"]["gib"] > 0
+    assert report["lanes"] == 2 and report["val_rows"] == report["rows"] and report["estimate_gib"] > 0
+    assert report["setup_s"] >= report["build_s"] > 0 and report["budget_s"] == 580
+    assert all(report[r]["compiled"] == [] for r in ("unbroken", "unbroken_again", "resumed"))  # no compile off CUDA

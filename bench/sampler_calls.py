@@ -40,7 +40,8 @@ CALL = {
     "prompts": "int?: prompts in the call", "samples": "int?: completions per prompt",
     "new_tokens": "int?: tokens per completion", "seconds": "number?: the call's wall seconds, log-probs included",
     "ms_per_token": "number?: seconds / new_tokens, in ms", "peak_allocated_gib": "number?: CUDA's max_memory_allocated",
-    "predicted_gib": "number?: dense weights + sampler_call_bytes for one call of prompts_per_call prompts",
+    "predicted_gib": "number?: dense weights + sampler_call_bytes for one call of prompts_per_call prompts "
+                     "(on a compiled step: padded to it, its kept buffers counted; grpo.decode_memory.split_call)",
     "prompts_per_call": "int?: the prompts one decode call took (the split under the cap)",
     "allocated_before_gib": "number?: CUDA's memory_allocated before the call (the weights, and what earlier calls kept)",
     "loop": "str?: the decode loop the call ran (grpo.sampling.plan_decode's why)",
@@ -95,7 +96,8 @@ def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, 
     that raises leaves its prediction and split there."""
     import torch
 
-    from grpo.decode_memory import sampler_call_bytes
+    from grpo.decode_memory import allocator_budget, model_dims, sampler_call_bytes, split_call
+    from grpo.sampling import compiled_steps
 
     if cuda:
         row["allocated_before_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
@@ -103,7 +105,12 @@ def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, 
     prompt_len = max(len(t) for t in sampler.tokenizer(prompts, add_special_tokens=False)["input_ids"])
     device = next(model.parameters()).device
     per_call = sampler.prompts_per_call(len(prompts), samples, prompt_len, new_tokens, device)
-    work = sampler_call_bytes(model, per_call, samples, prompt_len, new_tokens, sampler.LOGPROB_ROWS)
+    options = sampler.decode_plan(device).options
+    compiled = None
+    if options.get("compile_step"):  # the call padded to its compiled step, whose buffers stay (as the sampler splits)
+        compiled = split_call(model_dims(model), len(prompts), samples, prompt_len, new_tokens, allocator_budget(device),
+                              sampler.LOGPROB_ROWS, options["length_bucket"], compiled_steps(model))[1]
+    work = sampler_call_bytes(model, per_call, samples, prompt_len, new_tokens, sampler.LOGPROB_ROWS, compiled)
     row.update(prompts_per_call=per_call, predicted_gib=round((weights + work) / 2**30, 3))
     if cuda:
         torch.cuda.synchronize()

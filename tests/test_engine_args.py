@@ -19,7 +19,7 @@ SECTION = VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=512)
 def test_a_saved_model_sampler_on_a_cpu_runs_in_this_process_with_small_blocks():
     args = engine_args("models/base", SECTION, device="cpu", seed=3, dtype="bfloat16", bounds=Bounds(256))
     assert args == {"model": "models/base", "tokenizer": "models/base", "seed": 3, "dtype": "bfloat16",
-                    "gpu_memory_utilization": 0.3, "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 256,
+                    "gpu_memory_utilization": 0.3, "max_model_len": 512, "enforce_eager": True, "use_tqdm_on_load": False, "max_num_seqs": 256,
                     "distributed_executor_backend": "uni", "block_size": CPU_BLOCK_SIZE}
     on_cuda = engine_args("m", SECTION, device="cuda", seed=0, dtype="bfloat16", bounds=Bounds(256))
     assert "distributed_executor_backend" not in on_cuda and "block_size" not in on_cuda  # vLLM's own executor

@@ -12,7 +12,8 @@ record reaches the terminal as before.
 
 Libraries are routed before they are imported: vLLM's own handler off (``VLLM_CONFIGURE_LOGGING=0``:
 its records then reach the root logger), wandb's terminal lines off (``WANDB_SILENT``),
-transformers' handler replaced by propagation. Lines a library writes to the terminal itself
+transformers' handler replaced by propagation and its loading bars off (the hub's download bars
+stay), vLLM's weight-loading bar off (``grpo.engine.args``). Lines a library writes to the terminal itself
 (C extensions, ``print``) are not records and stay.
 """
 
@@ -74,6 +75,10 @@ def _route_transformers() -> None:
         return
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()  # loading and conversion bars; it turns the hub's off too:
+    from huggingface_hub.utils import enable_progress_bars
+
+    enable_progress_bars()  # a download's bar stays (minutes for a hub model)
 
 
 def setup(stage: str, verbose: bool = False) -> Path | None:

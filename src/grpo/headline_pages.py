@@ -37,13 +37,14 @@ def render(root: Path) -> list[str]:
     b, f = (json.loads((root / "metrics" / f"{s}.json").read_text()) for s in ("baseline", "final"))
     seeds = e["seeds"]
     return [
-        f"| run ({head['cpu']}) | before | after |",
+        "| run | before | after |",
         "|---|---|---|",
         f"| {len(seeds)} seed triples ({seeds[0]}-{seeds[-1]}: each draws its own splits, SENT samples and training "
-        f"run), `{name}` of `{head['grid']}`: mean, 95% t interval across seeds (effective n per seed "
+        f"run), `{name}` of `{head['grid']}` on an {head['cpu']}: mean, 95% t interval across seeds (effective n per seed "
         f"{e['n_eff_before']:.0f} / {e['n_eff_after']:.0f} of {e['rows']:.0f} rows) "
         f"| {_ci(**e['before'])} | **{_ci(**e['after'])}** |",
-        f"| the committed run (`dvc.lock`, seed 0): 95% Wilson at the effective n, clustered by operand multiset "
+        f"| the committed run (`dvc.lock`, seed 0; its machine: `reports/report.md`, Run): 95% Wilson at the "
+        "effective n, clustered by operand multiset "
         f"({b['effective_n']:.0f} / {f['effective_n']:.0f} of {f['n']} rows) "
         f"| {_ci(b['accuracy'], b['ci_low'], b['ci_high'])} | {_ci(f['accuracy'], f['ci_low'], f['ci_high'])} |",
     ]

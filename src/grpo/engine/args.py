@@ -73,7 +73,8 @@ def engine_args(model_dir: str, section, *, device: str, seed: int, dtype: str, 
     engine); ``lora_rank``: the policy's LoRA rank for the nf4 form."""
     args = {"model": str(model_dir), "tokenizer": str(model_dir), "seed": seed, "dtype": dtype,
             "gpu_memory_utilization": section.gpu_memory_utilization, "max_model_len": section.max_model_len,
-            "enforce_eager": enforce_eager, **bounds.llm_kwargs()}
+            "enforce_eager": enforce_eager, "use_tqdm_on_load": False,  # the stage's own bar is the one shown
+            **bounds.llm_kwargs()}
     if device == "cpu":
         args.update(distributed_executor_backend="uni", block_size=CPU_BLOCK_SIZE)
     if processes is not None:

@@ -115,7 +115,7 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     assert any(line.startswith("vLLM engine, awake") and "generate" in line for line in lines)
     assert any(line.startswith("vLLM engine, asleep") and "train" in line for line in lines)
     peak = next(line for line in lines if line.startswith("peak"))
-    assert "(generation)" in peak and float(peak.split()[1]) <= 2.6  # seed 003 with the nf4 engine: 2.52 on 8 GiB
+    assert float(peak.split()[1]) <= 3.3  # seed 003 with the nf4 engine: the update's 2 micro-batches of 8 rows, 3.22
     assert "card 8.00 GiB: fits: peak" in out
     code, out, err = run(capsys, "check", "--params", str(tmp_path / "presets" / "seed003.yaml"), "--device", "cuda",
                          "--prompt-tokens", "128", "--gpu-memory", "4.1")
@@ -144,7 +144,10 @@ def test_check_for_a_card_prints_the_saved_model_engines_and_a_verdict_per_stage
     assert any(line.startswith("  baseline_eval, final_eval: the policy exported dense in bfloat16; max_num_seqs 64 ")
                for line in lines)
     start = lines.index("verdict per stage:") + 1
-    stages = lines[start:next(i for i, line in enumerate(lines) if line.startswith("time: "))]  # the modelled times follow
+    stages = [line for line in lines[start:next(i for i, line in enumerate(lines) if line.startswith("time: "))]
+              if not line.startswith("    ")]  # the modelled times follow; the decode loop's lines are indented under theirs
+    loops = [line for line in lines[start:] if line.startswith("    without vLLM")]
+    assert len(loops) == 2 and all("the decode loop" in line for line in loops), loops
     assert [line.split(":")[0].strip() for line in stages] == ["sent", "baseline_eval, final_eval", "train"]
     card = f"card {float(gib):.2f} GiB: "
     verdict = "fits: " if fits else "does not fit: "

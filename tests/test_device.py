@@ -144,3 +144,12 @@ def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads
     assert load_training_base(ModelConfig(path=str(qwen), dtype="float32", quantization="none")) is not None
     assert load_training_base(ModelConfig(path=str(llama), dtype="float16", quantization="none")) is not None
     device.refuse_half_overflow(qwen, torch.bfloat16)  # bf16 (Ampere and newer): no refusal
+
+
+def test_the_cpu_line_names_the_model_and_whether_it_computes_in_bf16(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx512_bf16\n")
+    assert device.cpu_model(info) == "AMD EPYC 9R14" and device.cpu_has_native_bf16(info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    assert device.cpu_model(info) == "unknown model" and not device.cpu_has_native_bf16(info)
+    assert device.cpu_model(tmp_path / "missing") == "unknown model"

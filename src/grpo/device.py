@@ -102,7 +102,21 @@ def describe_device() -> str:
         major, minor = torch.cuda.get_device_capability(0)
         return f"CUDA: {torch.cuda.get_device_name(0)} (compute capability {major}.{minor})"
     cores = len(os.sched_getaffinity(0))
-    return f"CPU: {platform.processor() or platform.machine()}, {cores} cores, torch threads {torch.get_num_threads()}"
+    kind = f"{cpu_model()}, {'native bf16' if cpu_has_native_bf16() else 'no native bf16 (float32)'}"
+    return (f"CPU: {platform.processor() or platform.machine()} ({kind}), {cores} cores, "
+            f"torch threads {torch.get_num_threads()}")
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU's model name (``/proc/cpuinfo``), which with ``cpu_has_native_bf16`` says the kind of
+    CPU a run's bytes belong to; "unknown model" where the file has none."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown model"
 
 
 def cuda_capability(device: str | torch.device = "cuda") -> tuple[int, int] | None:

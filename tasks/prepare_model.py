@@ -22,7 +22,7 @@ def prepare_model(params: Params) -> None:
     manifest = resolve_base_model(params.model.name, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    log.info("base model at %s: %s", out, manifest)
+    log.info("base model at %s (from %s; its manifest: %s)", out, manifest.get("source", "?"), Path(out) / "manifest.json")
 
 
 def main(argv: list[str] | None = None) -> int:

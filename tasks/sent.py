@@ -6,7 +6,6 @@ Outputs: ``data/cache/train_sorted.jsonl`` and ``metrics/sent.json`` (backend, w
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -64,7 +63,10 @@ def sent(params: Params) -> dict:
         "pass_rate_mean": sum(r["pass_rate"] for r in ranked) / len(ranked),
     }
     write_json(Path(params.train.metrics_dir) / "sent.json", summary)
-    log.info("wrote %s: %s", cfg.out_path, json.dumps(summary))
+    log.info("wrote %s: %d prompts x %d answers in %.0f s (%.0f tokens/s), semantic entropy mean %.3f "
+             "(%.0f%% of prompts at 0), pass rate mean %.3f; the rest in %s", cfg.out_path, summary["rows"],
+             cfg.num_samples, summary["generate_s"], summary["tokens_per_s"], summary["entropy_mean"],
+             100 * summary["zero_entropy_frac"], summary["pass_rate_mean"], Path(params.train.metrics_dir) / "sent.json")
     return summary
 
 

@@ -15,6 +15,7 @@ from grpo import console
 path = console.setup("demo", verbose=console.verbose_from_env())
 console.route_libraries(path)
 logging.getLogger("grpo.trainer").info("own line")
+logging.getLogger("__main__").info("stage line")
 logging.getLogger("vllm.engine").info("engine chatter")
 logging.getLogger("bitsandbytes").warning("please pip install kernels")
 logging.getLogger("vllm").error("engine failed")
@@ -35,6 +36,7 @@ def test_the_terminal_shows_own_lines_and_library_errors_the_file_everything(tmp
     assert proc.returncode == 0, proc.stderr
     term = proc.stderr
     assert "[demo] INFO own line" in term and "[demo] ERROR engine failed" in term
+    assert "[demo] INFO stage line" in term  # a stage run as python -m tasks.<stage> logs as __main__
     assert "outputs/logs/demo.log" in term.splitlines()[-1]  # the last line names the file
     for quiet in ("engine chatter", "please pip install kernels", "a library's warning"):
         assert quiet not in term, quiet

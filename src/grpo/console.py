@@ -26,7 +26,7 @@ from pathlib import Path
 
 VERBOSE_ENV = "GRPO_VERBOSE"
 LOG_DIR = Path("outputs/logs")
-OWN_LOGGERS = ("grpo", "tasks")
+OWN_LOGGERS = ("grpo", "tasks", "__main__")  # __main__: a stage run as `python -m tasks.<stage>`
 QUIET_ENV = {"VLLM_CONFIGURE_LOGGING": "0", "WANDB_SILENT": "true"}
 """Set (unless the user set them) before the libraries are imported, so that they log through ``logging``."""
 

@@ -139,7 +139,8 @@ def test_a_measured_figure_of_another_token_rule_is_named_as_the_nearest_shape()
     reads them as the nearest measured shape, the rule named, with the estimate under ``high`` beside
     them (each rule's LM head differs: 1/q rows with grad for the rules that drop no token)."""
     preset = _preset("seed003")
-    params = depart(preset, {"train.loss.entropy_rule": "high"})
+    # the shape those runs had: 8 micro-batches (the preset runs 2 since bench/step_model.py counted its launches)
+    params = depart(preset, {"train.loss.entropy_rule": "high", "train.passes.micro_batches": 8})
     shapes = memory.resolve_shapes(params.model, REPO)
     same = [line for line in memory.measured_for(params, shapes, "cuda", 128) if "H100, " in line]
     assert same and all(", this shape: " in line for line in same), same
@@ -160,7 +161,7 @@ def test_the_verdict_flips_when_the_card_shrinks_and_names_the_knob():
         est = memory.estimate(p, shapes, "cuda", 128, engine=plan)
         return memory.verdict(p, est, card, plan, needs.other_plans(p, shapes, "cuda", 128, plan))
 
-    assert " fits: peak 2.52 GiB (generation)" in verdict(8)
+    assert " fits: peak 3.22 GiB (training)" in verdict(8)  # the update's 2 micro-batches of 8 rows
     # 0.12 x 4.1 GiB = 0.49 GiB < the nf4 engine's 0.70: more of the card, which has room for it (up to
     # what the policy and the measured CUDA context leave free)
     assert "budget 503.8 MiB < its needs 714.6 MiB (nf4); turn train.rollouts.gpu_memory_utilization: between 0.18 " \

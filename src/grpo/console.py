@@ -61,6 +61,18 @@ class TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class LazyFileHandler(logging.FileHandler):
+    """A file handler that makes its file (and folder) at its first record, not before: a stage
+    that stops on a bad input before logging anything leaves no log behind."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, mode="w", encoding="utf-8", delay=True)
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 def log_file(stage: str, environ=os.environ) -> Path:
     """The stage's log file: ``outputs/logs/<stage>.log``, ``<stage>.rank<k>.log`` on rank k > 0."""
     rank = environ.get("RANK", "0")
@@ -97,8 +109,7 @@ def setup(stage: str, verbose: bool = False) -> Path | None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     path = log_file(stage)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    every = logging.FileHandler(path, mode="w", encoding="utf-8")
+    every = LazyFileHandler(path)
     every.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.addHandler(every)
     terminal.addFilter(TerminalFilter())

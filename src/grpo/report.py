@@ -624,7 +624,7 @@ def _run_section(timings: dict[str, float], params_file: Path) -> list[str]:
 STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:1em auto;padding:0 1em;line-height:1.4}"
          "img{max-width:100%;height:auto}"
          "table{border-collapse:collapse;display:block;overflow-x:auto;max-width:100%;margin:1em 0}"
-         "td,th{border:1px solid #ccc;padding:3px 8px;overflow-wrap:anywhere}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;overflow-wrap:break-word;hyphens:auto}"
          "@media (max-width:600px){table{font-size:0.8em}td,th{padding:2px 4px}}"
          "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
          "code{overflow-wrap:anywhere}summary{cursor:pointer;margin:1em 0}"

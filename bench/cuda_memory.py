@@ -84,6 +84,22 @@ CONTEXT_FILE = "docs/gpu-runs/2026-11-28-h200/device_check.json"
 CALLS = ("sent", "evaluation", "train_step")
 
 
+def resolve_run(params_path: str, prompt_tokens: int | None):
+    """(the params' resolution, the model's config, its source, the prompt tokens) of a trace at
+    ``params_path``'s shapes: the config as ``grpo check`` finds it (no weights), the prompt
+    ``prompt_tokens`` or, as ``grpo check`` takes it, the longest prepared prompt or its default."""
+    from grpo import memory
+    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
+    from grpo.engine.needs import longest_prompt_tokens
+
+    res = resolve_params(params_path)
+    found = memory.resolve_config(res.params.model, res.root)
+    if isinstance(found, str):
+        raise SystemExit(f"{params_path}: {found}")
+    longest = None if prompt_tokens else longest_prompt_tokens(res.params, res.root)
+    return res, *found, prompt_tokens or (longest[0] if longest else DEFAULT_PROMPT_TOKENS)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.all:
@@ -94,22 +110,11 @@ def main(argv=None) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from grpo import memory
-    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
-    from grpo.engine.needs import longest_prompt_tokens
     from grpo.metrics import PhaseTimer
 
     t0 = time.time()
-    res = resolve_params(args.params)
+    res, config, source, prompt = resolve_run(args.params, args.prompt_tokens)
     p = res.params
-    found = memory.resolve_config(p.model, res.root)
-    if isinstance(found, str):
-        raise SystemExit(f"{args.params}: {found}")
-    config, source = found
-    if args.prompt_tokens:
-        prompt = args.prompt_tokens
-    else:
-        longest = longest_prompt_tokens(p, res.root)
-        prompt = longest[0] if longest else DEFAULT_PROMPT_TOKENS
     shapes = memory.model_shapes(config, source)
     # the trace runs the update alone: the estimate without the decode step's kept dense copies
     from grpo.trainer_builder import depart, departure_line
@@ -347,21 +352,13 @@ def main_all(args) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from grpo import memory
-    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
-    from grpo.engine.needs import longest_prompt_tokens
     from grpo.sampling import compiled_steps
     from grpo.trainer_builder import depart, departure_line
 
     t0 = time.time()
-    res = resolve_params(args.params)
+    res, config, source, prompt = resolve_run(args.params, args.prompt_tokens)
     p = depart(res.params, DECODE_LOOP)
-    found = memory.resolve_config(p.model, res.root)
-    if isinstance(found, str):
-        raise SystemExit(f"{args.params}: {found}")
-    config, source = found
     shapes = memory.model_shapes(config, source)
-    longest = None if args.prompt_tokens else longest_prompt_tokens(res.params, res.root)
-    prompt = args.prompt_tokens or (longest[0] if longest else DEFAULT_PROMPT_TOKENS)
     context_gib = args.context_gib
     if context_gib is None:
         context_gib = json.loads((Path(__file__).resolve().parents[1] / CONTEXT_FILE).read_text())["context"][

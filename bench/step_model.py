@@ -404,22 +404,10 @@ def parse_args(argv=None):
 
 def setup(args):
     """(params, model config, its source, prompt tokens) as ``bench/cuda_memory.py`` takes them."""
-    from grpo import memory
-    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
-    from grpo.engine.needs import longest_prompt_tokens
+    from cuda_memory import resolve_run
 
-    res = resolve_params(args.params)
-    p = res.params
-    found = memory.resolve_config(p.model, res.root)
-    if isinstance(found, str):
-        raise SystemExit(f"{args.params}: {found}")
-    config, source = found
-    if args.prompt_tokens:
-        prompt = args.prompt_tokens
-    else:
-        longest = longest_prompt_tokens(p, res.root)
-        prompt = longest[0] if longest else DEFAULT_PROMPT_TOKENS
-    return p, config, source, prompt
+    res, config, source, prompt = resolve_run(args.params, args.prompt_tokens)
+    return res.params, config, source, prompt
 
 
 def update_shape(p, trainer, prompt: int, rows: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from fractions import Fraction
 
@@ -17,6 +18,7 @@ from grpo.rewards import (
     format_strict,
     normalize_answer,
 )
+from grpo.sections.train import TrainConfig
 
 # (completion, expected extract_answer)
 EXTRACTION_CASES = [
@@ -158,8 +160,29 @@ def test_format_rewards():
     assert format_soft(completions, answers) == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
+REAL_LOOKING = ["#### 7", "7 + 5 = 12", "The answer is 12.", "\\boxed{12}", "", "To solve 7 + 5, we add them: 7 + 5 = 13",
+                "#### 1,000", "12\n#### 12", "-3/4", "no number at all"]
+
+
+@pytest.mark.parametrize("name", sorted(REWARDS))
+def test_every_registered_reward_keeps_the_contract(name):
+    """What every reward must do, so that a new one is tested by registering it: one finite float
+    per completion, the same scores for the same inputs (pure), the params accept its name, and a
+    weight scales it in ``combined_rewards``."""
+    fn = REWARDS[name]
+    answers = ["12"] * len(REAL_LOOKING)
+    scores = fn(REAL_LOOKING, answers)
+    assert isinstance(scores, list) and len(scores) == len(REAL_LOOKING)
+    assert all(isinstance(s, float) and math.isfinite(s) for s in scores), scores
+    assert fn(list(REAL_LOOKING), list(answers)) == scores
+    assert fn([], []) == []
+    total, per_fn = combined_rewards(REAL_LOOKING, answers, {name: 2.0})
+    assert total == [2.0 * s for s in per_fn[name]] and per_fn[name] == scores
+    TrainConfig(rewards={name: 1.0})  # the params accept it at once (validated through the registry)
+
+
 def test_registry_and_weights():
-    assert set(REWARDS) == {"correctness", "format_strict", "format_soft"}
+    assert {"correctness", "format_strict", "format_soft"} <= set(REWARDS)  # the shipped ones; more may join
     completions = ["#### 7", "7", "#### 8"]
     total, per_fn = combined_rewards(completions, ["7"] * 3, {"correctness": 1.0, "format_soft": 0.5})
     assert per_fn["correctness"] == [1.0, 1.0, 0.0]
@@ -181,5 +204,5 @@ def test_registry_and_weights():
 def test_hostile_completions_are_scored_in_bounded_time(hostile):
     start = time.perf_counter()
     for fn in REWARDS.values():
-        assert fn([hostile], ["9"])[0] in (0.0, 1.0)
+        assert math.isfinite(fn([hostile], ["9"])[0])
     assert time.perf_counter() - start < 10.0  # bounded (linear); typically well under a second

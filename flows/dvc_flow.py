@@ -79,6 +79,7 @@ from flows.workspace import (
     WorkspaceBusy,
     check_no_dvc_run,
     find_dvc_run,
+    guard_stages,
     select_stages,
     stages_of,
     workspace_lock,
@@ -286,7 +287,7 @@ def pipeline(workdir: str = ".", overrides: dict[str, str] | None = None, experi
     quiet_tracebacks()
     logger = get_run_logger()
     root = Path(workdir).resolve()
-    selected = select_stages(stages_of(root), stages)
+    selected = select_stages(stages_of(root), stages, guard_stages(root))  # the params check first, always
     # the workspace's Prefect slot first (deployment runs only), so a second deployment run waits there for the
     # first instead of failing on the lock; the lock is re-entrant: main() already holds it, a deployment takes it here
     with workspace_slot(root), workspace_lock(root):

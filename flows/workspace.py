@@ -359,9 +359,17 @@ def stages_of(workdir: str | Path) -> list[str]:
     return dvc_stages(Path(workdir).resolve())
 
 
-def select_stages(known: list[str], wanted: list[str] | None) -> list[str]:
-    """``wanted`` in ``known``'s order (all of ``known`` when None); ``ValueError`` naming unknown ones."""
+def guard_stages(workdir: str | Path) -> list[str]:
+    """The workspace's guard stages (``meta: {guard: true}`` in ``dvc.yaml``: the params check), which run
+    before any stage a flow runs: the stages depend on their outputs."""
+    path = Path(workdir).resolve() / DVC_YAML
+    return [name for name, stage in read_stages(path).items() if stage.guard] if path.exists() else []
+
+
+def select_stages(known: list[str], wanted: list[str] | None, guards: list[str] = ()) -> list[str]:
+    """``wanted`` and the ``guards`` in ``known``'s order (all of ``known`` when None); ``ValueError``
+    naming unknown ones."""
     unknown = [s for s in (wanted or []) if s not in known]
     if unknown:
         raise ValueError(f"stages: unknown {', '.join(unknown)}; dvc.yaml has: {', '.join(known)}")
-    return [s for s in known if not wanted or s in wanted]
+    return [s for s in known if not wanted or s in wanted or s in guards]

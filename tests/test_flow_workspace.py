@@ -287,3 +287,14 @@ def test_workspace_busy_is_raised_in_process_for_another_flow(flow_repo):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_flow_of_named_stages_runs_the_params_check_first():
+    """``--stages prepare_data`` alone would find the guard's stamp missing (every stage depends on
+    it): the guard stages of dvc.yaml join any selection, in dvc.yaml's order."""
+    from flows.workspace import guard_stages, select_stages, stages_of
+
+    guards = guard_stages(REPO)
+    assert guards == ["check_params"]
+    assert select_stages(stages_of(REPO), ["prepare_data"], guards) == ["check_params", "prepare_data"]
+    assert select_stages(["a", "b"], ["b"]) == ["b"]  # a workspace without a guard: as asked

@@ -253,17 +253,25 @@ def val_rows(train: dict) -> int:
     return (1 << (r["prompts_per_step"] - 1).bit_length()) * r["group_size"]
 
 
-def stage_env() -> dict:
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AUTO"}
+"""A CPU stage process's environment on ``--dry-run``: one thread and MKL's reproducible mode. The
+threaded CPU kernels of the torch wheel (MKL, oneDNN) do not promise one reduction order from one
+process to the next (two unbroken dry runs' adapters differed on Intel Xeons and agreed on an AMD
+EPYC: docs/lab-notebook.md). One thread each (the two lanes share the cores anyway) leaves no order
+to the threads' scheduling, so the pairs compare by bytes on any CPU."""
+
+
+def stage_env(cuda: bool = False) -> dict:
     path = os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1",
-            "WANDB_MODE": "disabled"}
+            "WANDB_MODE": "disabled", **({} if cuda else ONE_THREAD)}
 
 
-def start(params: Path, log: Path) -> subprocess.Popen:
-    """The stage on ``params`` in a session of its own, its output to ``log``."""
+def start(params: Path, log: Path, cuda: bool = False) -> subprocess.Popen:
+    """The stage on ``params`` in a session of its own, its output to ``log`` (on a CPU: ``ONE_THREAD``)."""
     with open(log, "w") as fh:
-        return subprocess.Popen([sys.executable, "-c", STAGE, "--params", str(params)], cwd=REPO, env=stage_env(),
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-c", STAGE, "--params", str(params)], cwd=REPO,
+                                env=stage_env(cuda), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 ECHO = threading.Lock()
@@ -311,7 +319,7 @@ def run_through(name: str, params: Path, run: Path, timeout: float, n: int, cuda
     """One process of the stage to its end (or ``timeout``): its ``RUN`` and output."""
     log = run / f"{name}.log"
     t0 = time.monotonic()
-    proc = start(params, log)
+    proc = start(params, log, cuda)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -330,7 +338,7 @@ def run_killed(params: Path, run: Path, timeout: float, n: int, cuda: bool) -> t
     log = run / "killed.log"
     ckpts = run / "out" / "checkpoints"
     t0 = time.monotonic()
-    proc = start(params, log)
+    proc = start(params, log, cuda)
     deadline = t0 + timeout
     while proc.poll() is None and time.monotonic() < deadline and not any(ckpts.glob("step_*")):
         time.sleep(0.02)

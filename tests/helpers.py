@@ -58,7 +58,9 @@ def _write_params(tmp: Path, model_dir: Path, problems: list[dict], **train) -> 
 
 
 def _train(params: Path, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """The train stage on ``params``, one CPU thread (``bench/device_train.ONE_THREAD``: two
+    processes' threaded kernels may reduce in different orders, and the tests compare runs)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AUTO"}
     return subprocess.Popen(
         [sys.executable, "-m", "tasks.train", "--params", str(params)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,

@@ -439,3 +439,38 @@ def test_where_the_rule_acted_is_shown_seed_by_seed():
     assert "| ar | wide-clip tokens in the band | 0.0116 / 0.0093 |" in text
     assert "| et | wide-clip" not in text
 
+
+
+def test_the_noninferiority_rule_picks_the_cheapest_candidate_shown_not_worse_than_the_incumbent():
+    """The incumbent stays unless a cheaper candidate is shown not worse by the margin (one-sided,
+    Holm over the candidates); the design's own 80%-power margin is stated, and a committed margin
+    below it is said to leave a non-inferior candidate likely unproven."""
+    variants = {"inc": {}, "close": {"train.optimizer.lr": 1e-3}, "far": {"train.optimizer.lr": 2e-3}}
+    seeds = tuple(range(6))
+    val = {"inc": {s: 0.50 + 0.01 * s for s in seeds},
+           "close": {s: 0.50 + 0.01 * s + (0.01 if s % 2 else -0.01) for s in seeds},
+           "far": {s: 0.30 + 0.01 * s + (0.02 if s % 2 else -0.02) for s in seeds}}
+    cost = {"inc": {s: 100.0 for s in seeds}, "close": {s: 60.0 for s in seeds}, "far": {s: 40.0 for s in seeds}}
+    runs = {ablations.SELECT: _runs(val), ablations.COST: _runs(cost)}
+
+    def decided(margin):
+        grid = Grid("inc", seeds, variants, decision={"rule": "noninferior", "incumbent": "inc",
+                                                      "candidates": ["close", "far"], "margin": margin})
+        return ablations.choose(grid, ablations.rows(grid, runs))
+
+    pick, lines = decided(0.05)  # far is 0.2 behind: not shown within 0.05; close is: the cheapest proven
+    assert pick == "close" and "**close**, the cheapest candidate not worse than inc by 0.050" in lines[0]
+    assert "far (+0.200, p 1.000" in lines[0] and "establishes a margin of" in lines[0]
+    pick, lines = decided(0.30)  # both within 0.30: far is cheaper
+    assert pick == "far"
+    pick, lines = decided(0.001)  # nothing is shown within 0.001: the incumbent stays, and the margin is too small
+    assert pick == "inc" and "the incumbent stays" in lines[0] and "likely left unproven" in lines[0]
+
+
+def test_a_noninferiority_rule_names_an_incumbent_outside_its_candidates(tmp_path):
+    path = _grid_file(tmp_path, {"default": {}, "b": {"train.order": "shuffled"}})
+    raw = yaml.safe_load(path.read_text())
+    raw["decision"] = {"rule": "noninferior", "incumbent": "b", "candidates": ["b"], "margin": 0.1}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="'rule: noninferior' with an 'incumbent'"):
+        load_grid(path)

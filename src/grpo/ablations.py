@@ -5,7 +5,9 @@
 
 The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: name -> params overrides
 (``{"train.order": "shuffled"}``), each checked against ``grpo.config`` before anything is queued;
-optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``; ``decide``),
+optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``: the
+cheapest within the margin of the best; or ``rule: noninferior`` with an ``incumbent``: the cheapest
+candidate shown not worse than the incumbent by the margin; ``decide``),
 and ``paired_with``: variants compared to another variant than the reference (the curriculum against
 shuffled order under one rule), in the same Holm family as the rest; ``seed_keys``: the params keys
 that take the experiment's seed (default ``[train.seed]``; ``[data.seed, sent.seed, train.seed]``
@@ -50,7 +52,7 @@ from pathlib import Path
 from grpo import seed_headline, seed_stages
 from grpo.dvcfile import DVC_YAML, read_stages
 from grpo.experiments import SEED_KEY, Run, cli_value, dvc, exp_show, parse_runs, read_runs
-from grpo.stats import PairedTest, detectable, holm, paired_test, pooled_sd
+from grpo.stats import PairedTest, detectable, holm, noninferiority, noninferiority_margin, paired_test, pooled_sd
 
 GRID = "experiments/ablations.yaml"
 OUT_DIR = "outputs/ablations"
@@ -146,6 +148,30 @@ def check_seed_and_pinned_keys(grid: Grid, params: dict) -> None:
             raise ValueError(f"variant {name!r}: does not set {', '.join(missing)} (the grid's 'pinned' keys)")
 
 
+DECISION_KEYS = {"candidates", "margin"}
+"""The keys of the rule "the cheapest candidate within ``margin`` of the best" (``choose_within``)."""
+NONINFERIOR_KEYS = {"rule", "incumbent", "candidates", "margin"}
+"""The keys of the rule ``rule: noninferior`` (``choose_noninferior``)."""
+
+
+def check_decision(path: Path, decision: object, variants: dict) -> dict | None:
+    """The grid's ``decision`` (None when it has none), or one line naming the file: either
+    ``candidates`` and ``margin``, or ``rule: noninferior`` with an ``incumbent`` (a variant, not a
+    candidate), ``candidates`` and a positive ``margin``."""
+    if decision is None:
+        return None
+    wanted = NONINFERIOR_KEYS if isinstance(decision, dict) and decision.get("rule") == "noninferior" else DECISION_KEYS
+    ok = (isinstance(decision, dict) and set(decision) == wanted and decision["candidates"]
+          and set(decision["candidates"]) <= set(variants) and isinstance(decision["margin"], (int, float)))
+    if ok and wanted is NONINFERIOR_KEYS:
+        ok = decision["incumbent"] in variants and decision["incumbent"] not in decision["candidates"] \
+            and decision["margin"] > 0
+    if not ok:
+        raise ValueError(f"{path}: 'decision' must name 'candidates' (variants of the grid) and a 'margin', or "
+                         "'rule: noninferior' with an 'incumbent' variant besides its 'candidates' and a margin > 0")
+    return decision
+
+
 def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     """The grid in ``path``; every variant's overrides validated over ``params_path`` (params.yaml
     beside the grid's repository by default) so that a typo fails here, not an hour into a queue."""
@@ -161,11 +187,7 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     if "second_reference" in raw:
         raise ValueError(f"{path}: second_reference was dropped: every comparison is to 'reference', "
                          "Holm-adjusted together (docs/results.md)")
-    decision = raw.get("decision")
-    if decision is not None:
-        if not isinstance(decision, dict) or set(decision) != {"candidates", "margin"} \
-                or not set(decision["candidates"] or []) <= set(variants) or not decision["candidates"]:
-            raise ValueError(f"{path}: 'decision' must name 'candidates' (variants of the grid) and a 'margin'")
+    decision = check_decision(path, raw.get("decision"), variants)
     seeds = raw.get("seeds")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
             or len(set(seeds)) != len(seeds):
@@ -376,7 +398,68 @@ def decide(grid: Grid, table: list[Row]) -> list[str]:
 
 
 def choose(grid: Grid, table: list[Row]) -> tuple[str | None, list[str]]:
-    """The grid's decision rule applied: among ``decision.candidates``, the cheapest (train stage
+    """The grid's decision rule applied (``choose_noninferior`` for ``rule: noninferior``, else
+    ``choose_within``): the chosen variant (None until every candidate has every seed) and the
+    lines that say why."""
+    rule = choose_noninferior if grid.decision.get("rule") == "noninferior" else choose_within
+    return rule(grid, table)
+
+
+def _waiting(grid: Grid, table: list[Row], names: list[str]) -> list[str] | None:
+    """The "not yet" line while an experiment of ``names`` on the grid's seeds has no ``SELECT``
+    value (the rule chooses on the whole grid, never on the seeds that happen to have finished)."""
+    by_name = {r.variant: r for r in table}
+    wanted = [(c, s) for c in names for s in grid.seeds]
+    missing = [exp_name(c, s) for c, s in wanted if s not in (by_name[c].values.get(SELECT, {}) if c in by_name else {})]
+    if not missing:
+        return None
+    return [f"Decision: not yet: {len(wanted) - len(missing)} of the candidates' {len(wanted)} experiments "
+            f"have finished (waiting: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})."]
+
+
+def _cost(row: Row) -> float:
+    """The mean train-stage seconds of a variant over its seeds (inf where none was recorded)."""
+    return statistics.fmean(row.values[COST].values()) if row.values.get(COST) else math.inf
+
+
+def choose_noninferior(grid: Grid, table: list[Row]) -> tuple[str | None, list[str]]:
+    """``rule: noninferior``: each candidate against the ``incumbent`` on ``SELECT``, paired by
+    seed (d = incumbent - candidate), by the one-sided test of "worse by ``margin`` or more"
+    (``grpo.stats.noninferiority``), Holm-adjusted over the candidates. The default is the cheapest
+    candidate that is non-inferior (adjusted p below ``ALPHA``) and cheaper than the incumbent;
+    otherwise the incumbent stays. The lines give every candidate's mean difference, p, adjusted p
+    and cost, and the margin the design establishes with 80% power at Holm's strictest level when
+    the two are truly equal (``grpo.stats.noninferiority_margin``)."""
+    inc, cands, margin = grid.decision["incumbent"], list(grid.decision["candidates"]), float(grid.decision["margin"])
+    if (wait := _waiting(grid, table, [inc, *cands])) is not None:
+        return None, wait
+    by_name = {r.variant: r for r in table}
+    top = by_name[inc].values[SELECT]
+    diffs = {c: tuple(top[s] - by_name[c].values[SELECT][s] for s in grid.seeds) for c in cands}
+    adjusted = holm({c: noninferiority(d, margin) for c, d in diffs.items()})
+    cost = {v: _cost(by_name[v]) for v in (inc, *cands)}
+    proven = sorted((c for c in cands if adjusted[c] < ALPHA and cost[c] < cost[inc]), key=cost.get)
+    pick = proven[0] if proven else inc
+    why = (f"the cheapest candidate not worse than {inc} by {margin:.3f} or more (Holm-adjusted p "
+           f"{adjusted[pick]:.3f})" if proven else
+           f"no cheaper candidate is shown not worse than {inc} by {margin:.3f}: the incumbent stays")
+    lines = [f"Decision (rule committed before the grid ran): **{pick}**, {why}, train stage {cost[pick]:.0f} s. "
+             "Candidates (incumbent minus candidate, one-sided p of 'worse by the margin', Holm, seconds): "
+             + ", ".join(f"{c} ({statistics.fmean(diffs[c]):+.3f}, p {noninferiority(diffs[c], margin):.3f}, "
+                         f"Holm {adjusted[c]:.3f}, {cost[c]:.0f} s)" for c in cands)
+             + f"; {inc} {cost[inc]:.0f} s."]
+    if (sd := pooled_sd(list(diffs.values()))) > 0:
+        need = noninferiority_margin(sd, len(grid.seeds), ALPHA / len(cands))
+        lines[0] += (f" The paired differences spread with sd {sd:.3f} over {len(grid.seeds)} seeds: the design "
+                     f"establishes a margin of {need:.3f} with 80% power when the two are equal (alpha {ALPHA} / "
+                     f"{len(cands)})" + ("." if margin >= need else
+                                          f"; the committed {margin:.3f} is below it, so a non-inferior candidate "
+                                          "is likely left unproven."))
+    return pick, lines
+
+
+def choose_within(grid: Grid, table: list[Row]) -> tuple[str | None, list[str]]:
+    """The rule "the cheapest within the margin of the best": among ``decision.candidates``, the cheapest (train stage
     seconds) whose mean paired shortfall on ``SELECT`` to the best variant is at most
     ``decision.margin``; when none is, the best candidate, with its shortfall stated. Returns the
     chosen variant (None until every candidate has every seed) and the lines that say why."""

@@ -15,6 +15,13 @@ sampling), so only the variant's effect and the run-to-run noise remain in ``d``
   deviation ``sd``; exact, from the non-central t (scipy), not the normal approximation. With
   Holm over ``m`` comparisons, the strictest level a comparison can face is ``alpha / m``: use it
   to say what the whole family can detect.
+- ``noninferiority``: the one-sided paired t-test of a cheaper candidate against an incumbent,
+  ``d_s = incumbent - candidate``: H0 mean(d) >= ``margin`` (the candidate is worse by the margin
+  or more) against H1 mean(d) < ``margin``; a small p says the candidate is not worse by the
+  margin. ``noninferiority_power`` is that test's power when the true difference is ``delta``,
+  ``noninferiority_margin`` the smallest margin it establishes with probability ``target`` when
+  the two are truly equal: a committed margin below it leaves a non-inferior candidate likely
+  unproven.
 - ``clustered_interval``: a proportion over rows that fall into clusters (the same problem in
   other words or order), its 95% interval from the cluster-robust variance and the effective n.
 """
@@ -87,6 +94,44 @@ def detectable(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> f
     while power(hi, sd, n, alpha) < target:
         hi *= 2
     return float(brentq(lambda d: power(d, sd, n, alpha) - target, 0.0, hi, xtol=1e-9))
+
+
+def noninferiority(diffs: list[float] | tuple[float, ...], margin: float) -> float:
+    """One-sided p of H0 ``mean(diffs) >= margin`` (``diffs``: incumbent - candidate per seed)
+    against ``mean(diffs) < margin``, by the paired t-test; with no spread, 0 when every difference
+    is below the margin, else 1 (ValueError below two pairs)."""
+    from scipy import stats
+
+    n = len(diffs)
+    if n < 2:
+        raise ValueError(f"noninferiority: needs two pairs or more, got {n}")
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    if sd == 0.0:
+        return 0.0 if mean < margin else 1.0
+    return float(stats.t.cdf((mean - margin) * math.sqrt(n) / sd, n - 1))
+
+
+def noninferiority_power(margin: float, sd: float, n: int, alpha: float, delta: float = 0.0) -> float:
+    """Probability that ``noninferiority`` at ``alpha`` rejects H0 on ``n`` seeds of spread ``sd``
+    when the true mean difference (incumbent - candidate) is ``delta`` (non-central t)."""
+    from scipy import stats
+
+    df = n - 1
+    crit = float(stats.t.ppf(1 - alpha, df))
+    return float(stats.nct.sf(crit, df, (margin - delta) * math.sqrt(n) / sd))
+
+
+def noninferiority_margin(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
+    """The smallest margin that ``noninferiority`` at ``alpha`` establishes with probability
+    ``target`` on ``n`` seeds of spread ``sd`` when candidate and incumbent are truly equal."""
+    from scipy.optimize import brentq
+
+    if n < 2 or sd <= 0:
+        raise ValueError(f"noninferiority_margin: needs n >= 2 and sd > 0 (n={n}, sd={sd})")
+    hi = sd
+    while noninferiority_power(hi, sd, n, alpha) < target:
+        hi *= 2
+    return float(brentq(lambda m: noninferiority_power(m, sd, n, alpha) - target, 0.0, hi, xtol=1e-9))
 
 
 def pooled_sd(diff_lists: list[tuple[float, ...]]) -> float:

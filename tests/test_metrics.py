@@ -33,7 +33,8 @@ def test_every_statistic_is_declared_once_and_shown_under_its_own_key():
     keys = [s.key for s in UPDATE if s.key is not None]
     assert len(keys) == len(set(keys))
     assert {s.name for s in UPDATE if s.key is None} == {  # inputs of kl_grad_share and of rule_action_row
-        "policy_grad_sq", "kl_grad_sq", "policy_grad_abs", "kept_grad", "wide_tokens", "band_tokens", "band_grad"}
+        "policy_grad_sq", "kl_grad_sq", "policy_grad_abs", "kept_grad", "wide_tokens", "band_tokens", "band_grad",
+        "acting_tokens", "clipped_acting", "wide_acting", "band_acting", "zero_adv_rows"}
     assert not set(keys) & set(TIMES) and not set(keys) & set(OWN)
     assert STATS["entropy"].key == "entropy_mean" and STATS["loss"].key == "loss"
     assert all(STATS[n].key is None for n in ("n_valid", "n_rows", "n_valid_step", "n_rows_step"))

@@ -157,6 +157,50 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only
     assert len(placeholder) == 4 and placeholder.mask.sum() == 0
 
+    # the choice of its own (train.optimizer.equal_reward_groups): keep without a KL term, drop beside one
+    keep = GRPOTrainer(model, tok, TrainConfig(**{**fields, "optimizer": {"mu": 1, "equal_reward_groups": "keep"}}),
+                       tiny_problems)
+    assert keep.update_rows(batch, scored) is batch
+    drop = GRPOTrainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04},
+                                                  "optimizer": {"mu": 1, "equal_reward_groups": "drop"}}), tiny_problems)
+    assert torch.equal(drop.update_rows(batch, scored).input_ids, rows.input_ids)
+
+
+@pytest.mark.slow
+def test_the_acting_counts_take_only_tokens_of_nonzero_advantage_after_the_first_update(tiny_model_dir, tiny_problems,
+                                                                                         tmp_path):
+    """``PolicyPasses.acting_counts`` on hand-set ratios: in the first update (no ``old_logp``) only
+    the rows of zero advantage are counted; after it, the tokens of the rows with an advantage, and
+    of them those whose ratio the clip binds on the side that removes the gradient."""
+    from dataclasses import replace
+
+    from grpo.entropy import LossTerms
+    from grpo.loss import group_advantages
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
+    fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
+                  checkpoints={"every": 0})
+    trainer = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)
+    prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
+    rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
+    advantages = group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1]), 4)  # (8,): group 1 all alike
+    batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
+    valid = batch.mask.bool()  # (8, C)
+    assert trainer.passes.acting_counts(batch, torch.zeros(valid.shape), LossTerms()) == {"zero_adv_rows": 4.0}
+    logp = torch.zeros(valid.shape)  # (8, C)
+    ratio = torch.ones(valid.shape)
+    ratio[:, ::2] = 1.5  # above 1 + 0.2: binds where A > 0
+    ratio[:, 1::4] = 0.5  # below 1 - 0.2: binds where A < 0
+    later = replace(batch, old_logp=logp - ratio.log())
+    counts = trainer.passes.acting_counts(later, logp, LossTerms())
+    adv = advantages.unsqueeze(1)
+    acting = valid & (adv != 0)
+    binds = ((ratio > 1.2) & (adv > 0)) | ((ratio < 0.8) & (adv < 0))
+    assert counts["acting_tokens"] == float(acting.sum()) == float(valid[:4].sum())
+    assert 0 < counts["clipped_acting"] == float((binds & acting).sum()) < counts["acting_tokens"]
+    assert "wide_acting" not in counts  # no per-token bounds: no band
+
 
 def _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls, **cfg):
     """A trainer whose reward is the completion's length, and infinite at the reward calls (one a

@@ -70,6 +70,11 @@ UPDATE = (
     # not, and their part of the gradient: wide_band_frac, wide_band_grad_share
     Stat("policy_grad_abs", row=None), Stat("kept_grad", row=None),
     Stat("wide_tokens", row=None), Stat("band_tokens", row=None), Stat("band_grad", row=None),
+    # the same where a clip can act (grpo.passes.PolicyPasses.acting_counts): tokens of rows with a nonzero
+    # advantage in the updates after the first; those the clip binds, archer's wider-clip tokens among them and
+    # those in its band: clip_frac_acting, wide_band_frac_acting; and the update's rows of zero advantage
+    Stat("acting_tokens", row=None), Stat("clipped_acting", row=None), Stat("wide_acting", row=None),
+    Stat("band_acting", row=None), Stat("zero_adv_rows", row=None),
 )
 COUNTS = (  # completion tokens and completions: of the update (the per-token denominator) and of the whole step
     Stat("n_valid", row=None), Stat("n_rows", row=None), Stat("n_valid_step", row=None), Stat("n_rows_step", row=None))
@@ -165,6 +170,8 @@ def update_row(dist: Dist, sums: dict[str, float], times: dict[str, float], devi
     row.update(rule_action_row(reduced))
     row["completion_len"] = reduced["n_valid_step"] / reduced["n_rows_step"]
     row["update_frac"] = reduced["n_rows"] / reduced["n_rows_step"]  # completions the update back-propagated
+    if "zero_adv_rows" in reduced and reduced["n_rows"] > 0:  # of them, those of zero advantage (equal rewards)
+        row["zero_adv_update_frac"] = reduced["zero_adv_rows"] / reduced["n_rows"]
     return {**row, **{k: reduced[k] for k in shared}, **{k: times[k] for k in OWN if k in times}}
 
 
@@ -172,8 +179,10 @@ def rule_action_row(reduced: dict[str, float]) -> dict[str, float]:
     """The step row's shares of where the token-entropy rule acted, from the reduced sums: the
     kept tokens' share of the policy gradient's magnitude (``kept_grad_share``, a rule that drops
     tokens), the fraction of the wider-clip tokens in the band beyond the ordinary clip
-    (``wide_band_frac``) and their share of the gradient (``wide_band_grad_share``, archer). A share
-    whose denominator is 0 (no gradient, no wider-clip token) is left out."""
+    (``wide_band_frac``) and their share of the gradient (``wide_band_grad_share``, archer); the same
+    two fractions over the tokens where a clip can act (``clip_frac_acting``, ``wide_band_frac_acting``:
+    rows of nonzero advantage, updates after the first). A share whose denominator is 0 (no
+    gradient, no wider-clip token, no token that can act) is left out."""
     row, grad = {}, reduced.get("policy_grad_abs", 0.0)
     if grad > 0 and "kept_grad" in reduced:
         row["kept_grad_share"] = reduced["kept_grad"] / grad
@@ -181,6 +190,10 @@ def rule_action_row(reduced: dict[str, float]) -> dict[str, float]:
         row["wide_band_grad_share"] = reduced["band_grad"] / grad
     if reduced.get("wide_tokens", 0.0) > 0:
         row["wide_band_frac"] = reduced["band_tokens"] / reduced["wide_tokens"]
+    if reduced.get("acting_tokens", 0.0) > 0:
+        row["clip_frac_acting"] = reduced["clipped_acting"] / reduced["acting_tokens"]
+    if reduced.get("wide_acting", 0.0) > 0:
+        row["wide_band_frac_acting"] = reduced["band_acting"] / reduced["wide_acting"]
     return row
 
 

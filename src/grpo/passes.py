@@ -171,7 +171,8 @@ class PolicyPasses:
                                 max_length=cfg.rollouts.max_new_tokens, token_weights=weights)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
         acted = self.rule_action(batch, logp_all, old_logp, keep, terms, weights, normalizer)
-        return loss.item(), {**stats, **engine, **acted}, entropy, keep, logp_all
+        can_act = self.acting_counts(batch, logp_all, terms)
+        return loss.item(), {**stats, **engine, **acted, **can_act}, entropy, keep, logp_all
 
     @torch.no_grad()
     def rule_action(self, batch: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor, keep: torch.Tensor,
@@ -201,6 +202,34 @@ class PolicyPasses:
             wide, band = wide_clip_band(torch.exp(logp - old_logp), batch.advantages.unsqueeze(1), batch.mask, eps,
                                         eps_high, as_tensor(rule_eps), as_tensor(rule_eps_high))  # (m, C) each
             out.update(wide_tokens=float(wide.sum()), band_tokens=float(band.sum()), band_grad=float(grads[band].sum()))
+        return out
+
+    @torch.no_grad()
+    def acting_counts(self, batch: TrainBatch, logp: torch.Tensor, terms: LossTerms) -> dict[str, float]:
+        """Counts over the tokens where a clip can act: the valid tokens of rows with a nonzero
+        advantage in an update after the first (``batch.old_logp`` given; in the first the ratio is 1
+        and no clip binds): ``acting_tokens``; ``clipped_acting``, those whose ratio the step's clip
+        (the rule's per-token bounds where it has them) binds on the side that removes the gradient
+        (as ``grpo.loss.clip_stats``); with per-token bounds (archer) ``wide_acting`` and
+        ``band_acting``, ``grpo.loss.wide_clip_band`` within them. In every update ``zero_adv_rows``:
+        the rows with valid tokens and advantage 0 (the groups of equal rewards). ``logp``: (m, C)
+        the detached current log-probs. Observes only: the update is the same without it."""
+        valid = batch.mask.bool()  # (m, C)
+        out = {"zero_adv_rows": float((valid.any(1) & (batch.advantages == 0)).sum())}
+        if batch.old_logp is None:
+            return out
+        eps, eps_high = self.cfg.loss.clip()
+        as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
+        rule_eps = as_tensor(eps if terms.epsilon is None else terms.epsilon)  # (m, C)
+        rule_eps_high = as_tensor(eps_high if terms.epsilon_high is None else terms.epsilon_high)  # (m, C)
+        adv = batch.advantages.unsqueeze(1)  # (m, 1)
+        acting = valid & (adv != 0)  # (m, C)
+        ratio = torch.exp(logp - batch.old_logp)  # (m, C)
+        clipped = ((ratio < 1 - rule_eps) & (adv < 0)) | ((ratio > 1 + rule_eps_high) & (adv > 0))  # (m, C)
+        out.update(acting_tokens=float(acting.sum()), clipped_acting=float((clipped & acting).sum()))
+        if terms.epsilon is not None or terms.epsilon_high is not None:
+            wide, band = wide_clip_band(ratio, adv, acting, eps, eps_high, rule_eps, rule_eps_high)  # (m, C) each
+            out.update(wide_acting=float(wide.sum()), band_acting=float(band.sum()))
         return out
 
     def engine_gap(self, batch: TrainBatch, old_logp: torch.Tensor) -> tuple[torch.Tensor | None, dict]:

@@ -229,6 +229,12 @@ class GRPOTrainer:
         return rollout_phase.score(rows, mine.start, rollout, self.cfg, self.dist, self.device)
 
     # ------------------------------------------------------------------ phase 2: the update's rows
+    def keeps_equal_reward_groups(self) -> bool:
+        """Whether the update keeps the groups of equal rewards (``train.optimizer.equal_reward_groups``:
+        ``keep``; ``auto`` where the loss has a KL term, whose gradient those rows carry)."""
+        how = self.cfg.optimizer.equal_reward_groups
+        return how == "keep" or (how == "auto" and self.passes.needs_reference())
+
     def update_rows(self, batch: TrainBatch, scored: StepRollouts) -> TrainBatch:
         """This rank's rows of ``batch`` in the groups with signal (see the module docstring).
         Under DeepSpeed, where every rank must run the same backward passes, the other rows stay
@@ -236,7 +242,7 @@ class GRPOTrainer:
         and a rank without a group with signal while another rank has one keeps its first group,
         masked out: it adds nothing, and every rank still runs one update."""
         g = self.cfg.rollouts.group_size
-        if self.passes.needs_reference():  # a KL term: rows of zero advantage have a gradient too
+        if self.keeps_equal_reward_groups():
             return batch
         signal = signal_groups(scored.step_rewards, g)  # (P_step,) bool
         if not signal.any():

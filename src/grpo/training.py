@@ -152,7 +152,10 @@ def acting(history: list[dict]) -> dict:
     of its gradient's share (``kl_grad_share``); where the token-entropy rule acted
     (``grpo.metrics.rule_action_row``): the mean per step of archer's wider-clip tokens in the band
     beyond the ordinary clip and of their share of the policy gradient, and of the kept tokens'
-    share (a rule that drops tokens). A step without the statistic is left out."""
+    share (a rule that drops tokens); the clip and the band over the tokens where they can act
+    (``clip_frac_acting``, ``wide_band_frac_acting``), the kept fraction of the valid tokens
+    (``kept_frac``: ``high``'s kept share) and the update's share of rows of zero advantage
+    (``zero_adv_update_frac``). A step without the statistic is left out."""
     out = {}
     clips = [r["clip_frac"] for r in history if r.get("clip_frac") is not None]
     if clips:
@@ -160,7 +163,8 @@ def acting(history: list[dict]) -> dict:
     shares = [r["kl_grad_share"] for r in history if r.get("kl_grad_share") is not None]
     if shares:
         out["mean_kl_grad_share"] = sum(shares) / len(shares)
-    for key in ("wide_band_frac", "wide_band_grad_share", "kept_grad_share"):
+    for key in ("wide_band_frac", "wide_band_grad_share", "kept_grad_share", "clip_frac_acting",
+                "wide_band_frac_acting", "kept_frac", "zero_adv_update_frac"):
         values = [r[key] for r in history if r.get(key) is not None]
         if values:
             out[f"mean_{key}"] = sum(values) / len(values)

@@ -111,6 +111,12 @@ class OptimizerConfig(TrainPart):
     """Clip the global gradient norm to this value."""
     mu: Positive = 2
     """Policy updates per batch of rollouts (against fixed old log-probs)."""
+    equal_reward_groups: Literal["auto", "keep", "drop"] = "auto"
+    """The rows of the groups whose completions all earned the same reward (zero advantage, so no
+    policy gradient): ``keep`` them in the update, ``drop`` them (DAPO's filter, without its
+    re-sampling; a KL term then acts on the other rows only), or ``auto``: kept where the loss has a
+    KL term (``train.loss.beta`` > 0 or the token-entropy rule's own), whose gradient they carry,
+    dropped otherwise (``grpo.trainer.GRPOTrainer.update_rows``)."""
 
 
 class LossConfig(TrainPart):

@@ -474,3 +474,22 @@ def test_a_noninferiority_rule_names_an_incumbent_outside_its_candidates(tmp_pat
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match="'rule: noninferior' with an 'incumbent'"):
         load_grid(path)
+
+
+def test_the_cost_grids_margin_is_what_its_design_establishes_with_80_percent_power():
+    """experiments/cost_grid.yaml's non-inferiority margin is at least the margin its 8 seeds establish
+    with 80% power at Holm's strictest level, at the spread of the mu grid's paired differences to the
+    incumbent (the record of the runs before it): a smaller one would leave a candidate as good as the
+    incumbent unproven more often than not."""
+    from grpo.stats import noninferiority_margin, pooled_sd
+
+    grid = load_grid(ROOT / "experiments" / "cost_grid.yaml")
+    d = grid.decision
+    assert d["rule"] == "noninferior" and d["incumbent"] == grid.reference == "archer-mu2"
+    assert {grid.variants[c]["train.optimizer.equal_reward_groups"] for c in d["candidates"]} == {"drop"}
+    record = json.loads((ROOT / "experiments" / "results" / "rule_mu_grid.json").read_text())
+    val = record["values"][ablations.SELECT]
+    diffs = [tuple(val[f"archer-mu2-seed-{s}"] - val[f"{c}-seed-{s}"] for s in grid.seeds)
+             for c in ("every-token-mu1", "every-token-mu2", "archer-mu1")]
+    need = noninferiority_margin(pooled_sd(diffs), len(grid.seeds), ablations.ALPHA / len(d["candidates"]))
+    assert need <= d["margin"] < need + 0.01

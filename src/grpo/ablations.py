@@ -65,13 +65,17 @@ KL_SHARE = "metrics/train.json:mean_kl_grad_share"
 BAND = "metrics/train.json:mean_wide_band_frac"  # archer: wider-clip tokens beyond the ordinary clip
 BAND_SHARE = "metrics/train.json:mean_wide_band_grad_share"  # ... and their share of the policy gradient
 KEPT_SHARE = "metrics/train.json:mean_kept_grad_share"  # high: the kept tokens' share of the policy gradient
+CLIP_ACTING = "metrics/train.json:mean_clip_frac_acting"  # the clip over the tokens where it can act
+BAND_ACTING = "metrics/train.json:mean_wide_band_frac_acting"  # archer's band over the wider-clip tokens that can act
+ZERO_ADV = "metrics/train.json:mean_zero_adv_update_frac"  # the update's rows of zero advantage (equal rewards)
+KEPT = "metrics/train.json:mean_kept_frac"  # the kept fraction of the valid tokens (high's kept share)
 BEFORE = "metrics/baseline.json:accuracy"  # the base model on the seed's test split: the same for every variant
 N_EFF_BEFORE = "metrics/baseline.json:effective_n"  # n / design effect, clusters = operand multisets
 N_EFF_AFTER = "metrics/final.json:effective_n"
 ROWS = "metrics/final.json:n"  # the test split's rows
 COMPARED = (SELECT, TEST)
-METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE, BAND, BAND_SHARE, KEPT_SHARE, BEFORE, N_EFF_BEFORE,
-           N_EFF_AFTER, ROWS)
+METRICS = (SELECT, TEST, COST, CLIP, CLIP_STEPS, KL_SHARE, BAND, BAND_SHARE, KEPT_SHARE, CLIP_ACTING, BAND_ACTING,
+           ZERO_ADV, KEPT, BEFORE, N_EFF_BEFORE, N_EFF_AFTER, ROWS)
 ALPHA = 0.05
 
 
@@ -587,7 +591,9 @@ def _acting_per_seed(grid: Grid, table: list[Row]) -> list[str]:
     lies beyond the ordinary clip but inside archer's wider one: their fraction and their share of
     the policy gradient) and a dropping rule's kept tokens' share; rows only for variants that log them."""
     keys = ((BAND, "wide-clip tokens in the band"), (BAND_SHARE, "their gradient share"),
-            (KEPT_SHARE, "kept tokens' gradient share"))
+            (KEPT_SHARE, "kept tokens' gradient share"), (CLIP_ACTING, "tokens clipped, of those that can act"),
+            (BAND_ACTING, "wide-clip tokens in the band, of those that can act"),
+            (ZERO_ADV, "update rows of zero advantage"), (KEPT, "kept fraction of the valid tokens"))
     lines = [f"| variant | measure | seeds {', '.join(map(str, grid.seeds))} |", "|---|---|---|"]
     for r in table:
         for key, label in keys:

@@ -454,6 +454,11 @@ TRAIN_ROWS = (  # metrics/train.json key -> its row's words (None: shown elsewhe
     ("mean_kept_grad_share", "the kept tokens' share of the policy gradient (|dL/dlogp| as if every token "
                              "had gradient), mean per step"),
     ("mean_kl_grad_share", "the KL term's gradient norm over the policy term's, mean per step"),
+    ("mean_clip_frac_acting", "of the tokens where a clip can act (nonzero advantage, updates after the first), "
+                              "those it bound, mean per step"),
+    ("mean_wide_band_frac_acting", "of archer's wider-clip tokens that can act, those in its band, mean per step"),
+    ("mean_zero_adv_update_frac", "the update's rows of zero advantage (groups of equal rewards), mean per step"),
+    ("mean_kept_frac", "tokens the entropy mask kept in the loss, mean per step"),
 )
 SHOWN_ELSEWHERE = {"rollout_backend", "engine_weights", "adapter", "final_val_accuracy", "best_val_accuracy",
                    "best_val_step", "logp_mismatch_mean", "logp_mismatch_max",
@@ -466,7 +471,9 @@ def _train_rows(train: dict) -> list[tuple[str, str]]:
     fmt = {"total_time_s": lambda v: f"{v:.0f} s", "final_step_time_s": lambda v: f"{v:.1f} s",
            "final_peak_mem_mb": lambda v: f"{v:,.0f} MB", "final_kept_frac": _pct,
            **dict.fromkeys(("mean_clip_frac", "mean_wide_band_frac", "mean_wide_band_grad_share",
-                            "mean_kept_grad_share", "mean_kl_grad_share"), lambda v: f"{v:.2%}")}
+                            "mean_kept_grad_share", "mean_kl_grad_share", "mean_clip_frac_acting",
+                            "mean_wide_band_frac_acting", "mean_zero_adv_update_frac", "mean_kept_frac"),
+                           lambda v: f"{v:.2%}")}
     rows = []
     if "rollout_backend" in train:
         form = train.get("engine_weights")

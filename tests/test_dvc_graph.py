@@ -1,7 +1,7 @@
 """dvc.yaml follows from the code: each stage depends on exactly the project files its entry
 module imports (transitively, lazy imports included; not those that run only for a type checker or
-on the way to an error), and declares every params field it reads. ``grpo.stage_deps`` walks the
-imports and writes those deps (``python -m grpo.stage_deps write``); these tests hold dvc.yaml to it."""
+on the way to an error), and declares every params field it reads. ``grpo.code_deps`` walks the
+imports and writes those deps (``python -m grpo.code_deps write``); these tests hold dvc.yaml to it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from grpo.code_deps import Project, main
 from grpo.dvcfile import read_stages
-from grpo.stage_deps import Project, main
 
 from .conftest import REPO
 
@@ -30,7 +30,7 @@ def test_stage_code_deps_are_its_imports(stage):
     expected = PROJECT.stage_code_deps(spec.cmd)
     assert set(declared) == set(expected), (f"{stage}: missing {sorted(set(expected) - set(declared))}, "
                                             f"not imported {sorted(set(declared) - set(expected))} "
-                                            "(python -m grpo.stage_deps write)")
+                                            "(python -m grpo.code_deps write)")
     assert declared == expected  # the entry module, the other tasks/ files, src/, each sorted
 
 
@@ -63,7 +63,7 @@ def test_check_names_a_stale_stage_and_write_restores_the_file(tmp_path, capsys,
 
 
 def test_no_stage_imports_the_deps_writer():
-    assert not any("stage_deps" in d for spec in _stages().values() for d in spec.deps)
+    assert not any(d == "src/grpo/code_deps.py" for spec in _stages().values() for d in spec.deps)
 
 
 def test_the_walk_sees_lazy_and_package_imports():

@@ -11,9 +11,9 @@ whether params are valid, not what a stage writes.
 
 Commands (``--root DIR``: the workspace, by default the nearest folder holding ``dvc.yaml``)::
 
-    python -m grpo.stage_deps write   # rewrite each stage's src/ and tasks/ deps in dvc.yaml
-    python -m grpo.stage_deps check   # one line per stale stage and exit 1; exit 0 when current
-    python -m grpo.stage_deps graph   # the library's import graph: modules, lazy imports, levels, cycles
+    python -m grpo.code_deps write   # rewrite each stage's src/ and tasks/ deps in dvc.yaml
+    python -m grpo.code_deps check   # one line per stale stage and exit 1; exit 0 when current
+    python -m grpo.code_deps graph   # the library's import graph: modules, lazy imports, levels, cycles
 
 ``write`` replaces a stage's ``src/...`` and ``tasks/...`` items of ``deps:`` where the first of them
 stood (the entry module first, then the other ``tasks/`` files, then ``src/``, each sorted) and
@@ -270,7 +270,7 @@ def stale(dvc_yaml: Path, project: Project) -> list[str]:
         if missing or extra:
             lines.append(f"{name}: missing {missing or 'nothing'}, not imported {extra or 'nothing'}")
         elif declared != expected:
-            lines.append(f"{name}: code deps out of order (python -m grpo.stage_deps write sorts them)")
+            lines.append(f"{name}: code deps out of order (python -m grpo.code_deps write sorts them)")
     return lines
 
 
@@ -345,7 +345,7 @@ def _chain(graph: dict[Path, set[Path]], level: dict[Path, int]) -> list[Path]:
 
 
 def graph_report(project: Project) -> list[str]:
-    """The lines of ``python -m grpo.stage_deps graph``: the library (``src/grpo``) as an import graph."""
+    """The lines of ``python -m grpo.code_deps graph``: the library (``src/grpo``) as an import graph."""
     library = project.root.joinpath(*PACKAGES["grpo"])
     modules = sorted(library.rglob("*.py"))
     subpackages = sorted(p.parent for p in library.glob("*/__init__.py"))
@@ -384,7 +384,7 @@ def graph_report(project: Project) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo.stage_deps", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo.code_deps", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("write", "check", "graph"))
     parser.add_argument("--root", type=Path, default=None, help="the workspace (default: the nearest holding dvc.yaml)")
     args = parser.parse_args(argv)

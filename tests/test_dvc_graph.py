@@ -87,6 +87,16 @@ def test_a_registered_choice_is_no_stage_dep_of_its_own():
     assert homes <= code_deps(REPO / "tasks" / "train.py")
 
 
+def test_no_registered_entry_imports_the_params_reading():
+    """An entry's options are built on ``grpo.fields``: what ``grpo.choices`` looks up by name never
+    imports ``grpo.config`` (the loop config -> choices -> entry -> config of before)."""
+    from grpo.choices import REGISTRIES
+
+    for module, _ in REGISTRIES.values():
+        assert "src/grpo/config.py" not in code_deps(PROJECT.module_file(module)), module
+    assert code_deps(REPO / "src" / "grpo" / "config.py") == {"src/grpo/config.py", "src/grpo/errors.py"}
+
+
 @pytest.mark.parametrize("stage", ["sent", "baseline_eval", "final_eval"])
 def test_sampling_stages_depend_on_the_saved_model_sampler_alone(stage):
     """SENT and the evaluations sample saved models: an edit of the training engine (its sync
@@ -130,7 +140,7 @@ def _sections_served() -> dict[str, set[str]]:
     import pkgutil
 
     import grpo.sections
-    from grpo.config import Section
+    from grpo.fields import Section
 
     modules = [importlib.import_module(f"grpo.sections.{m.name}") for m in pkgutil.iter_modules(grpo.sections.__path__)]
     classes = [c for mod in modules for _, c in inspect.getmembers(mod, inspect.isclass)

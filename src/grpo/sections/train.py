@@ -11,7 +11,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from grpo.config import Choice, EntryOptions, Params, ParamsError, Positive, entry_defaults
+from grpo.choices import Choice, EntryOptions, entry_defaults
+from grpo.config import Params, ParamsError
+from grpo.fields import Positive
 from grpo.sections.shared import SharedTrainKeys
 from grpo.sections.train_parts import (
     MOVED,

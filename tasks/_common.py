@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpo import console
-from grpo.config import Params, Section, load_sections, read_params_yaml, reading_params
+from grpo.config import Params, load_sections, read_params_yaml
 from grpo.errors import DeviceError, ModelConfigError, ParamsError, StageStop
+from grpo.fields import Section, reading_params
 from grpo.jsonio import DataError, write_json
 from grpo.sections.shared import SharedTrainKeys
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.config import ParamsError, read_params_yaml, reading_params
+from grpo.config import ParamsError, read_params_yaml
+from grpo.fields import reading_params
 from grpo.params import AllParams, load_params
 
 

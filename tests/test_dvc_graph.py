@@ -1,98 +1,22 @@
 """dvc.yaml follows from the code: each stage depends on exactly the project files its entry
 module imports (transitively, lazy imports included; not those that run only for a type checker or
-on the way to an error), and declares every params field it reads."""
+on the way to an error), and declares every params field it reads. ``grpo.code_deps`` walks the
+imports and writes those deps (``python -m grpo.code_deps write``); these tests hold dvc.yaml to it."""
 
 from __future__ import annotations
 
-import ast
+import shutil
 from pathlib import Path
 
 import pytest
 
+from grpo.code_deps import Project, main
 from grpo.dvcfile import read_stages
 
 from .conftest import REPO
 
-ROOTS = {"grpo": REPO / "src" / "grpo", "tasks": REPO / "tasks"}
-
-
-def _module_file(name: str) -> Path | None:
-    """The file of a project module (``grpo.x`` or ``tasks.x``), or None for anything else."""
-    top, _, rest = name.partition(".")
-    if top not in ROOTS or not rest:
-        return None
-    base = ROOTS[top].joinpath(*rest.split("."))
-    if base.with_suffix(".py").exists():
-        return base.with_suffix(".py")
-    if (base / "__init__.py").exists():
-        return base / "__init__.py"
-    return None
-
-
-def _never_run_for_an_output(tree: ast.AST) -> set[int]:
-    """The ids of import statements that cannot change what a stage writes: those under ``if
-    TYPE_CHECKING:`` (never run) and those in a block that ends by raising (an ``except`` handler or
-    an ``if`` body whose last statement is ``raise``: they only word an error, ``grpo.messages``)."""
-    skipped = set()
-    for node in ast.walk(tree):
-        blocks = []
-        if isinstance(node, ast.If):
-            test = node.test
-            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
-                blocks.append(node.body)
-            elif node.body and isinstance(node.body[-1], ast.Raise):
-                blocks.append(node.body)
-        elif isinstance(node, ast.ExceptHandler) and node.body and isinstance(node.body[-1], ast.Raise):
-            blocks.append(node.body)
-        for block in blocks:
-            skipped |= {id(n) for stmt in block for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
-    return skipped
-
-
-def _imports(path: Path) -> set[str]:
-    """Project modules imported anywhere in ``path`` (top level or inside functions), but for
-    imports that never run on the way to an output (``_never_run_for_an_output``)."""
-    found = set()
-    tree = ast.parse(path.read_text())
-    skipped = _never_run_for_an_output(tree)
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from grpo import x`
-    return {m for m in found if _module_file(m) is not None}
-
-
-def _packages(path: Path) -> list[Path]:
-    """The ``__init__.py`` of every subpackage of ``grpo`` that holds ``path`` (Python runs each
-    when it imports a module inside)."""
-    inits = []
-    for parent in path.parents:
-        if parent == ROOTS["grpo"] or ROOTS["grpo"] not in parent.parents:
-            break
-        inits.append(parent / "__init__.py")
-    return [p for p in inits if p.exists()]
-
-
-def code_deps(entry: Path) -> set[str]:
-    """Repo-relative files reached from ``entry``: a module of a subpackage brings the package's
-    ``__init__.py``, not its other modules; a subpackage all of whose modules are reached is
-    named by its directory."""
-    seen, todo = set(), [entry]
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        todo += [_module_file(m) for m in _imports(path)] + _packages(path)
-    for package in {p.parent for p in seen if p.name == "__init__.py"}:
-        if set(package.glob("*.py")) <= seen:
-            seen = {p for p in seen if p.parent != package} | {package}
-    return {str(path.relative_to(REPO)) for path in seen} - {"tasks/__init__.py"}
+PROJECT = Project(REPO)
+code_deps = PROJECT.code_deps
 
 
 def _stages() -> dict:
@@ -102,11 +26,44 @@ def _stages() -> dict:
 @pytest.mark.parametrize("stage", list(_stages()))
 def test_stage_code_deps_are_its_imports(stage):
     spec = _stages()[stage]
-    entry = REPO / "tasks" / f"{spec.cmd.split('tasks.')[1].split()[0]}.py"
-    declared = {d for d in spec.deps if d.startswith(("src/", "tasks/"))}
-    expected = code_deps(entry)
-    assert declared == expected, (f"{stage}: missing {sorted(expected - declared)}, "
-                                  f"not imported {sorted(declared - expected)}")
+    declared = [d for d in spec.deps if d.startswith(("src/", "tasks/"))]
+    expected = PROJECT.stage_code_deps(spec.cmd)
+    assert set(declared) == set(expected), (f"{stage}: missing {sorted(set(expected) - set(declared))}, "
+                                            f"not imported {sorted(set(declared) - set(expected))} "
+                                            "(python -m grpo.code_deps write)")
+    assert declared == expected  # the entry module, the other tasks/ files, src/, each sorted
+
+
+def _workspace_copy(tmp_path: Path) -> Path:
+    """dvc.yaml and the code it names (src/grpo, tasks) copied to ``tmp_path``."""
+    for folder in ("src/grpo", "tasks"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("stage", "edit", "said"), [
+    ("train", ("      - src/grpo/zero.py\n", ""), "train: missing ['src/grpo/zero.py'], not imported nothing"),
+    ("sent", ("      - src/grpo/types.py\n", "      - src/grpo/types.py\n      - src/grpo/report.py\n"),
+     "sent: missing nothing, not imported ['src/grpo/report.py']"),
+])
+def test_check_names_a_stale_stage_and_write_restores_the_file(tmp_path, capsys, stage, edit, said):
+    """A dep left out or one too many: ``check`` names that stage alone and exits 1; ``write``
+    gives back the committed dvc.yaml byte for byte, and ``check`` then exits 0."""
+    root = _workspace_copy(tmp_path)
+    text = (root / "dvc.yaml").read_text()
+    block = text.index(f"\n  {stage}:\n")
+    at = text.index(edit[0], block)
+    (root / "dvc.yaml").write_text(text[:at] + edit[1] + text[at + len(edit[0]):])
+    assert main(["check", "--root", str(root)]) == 1
+    assert capsys.readouterr().out.splitlines() == [said]
+    assert main(["write", "--root", str(root)]) == 0
+    assert (root / "dvc.yaml").read_bytes() == (REPO / "dvc.yaml").read_bytes()
+    assert main(["check", "--root", str(root)]) == 0
+
+
+def test_no_stage_imports_the_deps_writer():
+    assert not any(d == "src/grpo/code_deps.py" for spec in _stages().values() for d in spec.deps)
 
 
 def test_the_walk_sees_lazy_and_package_imports():
@@ -124,10 +81,20 @@ def test_a_registered_choice_is_no_stage_dep_of_its_own():
     the stages that run the loss, not the evaluations. A stage that runs an entry imports it."""
     from grpo.choices import REGISTRIES
 
-    homes = {str(_module_file(module).relative_to(REPO)) for module, _ in REGISTRIES.values()}
+    homes = {PROJECT.relative(PROJECT.module_file(module)) for module, _ in REGISTRIES.values()}
     assert not homes & code_deps(REPO / "src" / "grpo" / "choices.py")
     assert not homes & code_deps(REPO / "tasks" / "prepare_model.py")
     assert homes <= code_deps(REPO / "tasks" / "train.py")
+
+
+def test_no_registered_entry_imports_the_params_reading():
+    """An entry's options are built on ``grpo.fields``: what ``grpo.choices`` looks up by name never
+    imports ``grpo.config`` (the loop config -> choices -> entry -> config of before)."""
+    from grpo.choices import REGISTRIES
+
+    for module, _ in REGISTRIES.values():
+        assert "src/grpo/config.py" not in code_deps(PROJECT.module_file(module)), module
+    assert code_deps(REPO / "src" / "grpo" / "config.py") == {"src/grpo/config.py", "src/grpo/errors.py"}
 
 
 @pytest.mark.parametrize("stage", ["sent", "baseline_eval", "final_eval"])
@@ -173,7 +140,7 @@ def _sections_served() -> dict[str, set[str]]:
     import pkgutil
 
     import grpo.sections
-    from grpo.config import Section
+    from grpo.fields import Section
 
     modules = [importlib.import_module(f"grpo.sections.{m.name}") for m in pkgutil.iter_modules(grpo.sections.__path__)]
     classes = [c for mod in modules for _, c in inspect.getmembers(mod, inspect.isclass)

@@ -50,8 +50,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpo import seed_headline, seed_stages
+from grpo.config import ParamsError, read_params_yaml
 from grpo.dvcfile import DVC_YAML, read_stages
 from grpo.experiments import SEED_KEY, Run, cli_value, dvc, exp_show, parse_runs, read_runs
+from grpo.params import params_from_dict
 from grpo.stats import PairedTest, detectable, holm, noninferiority, noninferiority_margin, paired_test, pooled_sd
 
 GRID = "experiments/ablations.yaml"
@@ -111,9 +113,6 @@ def _set_dotted(tree: dict, key: str, value: object) -> None:
 def check_overrides(name: str, overrides: dict[str, object], params: dict) -> None:
     """Raise ``ValueError`` naming the variant and key unless ``overrides`` applied to the params
     tree ``params`` (params.yaml as read) give valid params."""
-    from grpo.config import ParamsError
-    from grpo.params import params_from_dict
-
     tree = json.loads(json.dumps(params))
     try:
         for key, value in overrides.items():
@@ -179,8 +178,6 @@ def check_decision(path: Path, decision: object, variants: dict) -> dict | None:
 def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     """The grid in ``path``; every variant's overrides validated over ``params_path`` (params.yaml
     beside the grid's repository by default) so that a typo fails here, not an hour into a queue."""
-    from grpo.config import read_params_yaml
-
     raw = read_params_yaml(path)  # a repeated key or bad YAML: one line naming the file and line
     variants = raw.get("variants") or {}
     if not isinstance(variants, dict) or not variants:

@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
+from grpo.base_model import check_model_dir, load_tokenizer
+from grpo.data import build_prompt
 from grpo.errors import ModelConfigError
 
 
 def check_dirs(model_path: Path, adapter_dir: Path | None) -> None:
     """One line naming what is missing: the base model (``grpo.base_model.check_model_dir``) or
     the adapter directory."""
-    from grpo.base_model import check_model_dir
-
     check_model_dir(model_path)
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
         raise ModelConfigError(f"--adapter: {adapter_dir}: no LoRA adapter there (no adapter_config.json; "
@@ -32,7 +32,7 @@ def check_dirs(model_path: Path, adapter_dir: Path | None) -> None:
 
 def load_for_answering(model_cfg, adapter_dir: Path | None):
     """``(model, tokenizer, how)``: the dense policy (adapter merged) that evaluation decodes."""
-    from grpo.base_model import load_tokenizer
+    # torch and the model code load with a model, not with check_dirs or `grpo ask --help`
     from grpo.device import default_device
     from grpo.lora_policy import export_dense, load_base_model
 
@@ -56,8 +56,6 @@ def answer(model, tokenizer, question: str, system_prompt: str, max_new_tokens: 
     """Greedy completion of ``question``'s prompt; each piece of text goes to ``out`` as it is made."""
     import torch
     from transformers import TextStreamer
-
-    from grpo.data import build_prompt
 
     class Streamer(TextStreamer):
         def on_finalized_text(self, text: str, stream_end: bool = False):

@@ -1,12 +1,13 @@
-"""Typed, validated parameters: the base every ``params.yaml`` section is built on, and loading.
+"""Typed, validated parameters: reading a params file and loading its sections.
 
-Each section is a pydantic model in a module of its own (``grpo.sections.<section>``);
-``grpo.params`` gathers them all. This module holds what they share and the reading of a params
-file, nothing of any one section, so a stage depends (in DVC's sense: ``dvc.yaml``'s deps follow
-imports) on the schemas of the sections it reads, on this file and on ``grpo.errors``. What changes
-more often lives apart: the wording of every message (``grpo.messages``, imported only on the way
-to a ``ParamsError``, so no stage depends on it) and the overlay of params
-(``grpo.overlay.overlay_params``, imported by its users alone).
+Each section is a pydantic model in a module of its own (``grpo.sections.<section>``), built on
+the field types and ``Section`` of ``grpo.fields``, its choices on the registries of
+``grpo.choices``; ``grpo.params`` gathers them all. This module holds the reading of a params file
+and the loading of sections, nothing of any one section and no registry, so a stage depends (in
+DVC's sense: ``dvc.yaml``'s deps follow imports) on the schemas of the sections it reads, on this
+file and on ``grpo.errors``. What changes more often lives apart: the wording of every message
+(``grpo.messages``, imported only on the way to a ``ParamsError``, so no stage depends on it) and
+the overlay of params (``grpo.overlay.overlay_params``, imported by its users alone).
 
 Contract:
 
@@ -24,123 +25,26 @@ Contract:
   enforces it), so a key left out of ``params.yaml`` or of a preset never changes the experiment
   silently. Change a default in its section's module and in ``params.yaml`` together.
 * Types and ranges are declared on the fields (``Literal`` choices, ``Field(gt=0)`` bounds, strict
-  types: ``"ten"`` is not an integer, ``true`` is not a number); the few rules that tie two fields
-  together live in one ``_check`` method per section. A choice names a registry entry (``Choice``);
-  an entry's own options are its ``Options`` model, under its name (``EntryOptions``).
-* ``reading_params()`` records which ``section.key`` fields are read while it is active (the
-  stages run under it when asked, so a test can check each stage's ``params:`` in ``dvc.yaml``).
+  types: ``"ten"`` is not an integer, ``true`` is not a number; ``grpo.fields``); the few rules that
+  tie two fields together live in one ``_check`` method per section. A choice names a registry entry
+  (``grpo.choices.Choice``); an entry's own options are its ``Options`` model, under its name
+  (``grpo.choices.EntryOptions``).
+* ``grpo.fields.reading_params()`` records which ``section.key`` fields are read while it is active
+  (the stages run under it when asked, so a test can check each stage's ``params:`` in ``dvc.yaml``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from grpo.errors import ParamsError
 
-Positive = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegative = Annotated[int, Field(ge=0)]
-Fraction = Annotated[float, Field(gt=0, le=1)]
-
-
-def Choice(param: str):  # noqa: N802 (a type)
-    """A text field whose values are the names of the registry serving ``param``
-    (``grpo.choices.registry``): the allowed values have that one home, and an entry registered
-    anywhere is a valid value. Checked when the section is built; an unknown name is one line
-    naming ``param`` and the names it takes."""
-
-    def check(value: str) -> str:
-        from grpo.choices import registry
-
-        return registry(param).check(value, param)
-
-    return Annotated[str, AfterValidator(check)]
-
-
-def EntryOptions(param: str):  # noqa: N802 (a type)
-    """A mapping of entry name -> that entry's options, for the entries of the registry serving
-    ``param`` that declare an ``Options`` model (``grpo.registry.Registry.options``); each value is
-    validated by its entry's model, and an entry left out takes its model's defaults, so the
-    defaults have one home, the entry. A name without options is one line naming the names that
-    have them."""
-
-    def check(value: dict) -> dict:
-        from grpo.choices import registry
-
-        reg, key = registry(param), f"{param}_options"
-        out = {}
-        for name, values in value.items():
-            model = reg.options(name)
-            if model is None:
-                raise ValueError(f"{key}.{name}: no {reg.what} of that name has options; those that do: "
-                                 f"{', '.join(reg.with_options())}")
-            if not isinstance(values, (dict, model)):
-                raise ValueError(f"{key}.{name}: must be a mapping, got {values!r}")
-            out[name] = values if isinstance(values, model) else model(**values)
-        return {**entry_defaults(param)(), **out}  # the entries left out at their defaults, in registration order
-
-    return Annotated[dict[str, Any], AfterValidator(check)]
-
-
-def entry_defaults(param: str):
-    """The default of an ``EntryOptions(param)`` field: each entry's options at their defaults."""
-
-    def make() -> dict:
-        from grpo.choices import registry
-
-        reg = registry(param)
-        return {name: reg.options(name)() for name in reg.with_options()}
-
-    return make
-
-
-Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-
-_READS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("grpo_param_reads", default=None)
-
-
-@contextlib.contextmanager
-def reading_params():
-    """Collect the ``section.key`` names of every params field read inside the block."""
-    reads: set[str] = set()
-    token = _READS.set(reads)
-    try:
-        yield reads
-    finally:
-        _READS.reset(token)
-
-
-class Section(BaseModel):
-    """Base of the params sections: unknown keys and loose types are errors; reads are recordable."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    SECTION: ClassVar[str] = ""
-    MOVED: ClassVar[dict[str, str]] = {}
-    """Keys this section had once -> where they live now (the message for an old params file)."""
-
-    def __init__(self, **values: Any):
-        try:
-            super().__init__(**values)
-        except ValidationError as err:
-            from grpo.messages import one_line  # the wording: a failure path's, no stage's dep
-
-            raise ParamsError(one_line(err, type(self))) from None
-
-    def __getattribute__(self, name: str):
-        reads = _READS.get()
-        if reads is not None and not name.startswith("_") and name in type(self).model_fields:
-            value = super().__getattribute__(name)
-            if not isinstance(value, Section):  # a part (``train.loss``) records the keys read in it
-                reads.add(f"{type(self).SECTION}.{name}")
-            return value
-        return super().__getattribute__(name)
-
+if TYPE_CHECKING:
+    from grpo.fields import Section
 
 SECTION_NAMES = ("data", "model", "lora", "sent", "evaluate", "decode", "train")
 """The sections of a params file, in ``params.yaml``'s order (``grpo.params.AllParams`` has one field each)."""
@@ -163,7 +67,7 @@ def section_mappings(raw: dict | None) -> dict[str, dict]:
         raise ParamsError(f"params: must be a mapping of sections, got {raw!r}")
     for key in raw:
         if key not in SECTION_NAMES:
-            from grpo.messages import unknown_section
+            from grpo.messages import unknown_section  # the wording: a failure path's, no stage's dep
 
             raise ParamsError(unknown_section(key, SECTION_NAMES))
     out = {}
@@ -217,7 +121,7 @@ def read_params_yaml(path: str | Path) -> dict:
     try:
         raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
-        from grpo.messages import yaml_error_line
+        from grpo.messages import yaml_error_line  # the wording: a failure path's, no stage's dep
 
         raise ParamsError(yaml_error_line(path, err)) from None
     if raw is not None and not isinstance(raw, dict):

@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from typing import ClassVar
 
-from grpo.config import Positive, Section
+from grpo.fields import Positive, Section
 from grpo.registry import Registry
 
 Order = Callable[[int, int, int], list[list[int]]]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.architectures import ARCHITECTURES, architecture_for_model
 from grpo.errors import DeviceError, ModelConfigError
 
 DEVICE_ENV = "GRPO_DEVICE"
@@ -188,8 +189,6 @@ def model_type(model_dir: str | Path) -> str | None:
     config = Path(model_dir) / "config.json"
     if config.is_file():
         return json.loads(config.read_text()).get("model_type")
-    from grpo.architectures import ARCHITECTURES, architecture_for_model
-
     arch = architecture_for_model(str(model_dir))
     return ARCHITECTURES[arch].get("model_type", "qwen2") if arch else None
 

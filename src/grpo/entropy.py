@@ -55,7 +55,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from grpo.config import Fraction, PositiveFloat, Section
+from grpo.fields import Fraction, PositiveFloat, Section
 from grpo.registry import Registry
 
 

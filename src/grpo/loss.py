@@ -40,7 +40,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from grpo.config import PositiveFloat, Section
+from grpo.fields import PositiveFloat, Section
 from grpo.registry import Registry
 
 ADV_EPS = 1e-4

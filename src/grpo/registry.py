@@ -9,9 +9,9 @@ decorator where it is defined::
     class TokenMean: ...
 
 An entry may declare its own options as a small typed model, its ``Options`` attribute (a
-``grpo.config.Section``): they sit in the params under the entry's name
+``grpo.fields.Section``): they sit in the params under the entry's name
 (``train.loss.entropy_rule_options.archer.clip_high``), validated by that model, their defaults its
-own (``grpo.config.EntryOptions``); the section keeps only what every run has.
+own (``grpo.choices.EntryOptions``); the section keeps only what every run has.
 
 ``grpo.choices`` lists every registry by the param it serves; ``grpo.config`` validates those
 params against it, so the allowed values have this one home, and adding an entry touches its own
@@ -60,7 +60,7 @@ class Registry(Mapping[str, T]):
 
     def options(self, name: str) -> type | None:
         """The options model entry ``name`` declares (its ``Options`` attribute, a
-        ``grpo.config.Section`` whose defaults are the entry's), or None: an entry without options,
+        ``grpo.fields.Section`` whose defaults are the entry's), or None: an entry without options,
         or a name that is not an entry."""
         return getattr(self._entries.get(name), "Options", None)
 

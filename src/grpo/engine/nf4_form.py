@@ -285,7 +285,7 @@ class NF4Form(WeightsForm):
 
     @classmethod
     def check_params(cls, params) -> None:
-        from grpo.config import ParamsError
+        from grpo.errors import ParamsError
 
         if cls.unusable(params) is not None:
             raise ParamsError("train.rollouts.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "

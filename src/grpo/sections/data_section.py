@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from grpo.config import NonNegative, Positive, PositiveFloat, Section
+from grpo.fields import NonNegative, Positive, PositiveFloat, Section
 
 
 class DataConfig(Section):

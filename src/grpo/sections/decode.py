@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from grpo.config import Choice, Positive, Section
+from grpo.choices import Choice
+from grpo.fields import Positive, Section
 
 
 class DecodeConfig(Section):

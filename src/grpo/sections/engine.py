@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo.config import Fraction, Positive, Section
+from grpo.fields import Fraction, Positive, Section
 
 
 class VLLMEngineConfig(Section):

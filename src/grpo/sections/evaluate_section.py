@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from grpo.config import Choice, Positive
+from grpo.choices import Choice
+from grpo.fields import Positive
 from grpo.sections.engine import VLLMEngineConfig
 
 

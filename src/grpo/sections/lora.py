@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from grpo.config import Positive, PositiveFloat, Section
+from grpo.fields import Positive, PositiveFloat, Section
 
 
 class LoraConfig(Section):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from grpo.config import Dtype, Section
+from grpo.fields import Dtype, Section
 
 
 class ModelConfig(Section):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from grpo.config import Choice, Dtype, Fraction, Positive, PositiveFloat
+from grpo.choices import Choice
+from grpo.fields import Dtype, Fraction, Positive, PositiveFloat
 from grpo.sections.engine import VLLMEngineConfig
 
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import ConfigDict
 
-from grpo.config import Section
+from grpo.fields import Section
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem. Think briefly, then give the final answer on its own line as '#### <number>'."

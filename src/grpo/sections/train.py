@@ -11,7 +11,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from grpo.config import Choice, EntryOptions, Params, ParamsError, Positive, entry_defaults
+from grpo.choices import Choice, EntryOptions, entry_defaults, registry
+from grpo.config import Params, ParamsError
+from grpo.fields import Positive
 from grpo.sections.shared import SharedTrainKeys
 from grpo.sections.train_parts import (
     MOVED,
@@ -89,8 +91,6 @@ class TrainConfig(SharedTrainKeys):
 def check_across_sections(params: Params) -> Params:
     """The rules that tie two sections together; ``ParamsError`` naming the key. The chosen weights
     form's own rule (``WeightsForm.check_params``: nf4 needs ``model.quantization: nf4``)."""
-    from grpo.choices import registry
-
     forms = registry("train.rollouts.engine_weights")
     if params.train.rollouts.engine_weights in forms:  # not auto
         forms[params.train.rollouts.engine_weights].check_params(params)

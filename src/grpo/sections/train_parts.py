@@ -10,7 +10,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from grpo.config import Choice, EntryOptions, Fraction, NonNegative, Positive, PositiveFloat, Section, entry_defaults
+from grpo.choices import Choice, EntryOptions, entry_defaults
+from grpo.fields import Fraction, NonNegative, Positive, PositiveFloat, Section
 from grpo.sections.engine import VLLMEngineConfig
 
 _PARTS = {

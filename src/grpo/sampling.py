@@ -1,7 +1,9 @@
 """Autoregressive sampling with a KV cache: the decode loop of ``TransformersBackend``.
 
-``decode`` replaces ``model.generate`` and has two loops (``DECODE_LOOPS``), which give the same
-tokens for the same ``row_seeds`` (tested):
+``decode`` replaces ``model.generate`` and has two loops (``DECODE_LOOPS``: each a ``DecodeLoop``
+class that ``plan_decode`` builds once from the ``decode`` section, and that its callers ask what
+it holds instead of its name; docs/howto/add-a-decode-loop.md), which give the same tokens for the
+same ``row_seeds`` (tested for every registered loop):
 
 ``dynamic`` (the CPU's; ``DynamicCache``):
 
@@ -21,7 +23,7 @@ comes from the cache's own length, so the future is hidden without growing a mas
 keeps running but writes ``pad_id``, and the host asks whether every row has finished only every
 ``check_every`` tokens. A step with no host sync and no new shape is what a GPU runs without
 waiting on Python, and what ``torch.compile(mode="reduce-overhead")`` captures as a CUDA graph
-(``compile_step``); where a launch costs more than the compute (a small batch on a large card),
+(``StaticOptions.compile_step``); where a launch costs more than the compute (a small batch on a large card),
 that is the step's time.
 
 EOS is suppressed for the first ``min_new_tokens`` tokens. Greedy decoding (temperature 0) gives

@@ -132,13 +132,13 @@ class Model:
         import contextlib
 
         from grpo.nf4_layers import dequantized_weights
-        from grpo.sampling import decode
+        from grpo.sampling import Draw, DynamicLoop, StaticLoop, StaticOptions, decode
 
-        options = {"compile_step": compile_step} if loop == "static" else {}
+        built = StaticLoop(StaticOptions(compile_step=compile_step)) if loop == "static" else DynamicLoop()
+        draw = Draw(tokens, {0}, 0, temperature=1.0, min_new_tokens=tokens, row_seeds=self.seeds)
         # the compiled step keeps its copies, as TransformersBackend does: dequantized_weights(model, persistent=compiled)
         with dequantized_weights(self.policy, persistent=compile_step) if dense else contextlib.nullcontext():
-            return decode(self.policy, self.ids, self.mask, self.group, max_new_tokens=tokens, eos_ids={0}, pad_id=0,
-                          temperature=1.0, min_new_tokens=tokens, row_seeds=self.seeds, loop=loop, **options)
+            return decode(self.policy, self.ids, self.mask, self.group, draw, built)
 
 
 def sync(torch, device: str) -> None:

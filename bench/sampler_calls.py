@@ -96,7 +96,7 @@ def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, 
     that raises leaves its prediction and split there."""
     import torch
 
-    from grpo.decode_memory import allocator_budget, model_dims, sampler_call_bytes, split_call
+    from grpo.decode_memory import CallSize, allocator_budget, model_dims, sampler_call_bytes, split_call
     from grpo.sampling import compiled_steps
 
     if cuda:
@@ -105,11 +105,9 @@ def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, 
     prompt_len = max(len(t) for t in sampler.tokenizer(prompts, add_special_tokens=False)["input_ids"])
     device = next(model.parameters()).device
     per_call = sampler.prompts_per_call(len(prompts), samples, prompt_len, new_tokens, device)
-    options = sampler.decode_plan(device).options
-    compiled = None
-    if options.get("compile_step"):  # the call padded to its compiled step, whose buffers stay (as the sampler splits)
-        compiled = split_call(model_dims(model), len(prompts), samples, prompt_len, new_tokens, allocator_budget(device),
-                              sampler.LOGPROB_ROWS, options["length_bucket"], compiled_steps(model))[1]
+    call = CallSize(len(prompts), samples, prompt_len, new_tokens)  # a compiled call padded to its step (as the sampler splits)
+    compiled = split_call(model_dims(model), call, allocator_budget(device), sampler.LOGPROB_ROWS,
+                          sampler.decode_plan(device).loop, compiled_steps(model))[1]
     work = sampler_call_bytes(model, per_call, samples, prompt_len, new_tokens, sampler.LOGPROB_ROWS, compiled)
     row.update(prompts_per_call=per_call, predicted_gib=round((weights + work) / 2**30, 3))
     if cuda:
@@ -148,8 +146,8 @@ def stage_call(args) -> dict:
 
     from grpo.base_model import load_tokenizer
     from grpo.device import compute_dtype
-    from grpo.engine.sampler import saved_model_sampler
-    from grpo.rollout_backends import planned_tokens
+    from grpo.engine.sampler import SavedModelRun, saved_model_sampler
+    from grpo.rollout_backends import DecodeChoice, planned_tokens
 
     p, _config, _source, device = device_update.setup(args)
     cap_allocator(args, device)
@@ -157,8 +155,9 @@ def stage_call(args) -> dict:
     n, samples, new_tokens = calls(p, args.dry_run, args.new_tokens)[args.call]
     cfg = p.sent if args.call == "sent" else p.evaluate
     tok = load_tokenizer(args.base)
-    sampler = saved_model_sampler("transformers", tok, args.base, dtype=str(dtype).removeprefix("torch."),
-                                  decode=p.decode, planned_tokens=planned_tokens(stage_prompts(p, args.call), cfg))
+    run = SavedModelRun(dtype=str(dtype).removeprefix("torch."))
+    sampler = saved_model_sampler("transformers", tok, args.base, run=run,
+                                  decode=DecodeChoice(p.decode, planned_tokens(stage_prompts(p, args.call), cfg)))
     weights = sum(t.numel() * t.element_size() for t in sampler.model.parameters())
     words = tok.decode(list(range(100, 100 + args.prompt_tokens)))
     prompts = [f"{i} {words}" for i in range(n)]

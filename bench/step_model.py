@@ -511,9 +511,10 @@ def run_decode_token(model, p, prompt: int, counter: OpCounter, flop_mode, torch
     model.eval()
     try:
         with dequantized_weights(model):
-            sampling.decode(model, ids, mask, group, max_new_tokens=r.max_new_tokens, eos_ids={0}, pad_id=0,
-                            temperature=r.temperature, top_p=r.top_p, row_seeds=list(range(prompts * group)),
-                            loop="static", check_every=p.decode.check_every, compile_step=False)
+            draw = sampling.Draw(r.max_new_tokens, {0}, 0, r.temperature, r.top_p,
+                                 row_seeds=list(range(prompts * group)))
+            loop = sampling.StaticLoop(sampling.StaticOptions(check_every=p.decode.check_every))
+            sampling.decode(model, ids, mask, group, draw, loop)
     except OneToken:
         pass
     finally:
@@ -531,7 +532,7 @@ def run_decode_call(model, tokens: int, prompt: int, rows: int, group: int, coun
     """The whole call ``bench/decode_speed.py``'s profile makes (its ``Model.sample``: dense copies,
     prefill, ``tokens`` tokens of the static loop), counted."""
     from grpo.nf4_layers import dequantized_weights
-    from grpo.sampling import decode
+    from grpo.sampling import Draw, StaticLoop, decode
 
     ids = torch.randint(10, model.config.vocab_size, (rows // group, prompt), device="cuda")
     mask = torch.ones_like(ids)
@@ -539,8 +540,8 @@ def run_decode_call(model, tokens: int, prompt: int, rows: int, group: int, coun
     counter.active = True
     try:
         with dequantized_weights(model):
-            decode(model, ids, mask, group, max_new_tokens=tokens, eos_ids={0}, pad_id=0, temperature=1.0,
-                   min_new_tokens=tokens, row_seeds=list(range(rows)), loop="static", compile_step=False)
+            decode(model, ids, mask, group, Draw(tokens, {0}, 0, min_new_tokens=tokens, row_seeds=list(range(rows))),
+                   StaticLoop())
     finally:
         counter.active = False
         model.train()

@@ -44,7 +44,7 @@ def run(args, way: str) -> dict:
 
     from grpo.base_model import load_tokenizer
     from grpo.data import build_prompt
-    from grpo.engine.policy_engine import policy_rollouts
+    from grpo.engine.policy_engine import PolicyEngineSpec, policy_rollouts
     from grpo.jsonio import read_jsonl
     from grpo.lora_policy import load_policy
     from grpo.rollout_backends import TransformersBackend
@@ -66,8 +66,8 @@ def run(args, way: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
         t0 = time.perf_counter()  # the engine's folder written + engine start
-        backend = policy_rollouts("vllm", tok, model, section=engine, engine_dir=Path(tmp) / "engine", base=model_cfg,
-                                  dtype=args.dtype, form=way)
+        spec = PolicyEngineSpec(Path(tmp) / "engine", engine, model_cfg, form=way, dtype=args.dtype)
+        backend = policy_rollouts("vllm", tok, model, engine=spec)
         out["engine_start_s"] = time.perf_counter() - t0
         for rnd in range(args.rounds):
             gen = torch.Generator().manual_seed(rnd)

@@ -14,9 +14,9 @@ from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.config import Params
 from grpo.data import prompts_that_fit, sequence_positions
 from grpo.device import default_device, sampling_dtype
-from grpo.engine.sampler import saved_model_sampler
+from grpo.engine.sampler import SavedModelRun, saved_model_sampler
 from grpo.jsonio import read_jsonl, write_json, write_jsonl
-from grpo.rollout_backends import planned_tokens
+from grpo.rollout_backends import DecodeChoice, planned_tokens
 from grpo.sections.decode import DecodeConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.sent import SentConfig
@@ -35,10 +35,10 @@ def sent(params: Params) -> dict:
     tokenizer = load_tokenizer(params.model.path)
     rows, prompts = prompts_that_fit(tokenizer, rows, params.train.system_prompt, cfg, cfg.data_path)
     dtype = sampling_dtype(cfg.dtype, default_device())
-    with saved_model_sampler(cfg.backend, tokenizer, params.model.path, cfg, seed=cfg.seed, dtype=dtype,
-                             enforce_eager=cfg.enforce_eager,
-                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens),
-                             decode=params.decode, planned_tokens=planned_tokens(len(prompts), cfg)
+    run = SavedModelRun(seed=cfg.seed, dtype=dtype, enforce_eager=cfg.enforce_eager,
+                        positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens))
+    with saved_model_sampler(cfg.backend, tokenizer, params.model.path, cfg, run=run,
+                             decode=DecodeChoice(params.decode, planned_tokens(len(prompts), cfg))
                              ) as sampler:  # the engine is closed after sampling
         t_ready = time.perf_counter()
         log.info("backend %s (%s) ready in %.1f s; sampling %d x %d answers", sampler.name, dtype, t_ready - t0,

@@ -104,7 +104,7 @@ def test_validation_reuses_the_rollouts_compiled_shape_at_seed_003s_sizes(tmp_pa
     _, train = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")
     decode = resolve_params(REPO / "presets" / "seed003.yaml").params.decode
     r, c = train["rollouts"], train["checkpoints"]
-    assert plan_decode(decode, "cuda", train["steps"] * r["max_new_tokens"]).options["compile_step"]
+    assert plan_decode(decode, "cuda", train["steps"] * r["max_new_tokens"]).loop.compiled
     tok = char_tokenizer(architecture_config("qwen2-1.5b").vocab_size)
     tok.padding_side = "left"
 

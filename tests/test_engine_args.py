@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from grpo.engine.args import LORA_RANKS, engine_args, engine_lora_rank, start_environment
+from grpo.engine.args import LORA_RANKS, EngineRole, engine_args, engine_lora_rank, start_environment
 from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds
 from grpo.sections.engine import VLLMEngineConfig
 from grpo.sections.train import TrainConfig
@@ -32,7 +32,8 @@ def test_the_policy_engine_is_placed_per_process_and_sleeps_on_cuda_only():
     bounds = Bounds(32, 2048, 1000)
     for device, processes, executor, sleep in (("cpu", 1, "uni", None), ("cpu", 2, "external_launcher", None),
                                                ("cuda", 1, "uni", True), ("cuda", 8, "external_launcher", True)):
-        args = engine_args("m", TrainConfig().rollouts, device=device, seed=0, dtype="float32", bounds=bounds, processes=processes)
+        args = engine_args("m", TrainConfig().rollouts, device=device, seed=0, dtype="float32", bounds=bounds,
+                           role=EngineRole(processes))
         assert args["distributed_executor_backend"] == executor
         assert args.get("enable_sleep_mode") is sleep
         assert (args["max_num_seqs"], args["max_num_batched_tokens"], args["kv_cache_memory_bytes"]) == (32, 2048, 1000)
@@ -40,7 +41,7 @@ def test_the_policy_engine_is_placed_per_process_and_sleeps_on_cuda_only():
 
 
 def test_the_adapter_form_gets_one_lora_slot_of_the_smallest_rank_vllm_accepts():
-    args = engine_args("m", SECTION, device="cuda", seed=0, dtype="bfloat16", bounds=Bounds(8), processes=1, lora_rank=17)
+    args = engine_args("m", SECTION, device="cuda", seed=0, dtype="bfloat16", bounds=Bounds(8), role=EngineRole(1, 17))
     assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 1, 32)
     assert [engine_lora_rank(r) for r in (1, 4, 16, 17, 300)] == [1, 8, 16, 32, 320]
     with pytest.raises(ValueError, match="lora.rank: 513 is above vLLM's largest LoRA rank 512"):

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from grpo.engine import nf4_form
-from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
+from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
 from grpo.rollout_backends import TransformersBackend
@@ -59,8 +59,9 @@ def engine(nf4_model_dir, tmp_path_factory, model_dtype):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     _, model, tok = tiny_engine_policy(nf4_model_dir, model_dtype)
-    with policy_rollouts("vllm", tok, model, section=VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256),
-                         engine_dir=tmp_path_factory.mktemp("engine"), dtype=model_dtype, form="nf4") as backend:
+    spec = PolicyEngineSpec(tmp_path_factory.mktemp("engine"), VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM,
+                            max_model_len=256), form="nf4", dtype=model_dtype)
+    with policy_rollouts("vllm", tok, model, engine=spec) as backend:
         assert isinstance(backend, PolicyEngine) and backend.weights_form == "nf4"
         yield model, tok, backend
 

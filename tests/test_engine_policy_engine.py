@@ -24,7 +24,7 @@ import yaml
 
 from grpo.base_model import load_tokenizer
 from grpo.engine.bounds import cpu_kv_bytes, train_bounds
-from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
+from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
 from grpo.loss import loss_normalizer
@@ -63,8 +63,9 @@ def engine(tiny_vllm_model_dir, tmp_path_factory, model_dtype):
         pytest.skip("vLLM is not installed")
     model_cfg, model, tok = tiny_engine_policy(tiny_vllm_model_dir, model_dtype)
     b = getattr(torch, model_dtype).itemsize
-    with policy_rollouts("vllm", tok, model, section=STEP.rollouts, engine_dir=tmp_path_factory.mktemp("engine"), base=model_cfg,
-                         dtype=model_dtype, bounds=train_bounds(STEP, model.config, "cpu", b)) as backend:
+    spec = PolicyEngineSpec(tmp_path_factory.mktemp("engine"), STEP.rollouts, model_cfg,
+                            bounds=train_bounds(STEP, model.config, "cpu", b), dtype=model_dtype)
+    with policy_rollouts("vllm", tok, model, engine=spec) as backend:
         assert isinstance(backend, PolicyEngine) and backend.name == "vllm" and backend.weights_form == "dense"
         yield model, tok, backend
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.base_model import load_tokenizer
-from grpo.engine.sampler import saved_model_sampler
+from grpo.engine.sampler import SavedModelRun, saved_model_sampler
 from grpo.sections.engine import VLLMEngineConfig
 
 from .helpers import ENGINE_RAM, engine_kv_cache
@@ -26,7 +26,7 @@ def test_a_closed_engine_is_gone(tiny_vllm_model_dir, auto_dtype):
     tok = load_tokenizer(tiny_vllm_model_dir)
     with saved_model_sampler("vllm", tok, tiny_vllm_model_dir,
                              VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256),
-                             dtype=auto_dtype) as backend:
+                             run=SavedModelRun(dtype=auto_dtype)) as backend:
         assert backend.name == "vllm"
         assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # the engine started with it off
         roll = backend.generate(["Hi"], 2, max_new_tokens=4)
@@ -89,7 +89,7 @@ def test_a_kv_cache_sized_to_the_stage_samples_as_a_share_of_the_ram_does(tiny_v
     positions = sequence_positions(tok, prompts, sample["max_new_tokens"])
     runs = {}
     for name, sized in (("share", None), ("sized", positions)):
-        with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, positions=sized) as backend:
+        with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, run=SavedModelRun(positions=sized)) as backend:
             tokens, per_token = engine_kv_cache(backend.llm)
             roll = backend.generate(prompts, 4, **sample)
             runs[name] = (tokens * per_token, roll.texts, roll.logprobs)
@@ -111,13 +111,13 @@ def test_an_engine_that_cannot_start_falls_back_under_auto_and_raises_when_named
     tok = load_tokenizer(tiny_vllm_model_dir)
     section = VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=10**7)
     with caplog.at_level(logging.WARNING, logger="grpo.engine.sampler"):
-        with saved_model_sampler("auto", tok, tiny_vllm_model_dir, section, dtype="float32") as backend:
+        with saved_model_sampler("auto", tok, tiny_vllm_model_dir, section, run=SavedModelRun(dtype="float32")) as backend:
             assert backend.name == "transformers"
             assert backend.generate(["Hi"], 2, max_new_tokens=3).completion_ids.shape[0] == 2
     said = [m for m in caplog.messages if m.startswith("vllm could not start (")]
     assert len(said) == 1 and said[0].endswith("): sampling with transformers (slower)") and "\n" not in said[0]
     with pytest.raises(Exception, match="max_model_len"):
-        saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, dtype="float32")
+        saved_model_sampler("vllm", tok, tiny_vllm_model_dir, section, run=SavedModelRun(dtype="float32"))
 
 
 def test_a_vllm_that_fails_to_import_is_a_fallback_with_its_reason(tmp_path):

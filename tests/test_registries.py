@@ -30,6 +30,7 @@ from grpo.rewards import REWARDS
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 from grpo.trainer import GRPOTrainer
+from grpo.types import Lengths
 
 from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_adapter, tiny_engine_policy
 
@@ -165,9 +166,9 @@ class ToyForm(DenseForm):
         FORM_CALLS.append("engine_lora")
         return None
 
-    def start(self, args: dict, tokenizer, policy, **lengths):
+    def start(self, args: dict, tokenizer, policy, limits: Lengths):
         FORM_CALLS.append("start")
-        return super().start(args, tokenizer, policy, **lengths)
+        return super().start(args, tokenizer, policy, limits)
 
     def push(self, sampler, policy) -> int:
         FORM_CALLS.append("push")
@@ -228,7 +229,7 @@ def test_the_engine_factory_runs_the_toy_weights_form(toy_form, tiny_vllm_model_
     into it (greedy output changes with the adapter) and is closed with it."""
     from grpo.engine.bounds import train_bounds
     from grpo.engine.needs import form_here
-    from grpo.engine.policy_engine import PolicyEngine, policy_rollouts
+    from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
 
     params = params_from_dict({
         "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype}, "lora": ENGINE_LORA,
@@ -237,8 +238,9 @@ def test_the_engine_factory_runs_the_toy_weights_form(toy_form, tiny_vllm_model_
     assert (form, why) == ("toy", "train.rollouts.engine_weights")
     _, model, tok = tiny_engine_policy(tiny_vllm_model_dir, model_dtype)
     b = getattr(torch, model_dtype).itemsize
-    with policy_rollouts("vllm", tok, model, section=params.train.rollouts, engine_dir=tmp_path / "engine", base=params.model,
-                         form=form, dtype=model_dtype, bounds=train_bounds(params.train, model.config, "cpu", b)) as backend:
+    spec = PolicyEngineSpec(tmp_path / "engine", params.train.rollouts, params.model, form,
+                            train_bounds(params.train, model.config, "cpu", b), dtype=model_dtype)
+    with policy_rollouts("vllm", tok, model, engine=spec) as backend:
         assert isinstance(backend, PolicyEngine) and backend.weights_form == "toy" and isinstance(backend.form, toy_form)
         assert FORM_CALLS == ["check_params", "write_folder", "engine_lora", "start"]
         greedy = dict(max_new_tokens=8, temperature=0.0)

@@ -11,13 +11,20 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.config import ParamsError
-from grpo.engine.policy_engine import check_engine_memory, policy_rollouts
-from grpo.engine.sampler import saved_model_sampler
+from grpo.engine.policy_engine import PolicyEngineSpec, check_engine_memory, policy_rollouts
+from grpo.engine.sampler import SavedModelRun, saved_model_sampler
 from grpo.lora_policy import load_policy
-from grpo.rollout_backends import TransformersBackend, completion_mask_from_eos, fallback_note, uses_engine
+from grpo.rollout_backends import (
+    DecodeChoice,
+    TransformersBackend,
+    completion_mask_from_eos,
+    fallback_note,
+    uses_engine,
+)
 from grpo.sections.engine import VLLMEngineConfig
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
+from grpo.types import Lengths
 
 from .helpers import ENGINE_RAM, LORA
 
@@ -52,7 +59,7 @@ def test_a_saved_model_sampler_returns_logprobs(tiny_model_dir):
     """``transformers`` on a model directory (the SENT and evaluation fallback): the model loaded
     from disk, log-probs of every sampled token."""
     tok = load_tokenizer(tiny_model_dir)
-    with saved_model_sampler("transformers", tok, tiny_model_dir, seed=3) as backend:
+    with saved_model_sampler("transformers", tok, tiny_model_dir, run=SavedModelRun(seed=3)) as backend:
         assert backend.name == "transformers" and backend.return_logprobs and not backend.model.training
         roll = backend.generate(["Hi"], 3, max_new_tokens=4)
     assert roll.logprobs.shape == roll.completion_ids.shape and (roll.logprobs <= 0).all()
@@ -83,10 +90,10 @@ def test_a_data_parallel_engine_that_does_not_fit_is_refused_before_it_starts(po
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # an engine started earlier in this process set it to 1
     engine = VLLMEngineConfig(gpu_memory_utilization=0.6)
     with pytest.raises(ParamsError, match=r"^train.rollouts.gpu_memory_utilization: 2 engines"):
-        policy_rollouts("vllm", tok, model, engine_dir=tmp_path / "engine", section=engine, dist=Dist(0, 2, 0))
+        policy_rollouts("vllm", tok, model, engine=PolicyEngineSpec(tmp_path / "engine", engine), dist=Dist(0, 2, 0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 processes on this machine of a larger run
     with pytest.raises(ParamsError, match=r"^train.rollouts.gpu_memory_utilization: 4 engines"):
-        policy_rollouts("vllm", tok, model, engine_dir=tmp_path / "engine", section=engine, dist=Dist(5, 8, 1))
+        policy_rollouts("vllm", tok, model, engine=PolicyEngineSpec(tmp_path / "engine", engine), dist=Dist(5, 8, 1))
     assert not (tmp_path / "engine").exists()
 
 
@@ -113,7 +120,7 @@ def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
     with pytest.raises(TypeError, match="need engine_dir"):
         policy_rollouts("vllm", tok, model)
     with pytest.raises(ValueError, match="engine_weights: must be one of dense, nf4"):
-        policy_rollouts("vllm", tok, model, engine_dir="x", form="auto")
+        policy_rollouts("vllm", tok, model, engine=PolicyEngineSpec("x", form="auto"))
 
 
 def test_completion_mask_from_eos():
@@ -142,7 +149,7 @@ def test_finished_says_which_completions_max_new_tokens_cut_off(tiny_vllm_model_
     cut = TransformersBackend(model, tok, min_new_tokens=5).generate(["Hi"], 3, max_new_tokens=5)
     assert not cut.finished.any() and cut.completion_mask.sum(1).tolist() == [5, 5, 5]
     with saved_model_sampler("vllm", tok, tiny_vllm_model_dir, VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256),
-                             min_new_tokens=5) as backend:
+                             limits=Lengths(min_new_tokens=5)) as backend:
         cut = backend.generate(["Hi"], 3, max_new_tokens=5, temperature=1.0)
         free = backend.generate(["Hi", "abc"], 8, max_new_tokens=40, temperature=1.0)
     assert not cut.finished.any()
@@ -200,7 +207,7 @@ def test_a_call_split_to_fit_the_memory_left_gives_the_one_calls_rows(tiny_model
     tok = load_tokenizer(tiny_model_dir)
     prompts = ["What is 1 + 2?", "Hi", "7 * 8 = ?", "Add 12 and 30.", "9 - 4"]
     kw = dict(max_new_tokens=10, temperature=1.2, seeds=list(range(15)))
-    with saved_model_sampler("transformers", tok, tiny_model_dir, dtype="float32") as sampler:
+    with saved_model_sampler("transformers", tok, tiny_model_dir, run=SavedModelRun(dtype="float32")) as sampler:
         whole = sampler.generate(prompts, 3, **kw)
         width = sampler.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)["input_ids"]
         two = sampler_call_bytes(sampler.model, 2, 3, width.shape[1], 10, sampler.LOGPROB_ROWS)
@@ -223,8 +230,8 @@ def test_a_samplers_compiled_steps_are_released_when_it_closes(tiny_model_dir):
     from grpo.sections.decode import DecodeConfig
 
     tok = load_tokenizer(tiny_model_dir)
-    with saved_model_sampler("transformers", tok, tiny_model_dir, dtype="float32",
-                             decode=DecodeConfig(compile_step="on")) as sampler:
+    with saved_model_sampler("transformers", tok, tiny_model_dir, run=SavedModelRun(dtype="float32"),
+                             decode=DecodeChoice(DecodeConfig(compile_step="on"))) as sampler:
         sampler.generate(["What is 1 + 2?", "Hi"], 2, max_new_tokens=4, seeds=list(range(4)))
         held = list(compiled_steps(sampler.model))
     assert held and not compiled_steps(sampler.model)

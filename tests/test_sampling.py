@@ -7,7 +7,7 @@ import torch
 
 from grpo.base_model import load_tokenizer
 from grpo.lora_policy import load_policy
-from grpo.sampling import decode, sample_tokens
+from grpo.sampling import DECODE_LOOPS, Draw, DynamicLoop, StaticLoop, StaticOptions, decode, sample_tokens
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 
@@ -54,8 +54,8 @@ def test_greedy_decode_equals_generate_with_padding_and_eos(tiny_model_dir):
     free = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None,
                           pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     eos = int(free[0, 3])  # row 0 ends at step 4 at the latest; the others when (if) they emit it
-    ours = decode(model, enc["input_ids"], enc["attention_mask"], 2, max_new_tokens=12, eos_ids={eos},
-                  pad_id=tok.pad_token_id, temperature=0)
+    ours = decode(model, enc["input_ids"], enc["attention_mask"], 2, Draw(12, {eos}, tok.pad_token_id, temperature=0),
+                  DynamicLoop())
     ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=eos,
                          pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     assert ours.shape == ref.shape and torch.equal(ours, ref)
@@ -71,11 +71,11 @@ def test_finished_rows_leave_the_batch_and_min_new_tokens_holds(tiny_model_dir):
     model.forward = lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw)
     try:
         torch.manual_seed(0)
-        out = decode(model, enc["input_ids"], enc["attention_mask"], 8, max_new_tokens=30, eos_ids=stop,
-                     pad_id=tok.pad_token_id, temperature=5.0)
+        out = decode(model, enc["input_ids"], enc["attention_mask"], 8, Draw(30, stop, tok.pad_token_id, temperature=5.0),
+                     DynamicLoop())
         torch.manual_seed(0)
-        fixed = decode(model, enc["input_ids"], enc["attention_mask"], 4, max_new_tokens=6, eos_ids=stop,
-                       pad_id=tok.pad_token_id, temperature=5.0, min_new_tokens=6)
+        fixed = decode(model, enc["input_ids"], enc["attention_mask"], 4,
+                       Draw(6, stop, tok.pad_token_id, temperature=5.0, min_new_tokens=6), DynamicLoop())
     finally:
         del model.forward
     assert out.shape[0] == 8 and all(torch.isin(row, torch.tensor(sorted(stop))).any() for row in out)
@@ -97,12 +97,11 @@ def test_static_loop_gives_the_dynamic_loops_tokens(tiny_model_dir):
     seeds = list(range(100, 112))
     finished_early = False
     for temperature, top_p, min_new in [(1.5, 0.9, 0), (1.5, 1.0, 5), (0.0, 1.0, 0)]:
-        kw = dict(max_new_tokens=20, eos_ids=stop, pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
-                  min_new_tokens=min_new, row_seeds=seeds)
-        dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="dynamic", **kw)
+        draw = Draw(20, stop, tok.pad_token_id, temperature, top_p, min_new, seeds)
+        dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw, DynamicLoop())
         for check_every in (1, 3, 16):
-            static = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="static",
-                            check_every=check_every, **kw)
+            static = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw,
+                            StaticLoop(StaticOptions(check_every=check_every)))
             assert static.shape == dynamic.shape and torch.equal(static, dynamic), (temperature, check_every)
         finished_early |= bool((dynamic == tok.pad_token_id).any())
     assert finished_early  # some row did leave the dynamic batch
@@ -113,7 +112,8 @@ def test_auto_loop_is_dynamic_on_the_cpu_and_a_bad_name_is_one_line():
 
     assert resolve_loop("auto", "cpu") == "dynamic" and resolve_loop("auto", "cuda") == "static"
     assert resolve_loop("static", "cpu") == "static"
-    with pytest.raises(ValueError, match="loop: must be one of auto, dynamic, static; got 'fast'"):
+    names = ", ".join(DECODE_LOOPS.accepted())  # every registered loop: a new one needs no edit here
+    with pytest.raises(ValueError, match=f"^loop: must be one of {names}; got 'fast'$"):
         resolve_loop("fast", "cpu")
 
 
@@ -143,11 +143,10 @@ def test_the_compiled_step_gives_the_uncompiled_tokens_and_compiles_once_per_buc
     for i, prompts in enumerate(calls):
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         seeds = list(range(10 * i, 10 * i + 4 * len(prompts)))
-        kw = dict(max_new_tokens=12, eos_ids=set(range(3, 40)), pad_id=tok.pad_token_id, temperature=1.5, top_p=0.9,
-                  row_seeds=seeds)
-        dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="dynamic", **kw)
-        compiled = decode(model, enc["input_ids"], enc["attention_mask"], 4, loop="static", compile_step=True,
-                          length_bucket=64, **kw)
+        draw = Draw(12, set(range(3, 40)), tok.pad_token_id, 1.5, 0.9, row_seeds=seeds)
+        dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw, DynamicLoop())
+        compiled = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw,
+                          StaticLoop(StaticOptions(compile_step=True, length_bucket=64)))
         assert compiled.shape == dynamic.shape and torch.equal(compiled, dynamic), i
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[1] == graphs[0] and graphs[2] == graphs[0], graphs
@@ -179,15 +178,17 @@ def test_plan_decode_picks_the_loop_and_the_compile_by_device_and_call_size():
     from grpo.sections.decode import DecodeConfig
 
     auto = DecodeConfig()
-    assert plan_decode(auto, "cpu", 10**6).loop == "dynamic" and plan_decode(auto, "cpu").options == {}
+    cpu = plan_decode(auto, "cpu", 10**6).loop
+    assert type(cpu) is DynamicLoop and not cpu.compiled
     big, small = plan_decode(auto, "cuda", 40 * 512), plan_decode(auto, "cuda", 8 * 64)
-    assert big.loop == small.loop == "static"
-    assert big.options["compile_step"] and not small.options["compile_step"]
+    assert type(big.loop) is type(small.loop) is StaticLoop
+    assert big.loop.compiled and not small.loop.compiled
+    assert big.loop.options == StaticOptions(auto.check_every, True, auto.length_bucket)
     assert "20480 planned token steps >= decode.compile_min_tokens 1024" in big.why
     assert "512 planned token steps < decode.compile_min_tokens 1024" in small.why
     on = plan_decode(DecodeConfig(compile_step="on"), "cpu", 1)
-    assert on.loop == "static" and on.options["compile_step"]
-    assert not plan_decode(DecodeConfig(loop="static", compile_step="off"), "cuda", 10**6).options["compile_step"]
+    assert type(on.loop) is StaticLoop and on.loop.compiled
+    assert not plan_decode(DecodeConfig(loop="static", compile_step="off"), "cuda", 10**6).loop.compiled
     with pytest.raises(ValueError, match="decode.compile_step: on needs the static loop"):
         plan_decode(DecodeConfig(loop="dynamic", compile_step="on"), "cuda", 10**6)
 
@@ -201,11 +202,11 @@ def test_the_compiled_step_follows_the_policy_as_its_adapter_moves(tiny_model_di
     from torch._dynamo.utils import counters
 
     from grpo.nf4_layers import holds_dense_copies
-    from grpo.rollout_backends import TransformersBackend
+    from grpo.rollout_backends import DecodeChoice, TransformersBackend
 
     model, tok = _policy(tiny_model_dir)
-    eager = TransformersBackend(model, tok, loop="dynamic")
-    compiled = TransformersBackend(model, tok, loop="static", compile_step=True, length_bucket=64)
+    eager = TransformersBackend(model, tok, decode=DecodeChoice(loop=DynamicLoop()))
+    compiled = TransformersBackend(model, tok, decode=DecodeChoice(loop=StaticLoop(StaticOptions(compile_step=True))))
     prompts, kw = ["What is 1 + 2?", "Hi", "7 * 8 = ?"], dict(max_new_tokens=10, temperature=1.3, seeds=list(range(12)))
     graphs = []
     for step in range(3):
@@ -241,3 +242,46 @@ def test_one_compiled_step_per_row_count_is_held_and_release_drops_them(tiny_mod
     assert call_shape(2, 4, 10, 20, 16, held) == (2, 12)  # on (8, 32): 2 groups of 4 rows
     assert call_shape(3, 4, 10, 20, 16, held) == (4, 16)  # 12 rows: none held, a new bucket
     assert release_compiled_steps(model) == 2 and not compiled_steps(model)
+
+
+@pytest.mark.parametrize("name", DECODE_LOOPS.names())
+def test_every_registered_decode_loop_keeps_the_contract(name, tiny_model_dir):
+    """Every ``DECODE_LOOPS`` entry, a new one included with no edit here: ``decode.loop`` accepts
+    its name and ``plan_decode`` builds an instance of it from the ``decode`` section, with its
+    reason in words; uncompiled (``compile_step: off``) it runs a call as it is (``step_shape``),
+    the memory split asks it without a compiled call (``split_call``), and its tokens equal the
+    dynamic loop's for the same row seeds (sampled with top-p, with ``min_new_tokens``, greedy),
+    trailing pads and length included; ``compile_step: on`` builds it compiled where it
+    ``compiles``, and is refused in one line where it does not."""
+    from grpo.decode_memory import CallSize, model_dims, split_call
+    from grpo.sampling import plan_decode
+    from grpo.sections.decode import DecodeConfig
+
+    plan = plan_decode(DecodeConfig(loop=name, compile_step="off"), "cpu", 10**6)
+    loop = plan.loop
+    assert type(loop) is DECODE_LOOPS[name] and not loop.compiled and plan.why and "\n" not in plan.why
+    assert loop.step_shape(3, 4, 7, 20) == (3, 7)
+    model, tok = _dense_fp32(tiny_model_dir)
+    assert split_call(model_dims(model), CallSize(3, 4, 7, 20), 2**40, 64, loop) == (3, None)
+    tok.padding_side = "left"
+    enc = tok(["What is 1 + 2?", "Hi", "7 * 8 = ?"], return_tensors="pt", padding=True, add_special_tokens=False)
+    for temperature, top_p, min_new in [(1.5, 0.9, 0), (1.5, 1.0, 5), (0.0, 1.0, 0)]:
+        draw = Draw(16, set(range(3, 40)), tok.pad_token_id, temperature, top_p, min_new, list(range(50, 62)))
+        want = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw, DynamicLoop())
+        got = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw, loop)
+        assert got.shape == want.shape and torch.equal(got, want), (name, temperature)
+    on = DecodeConfig(loop=name, compile_step="on")
+    if DECODE_LOOPS[name].compiles:
+        assert plan_decode(on, "cpu").loop.compiled
+    else:
+        with pytest.raises(ValueError, match=r"^decode.compile_step: on needs the [a-z_ ]+ loop; set decode.loop: "):
+            plan_decode(on, "cpu")
+
+
+def test_the_static_loops_own_defaults_are_the_decode_sections():
+    """``StaticOptions``' defaults (a static loop built without the section: benches, tests) equal
+    the ``decode`` section's, which hold them."""
+    from grpo.sections.decode import DecodeConfig
+
+    cfg = DecodeConfig()
+    assert StaticOptions() == StaticOptions(cfg.check_every, False, cfg.length_bucket)

@@ -86,9 +86,9 @@ def full_length_decoding(stubs):
 
     decode = rb.decode
 
-    def traced(*args, **kwargs):
-        with stubs.decoding(kwargs["max_new_tokens"]):
-            return decode(*args, **kwargs)
+    def traced(model, ids, mask, num_samples, draw, loop):
+        with stubs.decoding(draw.max_new_tokens):
+            return decode(model, ids, mask, num_samples, draw, loop)
 
     rb.decode = traced
     try:
@@ -127,11 +127,11 @@ def saved_model(config, dtype):
 
 def stage_sampler(model, tok, params, section: str, stage_prompts: int):
     """The stage's decode-loop sampler, as ``saved_model_sampler`` builds it."""
-    from grpo.rollout_backends import TransformersBackend, planned_tokens
+    from grpo.rollout_backends import DecodeChoice, TransformersBackend, planned_tokens
 
     cfg = getattr(params, section)
-    return TransformersBackend(model, tok, return_logprobs=True, dequantize=False, decode=params.decode,
-                               planned_tokens=planned_tokens(stage_prompts, cfg))
+    return TransformersBackend(model, tok, return_logprobs=True, dequantize=False,
+                               decode=DecodeChoice(params.decode, planned_tokens(stage_prompts, cfg)))
 
 
 def saved_model_call(params, config, section: str, prompt: int, stage_prompts: int, card: int, context: int):

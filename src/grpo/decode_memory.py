@@ -12,7 +12,7 @@ weights, for a call of B prompts x G completions (N = B * G rows) of P prompt + 
   and four (rows, C, H) hidden-state tensors.
 
 With the step compiled (``CompiledCall``) the call is padded to its step's shape
-(``grpo.sampling.call_shape``: B' prompts of P' tokens, N' = B' G rows, L = P' + C positions) and
+(``grpo.sampling.DecodeLoop.step_shape``: B' prompts of P' tokens, N' = B' G rows, L = P' + C positions) and
 the step's buffers stay after it, for the next call: its ``StaticCache`` (N' x L), its int64 mask
 (N', L) and its CUDA graph's pool (``graph_pool_bytes``). They count in both phases (the log-prob
 pass runs beside them) when the call makes the step; a call on a step already held finds them
@@ -26,8 +26,9 @@ The larger of the two phases, times ``1 + ALLOWANCE``, is the call's prediction.
 what the terms leave out (allocator rounding, the copies of one layer while the cache is filled):
 docs/gpu-notes.md#sent-and-the-evaluations-on-an-8-gb-card gives the measurement it comes from.
 On CUDA ``prompts_per_call`` splits a call into calls of fewer prompts until the prediction fits
-``allocator_budget`` (the memory free now, under the allocator's per-process cap when one is set);
-a compiled call first takes a step already held (``split_call``).
+``allocator_budget`` (the memory free now, under the allocator's per-process cap when one is set):
+``split_call`` asks the decode loop whether its step is compiled, and a compiled call first takes
+a step already held.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import torch
 
 from grpo.engine.bounds import kv_cache_bytes
 from grpo.logprobs import chunked_entropy_logprobs
-from grpo.sampling import call_shape
 
 ALLOWANCE = 0.10
 """The share added to a call's working bytes for what the terms leave out (module docstring)."""
@@ -187,22 +187,43 @@ def prompts_per_call(model, prompts: int, samples: int, prompt_len: int, new_tok
     return 1
 
 
-def split_call(d: Dims, prompts: int, samples: int, prompt_len: int, new_tokens: int, budget: int | None,
-               logprob_rows: int | None, length_bucket: int, held=()) -> tuple[int, CompiledCall]:
-    """A compiled call's split: (prompts a call takes, its ``CompiledCall``). First the most prompts
-    that run on one of the ``held`` steps ((rows, positions), ``grpo.sampling.call_shape``) within
-    ``budget``, then the most that fit with a new step (a call that would not fit even alone takes
-    one prompt: the caller says so); all of them where ``budget`` is ``None``."""
+@dataclass(frozen=True)
+class CallSize:
+    """A decode call's size: ``prompts`` x ``samples`` completions of ``prompt_len`` prompt +
+    ``new_tokens`` new tokens."""
+
+    prompts: int
+    samples: int
+    prompt_len: int
+    new_tokens: int
+
+
+def split_call(d: Dims, call: CallSize, budget: int | None, logprob_rows: int | None, loop,
+               held=()) -> tuple[int, CompiledCall | None]:
+    """The split of ``call`` on the decode loop ``loop`` (a built ``grpo.sampling.DecodeLoop``,
+    asked whether its step is ``compiled``): (prompts a call takes, its ``CompiledCall``, ``None``
+    for an uncompiled loop), the most prompts whose ``call_bytes`` fit ``budget`` (all of them
+    where ``budget`` is ``None``; a call that would not fit even alone takes one prompt: the caller
+    says so). A compiled call first takes the most prompts that run on one of the ``held`` steps
+    ((rows, positions), ``DecodeLoop.step_shape``) within ``budget``, then the most that fit
+    with a new step."""
+    samples, prompt_len, new_tokens = call.samples, call.prompt_len, call.new_tokens
+
+    def fits(n: int, compiled: CompiledCall | None) -> bool:
+        return budget is None or call_bytes(d, n, samples, prompt_len, new_tokens, logprob_rows, compiled) <= budget
+
+    if not loop.compiled:
+        return next((n for n in range(call.prompts, 0, -1) if fits(n, None)), 1), None
 
     def shape(n: int) -> CompiledCall:
-        p, length = call_shape(n, samples, prompt_len, new_tokens, length_bucket, held)
+        p, length = loop.step_shape(n, samples, prompt_len, new_tokens, held)
         return CompiledCall(p, length, (p * samples, length + new_tokens) not in set(held))
 
     if budget is None:
-        return prompts, shape(prompts)
+        return call.prompts, shape(call.prompts)
     for reuse in (True, False):
-        for n in range(prompts, 0, -1):
+        for n in range(call.prompts, 0, -1):
             c = shape(n)
-            if c.new_step != reuse and call_bytes(d, n, samples, prompt_len, new_tokens, logprob_rows, c) <= budget:
+            if c.new_step != reuse and fits(n, c):
                 return n, c
     return 1, shape(1)

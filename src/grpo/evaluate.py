@@ -23,11 +23,11 @@ from pathlib import Path
 from grpo.answers import accuracy_by_digits, class_counts, cluster_key
 from grpo.base_model import check_model_dir, load_tokenizer
 from grpo.data import prompts_that_fit, sequence_positions
-from grpo.engine.sampler import saved_model_sampler
+from grpo.engine.sampler import SavedModelRun, saved_model_sampler
 from grpo.jsonio import read_jsonl
 from grpo.lora_policy import export_dense
 from grpo.rewards import correctness, extract_answer, format_strict
-from grpo.rollout_backends import generate_in_batches, planned_tokens
+from grpo.rollout_backends import DecodeChoice, generate_in_batches, planned_tokens
 from grpo.stats import CLUSTERED_METHOD, clustered_interval, wilson
 
 
@@ -78,10 +78,10 @@ def evaluate(params, adapter_dir: str | Path | None, work_dir: str | Path) -> tu
     rows, prompts = prompts_that_fit(tokenizer, rows, params.train.system_prompt, cfg, cfg.test_path)
     export = export_dense(params.model, adapter_dir, Path(work_dir) / "weights")
     completions = []
-    with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg, dtype=params.model.dtype,
-                             dtype_key="model.dtype",
-                             positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens),
-                             decode=params.decode, planned_tokens=planned_tokens(len(prompts), cfg)
+    run = SavedModelRun(dtype=params.model.dtype, dtype_key="model.dtype",
+                        positions=sequence_positions(tokenizer, prompts, cfg.max_new_tokens))
+    with saved_model_sampler(cfg.backend, tokenizer, export["path"], cfg, run=run,
+                             decode=DecodeChoice(params.decode, planned_tokens(len(prompts), cfg))
                              ) as sampler:  # closed after
         for _, roll in generate_in_batches(sampler, prompts, 1, batch_prompts=cfg.batch_prompts, desc="evaluate",
                                            max_new_tokens=cfg.max_new_tokens, temperature=0.0):

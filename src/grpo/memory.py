@@ -518,9 +518,10 @@ def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, 
     rows_gen = largest_call(train.rollouts.prompts_per_step, g, train.rollouts.generation_batch_size)
     from grpo.sampling import plan_decode
 
-    kept = plan_decode(params.decode, device, train.steps * c).options.get("compile_step", False)
+    loop = plan_decode(params.decode, device, train.steps * c).loop
+    kept = loop.compiled
     if kept:  # the compiled step's buffers stay for the next step's rollouts and validation's calls
-        _compiled_step_terms(est, shapes, params, rows_gen, p, b)
+        _compiled_step_terms(est, shapes, params, rows_gen, p, b, loop)
     else:
         add(Term("KV cache", "generate", kv_cache_bytes(shapes, rows_gen, p + c, b),
                  f"{shapes.layers} layers x 2 x {shapes.kv_heads} kv heads x {shapes.head_dim} x {p + c} positions x "
@@ -540,18 +541,17 @@ COMPILED_STEP = "compiled decode step (kept)"
 """The name of the term of a compiled decode step's buffers, which stay between calls."""
 
 
-def _compiled_step_terms(est: Estimate, shapes: ModelShapes, params, rows: int, p: int, b: int) -> None:
-    """Training's rollouts on a compiled step (``grpo.sampling.call_shape``: the step's prompts to
-    a power of two, their length to ``decode.length_bucket``): its ``StaticCache``, mask and CUDA
-    graph pool (``grpo.decode_memory.compiled_step_bytes``) in both phases, and the prompts' own
-    cache while the prefill copies it in. Validation's calls run on the same step
+def _compiled_step_terms(est: Estimate, shapes: ModelShapes, params, rows: int, p: int, b: int, loop) -> None:
+    """Training's rollouts on the compiled step of ``loop`` (its ``step_shape``: the static loop's
+    prompts to a power of two, their length to ``decode.length_bucket``): its ``StaticCache``, mask
+    and CUDA graph pool (``grpo.decode_memory.compiled_step_bytes``) in both phases, and the prompts'
+    own cache while the prefill copies it in. Validation's calls run on the same step
     (``grpo.decode_memory.split_call`` takes a held step first: as many prompts as its rows hold)."""
     from grpo.decode_memory import compiled_step_bytes, shapes_dims
-    from grpo.sampling import call_shape
 
     train, g = params.train, params.train.rollouts.group_size
     c = train.rollouts.max_new_tokens
-    prompts, length = call_shape(rows // g, g, p, c, params.decode.length_bucket)
+    prompts, length = loop.step_shape(rows // g, g, p, c)
     n, positions = prompts * g, length + c
     est.terms.append(Term(COMPILED_STEP, "both", compiled_step_bytes(shapes_dims(shapes, b), n, positions),
                           f"StaticCache {kv_cache_bytes(shapes, n, positions, b) / 2**20:.0f} MiB ({n} rows x "
@@ -593,7 +593,7 @@ def decode_call(params, shapes: ModelShapes, device: str, section: str, prompt_t
     its first call against the budget ``card - context - weights`` (``card`` None: not split), on a
     compiled step where ``decode.*`` compiles one for the stage's token steps (``stage_prompts``
     prompts; None: unknown, taken as enough)."""
-    from grpo.decode_memory import LOGPROB_ROWS, call_bytes, shapes_dims, split_call
+    from grpo.decode_memory import LOGPROB_ROWS, CallSize, call_bytes, shapes_dims, split_call
     from grpo.rollout_backends import planned_tokens
     from grpo.sampling import plan_decode
 
@@ -605,13 +605,8 @@ def decode_call(params, shapes: ModelShapes, device: str, section: str, prompt_t
     planned = None if stage_prompts is None else planned_tokens(stage_prompts, cfg)
     plan = plan_decode(params.decode, device, planned)
     budget = None if card is None else card - context - weights
-    args = (cfg.batch_prompts, samples, prompt_tokens, cfg.max_new_tokens)
-    compiled = None
-    if plan.options.get("compile_step"):
-        per_call, compiled = split_call(d, *args, budget, LOGPROB_ROWS, plan.options["length_bucket"])
-    else:
-        per_call = next((n for n in range(cfg.batch_prompts, 0, -1) if budget is None or
-                         call_bytes(d, n, samples, prompt_tokens, cfg.max_new_tokens, LOGPROB_ROWS) <= budget), 1)
+    call = CallSize(cfg.batch_prompts, samples, prompt_tokens, cfg.max_new_tokens)
+    per_call, compiled = split_call(d, call, budget, LOGPROB_ROWS, plan.loop)
     working = call_bytes(d, per_call, samples, prompt_tokens, cfg.max_new_tokens, LOGPROB_ROWS, compiled)
     return DecodeCall(section, str(dtype).removeprefix("torch."), weights, cfg.batch_prompts, samples, prompt_tokens,
                       cfg.max_new_tokens, per_call, compiled, working, plan.why)

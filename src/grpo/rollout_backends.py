@@ -17,7 +17,8 @@ worst case); the 4-bit layers are dequantised once per call instead of once per 
 folded in (``grpo.nf4_layers.dequantized_weights``: one dense matmul per layer instead of a
 bitsandbytes call and two adapter matmuls), where the copies fit (``dense_decode``: always on a CPU;
 on CUDA when the free memory holds them beside the call's KV cache and logits, else the layers stay
-4-bit and one line says so); ``loop`` picks the decode loop (``grpo.sampling.DECODE_LOOPS``); with
+4-bit and one line says so); ``decode`` (a ``DecodeChoice``) picks the decode loop
+(``grpo.sampling.plan_decode`` builds a ``DECODE_LOOPS`` entry, asked for what it holds); with
 ``return_logprobs=True`` it also returns the raw-model log-prob of every sampled token.
 Two factories make every backend: ``grpo.engine.sampler.saved_model_sampler`` for a model
 saved in Hugging Face format (SENT, evaluation: a vLLM engine, or the decode loop), and
@@ -38,22 +39,15 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from grpo.decode_memory import (
-    LOGPROB_ROWS,
-    allocator_budget,
-    decode_working_bytes,
-    model_dims,
-    prompts_per_call,
-    split_call,
-)
+from grpo.decode_memory import LOGPROB_ROWS, CallSize, allocator_budget, decode_working_bytes, model_dims, split_call
 from grpo.nf4_layers import dequantized_weights
 from grpo.registry import Registry
-from grpo.sampling import DecodePlan, compiled_steps, decode, plan_decode, release_compiled_steps
+from grpo.sampling import DecodeLoop, DecodePlan, Draw, compiled_steps, decode, plan_decode, release_compiled_steps
 from grpo.sections.decode import DecodeConfig
 from grpo.types import Rollout
 
@@ -134,6 +128,24 @@ def dense_decode(model, rows: int, positions: int) -> tuple[bool, str]:
     return dense_fits(copies, working, free), why
 
 
+@dataclass(frozen=True)
+class DecodeChoice:
+    """What picks a ``TransformersBackend``'s decode loop: the ``decode`` section and the token steps
+    the stage will decode (``planned_tokens``; ``None``: unknown), from which
+    ``grpo.sampling.plan_decode`` builds the loop at the first call (on the model's device); or
+    ``loop``, a loop the caller built (a bench, a test), used as it is."""
+
+    section: DecodeConfig = field(default_factory=DecodeConfig)
+    planned_tokens: int | None = None
+    loop: DecodeLoop | None = None
+
+    def plan(self, device: torch.device) -> DecodePlan:
+        """The loop to decode with on ``device``, and why."""
+        if self.loop is not None:
+            return DecodePlan(self.loop, "chosen by the caller")
+        return plan_decode(self.section, device, self.planned_tokens)
+
+
 class TransformersBackend(RolloutBackend):
     """Sampling on the (peft) policy itself with ``grpo.sampling.decode`` (transformers forward passes)."""
 
@@ -141,16 +153,14 @@ class TransformersBackend(RolloutBackend):
 
     def __init__(
         self, model, tokenizer, max_prompt_tokens: int | None = None, dequantize: bool | None = None,
-        return_logprobs: bool = False, min_new_tokens: int = 0, decode: DecodeConfig | None = None,
-        planned_tokens: int | None = None, loop: str | None = None, **loop_options,
+        return_logprobs: bool = False, min_new_tokens: int = 0, decode: DecodeChoice | None = None,
     ):
         """``dequantize``: ``None`` (where it fits, ``dense_decode``), or forced on or off;
-        ``decode``: the ``decode`` section (its defaults when ``None``) and ``planned_tokens`` the
-        token steps the caller will decode, from which ``grpo.sampling.plan_decode`` picks the loop
-        at the first call; ``loop``, ``loop_options``: a loop and options forced instead (benches)."""
+        ``decode``: what picks the decode loop (``DecodeChoice``; the ``decode`` section's defaults
+        when ``None``), planned at the first call."""
         self.model = model
-        self.decode_cfg, self.planned_tokens = decode or DecodeConfig(), planned_tokens
-        self.plan = None if loop is None else DecodePlan(loop, loop_options, "chosen by the caller")
+        self.decode_choice = decode or DecodeChoice()
+        self.plan: DecodePlan | None = None
         self._dense_said: bool | None = None
         self._split_said: int | None = None
         self.min_new_tokens = min_new_tokens
@@ -168,9 +178,9 @@ class TransformersBackend(RolloutBackend):
         self.eos_ids = ids
 
     def decode_plan(self, device: torch.device) -> DecodePlan:
-        """The loop this backend decodes with (``grpo.sampling.plan_decode``), decided and logged once."""
+        """The loop this backend decodes with (``DecodeChoice.plan``), decided and logged once."""
         if self.plan is None:
-            self.plan = plan_decode(self.decode_cfg, device, self.planned_tokens)
+            self.plan = self.decode_choice.plan(device)
             log.info("decode loop: %s", self.plan.why)
         return self.plan
 
@@ -212,16 +222,14 @@ class TransformersBackend(RolloutBackend):
     def prompts_per_call(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
                          device: torch.device) -> int:
         """How many of a call's ``prompts`` one decode call takes against ``allocator_budget`` (all
-        of them off CUDA), logged when it splits: ``grpo.decode_memory.prompts_per_call``, or with a
-        compiled step ``split_call`` (a step this model already holds first; the new step's buffers,
-        which stay, counted beside the log-prob pass)."""
+        of them off CUDA), logged when it splits: ``grpo.decode_memory.split_call`` for the planned
+        loop (a compiled one: a step this model already holds first; the new step's buffers, which
+        stay, counted beside the log-prob pass)."""
         logprob_rows = self.LOGPROB_ROWS if self.return_logprobs else None
-        budget, options = allocator_budget(device), self.decode_plan(device).options
-        if options.get("compile_step"):
-            n = split_call(model_dims(self.model), prompts, samples, prompt_len, new_tokens, budget, logprob_rows,
-                           options["length_bucket"], compiled_steps(self.model))[0]
-        else:
-            n = prompts_per_call(self.model, prompts, samples, prompt_len, new_tokens, budget, logprob_rows)
+        budget, loop = allocator_budget(device), self.decode_plan(device).loop
+        call = CallSize(prompts, samples, prompt_len, new_tokens)
+        n = prompts if budget is None else split_call(model_dims(self.model), call, budget, logprob_rows, loop,
+                                                      compiled_steps(self.model))[0]
         if n < prompts and n != self._split_said:
             log.info("decode loop: %d prompts x %d completions of %d + %d tokens do not fit the memory left; "
                      "%d prompts a call", prompts, samples, prompt_len, new_tokens, n)
@@ -240,17 +248,14 @@ class TransformersBackend(RolloutBackend):
         plan = self.decode_plan(ids.device)
         was_training = self.model.training
         self.model.eval()
-        compiled = bool(plan.options.get("compile_step"))  # the copies stay: the compiled step holds their addresses
+        compiled = plan.loop.compiled  # the copies stay: the compiled step holds their addresses
         dense = dequantized_weights(self.model, persistent=compiled) \
             if self._dense(prompt_ids.shape[0], ids.shape[1] + max_new_tokens) else contextlib.nullcontext()
+        draw = Draw(max_new_tokens, self.eos_ids, tok.pad_token_id, temperature, top_p,
+                    min(self.min_new_tokens, max_new_tokens), seeds)
         try:
             with dense:
-                completion_ids = decode(
-                    self.model, ids, mask, num_samples, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
-                    pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p,
-                    min_new_tokens=min(self.min_new_tokens, max_new_tokens), row_seeds=seeds, loop=plan.loop,
-                    **plan.options,
-                )  # (N, C); the KV cache is gone when decode returns
+                completion_ids = decode(self.model, ids, mask, num_samples, draw, plan.loop)  # (N, C)
         finally:
             self.model.train(was_training)
         completion_mask = completion_mask_from_eos(completion_ids, self.eos_ids)  # (N, C)

@@ -1,7 +1,9 @@
 """Autoregressive sampling with a KV cache: the decode loop of ``TransformersBackend``.
 
-``decode`` replaces ``model.generate`` and has two loops (``DECODE_LOOPS``), which give the same
-tokens for the same ``row_seeds`` (tested):
+``decode`` replaces ``model.generate`` and has two loops (``DECODE_LOOPS``: each a ``DecodeLoop``
+class that ``plan_decode`` builds once from the ``decode`` section, and that its callers ask what
+it holds instead of its name; docs/howto/add-a-decode-loop.md), which give the same tokens for the
+same ``row_seeds`` (tested for every registered loop):
 
 ``dynamic`` (the CPU's; ``DynamicCache``):
 
@@ -21,7 +23,7 @@ comes from the cache's own length, so the future is hidden without growing a mas
 keeps running but writes ``pad_id``, and the host asks whether every row has finished only every
 ``check_every`` tokens. A step with no host sync and no new shape is what a GPU runs without
 waiting on Python, and what ``torch.compile(mode="reduce-overhead")`` captures as a CUDA graph
-(``compile_step``); where a launch costs more than the compute (a small batch on a large card),
+(``StaticOptions.compile_step``); where a launch costs more than the compute (a small batch on a large card),
 that is the step's time.
 
 EOS is suppressed for the first ``min_new_tokens`` tokens. Greedy decoding (temperature 0) gives
@@ -40,6 +42,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -99,10 +102,61 @@ class Sampling:
         return sample_tokens(logits, self.temperature, self.top_p, uniforms=u)
 
 
-DecodeLoop = Callable[..., Tensor]
-DECODE_LOOPS: Registry[DecodeLoop] = Registry("decode loop", "decode loop", also=("auto",))
-"""Loop name -> ``loop(model, ids, mask, num_samples, sampling, **options)``; ``auto``: ``static``
-on CUDA, ``dynamic`` elsewhere (``resolve_loop``)."""
+@dataclass(frozen=True)
+class Draw:
+    """How a decode call draws each completion: at most ``max_new_tokens`` tokens, ended by any of
+    ``eos_ids`` (``pad_id`` after it), at ``temperature`` (0: greedy) within the top-p nucleus, no
+    EOS before ``min_new_tokens``; ``row_seeds``: one seed per completion (module docstring), or
+    ``None`` (the global torch generator)."""
+
+    max_new_tokens: int
+    eos_ids: set[int] | frozenset[int]
+    pad_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_new_tokens: int = 0
+    row_seeds: list[int] | None = None
+
+
+class DecodeLoop:
+    """A decode loop, registered by name in ``DECODE_LOOPS`` and built once from its own options
+    (``plan``: from the ``decode`` section; a bench or a test builds one directly), then called for
+    every decode call: ``loop(model, ids, mask, num_samples, sampling) -> (N, C)`` tokens.
+
+    What the callers ask it instead of its name (``plan_decode``, ``grpo.rollout_backends``,
+    ``grpo.decode_memory.split_call``, ``grpo.memory``):
+
+    * ``compiles`` (of the class): whether it can compile its step; ``decode.compile_step: on``
+      needs a loop that can, and picks the first that can under ``loop: auto``;
+    * ``compiled``: whether this loop's step is compiled. Its calls are then padded to the step's
+      shape (``step_shape``), the step's buffers stay between calls, and so do the dense copies of
+      the 4-bit layers it reads; the memory estimate counts them (``grpo.decode_memory``). An
+      uncompiled loop holds nothing after a call, and its memory is the uncompiled terms'.
+    """
+
+    compiles: ClassVar[bool] = False
+    compiled: bool = False
+
+    @classmethod
+    def plan(cls, cfg, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
+        """This loop built from the ``decode`` section ``cfg`` for ``device`` and the stage's
+        ``planned_tokens``, and why, in words."""
+        raise NotImplementedError
+
+    def step_shape(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                   held=()) -> tuple[int, int]:
+        """(prompts, prompt length) a call of ``prompts`` x ``samples`` completions of ``prompt_len``
+        + ``new_tokens`` tokens runs as, given the ``held`` steps' (rows, positions): as it is for
+        an uncompiled loop."""
+        return prompts, prompt_len
+
+    def __call__(self, model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling) -> Tensor:
+        raise NotImplementedError
+
+
+DECODE_LOOPS: Registry[type[DecodeLoop]] = Registry("decode loop", "decode loop", also=("auto",))
+"""Loop name -> its ``DecodeLoop`` class; ``auto``: ``static`` on CUDA, ``dynamic`` elsewhere
+(``resolve_loop``). ``plan_decode`` is where a name becomes a loop."""
 
 
 def resolve_loop(choice: str, device: torch.device | str) -> str:
@@ -114,62 +168,47 @@ def resolve_loop(choice: str, device: torch.device | str) -> str:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What ``plan_decode`` chose: the loop, its options (``decode(..., loop=, **options)``), and
-    why, in words (logged once, and printed by ``grpo check``)."""
+    """What ``plan_decode`` chose: the loop, built (``decode(..., loop)``), and why, in words
+    (logged once, and printed by ``grpo check``)."""
 
-    loop: str
-    options: dict
+    loop: DecodeLoop
     why: str
 
 
 def plan_decode(cfg, device: torch.device | str, planned_tokens: int | None = None) -> DecodePlan:
-    """The decode loop and whether its step is compiled, from the ``decode`` section ``cfg``
-    (``grpo.sections.decode.DecodeConfig``): ``loop: auto`` is static on CUDA, dynamic elsewhere
-    (``compile_step: on`` makes it static anywhere); ``compile_step: auto`` compiles the static
-    loop's step on CUDA when ``planned_tokens`` (the token steps the stage will decode; ``None``:
-    unknown, taken as enough) reaches ``cfg.compile_min_tokens``. A dynamic loop with a compiled
-    step is a ``ValueError`` naming ``decode.compile_step``."""
-    cuda = torch.device(device).type == "cuda"
-    loop = resolve_loop(cfg.loop, device)
-    if cfg.compile_step == "on" and cfg.loop in DECODE_LOOPS.also:
-        loop = "static"
-    if loop == "dynamic":
-        if cfg.compile_step == "on":
-            raise ValueError("decode.compile_step: on needs the static loop; set decode.loop: static or auto")
-        why = "dynamic: finished rows leave the batch" + (" (decode.loop: auto on a CPU)" if cfg.loop == "auto" else "")
-        return DecodePlan(loop, {}, why)
-    planned = "unknown" if planned_tokens is None else str(planned_tokens)
-    if cfg.compile_step == "auto":
-        enough = planned_tokens is None or planned_tokens >= cfg.compile_min_tokens
-        compiled = cuda and enough
-        reason = ("not on CUDA" if not cuda else
-                  f"{planned} planned token steps {'>=' if enough else '<'} decode.compile_min_tokens "
-                  f"{cfg.compile_min_tokens}")
-        why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: auto, {reason})"
-    else:
-        compiled = cfg.compile_step == "on"
-        why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: {cfg.compile_step})"
-    options = {"check_every": cfg.check_every, "compile_step": compiled, "length_bucket": cfg.length_bucket}
-    return DecodePlan(loop, options, why)
+    """The decode loop of the ``decode`` section ``cfg`` (``grpo.sections.decode.DecodeConfig``),
+    built: ``loop: auto`` is static on CUDA, dynamic elsewhere (``compile_step: on`` makes it the
+    first registered loop that ``compiles``, anywhere); the entry builds itself from ``cfg``
+    (``DecodeLoop.plan``: the static loop compiles its step under ``compile_step: auto`` on CUDA
+    when ``planned_tokens``, the token steps the stage will decode, ``None``: unknown, taken as
+    enough, reach ``cfg.compile_min_tokens``). ``compile_step: on`` with a loop that cannot compile
+    is a ``ValueError`` naming ``decode.compile_step``."""
+    name = resolve_loop(cfg.loop, device)
+    compiling = [n for n, entry in DECODE_LOOPS.items() if entry.compiles]
+    if cfg.compile_step == "on" and cfg.loop in DECODE_LOOPS.also and compiling:
+        name = compiling[0]
+    entry = DECODE_LOOPS[name]
+    if cfg.compile_step == "on" and not entry.compiles:
+        loops = " or ".join(compiling)
+        raise ValueError(f"decode.compile_step: on needs the {loops} loop; set decode.loop: {loops} or auto")
+    return entry.plan(cfg, device, planned_tokens)
 
 
 @torch.no_grad()
-def decode(model, ids: Tensor, mask: Tensor, num_samples: int, *, max_new_tokens: int, eos_ids: set[int],
-           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, min_new_tokens: int = 0,
-           row_seeds: list[int] | None = None, loop: str = "auto", **options) -> Tensor:
-    """Sample ``num_samples`` completions of each left-padded prompt.
+def decode(model, ids: Tensor, mask: Tensor, num_samples: int, draw: Draw, loop: DecodeLoop) -> Tensor:
+    """Sample ``num_samples`` completions of each left-padded prompt with ``loop`` (a built
+    ``DecodeLoop``: ``plan_decode``'s, or one a caller made).
 
-    ids, mask: (B, P) distinct prompts. ``row_seeds``: B * num_samples seeds, one per completion
-    (see the module docstring). ``loop``: a ``DECODE_LOOPS`` name or ``auto``; ``options``: that
-    loop's own (``static``: ``check_every``, ``compile_step``). Returns (B * num_samples, C)
-    completion tokens, C <= ``max_new_tokens``, completions of a prompt contiguous; after a row's
-    EOS: ``pad_id``.
+    ids, mask: (B, P) distinct prompts; ``draw``: how each completion is drawn (``row_seeds``: B *
+    num_samples seeds, one per completion; see the module docstring). Returns (B * num_samples, C)
+    completion tokens, C <= ``draw.max_new_tokens``, completions of a prompt contiguous; after a
+    row's EOS: ``pad_id``.
     """
     device = ids.device
-    uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens).to(device)
-    sampling = Sampling(max_new_tokens, torch.tensor(sorted(eos_ids), device=device), pad_id, temperature, top_p,
-                        min_new_tokens, uniforms)
-    return DECODE_LOOPS[resolve_loop(loop, device)](model, ids, mask, num_samples, sampling, **options)
+    uniforms = None if draw.row_seeds is None else row_uniforms(draw.row_seeds, draw.max_new_tokens).to(device)
+    sampling = Sampling(draw.max_new_tokens, torch.tensor(sorted(draw.eos_ids), device=device), draw.pad_id,
+                        draw.temperature, draw.top_p, draw.min_new_tokens, uniforms)
+    return loop(model, ids, mask, num_samples, sampling)
 
 
 def prefill(model, ids: Tensor, mask: Tensor, num_samples: int):
@@ -180,7 +219,6 @@ def prefill(model, ids: Tensor, mask: Tensor, num_samples: int):
     return out.past_key_values, out.logits[:, -1].float().repeat_interleave(num_samples, 0)
 
 
-@DECODE_LOOPS.register("dynamic")
 def dynamic_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling) -> Tensor:
     """Finished rows leave the batch (module docstring); one host sync per token."""
     n, device = ids.shape[0] * num_samples, ids.device
@@ -208,6 +246,19 @@ def dynamic_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling
         logits = out.logits[:, -1].float()  # (n_live, V)
         position = position + 1
     return tokens[:, :length]
+
+
+@DECODE_LOOPS.register("dynamic")
+class DynamicLoop(DecodeLoop):
+    """``dynamic_loop``: finished rows leave the batch; no options, nothing compiled."""
+
+    @classmethod
+    def plan(cls, cfg, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
+        auto = " (decode.loop: auto on a CPU)" if cfg.loop == "auto" else ""
+        return DecodePlan(cls(), f"dynamic: finished rows leave the batch{auto}")
+
+    def __call__(self, model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling) -> Tensor:
+        return dynamic_loop(model, ids, mask, num_samples, s)
 
 
 def static_cache(model, prompt_cache, num_samples: int, max_len: int):
@@ -354,14 +405,64 @@ def fill_static_cache(cache, prompt_cache, num_samples: int) -> None:
         layer.cumulative_length.fill_(keys.shape[2])
 
 
+@dataclass(frozen=True)
+class StaticOptions:
+    """The static loop's options, read from the ``decode`` section by ``StaticLoop.plan`` (whose
+    fields hold their defaults: these equal them, tested): a host sync every ``check_every``
+    tokens; ``compile_step``: the step compiled (resolved: ``decode.compile_step``'s ``auto``
+    decided); ``length_bucket``: a compiled step's prompt lengths' bucket."""
+
+    check_every: int = 16
+    compile_step: bool = False
+    length_bucket: int = 64
+
+
 @DECODE_LOOPS.register("static")
-def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling, check_every: int = 16,
-                compile_step: bool = False, length_bucket: int = 64) -> Tensor:
-    """Every row runs every step on fixed shapes; one host sync per ``check_every`` tokens (module
-    docstring). With ``compile_step`` the step is compiled once per shape (``call_shape``: a step
-    already held for as many rows or more, else a new bucket; ``bucketed_call``, ``compiled_step``;
-    ``length_bucket``: the prompt lengths' bucket). Returns the tokens up to the last row's EOS,
-    as the dynamic loop does."""
+class StaticLoop(DecodeLoop):
+    """``static_loop`` with its ``StaticOptions``; it can compile its step (``compiles``)."""
+
+    compiles: ClassVar[bool] = True
+
+    def __init__(self, options: StaticOptions | None = None):
+        self.options = options or StaticOptions()
+        self.compiled = self.options.compile_step
+
+    @classmethod
+    def plan(cls, cfg, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
+        """``compile_step: auto`` compiles on CUDA when ``planned_tokens`` (``None``: unknown, taken
+        as enough) reaches ``cfg.compile_min_tokens``; ``on``/``off`` as they say."""
+        planned = "unknown" if planned_tokens is None else str(planned_tokens)
+        if cfg.compile_step == "auto":
+            cuda = torch.device(device).type == "cuda"
+            enough = planned_tokens is None or planned_tokens >= cfg.compile_min_tokens
+            compiled = cuda and enough
+            reason = ("not on CUDA" if not cuda else
+                      f"{planned} planned token steps {'>=' if enough else '<'} decode.compile_min_tokens "
+                      f"{cfg.compile_min_tokens}")
+            why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: auto, {reason})"
+        else:
+            compiled = cfg.compile_step == "on"
+            why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: {cfg.compile_step})"
+        return DecodePlan(cls(StaticOptions(cfg.check_every, compiled, cfg.length_bucket)), why)
+
+    def step_shape(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                   held=()) -> tuple[int, int]:
+        """Compiled: ``call_shape`` with this loop's ``length_bucket``; else as it is."""
+        if not self.compiled:
+            return prompts, prompt_len
+        return call_shape(prompts, samples, prompt_len, new_tokens, self.options.length_bucket, held)
+
+    def __call__(self, model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling) -> Tensor:
+        return static_loop(model, ids, mask, num_samples, s, self.options)
+
+
+def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling, options: StaticOptions) -> Tensor:
+    """Every row runs every step on fixed shapes; one host sync per ``options.check_every`` tokens
+    (module docstring). With ``options.compile_step`` the step is compiled once per shape
+    (``call_shape``: a step already held for as many rows or more, else a new bucket;
+    ``bucketed_call``, ``compiled_step``; ``options.length_bucket``: the prompt lengths' bucket).
+    Returns the tokens up to the last row's EOS, as the dynamic loop does."""
+    check_every, compile_step, length_bucket = options.check_every, options.compile_step, options.length_bucket
     n_real = ids.shape[0] * num_samples
     if compile_step:
         shape = compiled_call_shape(model, ids.shape[0], num_samples, ids.shape[1], s.max_new_tokens, length_bucket)

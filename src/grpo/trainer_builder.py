@@ -30,11 +30,12 @@ from grpo.distributed import Dist
 from grpo.engine.bounds import Bounds, train_bounds
 from grpo.engine.forms import rollouts_per_process
 from grpo.engine.needs import form_here
-from grpo.engine.policy_engine import policy_rollouts
+from grpo.engine.policy_engine import PolicyEngineSpec, policy_rollouts
 from grpo.errors import ParamsError
 from grpo.lora_policy import load_policy
-from grpo.rollout_backends import RolloutBackend, uses_engine
+from grpo.rollout_backends import DecodeChoice, RolloutBackend, uses_engine
 from grpo.trainer import GRPOTrainer
+from grpo.types import Lengths
 
 
 @dataclass
@@ -113,12 +114,12 @@ def build_trainer(params: Params, device: str, *, problems: list[dict], dist: Di
     bounds = train_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device).itemsize,
                           dist.world_size)
     t0 = time.perf_counter()
-    backend = backend or policy_rollouts(cfg.rollouts.backend, tokenizer, model, section=cfg.rollouts,
-                              engine_dir=Path(engine_dir or Path(cfg.output_dir) / "engine"), base=params.model,
-                              form=form or _form(params, device), bounds=bounds, seed=cfg.seed,
-                              dtype=params.model.dtype, dist=dist, max_prompt_tokens=max_prompt_tokens,
-                              min_new_tokens=min_new_tokens, decode=params.decode,
-                              planned_tokens=cfg.steps * cfg.rollouts.max_new_tokens)
+    if backend is None:
+        engine = PolicyEngineSpec(Path(engine_dir or Path(cfg.output_dir) / "engine"), cfg.rollouts, params.model,
+                                  form or _form(params, device), bounds, cfg.seed, params.model.dtype)
+        backend = policy_rollouts(cfg.rollouts.backend, tokenizer, model, engine=engine, dist=dist,
+                                  limits=Lengths(max_prompt_tokens, min_new_tokens),
+                                  decode=DecodeChoice(params.decode, cfg.steps * cfg.rollouts.max_new_tokens))
     backend_start_s = time.perf_counter() - t0
     weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
     try:

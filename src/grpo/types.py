@@ -4,7 +4,7 @@ N = number of completions in the batch (prompts * G), P = padded prompt length,
 C = padded completion length; with several processes n = this rank's completions and N_step the
 whole step's (n = N_step with one process).
 
-A step's phases hand these on: a generation backend returns a ``Rollout``; the rollout phase
+A sampler holds its calls to ``Lengths``. A step's phases hand these on: a generation backend returns a ``Rollout``; the rollout phase
 returns ``StepRollouts`` (the rollout with its rewards and advantages); ``TrainBatch`` is that as
 the update consumes it (on the training device, with the fixed log-probs of the no-grad passes),
 sliced into micro-batches by rows; the update returns ``UpdateStats``.
@@ -16,6 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The lengths a sampler holds every call to (both backends): the last ``max_prompt_tokens``
+    tokens of each prompt (``None``: all of them) and no EOS before ``min_new_tokens`` tokens
+    (``min_new_tokens == max_new_tokens``: fixed-length completions)."""
+
+    max_prompt_tokens: int | None = None
+    min_new_tokens: int = 0
 
 
 @dataclass

@@ -7,9 +7,9 @@
 - every engine: the model directory (also its tokenizer), seed, dtype, memory share, length,
   ``enforce_eager``, the bounds;
 - on a CPU: the ``uni`` executor (the engine in this process) and ``CPU_BLOCK_SIZE`` KV blocks;
-- the policy's engine in training (``processes`` given): the ``uni`` executor, or vLLM's
-  ``external_launcher`` when several training processes each hold an engine; on CUDA sleep mode;
-  with ``lora_rank`` vLLM's LoRA support with one adapter slot of the smallest rank vLLM accepts.
+- the policy's engine in training (an ``EngineRole``: its processes and LoRA rank): the ``uni``
+  executor, or vLLM's ``external_launcher`` when several training processes each hold an engine;
+  on CUDA sleep mode; with ``lora_rank`` vLLM's LoRA support with one adapter slot of the smallest rank vLLM accepts.
 
 ``start_environment`` sets the variables an engine reads at start (a user's own values win).
 Why each setting, with the vLLM lines it follows: docs/gpu-notes.md#vllm-source-map.
@@ -18,6 +18,7 @@ Why each setting, with the vLLM lines it follows: docs/gpu-notes.md#vllm-source-
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds
 
@@ -65,22 +66,32 @@ def start_environment(device: str, in_process: bool) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+@dataclass(frozen=True)
+class EngineRole:
+    """The policy's engine in training (``engine_args``' ``role``; ``None``: a saved model's
+    sampler): the training ``processes`` (several: vLLM's ``external_launcher``, each process
+    holding an engine) and ``lora_rank``, the policy's LoRA rank where the form serves an adapter
+    (``None``: no LoRA support)."""
+
+    processes: int
+    lora_rank: int | None = None
+
+
 def engine_args(model_dir: str, section, *, device: str, seed: int, dtype: str, bounds: Bounds,
-                enforce_eager: bool = True, processes: int | None = None, lora_rank: int | None = None) -> dict:
+                enforce_eager: bool = True, role: EngineRole | None = None) -> dict:
     """``LLM`` keywords of one engine (module docstring). ``section``: the stage's engine params
     (``gpu_memory_utilization``, ``max_model_len``); ``dtype``: vLLM's name (``bfloat16``, ...);
-    ``processes``: ``None`` for a saved model's sampler, else the training processes (the policy's
-    engine); ``lora_rank``: the policy's LoRA rank for the nf4 form."""
+    ``role``: ``None`` for a saved model's sampler, else the policy's engine (``EngineRole``)."""
     args = {"model": str(model_dir), "tokenizer": str(model_dir), "seed": seed, "dtype": dtype,
             "gpu_memory_utilization": section.gpu_memory_utilization, "max_model_len": section.max_model_len,
             "enforce_eager": enforce_eager, "use_tqdm_on_load": False,  # the stage's own bar is the one shown
             **bounds.llm_kwargs()}
     if device == "cpu":
         args.update(distributed_executor_backend="uni", block_size=CPU_BLOCK_SIZE)
-    if processes is not None:
-        args["distributed_executor_backend"] = "external_launcher" if processes > 1 else "uni"
+    if role is not None:
+        args["distributed_executor_backend"] = "external_launcher" if role.processes > 1 else "uni"
         if device == "cuda":
             args["enable_sleep_mode"] = True
-    if lora_rank is not None:
-        args.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(lora_rank))
+        if role.lora_rank is not None:
+            args.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(role.lora_rank))
     return args

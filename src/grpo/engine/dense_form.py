@@ -24,10 +24,15 @@ the per-token gap of their log-probs is logged every step (``logp_mismatch_mean/
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from grpo.engine.forms import WEIGHTS_FORMS, FormNeeds, WeightsForm
 from grpo.model_shapes import ModelShapes, count
+
+if TYPE_CHECKING:
+    from grpo.types import Lengths
 
 FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
          "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
@@ -146,9 +151,9 @@ class DenseForm(WeightsForm):
 
             export_dense(base, None, self.engine_dir)
 
-    def start(self, args: dict, tokenizer, policy, **lengths):
+    def start(self, args: dict, tokenizer, policy, limits: Lengths):
         """The engine as it is; then the policy's base weights are dequantised once for the syncs."""
-        sampler = super().start(args, tokenizer, policy, **lengths)
+        sampler = super().start(args, tokenizer, policy, limits)
         self.sync = DenseSync(policy, self.dtype)
         return sampler
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from grpo.engine.sampler import VLLMSampler
     from grpo.model_shapes import ModelShapes
+    from grpo.types import Lengths
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ class WeightsForm:
        engine's arguments (``grpo.engine.args.engine_args``): the LoRA rank the engine is started
        with for a policy of LoRA rank ``policy_rank`` (``None``: no LoRA support; the default), and
        whether ``enforce_eager`` is forced (default ``False``).
-    3. ``start(args, tokenizer, policy, **lengths) -> VLLMSampler``: start the engine of ``args`` in
-       this process (default: a ``VLLMSampler`` as it is) and get ready to sync.
+    3. ``start(args, tokenizer, policy, limits) -> VLLMSampler``: start the engine of ``args`` in
+       this process (default: a ``VLLMSampler`` as it is, holding its calls to ``limits``, a
+       ``grpo.types.Lengths``) and get ready to sync.
     4. ``push(sampler, policy) -> int``: bring the engine to the policy's current weights; returns
        how many layers moved. Default: through ``self.sync``, an object with ``push(sampler,
        policy)`` and ``close()`` that ``start`` makes (a form without one overrides ``push``).
@@ -113,10 +115,10 @@ class WeightsForm:
     def engine_lora(cls, policy_rank: int) -> int | None:
         return None
 
-    def start(self, args: dict, tokenizer, policy, **lengths) -> VLLMSampler:
+    def start(self, args: dict, tokenizer, policy, limits: Lengths) -> VLLMSampler:
         from grpo.engine.sampler import VLLMSampler
 
-        return VLLMSampler(args, tokenizer, progress=False, **lengths)
+        return VLLMSampler(args, tokenizer, progress=False, limits=limits)
 
     def push(self, sampler, policy) -> int:
         if self.sync is None:

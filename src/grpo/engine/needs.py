@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.engine import bounds
-from grpo.engine.args import engine_args
+from grpo.engine.args import EngineRole, engine_args
 from grpo.engine.forms import choose_form
 from grpo.engine.forms_catalogue import usable_forms, weights_form
 from grpo.model_shapes import ModelShapes, prepared_name, prepared_shapes
@@ -136,7 +136,7 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
     b, name = dtype.itemsize, str(dtype).removeprefix("torch.")
     args = engine_args(params.model.path, train.rollouts, device=device, seed=train.seed, dtype=str(dtype), enforce_eager=True,
                        bounds=bounds.Bounds(*bounds.step_limits(train, train.distribution.num_processes)),
-                       processes=train.distribution.num_processes, lora_rank=kind.engine_lora(params.lora.rank))
+                       role=EngineRole(train.distribution.num_processes, kind.engine_lora(params.lora.rank)))
     seqs, tokens = args["max_num_seqs"], args["max_num_batched_tokens"]
     forward, sampler = engine_profile_bytes(shapes, tokens, seqs, b)
     own = kind.needs(shapes, params.lora.rank, b, name)

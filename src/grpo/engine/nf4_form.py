@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ from torch.nn import Parameter
 
 from grpo.engine.forms import WEIGHTS_FORMS, FormNeeds, WeightsForm, lora_buffer_bytes
 from grpo.model_shapes import ModelShapes, count, norm_params
+
+if TYPE_CHECKING:
+    from grpo.types import Lengths
 
 METHOD = "grpo_nf4"
 """The quantization method's name, in the engine folder's ``config.json``."""
@@ -267,13 +271,13 @@ class NF4Form(WeightsForm):
     def engine_lora(cls, policy_rank: int) -> int | None:
         return policy_rank
 
-    def start(self, args: dict, tokenizer, policy, **lengths):
+    def start(self, args: dict, tokenizer, policy, limits: Lengths):
         """The engine built inside ``sharing(policy)``, the method registered with vLLM first."""
         from grpo.engine.adapter import AdapterSync
 
         register()
         with sharing(policy):
-            sampler = super().start(args, tokenizer, policy, **lengths)
+            sampler = super().start(args, tokenizer, policy, limits)
         self.sync = AdapterSync(policy, self.engine_dir)
         return sampler
 

@@ -9,8 +9,8 @@ sleep mode; the form's ``sleep`` and ``wake_up``); ``close`` shuts it down.
 
 ``policy_rollouts`` is where the trainer's backend is made: the decode loop on the policy
 (``transformers``, or ``auto`` without vLLM), or a ``PolicyEngine``. For the engine it makes the
-form ``form`` names, which writes the folder the engine starts from into ``engine_dir``
-(``WeightsForm.write_folder``); builds the engine's arguments with ``grpo.engine.args.engine_args``
+form its ``PolicyEngineSpec`` names, which writes the folder the engine starts from into
+``engine_dir`` (``WeightsForm.write_folder``); builds the engine's arguments with ``grpo.engine.args.engine_args``
 and the form's options (its LoRA rank, forced eager mode) and has the form start it in this
 process (``WeightsForm.start``).
 
@@ -27,18 +27,20 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.config import ParamsError
 from grpo.device import compute_dtype, default_device, free_cuda_cache
 from grpo.engine.adapter import policy_lora_rank
-from grpo.engine.args import engine_args, start_environment
+from grpo.engine.args import EngineRole, engine_args, start_environment
 from grpo.engine.bounds import SAVED_MODEL_SEQS, Bounds
 from grpo.engine.forms import WeightsForm
 from grpo.engine.forms_catalogue import weights_form
 from grpo.engine.sampler import VLLMSampler
 from grpo.rollout_backends import (
     ROLLOUT_BACKENDS,
+    DecodeChoice,
     RolloutBackend,
     TransformersBackend,
     engine_failed,
@@ -47,6 +49,7 @@ from grpo.rollout_backends import (
 )
 from grpo.sections.engine import VLLMEngineConfig
 from grpo.sections.model import ModelConfig
+from grpo.types import Lengths
 
 log = logging.getLogger(__name__)
 
@@ -107,63 +110,79 @@ class PolicyEngine(RolloutBackend):
         self.asleep = False
 
 
-def policy_rollouts(choice: str, tokenizer, policy, *, section: VLLMEngineConfig | None = None,
-                    engine_dir: str | Path | None = None, base: ModelConfig | None = None, form: str = "dense",
-                    bounds: Bounds | None = None, seed: int = 0, dtype: str = "auto",
-                    enforce_eager: bool = True, dist=None, max_prompt_tokens: int | None = None,
-                    min_new_tokens: int = 0, decode=None, planned_tokens: int | None = None) -> RolloutBackend:
+@dataclass(frozen=True)
+class PolicyEngineSpec:
+    """What ``policy_rollouts`` starts a policy's vLLM engine from: ``engine_dir`` (its folder, which
+    the form writes: for ``dense`` from ``base``, the base's ``ModelConfig``, when given, else it is
+    already there), ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when
+    ``None``), ``form`` (the weights form's registered name: ``dense``, ``nf4``; resolved, not
+    ``auto``), ``bounds`` (``grpo.engine.bounds.train_bounds``; default: a saved model's), ``seed``
+    (+ rank), ``dtype``, ``enforce_eager`` (forced by a form that needs it: ``nf4``, whose
+    bitsandbytes calls are not captured)."""
+
+    engine_dir: str | Path
+    section: VLLMEngineConfig | None = None
+    base: ModelConfig | None = None
+    form: str = "dense"
+    bounds: Bounds | None = None
+    seed: int = 0
+    dtype: str = "auto"
+    enforce_eager: bool = True
+
+
+def policy_rollouts(choice: str, tokenizer, policy, *, engine: PolicyEngineSpec | None = None, dist=None,
+                    limits: Lengths | None = None, decode: DecodeChoice | None = None) -> RolloutBackend:
     """The trainer's rollout backend for ``policy`` (the peft policy in training).
 
     ``choice``: ``vllm``, ``transformers`` or ``auto``. The decode loop samples the policy itself
-    (its 4-bit layers dequantised once per call where that fits), without log-probs. The engine:
-    ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when ``None``),
-    ``engine_dir`` (its folder, which the form writes: for ``dense`` from ``base`` when given, else
-    it is already there), ``form`` (the weights form's registered name: ``dense``, ``nf4``; resolved,
-    not ``auto``), ``bounds`` (``grpo.engine.bounds.train_bounds``; default: a saved model's),
-    ``seed`` (+ rank), ``dtype``, ``enforce_eager`` (forced by a form that needs it: ``nf4``,
-    whose bitsandbytes calls are not captured), ``dist`` (this process's
-    ``grpo.distributed.Dist``; ``None``: one process); ``decode``, ``planned_tokens``: the decode
-    loop's section and the run's token steps (``TransformersBackend``). Under ``auto`` in one process
-    an engine that fails to start is one logged line and the decode loop samples instead."""
-    lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
-    loop = dict(decode=decode, planned_tokens=planned_tokens)
+    (its 4-bit layers dequantised once per call where that fits), without log-probs, its loop
+    picked by ``decode`` (``grpo.rollout_backends.DecodeChoice``: the ``decode`` section and the
+    run's token steps). The engine: started from ``engine`` (``PolicyEngineSpec``; required for
+    vLLM), ``dist`` this process's ``grpo.distributed.Dist`` (``None``: one process). Both hold
+    their calls to ``limits`` (``None``: no limits). Under ``auto`` in one process an engine that fails to start is one
+    logged line and the decode loop samples instead."""
+    limits = limits or Lengths()
+
+    def decode_loop() -> TransformersBackend:
+        return TransformersBackend(policy, tokenizer, max_prompt_tokens=limits.max_prompt_tokens,
+                                   min_new_tokens=limits.min_new_tokens, decode=decode)
+
     if not uses_engine(choice):
         if note := fallback_note(choice):
             log.warning(note)
-        return TransformersBackend(policy, tokenizer, **lengths, **loop)
-    if engine_dir is None:
+        return decode_loop()
+    if engine is None:
         raise TypeError("policy_rollouts: vLLM rollouts of a policy need engine_dir (where the engine's base is)")
     one_process = dist is None or not dist.active or dist.world_size == 1
     try:
-        return _policy_engine(tokenizer, policy, section, engine_dir, base, form, bounds, seed, dtype, enforce_eager,
-                              dist, lengths)
+        return _policy_engine(tokenizer, policy, engine, dist, limits)
     except Exception as err:
         if choice not in ROLLOUT_BACKENDS.also or not one_process:
             raise
         log.warning(engine_failed(err))
-        return TransformersBackend(policy, tokenizer, **lengths, **loop)
+        return decode_loop()
 
 
-def _policy_engine(tokenizer, policy, section, engine_dir, base, form: str, bounds, seed: int, dtype: str,
-                   enforce_eager: bool, dist, lengths: dict) -> PolicyEngine:
+def _policy_engine(tokenizer, policy, spec: PolicyEngineSpec, dist, limits: Lengths) -> PolicyEngine:
     """``policy_rollouts``' vLLM engine holding ``policy``."""
-    kind = weights_form(form)  # before the engine's folder is written
-    device, engine_dir = default_device(), Path(engine_dir)
+    kind = weights_form(spec.form)  # before the engine's folder is written
+    device, engine_dir, seed = default_device(), Path(spec.engine_dir), spec.seed
+    section = spec.section or VLLMEngineConfig()
     processes = dist.world_size if dist is not None and dist.active else 1
     if processes > 1:
         if device == "cpu":
-            check_engine_memory((section or VLLMEngineConfig()).gpu_memory_utilization, local_engines(processes))
+            check_engine_memory(section.gpu_memory_utilization, local_engines(processes))
         seed += dist.rank  # independent sampling streams per rank
-    weights = kind(engine_dir, compute_dtype(dtype, device))
+    weights = kind(engine_dir, compute_dtype(spec.dtype, device))
     if processes == 1 or dist.local_rank == 0:
-        weights.write_folder(policy, tokenizer, base)
+        weights.write_folder(policy, tokenizer, spec.base)
     if processes > 1:
         dist.barrier()  # the engine's folder is written before any rank's engine reads it
     start_environment(device, in_process=True)
-    args = engine_args(engine_dir, section or VLLMEngineConfig(), device=device, seed=seed, dtype=weights.dtype,
-                       bounds=bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=enforce_eager or kind.forces_eager,
-                       processes=processes, lora_rank=kind.engine_lora(policy_lora_rank(policy)))
-    return PolicyEngine(weights.start(args, tokenizer, policy, **lengths), weights, device)
+    args = engine_args(engine_dir, section, device=device, seed=seed, dtype=weights.dtype,
+                       bounds=spec.bounds or Bounds(SAVED_MODEL_SEQS), enforce_eager=spec.enforce_eager or kind.forces_eager,
+                       role=EngineRole(processes, kind.engine_lora(policy_lora_rank(policy))))
+    return PolicyEngine(weights.start(args, tokenizer, policy, limits), weights, device)
 
 
 def local_engines(processes: int) -> int:

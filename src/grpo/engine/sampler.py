@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from grpo.engine.args import engine_args, start_environment
 from grpo.engine.bounds import saved_model_bounds
 from grpo.rollout_backends import (
     ROLLOUT_BACKENDS,
+    DecodeChoice,
     RolloutBackend,
     TransformersBackend,
     engine_failed,
@@ -31,7 +33,7 @@ from grpo.rollout_backends import (
     uses_engine,
 )
 from grpo.sections.engine import VLLMEngineConfig
-from grpo.types import Rollout
+from grpo.types import Lengths, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +42,21 @@ class VLLMSampler(RolloutBackend):
     """Sampling on a vLLM engine started with ``llm_args`` (``grpo.engine.args.engine_args``).
 
     ``lora_request``: the ``vllm.lora.request.LoRARequest`` every generation call carries (``None``:
-    the weights alone; the nf4 form sets it at each sync). ``max_prompt_tokens``: keep the last
-    this many prompt tokens; ``min_new_tokens``: no EOS before this many tokens."""
+    the weights alone; the nf4 form sets it at each sync). ``limits`` (``grpo.types.Lengths``): keep
+    the last ``max_prompt_tokens`` prompt tokens; no EOS before ``min_new_tokens`` tokens (``None``:
+    neither)."""
 
     name = "vllm"
 
-    def __init__(self, llm_args: dict, tokenizer, *, progress: bool = True, max_prompt_tokens: int | None = None,
-                 min_new_tokens: int = 0):
+    def __init__(self, llm_args: dict, tokenizer, *, progress: bool = True, limits: Lengths | None = None):
         from vllm import LLM
 
         self.model_path = llm_args["model"]
         self.tokenizer = tokenizer
         self.progress = shows_progress(progress)
-        self.max_prompt_tokens = max_prompt_tokens
-        self.min_new_tokens = min_new_tokens
+        limits = limits or Lengths()
+        self.max_prompt_tokens = limits.max_prompt_tokens
+        self.min_new_tokens = limits.min_new_tokens
         self.lora_request = None
         # a per-request seed breaks the CPU engine ("CPU Generator does not use offset"): seed the call
         self.seeds_calls = default_device() == "cpu" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -154,32 +157,42 @@ def _call_seed(seeds: list[int] | None):
         yield
 
 
+@dataclass(frozen=True)
+class SavedModelRun:
+    """How a stage runs a saved model (``saved_model_sampler``): ``seed``; ``dtype`` and
+    ``dtype_key``, the param that set it (named by the fp16 refusal,
+    ``grpo.device.refuse_half_overflow``); the engine's ``enforce_eager``; ``positions``: the most
+    tokens a sequence of the stage holds (its longest prompt plus ``max_new_tokens``; ``None``:
+    unknown), to which a CPU engine's KV cache is sized (``grpo.engine.bounds.saved_model_kv_bytes``)
+    instead of a share of the RAM."""
+
+    seed: int = 0
+    dtype: str = "auto"
+    dtype_key: str = "sent.dtype"
+    enforce_eager: bool = True
+    positions: int | None = None
+
+
 def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: VLLMEngineConfig | None = None, *,
-                        seed: int = 0, dtype: str = "auto", enforce_eager: bool = True,
-                        max_prompt_tokens: int | None = None, min_new_tokens: int = 0,
-                        dtype_key: str = "sent.dtype", positions: int | None = None, decode=None,
-                        planned_tokens: int | None = None) -> RolloutBackend:
+                        run: SavedModelRun | None = None, limits: Lengths | None = None,
+                        decode: DecodeChoice | None = None) -> RolloutBackend:
     """The sampler of a model saved in Hugging Face format (SENT, evaluation), with log-probs.
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the decode
     loop, with a logged warning). vLLM: ``VLLMSampler`` on ``model_dir`` with
     the calling stage's engine params ``section`` (its defaults when ``None``), bounded to the
     stage's generation call (``grpo.engine.bounds.saved_model_bounds``); transformers: the
-    model loaded in ``dtype`` on the default device (after ``torch.manual_seed(seed)``), sampled by
-    the decode loop. ``max_prompt_tokens`` and ``min_new_tokens`` apply to both. ``dtype_key``: the
-    param that set ``dtype``, named by the fp16 refusal (``grpo.device.refuse_half_overflow``).
-    ``positions``: the most tokens a sequence of the stage holds (its longest prompt plus
-    ``max_new_tokens``); a CPU engine's KV cache is then sized to the call's sequences of that many
-    (``grpo.engine.bounds.saved_model_kv_bytes``) instead of a share of the RAM. ``decode``,
-    ``planned_tokens``: the decode loop's section and the stage's token steps
-    (``TransformersBackend``). Under ``auto`` an engine that fails to start is one logged line
-    (``grpo.rollout_backends.engine_failed``) and the decode loop samples instead; a backend named in
-    the params raises."""
-    lengths = dict(max_prompt_tokens=max_prompt_tokens, min_new_tokens=min_new_tokens)
-    refuse_half_overflow(model_dir, compute_dtype(dtype, default_device()), key=dtype_key)
+    model loaded in ``run.dtype`` on the default device (after ``torch.manual_seed(run.seed)``),
+    sampled by the decode loop that ``decode`` picks (``grpo.rollout_backends.DecodeChoice``: the
+    ``decode`` section and the stage's token steps). ``limits`` apply to both. Under ``auto`` an
+    engine that fails to start is one logged line (``grpo.rollout_backends.engine_failed``) and the
+    decode loop samples instead; a backend named in the params raises. ``run``, ``limits``: their
+    defaults when ``None``."""
+    run, limits = run or SavedModelRun(), limits or Lengths()
+    refuse_half_overflow(model_dir, compute_dtype(run.dtype, default_device()), key=run.dtype_key)
     if uses_engine(choice):
         try:
-            return _vllm_sampler(tokenizer, model_dir, section, seed, dtype, enforce_eager, positions, lengths)
+            return _vllm_sampler(tokenizer, model_dir, section, run, limits)
         except Exception as err:
             if choice not in ROLLOUT_BACKENDS.also:
                 raise
@@ -188,24 +201,24 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
         log.warning(note)
     from grpo.lora_policy import load_base_model
 
-    torch.manual_seed(seed)
-    model = load_base_model(model_dir, dtype, default_device())
+    torch.manual_seed(run.seed)
+    model = load_base_model(model_dir, run.dtype, default_device())
     return TransformersBackend(model, tokenizer, return_logprobs=True, dequantize=False, decode=decode,
-                               planned_tokens=planned_tokens, **lengths)  # no 4-bit layers
+                               max_prompt_tokens=limits.max_prompt_tokens,
+                               min_new_tokens=limits.min_new_tokens)  # no 4-bit layers
 
 
-def _vllm_sampler(tokenizer, model_dir, section, seed: int, dtype: str, enforce_eager: bool, positions: int | None,
-                  lengths: dict) -> VLLMSampler:
+def _vllm_sampler(tokenizer, model_dir, section, run: SavedModelRun, limits: Lengths) -> VLLMSampler:
     """``saved_model_sampler``'s vLLM engine."""
     device = default_device()
     start_environment(device, in_process=False)
     section = section or VLLMEngineConfig()
-    torch_dtype = compute_dtype(dtype, device)
+    torch_dtype = compute_dtype(run.dtype, device)
     kv = None
-    if device == "cpu" and positions is not None:
+    if device == "cpu" and run.positions is not None:
         from transformers import AutoConfig
 
-        kv = (AutoConfig.from_pretrained(model_dir), positions, torch_dtype.itemsize)
-    args = engine_args(model_dir, section, device=device, seed=seed, dtype=torch_dtype,
-                       bounds=saved_model_bounds(section, kv), enforce_eager=enforce_eager)
-    return VLLMSampler(args, tokenizer, progress=False, **lengths)  # the stage's own bar counts its calls (generate_in_batches)
+        kv = (AutoConfig.from_pretrained(model_dir), run.positions, torch_dtype.itemsize)
+    args = engine_args(model_dir, section, device=device, seed=run.seed, dtype=torch_dtype,
+                       bounds=saved_model_bounds(section, kv), enforce_eager=run.enforce_eager)
+    return VLLMSampler(args, tokenizer, progress=False, limits=limits)  # the stage's own bar counts its calls (generate_in_batches)

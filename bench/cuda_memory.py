@@ -141,7 +141,9 @@ def main(argv=None) -> dict:
                 trainer.update(batch, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
                 trace.phase = "between steps"
                 del batch
-    out = report(args, p, res, shapes, est, prompt, trace, stubs, trainer, time.time() - t0)
+    out = report(args, res, shapes, est, prompt, trace, stubs, trainer)
+    out["seconds"] = round(time.time() - t0, 1)
+    print(f"{out['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
@@ -297,10 +299,13 @@ def compare(traced: int, estimated: int | None) -> dict:
     return row
 
 
-def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) -> dict:
+def report(args, res, shapes, est, prompt, trace, stubs, trainer) -> dict:
+    """The traced step against the estimate ``est`` of the params ``res.params``, printed and as the
+    JSON record (its ``seconds`` added by the caller)."""
     from grpo.memory import gib
     from grpo.passes import micro_slices
 
+    p = res.params
     terms = {t.name: t.bytes for t in est.terms}
     n_lora = sum(x.numel() for x in trainer.params)
     resident_est = terms["weights"] + terms["LoRA + AdamW"] - 4 * n_lora  # no gradient between steps
@@ -333,7 +338,7 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
         "phases": phases,
         "peak": {**compare(trace.peak, est.total("train")), "phase": trace.peak_phase},
         "live_at_peak": [{"what": k, "count": c, "bytes": b} for k, (c, b) in top],
-        "replaced": REPLACED, "stub_hits": stubs.hits, "not_counted": NOT_COUNTED, "seconds": round(seconds, 1),
+        "replaced": REPLACED, "stub_hits": stubs.hits, "not_counted": NOT_COUNTED,
     }
     print(f"{args.params}: {shapes.source}; {est.dtype}, {p.model.quantization}, gradient checkpointing "
           f"{p.model.gradient_checkpointing}, LoRA {n_lora / 1e6:.2f} M")
@@ -351,7 +356,6 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
     print("replaced: " + "; ".join(REPLACED))
     print(f"data-dependent answers given: {stubs.hits}")
     print(f"not counted: {NOT_COUNTED}")
-    print(f"{seconds:.0f} s")
     return out
 
 

@@ -11,8 +11,10 @@ invented baseline).
 
 The loss has two axes, each a registry (as verl's ``core_algos.py``): the per-token policy term
 (``POLICY_LOSSES``, ``train.loss.policy_loss``) and how the token terms become one number
-(``AGGREGATIONS``, ``train.loss.loss_type``). ``grpo_loss`` composes them: policy term -> token
-importance weights -> + beta * k3 KL (+ a token-entropy rule's per-token KL) -> aggregation. The one policy loss, ``clipped``, is the
+(``AGGREGATIONS``, ``train.loss.loss_type``), the names turned into the entries once per run by
+``build_loss`` (a frozen ``LossSettings`` with the clip range, beta and T_max). ``grpo_loss`` composes
+them: policy term -> token importance weights -> + beta * k3 KL (+ a token-entropy rule's per-token
+KL) -> aggregation, the per-token inputs of a batch in one ``LossTerms``. The one policy loss, ``clipped``, is the
 PPO-style clipped term of every completion token t:
 
     rho_t = exp(logp_t - old_logp_t)

@@ -141,7 +141,9 @@ def main(argv=None) -> dict:
                 trainer.update(batch, trainer.passes.step_normalizer(batch.mask), batch.mask, PhaseTimer())
                 trace.phase = "between steps"
                 del batch
-    out = report(args, p, res, shapes, est, prompt, trace, stubs, trainer, time.time() - t0)
+    out = report(args, res, shapes, est, prompt, trace, stubs, trainer)
+    out["seconds"] = round(time.time() - t0, 1)
+    print(f"{out['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
@@ -211,18 +213,36 @@ def resident_tensors(model) -> list:
     return out
 
 
+def given_policy(model, tok):
+    """The train stage's ``grpo.trainer_builder.TrainerBuilder`` with this bench's policy and
+    tokenizer (built here on the fake device: not loaded, and no seed is set for them)."""
+    from grpo.trainer_builder import TrainerBuilder
+
+    class GivenPolicy(TrainerBuilder):
+        def tokenizer(self):
+            return tok
+
+        def policy(self):
+            return model
+
+    return GivenPolicy
+
+
 def make_trainer(model, tok, p, prompt: int, out_dir: str, torch):
     """The real ``GRPOTrainer`` (its passes, updater and schedule) and a function that makes one
     step's ``TrainBatch`` from random rollouts (the rollout phase replaced)."""
     from grpo.rollout_backends import TransformersBackend
-    from grpo.trainer_builder import build_trainer, depart
+    from grpo.trainer_builder import depart
     from grpo.types import Rollout, TrainBatch
 
-    # the params' trainer, but for its folder and no checkpoints; no engine starts (the rollout phase is replaced)
+    class Replaced(given_policy(model, tok)):  # no engine starts: the rollout phase is replaced
+        def backend(self, tokenizer, model, bounds):
+            return TransformersBackend(model, tokenizer)
+
+    # the params' trainer, but for its folder and no checkpoints
     params = depart(p, {"train.output_dir": out_dir, "train.checkpoints.every": 0})
     problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
-    trainer = build_trainer(params, "cuda", problems=problems, model=model, tokenizer=tok,
-                            backend=TransformersBackend(model, tok)).trainer
+    trainer = Replaced(params, "cuda").build(problems).trainer
     cfg = trainer.cfg
     n, c = cfg.rollouts.prompts_per_step * cfg.rollouts.group_size, cfg.rollouts.max_new_tokens
     engine = cfg.rollouts.backend != "transformers"
@@ -279,10 +299,13 @@ def compare(traced: int, estimated: int | None) -> dict:
     return row
 
 
-def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) -> dict:
+def report(args, res, shapes, est, prompt, trace, stubs, trainer) -> dict:
+    """The traced step against the estimate ``est`` of the params ``res.params``, printed and as the
+    JSON record (its ``seconds`` added by the caller)."""
     from grpo.memory import gib
     from grpo.passes import micro_slices
 
+    p = res.params
     terms = {t.name: t.bytes for t in est.terms}
     n_lora = sum(x.numel() for x in trainer.params)
     resident_est = terms["weights"] + terms["LoRA + AdamW"] - 4 * n_lora  # no gradient between steps
@@ -315,7 +338,7 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
         "phases": phases,
         "peak": {**compare(trace.peak, est.total("train")), "phase": trace.peak_phase},
         "live_at_peak": [{"what": k, "count": c, "bytes": b} for k, (c, b) in top],
-        "replaced": REPLACED, "stub_hits": stubs.hits, "not_counted": NOT_COUNTED, "seconds": round(seconds, 1),
+        "replaced": REPLACED, "stub_hits": stubs.hits, "not_counted": NOT_COUNTED,
     }
     print(f"{args.params}: {shapes.source}; {est.dtype}, {p.model.quantization}, gradient checkpointing "
           f"{p.model.gradient_checkpointing}, LoRA {n_lora / 1e6:.2f} M")
@@ -333,7 +356,6 @@ def report(args, p, res, shapes, est, prompt, trace, stubs, trainer, seconds) ->
     print("replaced: " + "; ".join(REPLACED))
     print(f"data-dependent answers given: {stubs.hits}")
     print(f"not counted: {NOT_COUNTED}")
-    print(f"{seconds:.0f} s")
     return out
 
 
@@ -435,14 +457,17 @@ def top_groups(snap, top: int) -> list[dict]:
 
 
 def step_trainer(model, tok, p, out_dir: str):
-    """The train stage's trainer as ``build_trainer`` makes it (its own decode-loop backend,
+    """The train stage's trainer as ``TrainerBuilder`` makes it (its own decode-loop backend,
     completions at full length), in ``out_dir``, no checkpoints."""
-    from grpo.trainer_builder import build_trainer, depart
+    from grpo.trainer_builder import depart
+
+    class FullLength(given_policy(model, tok)):
+        def rollout_lengths(self) -> tuple[int | None, int]:
+            return None, p.train.rollouts.max_new_tokens
 
     params = depart(p, {"train.output_dir": out_dir, "train.checkpoints.every": 0})
     problems = [{"id": "p0", "question": "1+1", "answer": "2", "solution": ""}]
-    return build_trainer(params, "cuda", problems=problems, model=model, tokenizer=tok,
-                         min_new_tokens=p.train.rollouts.max_new_tokens).trainer
+    return FullLength(params, "cuda").build(problems).trainer
 
 
 def print_call(name: str, row: dict) -> None:

@@ -152,15 +152,17 @@ def _memory_fields(device: str) -> dict:
 
 # ---------------------------------------------------------------------------- our step
 def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "dense") -> dict:
-    """Our ``train_step`` as the train stage builds it (``grpo.trainer_builder.build_trainer``) with
+    """Our ``train_step`` as the train stage builds it (``grpo.trainer_builder.TrainerBuilder``) with
     this bench's ``departures``, rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
-    synced every step, in the weights ``form``) or ``transformers`` (the project's decode loop)."""
+    synced every step, in the weights ``form``) or ``transformers`` (the project's decode loop). The
+    bench's own parts: the tokenizer (cutting prompts on the left), the engine's folder and form, and
+    the rollouts' fixed lengths."""
     import torch
 
     from grpo.base_model import load_tokenizer
     from grpo.device import default_device
     from grpo.params import AllParams
-    from grpo.trainer_builder import build_trainer, depart
+    from grpo.trainer_builder import TrainerBuilder, depart
 
     device = default_device()
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,9 +172,21 @@ def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "
         params = depart(AllParams(), changes)
         tok = load_tokenizer(model_dir)
         tok.truncation_side = "left"  # a cut prompt keeps its end (the assistant turn)
-        built = build_trainer(params, device, problems=_problems(args), engine_dir=workdir / "engine", form=form,
-                              tokenizer=tok, max_prompt_tokens=args.prompt_tokens or None,
-                              min_new_tokens=args.new_tokens if args.fixed_length else 0)
+
+        class BenchBuilder(TrainerBuilder):
+            def tokenizer(self):
+                return tok
+
+            def engine_dir(self) -> Path:
+                return workdir / "engine"
+
+            def weights_form(self) -> str:
+                return form
+
+            def rollout_lengths(self) -> tuple[int | None, int]:
+                return args.prompt_tokens or None, args.new_tokens if args.fixed_length else 0
+
+        built = BenchBuilder(params, device).build(_problems(args))
         trainer, backend = built.trainer, built.backend
         steps = []
         for i in range(args.steps + 1):  # step 0 warms up (lazy inits, allocator) and is not counted

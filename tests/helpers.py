@@ -199,14 +199,14 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
 
     from grpo.rewards import REWARDS
     from grpo.sections.train import TrainConfig
-    from grpo.trainer import GRPOTrainer
+    from grpo.trainer import GRPOTrainer, TrainerParts
 
     randomise_adapter(model, std=0.02, seed=7)
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
     settings = dict(output_dir=str(out_dir), steps=3, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 1e-2})
     settings = overlay_params({"train": settings}, {"train": cfg})["train"]  # a part named merged key by key
     val = problems[:3] if settings["checkpoints"].get("eval_every") else None
-    trainer = GRPOTrainer(model, tok, TrainConfig(**settings), problems, backend=backend, val_problems=val)
+    trainer = GRPOTrainer(model, tok, TrainConfig(**settings), problems, parts=TrainerParts(backend=backend), val_problems=val)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rows = trainer.train(progress=False)
     assert [r["step"] for r in rows] == [1, 2, 3]

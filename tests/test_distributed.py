@@ -26,7 +26,7 @@ from grpo.loss import group_advantages
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer
+from grpo.trainer import GRPOTrainer, TrainerParts
 from grpo.types import TrainBatch
 
 from .conftest import REPO
@@ -401,7 +401,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
         backend = policy_rollouts("vllm", tok, model, engine=spec, dist=dist)
         lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
         before = lora()
-        trainer = GRPOTrainer(model, tok, cfg, problems, backend=backend, val_problems=problems[:3], dist=dist)
+        trainer = GRPOTrainer(model, tok, cfg, problems, parts=TrainerParts(backend=backend), val_problems=problems[:3],
+                              dist=dist)
         rows = trainer.train(progress=False)
         dist.barrier()
         backend.close()

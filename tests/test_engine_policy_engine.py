@@ -27,7 +27,7 @@ from grpo.engine.bounds import cpu_kv_bytes, train_bounds
 from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
 from grpo.jsonio import write_jsonl
 from grpo.lora_policy import load_policy
-from grpo.loss import loss_normalizer
+from grpo.loss import LossSettings
 from grpo.rollout_backends import TransformersBackend
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
@@ -161,7 +161,7 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
                                                                    "importance_sampling_cap": 2.0 if correct else None}), tiny_problems)
         batch = TrainBatch(**{**vars(base), "sampling_logp": None if shift is None else own_logp - shift})
         model.zero_grad(set_to_none=True)
-        trainer.passes.accumulate_gradients(batch, loss_normalizer(batch.mask, "dapo"))
+        trainer.passes.accumulate_gradients(batch, LossSettings().normalizer(batch.mask))
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     plain = grads(True, None)

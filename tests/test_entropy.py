@@ -8,7 +8,21 @@ import math
 import pytest
 import torch
 
-from grpo.entropy import TOKEN_RULES, LossTerms, entropy_threshold, high_entropy_mask, per_response_high, token_entropy
+from grpo.entropy import (
+    TOKEN_RULES,
+    Archer,
+    ArcherOptions,
+    KeepHigh,
+    KeepLow,
+    LossTerms,
+    LowOptions,
+    QuantileOptions,
+    build_token_rule,
+    entropy_threshold,
+    high_entropy_mask,
+    per_response_high,
+    token_entropy,
+)
 from grpo.sections.train_parts import LossConfig
 
 
@@ -81,17 +95,37 @@ def test_low_side_is_the_complement_of_the_top_within_the_valid_tokens():
     entropy = torch.rand(4, 9)
     mask = torch.ones(4, 9, dtype=torch.bool)
     mask[1, 6:] = False
-    cfg = _at(0.2)
-    threshold = TOKEN_RULES["low"].threshold(entropy[mask], cfg)
-    high = TOKEN_RULES["high"].grad_mask(entropy, mask, threshold, cfg)
-    low = TOKEN_RULES["low"].grad_mask(entropy, mask, threshold, cfg)
-    assert torch.equal(high, high_entropy_mask(entropy, mask, 0.2))
-    assert not (high & low).any()
-    assert torch.equal(high | low, mask)
-    assert low.sum() > 3 * high.sum()  # bottom 80% against top 20%
-    assert entropy[low].max() < entropy[high].min()
+    high, low = build_token_rule(_at(0.2)), build_token_rule(_at(0.2, "low"))
+    threshold = low.threshold(entropy[mask])
+    keep_high, keep_low = high.grad_mask(entropy, mask, threshold), low.grad_mask(entropy, mask, threshold)
+    assert torch.equal(keep_high, high_entropy_mask(entropy, mask, 0.2))
+    assert not (keep_high & keep_low).any()
+    assert torch.equal(keep_high | keep_low, mask)
+    assert keep_low.sum() > 3 * keep_high.sum()  # bottom 80% against top 20%
+    assert entropy[keep_low].max() < entropy[keep_high].min()
     with pytest.raises(ValueError, match="train.loss.entropy_rule: no token-entropy rule 'middle'"):
         TOKEN_RULES["middle"]
+
+
+def test_a_rule_built_from_its_options_acts_on_tensors_without_any_config():
+    """A rule is an object of its own typed options (and the ordinary clip, for ``archer``): no
+    params, no loss part; its methods take tensors only. Built by hand, it acts as the one
+    ``build_token_rule`` makes from the params of the same values."""
+    high = KeepHigh(QuantileOptions(top_quantile=0.4))
+    threshold = high.threshold(ENT[MASK.bool()])
+    assert threshold.item() == pytest.approx(0.58) and high.needs_statistic() and high.grad_fraction() == 0.4
+    assert high.grad_mask(ENT, MASK, threshold).tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert not high.needs_reference() and high.loss_terms(ENT, MASK, threshold) == LossTerms()
+    archer = Archer(ArcherOptions(clip_high=0.6), clip=(0.2, 0.28))
+    terms = archer.loss_terms(ENT5, MASK5, None)
+    built = build_token_rule(LossConfig(**{"entropy_rule": "archer", "entropy_rule_options": {"archer": {"clip_high": 0.6}},
+                                           "policy_loss_options": {"clipped": {"epsilon_high": 0.28}}}))
+    for got, want in zip(terms, built.loss_terms(ENT5, MASK5, None)):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert terms.epsilon_high.max().item() == pytest.approx(0.6) and terms.epsilon_high.min().item() == pytest.approx(0.28)
+    assert KeepHigh().options == QuantileOptions()  # no options given: the model's defaults
+    with pytest.raises(ValueError, match="train.loss.entropy_rule_options.low.top_quantile: low keeps"):
+        KeepLow(LowOptions(top_quantile=1.0))  # the constructor runs the rule's check
 
 
 def test_rules_on_the_hand_worked_entropies():
@@ -99,24 +133,25 @@ def test_rules_on_the_hand_worked_entropies():
     ``high`` keeps 0.9 and 0.7, ``low`` the other three valid ones; both share the threshold. Their
     memory need is the fraction they keep; at quantile 1 there is no statistic and ``high`` keeps
     every valid token."""
-    cfg = _at(0.4)
-    high, low = TOKEN_RULES["high"], TOKEN_RULES["low"]
-    threshold = high.threshold(ENT[MASK.bool()], cfg)
-    assert threshold.item() == pytest.approx(0.58) and low.threshold(ENT[MASK.bool()], cfg) == threshold
-    assert high.needs_statistic(cfg) and low.needs_statistic(cfg)
-    assert high.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[False, True, False, False], [False, True, False, False]]
-    assert low.grad_mask(ENT, MASK, threshold, cfg).tolist() == [[True, False, True, False], [True, False, False, False]]
-    assert (high.grad_fraction(cfg), low.grad_fraction(cfg)) == pytest.approx((0.4, 0.6))
-    every = LossConfig(**{"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}})
-    assert not high.needs_statistic(every) and high.threshold(ENT[MASK.bool()], every) is None
-    assert high.grad_mask(ENT, MASK, None, every).tolist() == MASK.bool().tolist()
+    high, low = build_token_rule(_at(0.4)), build_token_rule(_at(0.4, "low"))
+    threshold = high.threshold(ENT[MASK.bool()])
+    assert threshold.item() == pytest.approx(0.58) and low.threshold(ENT[MASK.bool()]) == threshold
+    assert high.needs_statistic() and low.needs_statistic()
+    assert high.grad_mask(ENT, MASK, threshold).tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert low.grad_mask(ENT, MASK, threshold).tolist() == [[True, False, True, False], [True, False, False, False]]
+    assert (high.grad_fraction(), low.grad_fraction()) == pytest.approx((0.4, 0.6))
+    every = build_token_rule(LossConfig(**{"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}}))
+    assert not every.needs_statistic() and every.threshold(ENT[MASK.bool()]) is None
+    assert every.grad_mask(ENT, MASK, None).tolist() == MASK.bool().tolist()
     assert entropy_threshold(ENT[MASK.bool()], 1.0) is None
 
 
 def test_low_rule_needs_a_quantile_below_one():
-    TOKEN_RULES["low"].check(_at(0.5))
+    TOKEN_RULES["low"].check(LowOptions(top_quantile=0.5))
     with pytest.raises(ValueError, match="train.loss.entropy_rule_options.low.top_quantile: low keeps"):
-        TOKEN_RULES["low"].check(_at(1.0))
+        TOKEN_RULES["low"].check(LowOptions(top_quantile=1.0))
+    with pytest.raises(ValueError, match="train.loss.entropy_rule_options.low.top_quantile: low keeps"):
+        _at(1.0, "low")  # the params' validation runs the chosen rule's check
 
 
 # Two responses of 4 and 3 valid tokens (9.0: padding) for the rules that keep every token.
@@ -132,26 +167,27 @@ def test_archer_on_hand_worked_entropies():
     others at 1 - epsilon / 1 + epsilon_high (0.2 / 0.2, or 0.2 / 0.28 with clip-higher); the valid
     low ones carry the KL weight 0.001, the high ones and the padding none. Every valid token gets
     gradient, no statistic, the reference pass; KL 0 needs no reference and gives no weights."""
-    archer = TOKEN_RULES["archer"]
     cfg = LossConfig(**{"entropy_rule": "archer"})
+    archer = build_token_rule(cfg)
     opts = cfg.rule_options("archer")
-    assert (opts.top_quantile, opts.clip_high, opts.kl_low) == (0.2, 0.5, 0.001)
+    assert (opts.top_quantile, opts.clip_high, opts.kl_low) == (0.2, 0.5, 0.001) and archer.options == opts
     high = torch.tensor([[False, False, True, False, False], [False, True, False, False, False]])
     assert torch.equal(per_response_high(ENT5, MASK5, 0.2), high)
-    assert not archer.needs_statistic(cfg) and archer.threshold(ENT5[MASK5.bool()], cfg) is None
-    assert torch.equal(archer.grad_mask(ENT5, MASK5, None, cfg), MASK5.bool()) and archer.grad_fraction(cfg) == 1.0
-    assert archer.needs_reference(cfg)
-    terms = archer.loss_terms(ENT5, MASK5, None, cfg)
+    assert not archer.needs_statistic() and archer.threshold(ENT5[MASK5.bool()]) is None
+    assert torch.equal(archer.grad_mask(ENT5, MASK5, None), MASK5.bool()) and archer.grad_fraction() == 1.0
+    assert archer.needs_reference()
+    terms = archer.loss_terms(ENT5, MASK5, None)
     bounds = torch.tensor([[0.2, 0.2, 0.5, 0.2, 0.2], [0.2, 0.5, 0.2, 0.2, 0.2]])
     torch.testing.assert_close(terms.epsilon, bounds, rtol=0, atol=0)
     torch.testing.assert_close(terms.epsilon_high, bounds, rtol=0, atol=0)
     torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 1, 0, 1, 0], [1, 0, 1, 0, 0]]))
-    clip_higher = archer.loss_terms(ENT5, MASK5, None, LossConfig(**{"entropy_rule": "archer", "policy_loss_options": {"clipped": {"epsilon_high": 0.28}}}))
+    clip_higher = build_token_rule(LossConfig(**{"entropy_rule": "archer", "policy_loss_options": {"clipped": {"epsilon_high": 0.28}}}))
+    clip_higher = clip_higher.loss_terms(ENT5, MASK5, None)
     torch.testing.assert_close(clip_higher.epsilon, bounds, rtol=0, atol=0)
     torch.testing.assert_close(clip_higher.epsilon_high,
                                torch.tensor([[0.28, 0.28, 0.5, 0.28, 0.28], [0.28, 0.5, 0.28, 0.28, 0.28]]))
-    no_kl = LossConfig(**{"entropy_rule": "archer", "entropy_rule_options": {"archer": {"kl_low": 0.0}}})
-    assert not archer.needs_reference(no_kl) and archer.loss_terms(ENT5, MASK5, None, no_kl).kl_weights is None
+    no_kl = build_token_rule(LossConfig(**{"entropy_rule": "archer", "entropy_rule_options": {"archer": {"kl_low": 0.0}}}))
+    assert not no_kl.needs_reference() and no_kl.loss_terms(ENT5, MASK5, None).kl_weights is None
     assert torch.equal(per_response_high(ENT5, MASK5, 1.0), MASK5.bool())  # the top 100%: every valid token
 
 
@@ -159,17 +195,16 @@ def test_sent_kl_on_hand_worked_entropies():
     """``sent_kl`` at 0.2: the step's threshold over the 7 valid entropies (sorted 0.1 0.2 0.25 0.3 0.35
     0.5 0.9, position 0.8 x 6 = 4.8 -> 0.35 + 0.8 x 0.15 = 0.47), the tokens below it (five) carry
     the KL weight 0.001; the clip bounds are the params' (none given); every valid token gets gradient."""
-    sent = TOKEN_RULES["sent_kl"]
-    cfg = LossConfig(**{"entropy_rule": "sent_kl"})
-    threshold = sent.threshold(ENT5[MASK5.bool()], cfg)
-    assert sent.needs_statistic(cfg) and threshold.item() == pytest.approx(0.47)
-    assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold, cfg), MASK5.bool()) and sent.grad_fraction(cfg) == 1.0
-    assert sent.needs_reference(cfg)
-    terms = sent.loss_terms(ENT5, MASK5, threshold, cfg)
+    sent = build_token_rule(LossConfig(**{"entropy_rule": "sent_kl"}))
+    threshold = sent.threshold(ENT5[MASK5.bool()])
+    assert sent.needs_statistic() and threshold.item() == pytest.approx(0.47)
+    assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold), MASK5.bool()) and sent.grad_fraction() == 1.0
+    assert sent.needs_reference()
+    terms = sent.loss_terms(ENT5, MASK5, threshold)
     assert terms.epsilon is None and terms.epsilon_high is None
     torch.testing.assert_close(terms.kl_weights, 0.001 * torch.tensor([[1.0, 0, 0, 1, 0], [1, 1, 1, 0, 0]]))
-    no_kl = LossConfig(**{"entropy_rule": "sent_kl", "entropy_rule_options": {"sent_kl": {"kl_low": 0.0}}})
-    assert not sent.needs_reference(no_kl) and sent.loss_terms(ENT5, MASK5, threshold, no_kl).kl_weights is None
+    no_kl = build_token_rule(LossConfig(**{"entropy_rule": "sent_kl", "entropy_rule_options": {"sent_kl": {"kl_low": 0.0}}}))
+    assert not no_kl.needs_reference() and no_kl.loss_terms(ENT5, MASK5, threshold).kl_weights is None
 
 
 def test_archer_needs_a_quantile_below_one():
@@ -180,17 +215,16 @@ def test_archer_needs_a_quantile_below_one():
 def test_sent_kl_at_quantile_one_is_every_token_without_a_kl():
     """``sent_kl`` at ``top_quantile`` 1 has no low class: no threshold, no KL weights, no
     reference pass; the same gradient mask, fraction and loss terms as ``high`` at 1."""
-    sent, high = TOKEN_RULES["sent_kl"], TOKEN_RULES["high"]
-    cfg = _at(1.0, "sent_kl")
-    threshold = sent.threshold(ENT5[MASK5.bool()], cfg)
-    assert threshold is None and not sent.needs_statistic(cfg) and not sent.needs_reference(cfg)
-    assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold, cfg), high.grad_mask(ENT5, MASK5, None, cfg))
-    assert sent.grad_fraction(cfg) == high.grad_fraction(cfg) == 1.0
-    assert sent.loss_terms(ENT5, MASK5, threshold, cfg) == high.loss_terms(ENT5, MASK5, None, cfg)
+    sent, high = build_token_rule(_at(1.0, "sent_kl")), build_token_rule(_at(1.0))
+    threshold = sent.threshold(ENT5[MASK5.bool()])
+    assert threshold is None and not sent.needs_statistic() and not sent.needs_reference()
+    assert torch.equal(sent.grad_mask(ENT5, MASK5, threshold), high.grad_mask(ENT5, MASK5, None))
+    assert sent.grad_fraction() == high.grad_fraction() == 1.0
+    assert sent.loss_terms(ENT5, MASK5, threshold) == high.loss_terms(ENT5, MASK5, None)
 
 
 def test_high_and_low_leave_the_loss_as_the_params_set_it():
     for name in ("high", "low"):
-        cfg = LossConfig(**{"entropy_rule": name})
-        assert not TOKEN_RULES[name].needs_reference(cfg)
-        assert TOKEN_RULES[name].loss_terms(ENT5, MASK5, torch.tensor(0.47), cfg) == LossTerms()
+        rule = build_token_rule(LossConfig(**{"entropy_rule": name}))
+        assert not rule.needs_reference()
+        assert rule.loss_terms(ENT5, MASK5, torch.tensor(0.47)) == LossTerms()

@@ -16,7 +16,23 @@ import math
 import pytest
 import torch
 
-from grpo.loss import AGGREGATIONS, group_advantages, grpo_loss, loss_normalizer, policy_token_grads, wide_clip_band
+from grpo.loss import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    LossSettings,
+    LossTerms,
+    build_loss,
+    group_advantages,
+    grpo_loss,
+    policy_token_grads,
+    wide_clip_band,
+)
+
+
+def S(loss_type: str = "dapo", **settings) -> LossSettings:
+    """The loss settings of aggregation ``loss_type`` with ``settings`` (``epsilon``, ``beta`` ...)."""
+    return LossSettings(aggregation=AGGREGATIONS[loss_type], **settings)
+
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
 OLD = torch.tensor([[-1.3, -1.8, -0.5], [-0.6, -0.9, 0.0]])
@@ -38,7 +54,7 @@ ROW0, ROW1 = -1.2 - math.exp(-0.2) - 1.0, 0.5 * math.exp(0.3) + 0.4
     ],
 )
 def test_loss_variants(loss_type, expected):
-    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=0.2, loss_type=loss_type)
+    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, S(loss_type, epsilon=0.2))
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert stats["clip_high_frac"] == pytest.approx(1 / 5)
     assert stats["clip_low_frac"] == pytest.approx(1 / 5)
@@ -49,26 +65,26 @@ def test_loss_variants(loss_type, expected):
 
 
 def test_dr_grpo_uses_max_length():
-    loss, _ = grpo_loss(LOGP, OLD, None, ADV, MASK, loss_type="dr_grpo", max_length=10)
+    loss, _ = grpo_loss(LOGP, OLD, None, ADV, MASK, S("dr_grpo", max_length=10))
     assert loss.item() == pytest.approx((ROW0 + ROW1) / 20, abs=1e-6)
 
 
 def test_kl_term_k3():
     # delta = ref - logp: 0.5 at (0, 1) and 0.2 at (1, 1), zero elsewhere
     k3 = (math.exp(0.5) - 1.5) + (math.exp(0.2) - 1.2)  # 0.148721 + 0.021403
-    loss, stats = grpo_loss(LOGP, OLD, REF, ADV, MASK, beta=0.1, loss_type="dapo")
+    loss, stats = grpo_loss(LOGP, OLD, REF, ADV, MASK, S("dapo", beta=0.1))
     assert stats["kl"] == pytest.approx(k3 / 5, rel=1e-5)
     assert loss.item() == pytest.approx((ROW0 + ROW1 + 0.1 * k3) / 5, abs=1e-6)
 
 
 def test_beta_needs_reference():
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(LOGP, OLD, None, ADV, MASK, beta=0.1)
+        grpo_loss(LOGP, OLD, None, ADV, MASK, S(beta=0.1))
 
 
 def test_epsilon_high():
     # with 1 + 0.4 the e^0.3 ratio of row 0 is no longer clipped
-    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=0.2, epsilon_high=0.4, loss_type="dapo")
+    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, S("dapo", epsilon=0.2, epsilon_high=0.4))
     row0 = -math.exp(0.3) - math.exp(-0.2) - 1.0
     assert loss.item() == pytest.approx((row0 + ROW1) / 5, abs=1e-6)
     assert stats["clip_high_frac"] == 0.0
@@ -78,19 +94,19 @@ def test_per_token_clip_bounds_equal_the_scalar_ones():
     """The ``clipped`` policy loss takes (N, T) tensors as its clip bounds (the hook of a token rule
     with entropy-dependent clipping, ``grpo.entropy.TokenRule``): tensors filled with the scalars give
     the same loss and statistics; a looser upper bound on token (0, 0) alone unclips it."""
-    scalar = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=0.2, epsilon_high=0.3)
+    scalar = grpo_loss(LOGP, OLD, None, ADV, MASK, S(epsilon=0.2, epsilon_high=0.3))
     low, high = torch.full_like(LOGP, 0.2), torch.full_like(LOGP, 0.3)
-    tensor = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=low, epsilon_high=high)
+    tensor = grpo_loss(LOGP, OLD, None, ADV, MASK, terms=LossTerms(epsilon=low, epsilon_high=high))
     assert tensor[0].item() == scalar[0].item() and tensor[1] == scalar[1]
     high[0, 0] = 0.4
-    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, epsilon=low, epsilon_high=high)
+    loss, stats = grpo_loss(LOGP, OLD, None, ADV, MASK, terms=LossTerms(epsilon=low, epsilon_high=high))
     assert loss.item() == pytest.approx((-math.exp(0.3) - math.exp(-0.2) - 1.0 + ROW1) / 5, abs=1e-6)
     assert stats["clip_high_frac"] == 0.0
 
 
 def test_gradient_is_zero_where_clipped_and_on_padding():
     logp = LOGP.clone().requires_grad_(True)
-    loss, _ = grpo_loss(logp, OLD, None, ADV, MASK, loss_type="dapo")
+    loss, _ = grpo_loss(logp, OLD, None, ADV, MASK, S("dapo"))
     loss.backward()
     g = logp.grad
     assert g[0, 0] == 0.0  # clipped high with A > 0
@@ -105,21 +121,35 @@ def test_gradient_is_zero_where_clipped_and_on_padding():
 def test_micro_batches_sum_to_full_batch(loss_type):
     """The contract of every aggregation: the normaliser is a sum over the rows, and the parts'
     losses over the batch's normaliser add up to the batch's loss."""
-    full, _ = grpo_loss(LOGP, OLD, None, ADV, MASK, loss_type=loss_type)
-    norm = loss_normalizer(MASK, loss_type)
-    assert sum(loss_normalizer(MASK[i : i + 1], loss_type, MASK.shape[1]) for i in range(2)) == norm
+    full, _ = grpo_loss(LOGP, OLD, None, ADV, MASK, S(loss_type))
+    norm = S(loss_type).normalizer(MASK)
+    assert sum(S(loss_type, max_length=MASK.shape[1]).normalizer(MASK[i : i + 1]) for i in range(2)) == norm
     parts = [
-        grpo_loss(LOGP[i : i + 1], OLD[i : i + 1], None, ADV[i : i + 1], MASK[i : i + 1], loss_type=loss_type, normalizer=norm)[0]
+        grpo_loss(LOGP[i : i + 1], OLD[i : i + 1], None, ADV[i : i + 1], MASK[i : i + 1], S(loss_type), normalizer=norm)[0]
         for i in range(2)
     ]
     assert sum(p.item() for p in parts) == pytest.approx(full.item(), abs=1e-6)
 
 
 def test_unknown_loss_type_and_policy_loss():
+    """``build_loss`` turns the names into the entries: an unknown one is one line naming the param
+    (the params' validation says it first; ``model_construct`` skips it here)."""
+    from grpo.sections.train_parts import LossConfig
+
     with pytest.raises(ValueError, match="train.loss.loss_type: no loss aggregation 'ppo'"):
-        grpo_loss(LOGP, OLD, None, ADV, MASK, loss_type="ppo")
+        build_loss(LossConfig.model_construct(loss_type="ppo"), None)
     with pytest.raises(ValueError, match="train.loss.policy_loss: no policy loss 'ppo'"):
-        grpo_loss(LOGP, OLD, None, ADV, MASK, policy_loss="ppo")
+        build_loss(LossConfig.model_construct(policy_loss="ppo"), None)
+
+
+def test_build_loss_takes_the_params_settings():
+    """The settings of a loss part: its entries by name, its clip (``epsilon_high`` null: ``epsilon``),
+    ``beta`` and T_max as given."""
+    from grpo.sections.train_parts import LossConfig
+
+    cfg = LossConfig(loss_type="grpo", beta=0.04, policy_loss_options={"clipped": {"epsilon": 0.1, "epsilon_high": 0.28}})
+    assert build_loss(cfg, 24) == LossSettings(POLICY_LOSSES["clipped"], AGGREGATIONS["grpo"], 0.1, 0.28, 0.04, 24)
+    assert build_loss(LossConfig(), None).bounds(LossTerms()) == (0.2, 0.2)
 
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
@@ -223,8 +253,8 @@ def test_value_and_gradient_match_reference(seed, loss_type, beta, eps_high, max
     assert (~valid).any()
 
     x = logp.clone().requires_grad_(True)
-    loss, _ = grpo_loss(x, old, ref, adv, mask, epsilon=0.2, epsilon_high=eps_high, beta=beta,
-                        loss_type=loss_type, max_length=max_length)
+    loss, _ = grpo_loss(x, old, ref, adv, mask, S(loss_type, epsilon=0.2, epsilon_high=eps_high, beta=beta,
+                                                  max_length=max_length))
     loss.backward()
     want, want_grad = reference_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
                                      eps=0.2, eps_high=eps_high, beta=beta, loss_type=loss_type,
@@ -237,7 +267,7 @@ def test_value_and_gradient_match_reference(seed, loss_type, beta, eps_high, max
 def test_no_gradient_outside_the_mask(loss_type):
     logp, old, ref, adv, mask = random_batch(3)
     x = logp.clone().requires_grad_(True)
-    grpo_loss(x, old, ref, adv, mask, beta=0.1, loss_type=loss_type)[0].backward()
+    grpo_loss(x, old, ref, adv, mask, S(loss_type, beta=0.1))[0].backward()
     assert (x.grad[mask == 0] == 0).all()
     assert (x.grad[mask == 1] != 0).any()
 
@@ -247,7 +277,7 @@ def _token_grad(log_ratio, adv, eps=0.2, eps_high=None):
     x = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 1, dtype=torch.float64)
     grpo_loss(x, old, None, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1),
-              epsilon=eps, epsilon_high=eps_high, loss_type="dapo")[0].backward()
+              S("dapo", epsilon=eps, epsilon_high=eps_high))[0].backward()
     return x.grad.item()
 
 
@@ -270,7 +300,7 @@ def test_loss_and_gradient_are_linear_in_positive_advantage_scale(loss_type, c):
     results = []
     for a in (adv, c * adv):
         x = logp.clone().requires_grad_(True)
-        loss, _ = grpo_loss(x, old, None, a, mask, loss_type=loss_type)
+        loss, _ = grpo_loss(x, old, None, a, mask, S(loss_type))
         loss.backward()
         results.append((loss.item(), x.grad))
     (l1, g1), (l2, g2) = results
@@ -291,7 +321,7 @@ def test_padding_columns_change_nothing(loss_type):
     for lp, o, r, m in ((logp, old, ref, mask), padded):
         x = lp.clone().requires_grad_(True)
         # dr_grpo divides by T_max, which must stay the batch's max length, not the padded width
-        loss, stats = grpo_loss(x, o, r, adv, m, beta=0.05, loss_type=loss_type, max_length=t)
+        loss, stats = grpo_loss(x, o, r, adv, m, S(loss_type, beta=0.05, max_length=t))
         loss.backward()
         out.append((loss.item(), x.grad, stats))
     (l1, g1, s1), (l2, g2, s2) = out
@@ -328,8 +358,9 @@ def test_archer_and_sent_kl_token_terms_by_hand():
     + k3(0.2) (the high (0, 2)'s k3(0.4) and (1, 1)'s k3(0.3) left out); sent_kl adds (1, 1)'s
     k3(0.3). ``dapo`` divides the sum by the 7 valid tokens, ``grpo`` each row by its own count;
     the ``kl`` statistic is the mean k3 of every valid token either way."""
-    from grpo.entropy import TOKEN_RULES
-    from grpo.loss import POLICY_LOSSES
+    from dataclasses import replace
+
+    from grpo.entropy import build_token_rule
     from grpo.sections.train import TrainConfig
 
     e01, e04, e03, em01 = math.exp(0.3), math.exp(-0.4), math.exp(-0.3), math.exp(-0.1)
@@ -341,28 +372,26 @@ def test_archer_and_sent_kl_token_terms_by_hand():
     k3_mean = (_k3(0.5) + _k3(0.4) + _k3(-0.2) + _k3(0.2) + _k3(0.3)) / 7
     for name in ("archer", "sent_kl"):
         cfg = TrainConfig(loss={"entropy_rule": name}).loss
-        rule = TOKEN_RULES[name]
-        threshold = rule.threshold(ENT5[MASK5.bool()], cfg) if rule.needs_statistic(cfg) else None
-        terms = rule.loss_terms(ENT5, MASK5, threshold, cfg)
-        eps = cfg.clip()[0] if terms.epsilon is None else terms.epsilon
-        eps_high = cfg.clip()[1] if terms.epsilon_high is None else terms.epsilon_high
+        rule, settings = build_token_rule(cfg), build_loss(cfg, None)
+        threshold = rule.threshold(ENT5[MASK5.bool()]) if rule.needs_statistic() else None
+        terms = rule.loss_terms(ENT5, MASK5, threshold)
+        eps, eps_high = settings.bounds(terms)
         per_token, _ = POLICY_LOSSES["clipped"](LOGP5, OLD5, ADV5.unsqueeze(1), MASK5, epsilon=eps, epsilon_high=eps_high)
         torch.testing.assert_close(per_token * MASK5, torch.tensor(policy[name]), rtol=0, atol=1e-6)
         rows = [sum(p) + 0.001 * sum(k) for p, k in zip(policy[name], kl_low[name])]
         for loss_type, expected in (("dapo", sum(rows) / 7), ("grpo", (rows[0] / 4 + rows[1] / 3) / 2)):
-            loss, stats = grpo_loss(LOGP5, OLD5, REF5, ADV5, MASK5, epsilon=eps, epsilon_high=eps_high,
-                                    kl_weights=terms.kl_weights, loss_type=loss_type)
+            loss, stats = grpo_loss(LOGP5, OLD5, REF5, ADV5, MASK5, replace(settings, aggregation=AGGREGATIONS[loss_type]),
+                                    terms=terms)
             assert loss.item() == pytest.approx(expected, abs=1e-6), (name, loss_type)
             assert stats["kl"] == pytest.approx(k3_mean, rel=1e-5)
         logp = LOGP5.clone().requires_grad_(True)  # the high token (0, 2): a gradient under archer only
-        grpo_loss(logp, OLD5, REF5, ADV5, MASK5, epsilon=eps, epsilon_high=eps_high, kl_weights=terms.kl_weights,
-                  loss_type="dapo")[0].backward()
+        grpo_loss(logp, OLD5, REF5, ADV5, MASK5, settings, terms=terms)[0].backward()
         assert logp.grad[0, 2].item() == pytest.approx(-e01 / 7 if name == "archer" else 0.0, abs=1e-7)
 
 
 def test_kl_weights_need_reference():
     with pytest.raises(ValueError, match="kl_weights needs ref_logp"):
-        grpo_loss(LOGP, OLD, None, ADV, MASK, kl_weights=torch.ones_like(LOGP))
+        grpo_loss(LOGP, OLD, None, ADV, MASK, terms=LossTerms(kl_weights=torch.ones_like(LOGP)))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
@@ -374,7 +403,7 @@ def test_term_gradient_norms_are_those_of_each_term_alone(loss_type):
     grads = []
     for kl_weights in (None, weights):
         x = logp.clone().requires_grad_(True)
-        loss, stats = grpo_loss(x, old, ref, adv, mask, beta=0.0, kl_weights=kl_weights, loss_type=loss_type)
+        loss, stats = grpo_loss(x, old, ref, adv, mask, S(loss_type, beta=0.0), terms=LossTerms(kl_weights=kl_weights))
         loss.backward()
         grads.append(x.grad)
     g_policy, g_both = grads
@@ -391,17 +420,17 @@ def test_policy_token_grads_are_the_losss_own_gradient_at_every_token():
     weights = torch.tensor([[1.0, 0.5, 2.0], [1.5, 1.0, 1.0]])
     for loss_type in ("dapo", "grpo"):
         logp = LOGP.clone().requires_grad_(True)
-        loss, _ = grpo_loss(logp, OLD, None, ADV, MASK, epsilon=0.2, loss_type=loss_type, token_weights=weights)
+        loss, _ = grpo_loss(logp, OLD, None, ADV, MASK, S(loss_type, epsilon=0.2), terms=LossTerms(token_weights=weights))
         (want,) = torch.autograd.grad(loss, logp)
-        got = policy_token_grads(LOGP, OLD, ADV, MASK, epsilon=0.2, epsilon_high=0.2, loss_type=loss_type,
-                                 token_weights=weights)
+        got = policy_token_grads(LOGP, OLD, ADV, MASK, S(loss_type, epsilon=0.2, epsilon_high=0.2),
+                                 terms=LossTerms(token_weights=weights))
         torch.testing.assert_close(got, want.abs() * MASK)
         assert got[1, 2] == 0 and (got[0, 0] == 0) and got[0, 1] > 0  # padding; clipped (ratio e^0.3, A > 0); inside
 
 
 def test_policy_token_grads_on_policy_are_the_advantage_over_the_normaliser():
     """At ratio 1 (mu 1) the clipped term's gradient is -A: with ``dapo`` |A_i| / (valid tokens)."""
-    got = policy_token_grads(LOGP, LOGP, ADV, MASK, epsilon=0.2, epsilon_high=0.2, loss_type="dapo")
+    got = policy_token_grads(LOGP, LOGP, ADV, MASK, S("dapo", epsilon=0.2, epsilon_high=0.2))
     want = ADV.abs().unsqueeze(1) * MASK / MASK.sum()
     torch.testing.assert_close(got, want.to(got.dtype))
 
@@ -422,6 +451,6 @@ def test_the_wide_clip_band_is_where_ppo_clips_and_the_wider_clip_does_not():
     by_hand = torch.zeros_like(band)
     by_hand[0, 2] = by_hand[0, 3] = by_hand[1, 2] = by_hand[1, 3] = True
     assert torch.equal(band, by_hand)
-    ppo = policy_token_grads(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.2)
-    rule = policy_token_grads(logp, old, adv, mask, epsilon=wide_eps, epsilon_high=wide_eps)
+    ppo = policy_token_grads(logp, old, adv, mask, S(epsilon=0.2, epsilon_high=0.2))
+    rule = policy_token_grads(logp, old, adv, mask, terms=LossTerms(epsilon=wide_eps, epsilon_high=wide_eps))
     assert torch.equal(band, wide & (ppo == 0) & (rule > 0))

@@ -13,8 +13,9 @@ import torch
 from grpo.base_model import load_tokenizer
 from grpo.data import build_prompt
 from grpo.distributed import Dist
-from grpo.entropy import TOKEN_RULES
+from grpo.entropy import build_token_rule
 from grpo.lora_policy import load_policy
+from grpo.loss import LossSettings, build_loss
 from grpo.passes import PolicyPasses, micro_slices
 from grpo.rollout_backends import TransformersBackend
 from grpo.sections.lora import LoraConfig
@@ -27,9 +28,11 @@ from .helpers import LORA, give_adapter_a_say
 
 
 def _passes(model, cfg: TrainConfig) -> PolicyPasses:
-    """The passes as the trainer builds them, one process, AdamW on the LoRA parameters."""
+    """The passes as the trainer builds them, one process, AdamW on the LoRA parameters, the rule
+    and the loss of ``cfg.loss``."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return PolicyPasses(model, cfg, Dist(), AdamWUpdater(params, cfg, Dist()))
+    return PolicyPasses(model, cfg, Dist(), AdamWUpdater(params, cfg, Dist()), build_token_rule(cfg.loss),
+                        build_loss(cfg.loss, cfg.rollouts.max_new_tokens))
 
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:
@@ -210,7 +213,7 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
     raise the log-likelihood of the rewarded one relative to the other (by 1.7 nats with every
     token kept, 0.3 with the top 20%, when this was written)."""
     from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
-    from grpo.loss import group_advantages, loss_normalizer
+    from grpo.loss import group_advantages
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
@@ -227,7 +230,7 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
 
     start = seq_logp()
     for _ in range(8):
-        passes.loss_backward(batch, loss_normalizer(batch.mask, "dapo"))
+        passes.loss_backward(batch, LossSettings().normalizer(batch.mask))
         passes.updater.optimizer.step()
         passes.updater.optimizer.zero_grad()
     end = seq_logp()
@@ -241,7 +244,6 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     is the step's, not each micro-batch's) and the same accumulated LoRA gradients. The no-grad
     policy pass that gives the threshold runs once with 4 micro-batches where the rule needs a
     statistic (``high``), never where it needs none (``archer``, its KL off: a per-response cut)."""
-    from grpo.loss import loss_normalizer
 
     policy_passes = []
     real_no_grad = PolicyPasses.no_grad_pass
@@ -264,7 +266,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2])  # (N,)
     batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
     assert len(four.slices(len(batch))) == 4
-    normalizer = loss_normalizer(batch.mask, "dapo")
+    normalizer = LossSettings().normalizer(batch.mask)  # dapo's
     results = []
     for passes in (one, four):
         model.train()
@@ -272,7 +274,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
         sums, keep, _logp = passes.accumulate_gradients(batch, normalizer)
         results.append((sums, keep, _lora_grads(model)))
     (s1, keep1, g1), (s4, keep4, g4) = results
-    assert policy_passes == ([4] if TOKEN_RULES[rule].needs_statistic(four.cfg.loss) else [])
+    assert policy_passes == ([4] if four.rule.needs_statistic() else [])
     assert torch.equal(keep1, keep4)
     if rule == "high":
         assert 0 < keep1.sum() < batch.mask.sum()  # the mask really selects

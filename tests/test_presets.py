@@ -26,7 +26,6 @@ import yaml
 import grpo.passes as passes_mod
 import grpo.trainer as trainer_mod
 from grpo.base_model import load_tokenizer
-from grpo.entropy import TOKEN_RULES
 from grpo.lora_policy import load_policy
 from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
@@ -220,7 +219,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
         assert all(not kw["ref_logp"] and kw["beta"] == 0 for kw in loss_kwargs)
     # mu optimizer updates per step; the old policy's log-probs need no pass (the first update gives them):
     # a no-grad policy pass runs only for the threshold of a rule with a statistic over several slices, once an update
-    statistic = slices > 1 and TOKEN_RULES[cfg.loss.entropy_rule].needs_statistic(cfg.loss)
+    statistic = slices > 1 and trainer.passes.rule.needs_statistic()
     assert calls["policy_pass"] == (2 * cfg.optimizer.mu if statistic else 0)
     assert clip_norms == [cfg.optimizer.max_grad_norm] * (2 * cfg.optimizer.mu)
     # the loss got the preset's loss type, policy loss and clip range (a rule with per-token bounds, archer:
@@ -239,7 +238,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
         if cfg.loss.rule_options().top_quantile >= 1.0:
             assert r["kept_frac"] == pytest.approx(1.0)
         else:
-            assert 0 < r["kept_frac"] <= TOKEN_RULES[cfg.loss.entropy_rule].grad_fraction(cfg.loss) + 0.15  # the rule's share of tokens with gradient
+            assert 0 < r["kept_frac"] <= trainer.passes.rule.grad_fraction() + 0.15  # the rule's share of tokens with gradient
     # learning rate: warm-up and schedule as configured (the steps were shrunk, the shape kept)
     schedule = lr_lambda(cfg)
     assert [r["lr"] for r in rows] == pytest.approx([cfg.optimizer.lr * schedule(s) for s in range(2)])

@@ -68,15 +68,13 @@ class HalfTokenMean:
 
 
 class KeepNone(TokenRule):
-    """A toy token-entropy rule: no token carries gradient."""
+    """A toy token-entropy rule without options: no token carries gradient."""
 
-    @staticmethod
-    def grad_mask(entropy, mask, threshold, cfg):
+    def grad_mask(self, entropy, mask, threshold):
         CALLS.append("grad_mask")
         return torch.zeros_like(mask, dtype=torch.bool)
 
-    @staticmethod
-    def grad_fraction(cfg):
+    def grad_fraction(self):
         return 0.0
 
 

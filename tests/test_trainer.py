@@ -18,7 +18,7 @@ from grpo.rollout_backends import TransformersBackend
 from grpo.sections.lora import LoraConfig
 from grpo.sections.model import ModelConfig
 from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer
+from grpo.trainer import GRPOTrainer, TrainerParts
 from grpo.types import TrainBatch
 
 from .helpers import LORA, give_adapter_a_say
@@ -92,7 +92,7 @@ def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_m
     calls = []
     generate = backend.generate
     backend.generate = lambda prompts, n, **kw: calls.append(len(prompts) * n) or generate(prompts, n, **kw)
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, backend=backend)
+    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, parts=TrainerParts(backend=backend))
     prompts = ["What is 1 + 2?", "Hi"]
     roll = trainer.rollout(prompts)
     assert calls == [3, 1, 3, 1]

@@ -106,3 +106,50 @@ def test_a_prompt_that_does_not_fit_is_left_out_and_the_loggers_are_made_once(ti
         assert (made, built.closers) == ([1], ["closer"])
     finally:
         built.backend.close()
+
+
+def test_the_rule_and_the_loss_are_built_once_and_handed_to_the_passes(tiny_params, tiny_problems, monkeypatch):
+    """``build_token_rule`` and ``build_loss`` run once per build; the passes hold those objects, of
+    the params' rule, options, clip and T_max."""
+    import grpo.trainer_builder as builder_mod
+    from grpo.entropy import Archer
+
+    calls = []
+    for name in ("build_token_rule", "build_loss"):
+        real = getattr(builder_mod, name)
+        monkeypatch.setattr(builder_mod, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    built = build_trainer(tiny_params, "cpu", problems=tiny_problems)
+    try:
+        passes, loss = built.trainer.passes, tiny_params.train.loss
+        assert calls == ["build_token_rule", "build_loss"]
+        assert isinstance(passes.rule, Archer) and passes.rule.options == loss.rule_options() and passes.rule.clip == loss.clip()
+        assert (passes.loss.epsilon, passes.loss.beta, passes.loss.max_length) == (
+            loss.clip()[0], loss.beta, tiny_params.train.rollouts.max_new_tokens)
+    finally:
+        built.backend.close()
+
+
+def test_a_bench_swaps_one_part_and_the_rest_is_built_as_the_stage_builds_it(tiny_params, tiny_problems):
+    """A subclass of ``TrainerBuilder`` overriding ``token_rule`` and ``rollout_lengths`` (a bench's
+    departures beyond params): the trainer runs that rule, its backend those lengths, and the policy
+    is the stage's (the same seed, the same LoRA weights)."""
+    from grpo.entropy import KeepHigh, QuantileOptions
+    from grpo.trainer_builder import TrainerBuilder
+
+    mine = KeepHigh(QuantileOptions(top_quantile=0.5))
+
+    class Bench(TrainerBuilder):
+        def token_rule(self):
+            return mine
+
+        def rollout_lengths(self):
+            return None, 3
+
+    stage, bench = build_trainer(tiny_params, "cpu", problems=tiny_problems), Bench(tiny_params, "cpu").build(tiny_problems)
+    try:
+        assert bench.trainer.passes.rule is mine and stage.trainer.passes.rule is not mine
+        assert bench.backend.min_new_tokens == 3 and stage.backend.min_new_tokens == 0
+        assert torch.equal(_lora_a(stage), _lora_a(bench))
+    finally:
+        stage.backend.close()
+        bench.backend.close()

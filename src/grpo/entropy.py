@@ -49,14 +49,18 @@ of them. The sources line by line: docs/design.md#token-entropy-rules.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
 from grpo.fields import Fraction, PositiveFloat, Section
+from grpo.loss import LossTerms
 from grpo.registry import Registry
+
+if TYPE_CHECKING:
+    from grpo.sections.train_parts import LossConfig
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -77,6 +81,20 @@ def entropy_threshold(values: Tensor, top_quantile: float) -> Tensor | None:
     return torch.quantile(values.float(), 1.0 - top_quantile)
 
 
+def at_or_above(entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> Tensor:
+    """(N, T) bool: the valid tokens of ``mask`` (N, T) whose ``entropy`` (N, T) is at or above
+    ``threshold``; every valid token when it is ``None``."""
+    valid = mask.bool()
+    return valid.clone() if threshold is None else (entropy >= threshold) & valid
+
+
+def below(entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> Tensor:
+    """(N, T) bool: the valid tokens below ``threshold`` (the complement of ``at_or_above`` within
+    ``mask``); every valid token when it is ``None``."""
+    valid = mask.bool()
+    return valid.clone() if threshold is None else (entropy < threshold) & valid
+
+
 def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, threshold: Tensor | None = None) -> Tensor:
     """Boolean mask of the highest-entropy valid tokens.
 
@@ -87,78 +105,79 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, thresh
     """
     if threshold is None:
         threshold = entropy_threshold(entropy[mask.bool()], top_quantile)
-    return KeepHigh.grad_mask(entropy, mask, threshold, None)
-
-
-class LossTerms(NamedTuple):
-    """What a token-entropy rule puts into the loss besides its gradient mask (``TokenRule.loss_terms``,
-    handed to ``grpo.loss.grpo_loss`` by ``grpo.passes.PolicyPasses.loss_backward``). Each is an
-    (N, T) tensor or ``None``: the clip bounds ``1 - epsilon`` / ``1 + epsilon_high`` per token
-    (``None``: the ``clipped`` term's ``epsilon`` / ``epsilon_high``), and the coefficient of a k3 KL term to the
-    reference policy per token, added to the token terms before the aggregation (``None``: none;
-    needs ``TokenRule.needs_reference``)."""
-
-    epsilon: Tensor | None = None
-    epsilon_high: Tensor | None = None
-    kl_weights: Tensor | None = None
+    return at_or_above(entropy, mask, threshold)
 
 
 class TokenRule:
-    """An entry of ``TOKEN_RULES``: what a step does with its tokens by their entropy. Entries are
-    classes of static methods (never instantiated); ``cfg`` is the loss part of the train section
-    (``grpo.sections.train_parts.LossConfig``), from which a rule reads its own options
-    (``rule_options``: its ``Options`` model, under ``train.loss.entropy_rule_options.<name>``). The defaults keep every
-    valid token, need no statistic and leave the loss as the params set it.
+    """An entry of ``TOKEN_RULES``: what a step does with its tokens by their entropy. A rule is an
+    object built once per run from its own typed options (``Options``, a ``grpo.config.Section``
+    under ``train.loss.entropy_rule_options.<name>``; ``build_token_rule`` is the one place that
+    turns the param's name into the object) and the ordinary clip range ``clip`` =
+    ``(epsilon, epsilon_high)``, for a rule that modifies it; its methods then take tensors only.
+    The defaults keep every valid token, need no statistic and leave the loss as the params set it.
 
-    - ``check(cfg)``: raise ``ValueError`` (one line naming the param) when the params do not
-      suit the rule; ``LossConfig`` calls it when the part is built.
-    - ``needs_statistic(cfg)``: whether ``threshold`` needs the step's entropies (the passes
-      gather every rank's valid entropies only then).
-    - ``threshold(values, cfg)``: the step-wide statistic from the 1-D entropies of every valid
-      token of the step (all micro-batches and ranks), or ``None``.
-    - ``grad_mask(entropy, mask, threshold, cfg)``: the (N, T) bool mask, a subset of ``mask``, of
-      the tokens whose policy term carries gradient (the LM head runs with grad at those only);
-      the others keep their detached log-probs in the loss value and the normaliser.
-    - ``grad_fraction(cfg)``: the fraction of valid tokens ``grad_mask`` keeps, for the memory
-      estimate (``grpo.memory``: the LM-head rows with grad).
-    - ``needs_reference(cfg)``: whether ``loss_terms`` gives KL weights, so that the passes compute
-      the reference log-probs even at ``train.loss.beta`` 0 (and the trainer keeps the groups of equal
+    - ``check(options)`` (a class method): raise ``ValueError`` (one line naming the param) when the
+      options do not suit the rule; ``LossConfig`` calls it when the part is built, and so does the
+      constructor.
+    - ``needs_statistic()``: whether ``threshold`` needs the step's entropies (the passes gather
+      every rank's valid entropies only then).
+    - ``threshold(values)``: the step-wide statistic from the 1-D entropies of every valid token of
+      the step (all micro-batches and ranks), or ``None``.
+    - ``grad_mask(entropy, mask, threshold)``: the (N, T) bool mask, a subset of ``mask``, of the
+      tokens whose policy term carries gradient (the LM head runs with grad at those only); the
+      others keep their detached log-probs in the loss value and the normaliser.
+    - ``grad_fraction()``: the fraction of valid tokens ``grad_mask`` keeps, for the memory estimate
+      (``grpo.memory``: the LM-head rows with grad).
+    - ``needs_reference()``: whether ``loss_terms`` gives KL weights, so that the passes compute the
+      reference log-probs even at ``train.loss.beta`` 0 (and the trainer keeps the groups of equal
       rewards, whose KL term has a gradient).
-    - ``loss_terms(entropy, mask, threshold, cfg)``: the ``LossTerms`` of a micro-batch (per-token
-      clip bounds, per-token KL weights), from the same arguments as ``grad_mask``.
+    - ``loss_terms(entropy, mask, threshold)``: the ``grpo.loss.LossTerms`` of a micro-batch
+      (per-token clip bounds, per-token KL weights), from the same arguments as ``grad_mask``.
     """
 
-    @staticmethod
-    def check(cfg: Any) -> None:
+    Options: ClassVar[type[Section] | None] = None
+    """The rule's options model (``None``: a rule without options)."""
+
+    def __init__(self, options: Section | None = None, *, clip: tuple[float, float] | None = None):
+        """``options``: an ``Options`` (``None``: its defaults); ``clip``: the ordinary clip's two
+        sides, kept for a rule that modifies them (``None`` where none does)."""
+        if options is None and self.Options is not None:
+            options = self.Options()
+        self.check(options)
+        self.options, self.clip = options, clip
+
+    @classmethod
+    def check(cls, options: Section | None) -> None:
         return None
 
-    @staticmethod
-    def needs_statistic(cfg: Any) -> bool:
+    def needs_statistic(self) -> bool:
         return False
 
-    @staticmethod
-    def threshold(values: Tensor, cfg: Any) -> Tensor | None:
+    def threshold(self, values: Tensor) -> Tensor | None:
         return None
 
-    @staticmethod
-    def grad_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> Tensor:
+    def grad_mask(self, entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> Tensor:
         return mask.bool().clone()
 
-    @staticmethod
-    def grad_fraction(cfg: Any) -> float:
+    def grad_fraction(self) -> float:
         return 1.0
 
-    @staticmethod
-    def needs_reference(cfg: Any) -> bool:
+    def needs_reference(self) -> bool:
         return False
 
-    @staticmethod
-    def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+    def loss_terms(self, entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> LossTerms:
         return LossTerms()
 
 
 TOKEN_RULES: Registry[type[TokenRule]] = Registry("train.loss.entropy_rule", "token-entropy rule")
 """Rule name -> ``TokenRule`` subclass (``train.loss.entropy_rule``)."""
+
+
+def build_token_rule(cfg: LossConfig) -> TokenRule:
+    """The token rule ``cfg.entropy_rule`` of the loss part ``cfg`` (``train.loss``), built from its
+    options (``train.loss.entropy_rule_options.<name>``; none for a rule that declares none) and the
+    ordinary clip (``LossConfig.clip``): the one place the rule's name becomes the object."""
+    return TOKEN_RULES[cfg.entropy_rule](cfg.rule_options(), clip=cfg.clip())
 
 
 class QuantileOptions(Section):
@@ -198,13 +217,13 @@ class QuantileRule(TokenRule):
     """The rules of one threshold: the ``1 - top_quantile`` quantile of the step's valid
     entropies (none at ``top_quantile`` 1)."""
 
-    @staticmethod
-    def needs_statistic(cfg: Any) -> bool:
-        return cfg.rule_options().top_quantile < 1
+    options: QuantileOptions
 
-    @staticmethod
-    def threshold(values: Tensor, cfg: Any) -> Tensor | None:
-        return entropy_threshold(values, cfg.rule_options().top_quantile)
+    def needs_statistic(self) -> bool:
+        return self.options.top_quantile < 1
+
+    def threshold(self, values: Tensor) -> Tensor | None:
+        return entropy_threshold(values, self.options.top_quantile)
 
 
 @TOKEN_RULES.register("high")
@@ -214,14 +233,11 @@ class KeepHigh(QuantileRule):
 
     Options = QuantileOptions
 
-    @staticmethod
-    def grad_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> Tensor:
-        valid = mask.bool()
-        return valid.clone() if threshold is None else (entropy >= threshold) & valid
+    def grad_mask(self, entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> Tensor:
+        return at_or_above(entropy, mask, threshold)
 
-    @staticmethod
-    def grad_fraction(cfg: Any) -> float:
-        return rule_options(cfg, "high").top_quantile
+    def grad_fraction(self) -> float:
+        return self.options.top_quantile
 
 
 @TOKEN_RULES.register("low")
@@ -231,20 +247,17 @@ class KeepLow(QuantileRule):
 
     Options = LowOptions
 
-    @staticmethod
-    def check(cfg: Any) -> None:
-        if rule_options(cfg, "low").top_quantile >= 1:
+    @classmethod
+    def check(cls, options: LowOptions) -> None:
+        if options.top_quantile >= 1:
             raise ValueError("train.loss.entropy_rule_options.low.top_quantile: low keeps the tokens below the top "
                              "top_quantile; set it below 1")
 
-    @staticmethod
-    def grad_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> Tensor:
-        valid = mask.bool()
-        return valid.clone() if threshold is None else (entropy < threshold) & valid
+    def grad_mask(self, entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> Tensor:
+        return below(entropy, mask, threshold)
 
-    @staticmethod
-    def grad_fraction(cfg: Any) -> float:
-        return 1 - rule_options(cfg, "low").top_quantile
+    def grad_fraction(self) -> float:
+        return 1 - self.options.top_quantile
 
 
 def per_response_high(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
@@ -259,11 +272,6 @@ def per_response_high(entropy: Tensor, mask: Tensor, top_quantile: float) -> Ten
     return (entropy > tau) & valid
 
 
-def rule_options(cfg: Any, name: str) -> Any:
-    """The options of rule ``name`` in the loss part ``cfg`` (``train.loss.entropy_rule_options``)."""
-    return cfg.entropy_rule_options[name]
-
-
 def low_kl_weights(low: Tensor, kl_low: float) -> Tensor | None:
     """(N, T) ``kl_low`` on the tokens of ``low`` (bool), 0 elsewhere; ``None`` at 0."""
     return low.float() * kl_low if kl_low > 0 else None
@@ -272,27 +280,30 @@ def low_kl_weights(low: Tensor, kl_low: float) -> Tensor | None:
 @TOKEN_RULES.register("archer")
 class Archer(TokenRule):
     """Every valid token gets gradient; per response, the tokens above its ``1 - top_quantile``
-    entropy quantile clip at ``1 -+ clip_high``, the others at ``1 - epsilon`` / ``1 +
-    epsilon_high`` and add ``kl_low`` x k3 to the reference (arXiv 2507.15778; see the module
-    docstring)."""
+    entropy quantile clip at ``1 -+ clip_high``, the others at the ordinary ``clip`` (``1 -
+    epsilon`` / ``1 + epsilon_high``) and add ``kl_low`` x k3 to the reference (arXiv 2507.15778;
+    see the module docstring)."""
 
     Options = ArcherOptions
+    options: ArcherOptions
 
-    @staticmethod
-    def check(cfg: Any) -> None:
-        if rule_options(cfg, "archer").top_quantile >= 1:
+    def __init__(self, options: ArcherOptions | None = None, *, clip: tuple[float, float]):
+        """``clip``: the ordinary clip's ``(epsilon, epsilon_high)``, the low-entropy tokens' bounds."""
+        super().__init__(options, clip=clip)
+
+    @classmethod
+    def check(cls, options: ArcherOptions) -> None:
+        if options.top_quantile >= 1:
             raise ValueError("train.loss.entropy_rule_options.archer.top_quantile: archer treats the tokens below "
                              "the top top_quantile apart; set it below 1")
 
-    @staticmethod
-    def needs_reference(cfg: Any) -> bool:
-        return rule_options(cfg, "archer").kl_low > 0
+    def needs_reference(self) -> bool:
+        return self.options.kl_low > 0
 
-    @staticmethod
-    def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
-        opts = rule_options(cfg, "archer")
+    def loss_terms(self, entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> LossTerms:
+        opts = self.options
         high = per_response_high(entropy, mask, opts.top_quantile)  # (N, T) bool
-        eps, eps_high = cfg.clip()
+        eps, eps_high = self.clip
         wide = torch.full_like(entropy, opts.clip_high, dtype=torch.float32)  # (N, T)
         return LossTerms(epsilon=torch.where(high, wide, eps), epsilon_high=torch.where(high, wide, eps_high),
                          kl_weights=low_kl_weights(mask.bool() & ~high, opts.kl_low))
@@ -308,15 +319,12 @@ class SentKL(QuantileRule):
     every token under either rule."""
 
     Options = SentKLOptions
+    options: SentKLOptions
 
-    @staticmethod
-    def needs_reference(cfg: Any) -> bool:
-        opts = rule_options(cfg, "sent_kl")
-        return opts.kl_low > 0 and opts.top_quantile < 1
+    def needs_reference(self) -> bool:
+        return self.options.kl_low > 0 and self.options.top_quantile < 1
 
-    @staticmethod
-    def loss_terms(entropy: Tensor, mask: Tensor, threshold: Tensor | None, cfg: Any) -> LossTerms:
+    def loss_terms(self, entropy: Tensor, mask: Tensor, threshold: Tensor | None) -> LossTerms:
         if threshold is None:  # top_quantile 1 (or no valid token): no low class
             return LossTerms()
-        return LossTerms(kl_weights=low_kl_weights(KeepLow.grad_mask(entropy, mask, threshold, cfg),
-                                                   rule_options(cfg, "sent_kl").kl_low))
+        return LossTerms(kl_weights=low_kl_weights(below(entropy, mask, threshold), self.options.kl_low))

@@ -11,8 +11,10 @@ invented baseline).
 
 The loss has two axes, each a registry (as verl's ``core_algos.py``): the per-token policy term
 (``POLICY_LOSSES``, ``train.loss.policy_loss``) and how the token terms become one number
-(``AGGREGATIONS``, ``train.loss.loss_type``). ``grpo_loss`` composes them: policy term -> token
-importance weights -> + beta * k3 KL (+ a token-entropy rule's per-token KL) -> aggregation. The one policy loss, ``clipped``, is the
+(``AGGREGATIONS``, ``train.loss.loss_type``), the names turned into the entries once per run by
+``build_loss`` (a frozen ``LossSettings`` with the clip range, beta and T_max). ``grpo_loss`` composes
+them: policy term -> token importance weights -> + beta * k3 KL (+ a token-entropy rule's per-token
+KL) -> aggregation, the per-token inputs of a batch in one ``LossTerms``. The one policy loss, ``clipped``, is the
 PPO-style clipped term of every completion token t:
 
     rho_t = exp(logp_t - old_logp_t)
@@ -34,7 +36,8 @@ is added, correcting for the engine's slightly different numerics.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, ClassVar, NamedTuple, Protocol
 
 import torch
 from pydantic import Field
@@ -42,6 +45,9 @@ from torch import Tensor
 
 from grpo.fields import PositiveFloat, Section
 from grpo.registry import Registry
+
+if TYPE_CHECKING:
+    from grpo.sections.train_parts import LossConfig
 
 ADV_EPS = 1e-4
 
@@ -168,29 +174,6 @@ def wide_clip_band(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon: float, eps
     return wide, wide & (above | below)
 
 
-def policy_token_grads(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                       epsilon: float | Tensor, epsilon_high: float | Tensor, loss_type: str = "dapo",
-                       policy_loss: str = "clipped", normalizer: float | None = None, max_length: int | None = None,
-                       token_weights: Tensor | None = None) -> Tensor:
-    """(N, T) |d L_policy / d logp_t|: the magnitude of the policy term's gradient (``grpo_loss``'s
-    arguments, without the KL) at every valid token's log-prob, as if every token carried gradient
-    (a token an entropy mask drops gets the gradient it would have had). Exact: the term is
-    rebuilt on a detached copy of ``logp`` and differentiated by autograd, one elementwise backward
-    over (N, T), never through the model. 0 outside ``mask``."""
-    aggregation, policy = AGGREGATIONS[loss_type], POLICY_LOSSES[policy_loss]
-    mask = mask.to(logp.dtype)  # (N, T)
-    with torch.enable_grad():
-        x = logp.detach().requires_grad_(True)  # (N, T)
-        per_token, _ = policy(x, old_logp.detach(), advantages.detach().to(x.dtype).unsqueeze(1), mask,
-                              epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high)
-        if token_weights is not None:
-            per_token = per_token * token_weights.detach().to(per_token.dtype)
-        if normalizer is None:
-            normalizer = aggregation.normalizer(mask, max_length)
-        (grad,) = torch.autograd.grad(aggregation.aggregate(per_token, mask, normalizer), x)
-    return grad.abs() * mask  # (N, T)
-
-
 @torch.no_grad()
 def token_mean(values: Tensor, mask: Tensor) -> float:
     """The mean of (N, T) ``values`` over the valid tokens of ``mask`` (0 without any)."""
@@ -238,56 +221,89 @@ class TokenMean(TokenSum):
         return float(mask.sum().clamp(min=1))
 
 
-def loss_normalizer(mask: Tensor, loss_type: str, max_length: int | None = None) -> float:
-    """The denominator of the aggregation ``loss_type`` for a whole batch; pass it to every
-    micro-batch's ``grpo_loss`` so that gradient accumulation sums to the full-batch loss."""
-    return AGGREGATIONS[loss_type].normalizer(mask, max_length)
+class LossTerms(NamedTuple):
+    """The per-token inputs of a micro-batch's loss besides its log-probs, each an (N, T) tensor or
+    ``None``, none with a gradient: the clip bounds ``1 - epsilon`` / ``1 + epsilon_high`` per token
+    (``None``: the settings' ``epsilon`` / ``epsilon_high``) and the coefficient of a k3 KL term to
+    the reference policy per token, added to the token terms before the aggregation (``None``: none;
+    needs ``ref_logp``), both a token-entropy rule's (``grpo.entropy.TokenRule.loss_terms``); and
+    the importance weights of the policy-gradient term (the engine's truncated IS weights,
+    ``grpo.passes.PolicyPasses.engine_gap``; ``None``: 1)."""
+
+    epsilon: Tensor | None = None
+    epsilon_high: Tensor | None = None
+    kl_weights: Tensor | None = None
+    token_weights: Tensor | None = None
 
 
-def grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    epsilon: float | Tensor = 0.2,
-    epsilon_high: float | Tensor | None = None,
-    beta: float = 0.0,
-    kl_weights: Tensor | None = None,
-    loss_type: str = "dapo",
-    policy_loss: str = "clipped",
-    normalizer: float | None = None,
-    max_length: int | None = None,
-    token_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO loss and its statistics: the policy term ``policy_loss`` (``POLICY_LOSSES``), times
-    ``token_weights``, plus ``beta`` times the k3 KL, aggregated by ``loss_type`` (``AGGREGATIONS``).
+NO_TERMS = LossTerms()
+"""The terms of a loss without per-token inputs: the settings' clip, no further KL, weights 1."""
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's settings fixed for a run, built once from ``train.loss`` (``build_loss``): the
+    policy term (an entry of ``POLICY_LOSSES``), the aggregation (of ``AGGREGATIONS``), the ordinary
+    clip range's two sides (``epsilon_high`` ``None``: ``epsilon``), the k3 KL coefficient ``beta``
+    and T_max of ``dr_grpo`` (``max_length``; ``None``: each batch's T)."""
+
+    policy: PolicyLoss = clipped
+    aggregation: Aggregation = TokenMean
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    max_length: int | None = None
+
+    def normalizer(self, mask: Tensor) -> float:
+        """The aggregation's denominator of a whole batch ((N, T) ``mask``); hand it to every
+        micro-batch's ``grpo_loss`` so that gradient accumulation sums to the full-batch loss."""
+        return self.aggregation.normalizer(mask, self.max_length)
+
+    def bounds(self, terms: LossTerms) -> tuple[float | Tensor, float | Tensor]:
+        """The clip range's two sides of a batch: ``terms``' per-token bounds where it has them,
+        else these settings' floats."""
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        return (self.epsilon if terms.epsilon is None else terms.epsilon,
+                high if terms.epsilon_high is None else terms.epsilon_high)
+
+
+def build_loss(cfg: LossConfig, max_length: int | None) -> LossSettings:
+    """The ``LossSettings`` of the loss part ``cfg`` (``train.loss``): its policy term and
+    aggregation by name, its clip (``LossConfig.clip``) and ``beta``; ``max_length``: T_max
+    (``train.rollouts.max_new_tokens``). The one place those names become the entries."""
+    epsilon, epsilon_high = cfg.clip()
+    return LossSettings(POLICY_LOSSES[cfg.policy_loss], AGGREGATIONS[cfg.loss_type], epsilon, epsilon_high,
+                        cfg.beta, max_length)
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
+              settings: LossSettings = LossSettings(), *, terms: LossTerms = NO_TERMS,
+              normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss and its statistics: the settings' policy term, times ``terms.token_weights``,
+    plus ``beta`` times the k3 KL, aggregated by the settings' aggregation.
 
     logp, old_logp, ref_logp: (N, T) log-probs of the sampled completion tokens under the current,
     the sampling-time and the reference policy. advantages: (N,). mask: (N, T), 1 on valid
     completion tokens. Positions where ``logp`` carries no gradient (e.g. tokens dropped by the
     entropy mask, filled with detached values) still count in the value and the normaliser, but
-    contribute no gradient. ``normalizer`` overrides the aggregation denominator (micro-batching);
-    ``max_length`` is T_max of ``dr_grpo`` (default: T). ``token_weights``: (N, T) importance
-    weights of the policy-gradient term (no gradient flows into them). ``epsilon``, ``epsilon_high``:
-    floats or (N, T) per-token bounds; ``kl_weights``: (N, T) per-token coefficients of a further
-    k3 KL term (a token-entropy rule's, ``grpo.entropy.LossTerms``; no gradient flows into them),
-    added with the ``beta`` term and aggregated with the policy term: needs ``ref_logp``.
+    contribute no gradient. ``normalizer`` overrides the aggregation denominator (micro-batching;
+    default ``settings.normalizer(mask)``). ``terms``: the per-token clip bounds, KL weights (a
+    further k3 KL term, added with the ``beta`` term and aggregated with the policy term: needs
+    ``ref_logp``) and importance weights (``LossTerms``; no gradient flows into them).
 
     Returns the scalar loss and the policy loss's statistics (``clipped``: ``clip_frac``,
     ``clip_low_frac``, ``clip_high_frac``, ``ratio``) with ``kl``, token means over the mask.
     """
-    aggregation, policy = AGGREGATIONS[loss_type], POLICY_LOSSES[policy_loss]
-    eps_high = epsilon if epsilon_high is None else epsilon_high
+    aggregation, beta, kl_weights = settings.aggregation, settings.beta, terms.kl_weights
+    epsilon, eps_high = settings.bounds(terms)
     mask = mask.to(logp.dtype)  # (N, T)
     adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1)
 
-    per_token, stats = policy(logp, old_logp, adv, mask, epsilon=epsilon, epsilon_high=eps_high)  # (N, T)
-    if token_weights is not None:
-        per_token = per_token * token_weights.detach().to(per_token.dtype)
+    per_token, stats = settings.policy(logp, old_logp, adv, mask, epsilon=epsilon, epsilon_high=eps_high)  # (N, T)
+    if terms.token_weights is not None:
+        per_token = per_token * terms.token_weights.detach().to(per_token.dtype)
     if normalizer is None:
-        normalizer = aggregation.normalizer(mask, max_length)
+        normalizer = settings.normalizer(mask)
     kl = kl_term = None
     if beta != 0.0 or kl_weights is not None:
         if ref_logp is None:
@@ -299,6 +315,28 @@ def grpo_loss(
         stats.update(term_grad_norms(aggregation, per_token, kl_term, logp, mask, normalizer))
     loss = aggregation.aggregate(per_token if kl_term is None else per_token + kl_term, mask, normalizer)
     return loss, {**stats, "kl": token_mean(kl, mask) if kl is not None else 0.0}
+
+
+def policy_token_grads(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                       settings: LossSettings = LossSettings(), *, terms: LossTerms = NO_TERMS,
+                       normalizer: float | None = None) -> Tensor:
+    """(N, T) |d L_policy / d logp_t|: the magnitude of the policy term's gradient (``grpo_loss``'s
+    arguments, without the KL) at every valid token's log-prob, as if every token carried gradient
+    (a token an entropy mask drops gets the gradient it would have had). Exact: the term is
+    rebuilt on a detached copy of ``logp`` and differentiated by autograd, one elementwise backward
+    over (N, T), never through the model. 0 outside ``mask``."""
+    epsilon, eps_high = settings.bounds(terms)
+    mask = mask.to(logp.dtype)  # (N, T)
+    with torch.enable_grad():
+        x = logp.detach().requires_grad_(True)  # (N, T)
+        per_token, _ = settings.policy(x, old_logp.detach(), advantages.detach().to(x.dtype).unsqueeze(1), mask,
+                                       epsilon=epsilon, epsilon_high=eps_high)
+        if terms.token_weights is not None:
+            per_token = per_token * terms.token_weights.detach().to(per_token.dtype)
+        if normalizer is None:
+            normalizer = settings.normalizer(mask)
+        (grad,) = torch.autograd.grad(settings.aggregation.aggregate(per_token, mask, normalizer), x)
+    return grad.abs() * mask  # (N, T)
 
 
 def term_grad_norms(aggregation, policy_term: Tensor, kl_term: Tensor, logp: Tensor, mask: Tensor,

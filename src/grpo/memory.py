@@ -638,7 +638,7 @@ def forward_tokens(n: int, g: int, p: int, c: int, *, packed: bool, shared: bool
 
 def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The training phase's terms (one micro-batch's forward and backward)."""
-    from grpo.entropy import TOKEN_RULES
+    from grpo.entropy import build_token_rule
     from grpo.logprobs import packed_layout
 
     model, lora, train = params.model, params.lora, params.train
@@ -668,7 +668,7 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     kernel = train.passes.kernel if train.passes.kernel != "auto" else ("triton" if device == "cuda" else "torch")
     chunk = min(train.passes.logprob_chunk, n * c)
     per_entry = b if kernel == "triton" else b + 4 + (4 if b != 4 else 0)
-    q = TOKEN_RULES[train.loss.entropy_rule].grad_fraction(train.loss)  # the valid tokens whose LM-head rows need grad
+    q = build_token_rule(train.loss).grad_fraction()  # the valid tokens whose LM-head rows need grad
     kept = math.ceil(q * n * c)
     head_rows = min(train.passes.logprob_chunk, kept)
     head_entry = b if kernel == "triton" else 4 + (b if b != 4 else 0)

@@ -40,10 +40,10 @@ from typing import NamedTuple
 import torch
 
 from grpo.distributed import Dist
-from grpo.entropy import TOKEN_RULES, LossTerms
+from grpo.entropy import TokenRule
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, packed_layout, selected_logprobs
 from grpo.lora_policy import lm_parts
-from grpo.loss import grpo_loss, loss_normalizer, policy_token_grads, wide_clip_band
+from grpo.loss import NO_TERMS, LossSettings, LossTerms, grpo_loss, policy_token_grads, wide_clip_band
 from grpo.metrics import Sums
 from grpo.sections.train import TrainConfig
 from grpo.types import TrainBatch
@@ -72,12 +72,14 @@ class Accumulated(NamedTuple):
 
 
 class PolicyPasses:
-    """The forward (and backward) passes of one step over ``model`` (see the module docstring)."""
+    """The forward (and backward) passes of one step over ``model`` (see the module docstring),
+    under the token-entropy rule ``rule`` and the loss ``loss``, both built once from ``cfg.loss``
+    (``grpo.entropy.build_token_rule``, ``grpo.loss.build_loss``) by whoever makes the trainer."""
 
-    def __init__(self, model, cfg: TrainConfig, dist: Dist, updater: Updater):
+    def __init__(self, model, cfg: TrainConfig, dist: Dist, updater: Updater, rule: TokenRule, loss: LossSettings):
         self.model, self.cfg, self.dist, self.updater = model, cfg, dist, updater
+        self.rule, self.loss = rule, loss
         self.body, self.lm_head = lm_parts(model)
-        self.rule = TOKEN_RULES[cfg.loss.entropy_rule]  # grpo.entropy.TokenRule
         self.shared_group = cfg.rollouts.group_size if cfg.passes.shared_prompt_forward else 1  # see completion_hidden
         self.device = next(model.parameters()).device
         self.packed = packed_layout(cfg.passes.forward_layout, self.device.type)  # see completion_hidden
@@ -111,7 +113,7 @@ class PolicyPasses:
         """Whether the loss has a k3 KL term to the reference policy: ``beta > 0`` or the token-entropy
         rule's own (``TokenRule.needs_reference``). Then the reference pass runs, and rows of zero
         advantage still have a gradient."""
-        return bool(self.cfg.loss.beta) or self.rule.needs_reference(self.cfg.loss)
+        return bool(self.loss.beta) or self.rule.needs_reference()
 
     def fixed_logprobs(self, batch: TrainBatch) -> TrainBatch:
         """Phase 2: ``batch`` with ``ref_logp`` filled when the loss has a KL term
@@ -126,17 +128,17 @@ class PolicyPasses:
         """The token-entropy rule's threshold of the whole step from this rank's (n, C) entropies and
         mask: the valid entropies of every rank are gathered and the rule's statistic taken over all
         of them (``None`` when the rule needs none: no gather)."""
-        if not self.rule.needs_statistic(self.cfg.loss):
+        if not self.rule.needs_statistic():
             return None
         values = self.dist.all_gather_cat(entropy[mask.bool()].float())  # (valid tokens of the step,)
-        return self.rule.threshold(values, self.cfg.loss)
+        return self.rule.threshold(values)
 
     def step_normalizer(self, mask: torch.Tensor) -> float:
         """The ``loss_type`` denominator of the whole step from this rank's (n, C) mask, summed over
         ranks: relies on the contract of ``grpo.loss.AGGREGATIONS`` that every aggregation's
         normaliser is a sum over completions (``dapo``: valid tokens; ``grpo``: rows; ``dr_grpo``:
         rows x ``max_new_tokens``)."""
-        local = loss_normalizer(mask, self.cfg.loss.loss_type, self.cfg.rollouts.max_new_tokens)
+        local = self.loss.normalizer(mask)
         return float(self.dist.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device)))
 
     # ------------------------------------------------------------------ with grad
@@ -144,7 +146,7 @@ class PolicyPasses:
                       ) -> tuple[float, dict, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward with grad, the token-entropy rule's mask, GRPO loss and backward of one micro-batch.
 
-        ``normalizer``: the step-wide ``loss_normalizer``; ``threshold``: the step-wide entropy
+        ``normalizer``: the step-wide ``step_normalizer``; ``threshold``: the step-wide entropy
         threshold, or ``None`` when ``batch`` is the whole step (taken here then). Returns the loss
         value, its stats (with engine log-probs: the gap to the trainer's and the IS weights), the
         (m, C) token entropies, the (m, C) kept mask and the (m, C) detached log-probs of the forward."""
@@ -155,28 +157,24 @@ class PolicyPasses:
                                                      cfg.passes.kernel, self.valid_only(batch.mask))  # (m, C) each, no grad
         if threshold is None:
             threshold = self.step_threshold(entropy, batch.mask)
-        keep = self.rule.grad_mask(entropy, batch.mask, threshold, cfg.loss)  # (m, C) bool
-        terms = self.rule.loss_terms(entropy, batch.mask, threshold, cfg.loss)  # per-token clip bounds, KL weights or None
+        keep = self.rule.grad_mask(entropy, batch.mask, threshold)  # (m, C) bool
+        terms = self.rule.loss_terms(entropy, batch.mask, threshold)  # per-token clip bounds, KL weights or None
         kept_logp = selected_logprobs(hidden[keep], self.lm_head, batch.targets[keep], cfg.passes.logprob_chunk,
                                       cfg.passes.kernel)  # (K,)
         logp = logp_all.masked_scatter(keep, kept_logp)  # (m, C), grad only where kept
         old_logp = batch.old_logp if batch.old_logp is not None else logp_all  # (m, C), no grad
         weights, engine = self.engine_gap(batch, old_logp)
-        eps, eps_high = cfg.loss.clip()
-        loss, stats = grpo_loss(logp, old_logp, batch.ref_logp, batch.advantages, batch.mask,
-                                epsilon=eps if terms.epsilon is None else terms.epsilon,
-                                epsilon_high=eps_high if terms.epsilon_high is None else terms.epsilon_high,
-                                beta=cfg.loss.beta, kl_weights=terms.kl_weights, loss_type=cfg.loss.loss_type,
-                                policy_loss=cfg.loss.policy_loss, normalizer=normalizer,
-                                max_length=cfg.rollouts.max_new_tokens, token_weights=weights)
+        terms = terms._replace(token_weights=weights)  # (m, C) or None: the engine's importance weights
+        loss, stats = grpo_loss(logp, old_logp, batch.ref_logp, batch.advantages, batch.mask, self.loss, terms=terms,
+                                normalizer=normalizer)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
-        acted = self.rule_action(batch, logp_all, old_logp, keep, terms, weights, normalizer)
+        acted = self.rule_action(batch, logp_all, old_logp, keep, terms, normalizer)
         can_act = self.acting_counts(batch, logp_all, terms)
         return loss.item(), {**stats, **engine, **acted, **can_act}, entropy, keep, logp_all
 
     @torch.no_grad()
     def rule_action(self, batch: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor, keep: torch.Tensor,
-                    terms: LossTerms, weights: torch.Tensor | None, normalizer: float) -> dict[str, float]:
+                    terms: LossTerms, normalizer: float) -> dict[str, float]:
         """Where the token-entropy rule acted in this micro-batch, as sums over its valid tokens (the
         statistics ``grpo.metrics`` turns into ``kept_grad_share``, ``wide_band_frac`` and
         ``wide_band_grad_share``): ``policy_grad_abs``, the summed |d L_policy / d logp_t| of every
@@ -185,17 +183,14 @@ class PolicyPasses:
         (``grad_fraction`` below 1, ``high``) ``kept_grad``, the part of it at the kept tokens; for a
         rule with its own clip bounds (``archer``) ``wide_tokens``, ``band_tokens`` and ``band_grad``
         (``grpo.loss.wide_clip_band``: the tokens of the wider clip, those of them whose ratio plain
-        PPO would clip and the rule does not, and their part of the gradient). Observes only: the
-        update is the same with or without it."""
-        cfg = self.cfg
-        eps, eps_high = cfg.loss.clip()
-        rule_eps = eps if terms.epsilon is None else terms.epsilon
-        rule_eps_high = eps_high if terms.epsilon_high is None else terms.epsilon_high
-        grads = policy_token_grads(logp, old_logp, batch.advantages, batch.mask, epsilon=rule_eps,
-                                   epsilon_high=rule_eps_high, loss_type=cfg.loss.loss_type, policy_loss=cfg.loss.policy_loss,
-                                   normalizer=normalizer, max_length=cfg.rollouts.max_new_tokens, token_weights=weights)  # (m, C)
+        PPO would clip and the rule does not, and their part of the gradient). ``terms``: the loss's
+        (the rule's and the engine's weights). Observes only: the update is the same with or without it."""
+        eps, eps_high = self.loss.bounds(NO_TERMS)  # the ordinary clip
+        rule_eps, rule_eps_high = self.loss.bounds(terms)
+        grads = policy_token_grads(logp, old_logp, batch.advantages, batch.mask, self.loss, terms=terms,
+                                   normalizer=normalizer)  # (m, C)
         out = {"policy_grad_abs": float(grads.sum())}
-        if self.rule.grad_fraction(cfg.loss) < 1:
+        if self.rule.grad_fraction() < 1:
             out["kept_grad"] = float(grads[keep].sum())
         if terms.epsilon is not None or terms.epsilon_high is not None:
             as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
@@ -218,10 +213,9 @@ class PolicyPasses:
         out = {"zero_adv_rows": float((valid.any(1) & (batch.advantages == 0)).sum())}
         if batch.old_logp is None:
             return out
-        eps, eps_high = self.cfg.loss.clip()
+        eps, eps_high = self.loss.bounds(NO_TERMS)  # the ordinary clip
         as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
-        rule_eps = as_tensor(eps if terms.epsilon is None else terms.epsilon)  # (m, C)
-        rule_eps_high = as_tensor(eps_high if terms.epsilon_high is None else terms.epsilon_high)  # (m, C)
+        rule_eps, rule_eps_high = (as_tensor(b) for b in self.loss.bounds(terms))  # (m, C) each
         adv = batch.advantages.unsqueeze(1)  # (m, 1)
         acting = valid & (adv != 0)  # (m, C)
         ratio = torch.exp(logp - batch.old_logp)  # (m, C)
@@ -254,7 +248,7 @@ class PolicyPasses:
         response, ``high`` at 1 has none). Returns the ``Accumulated`` record."""
         slices = self.slices(len(batch))
         threshold = None
-        if len(slices) > 1 and self.rule.needs_statistic(self.cfg.loss):
+        if len(slices) > 1 and self.rule.needs_statistic():
             threshold = self.step_threshold(self.no_grad_pass(batch, adapter=True)[0], batch.mask)
         sums, kept, logps = Sums(), [], []
         for sl in slices:

@@ -50,7 +50,7 @@ import math
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,8 +59,9 @@ from grpo.answers import cluster_key
 from grpo.curriculum import batch_indices, num_stages_of, stage_of_step, stages_for
 from grpo.data import build_prompt
 from grpo.distributed import Dist
+from grpo.entropy import TokenRule, build_token_rule
 from grpo.errors import StageStop
-from grpo.loss import signal_groups
+from grpo.loss import LossSettings, build_loss, signal_groups
 from grpo.passes import PolicyPasses
 from grpo.rewards import REWARDS
 from grpo.rollout_backends import RolloutBackend, TransformersBackend
@@ -169,26 +170,45 @@ def progress_postfix(history: list[dict]) -> dict[str, str]:
     return {k: "-" if v is None else f"{v:.3f}" for k, v in cells.items()}
 
 
+@dataclass(frozen=True)
+class TrainerParts:
+    """What a trainer runs besides the policy and the params, each built once by the trainer
+    builder (``grpo.trainer_builder.TrainerBuilder``, the train stage's) and handed down. A part
+    left ``None`` is built by the trainer as the builder builds it (a trainer made directly, as a
+    test makes one)."""
+
+    backend: RolloutBackend | None = None
+    """Samples the rollouts; ``None``: the decode loop on the policy (``TransformersBackend``)."""
+    rule: TokenRule | None = None
+    """The token-entropy rule; ``None``: ``grpo.entropy.build_token_rule`` of ``train.loss``."""
+    loss: LossSettings | None = None
+    """The loss's fixed settings; ``None``: ``grpo.loss.build_loss`` of ``train.loss``."""
+
+
 class GRPOTrainer:
-    """Composes the phases of a step into optimizer steps over ``problems`` (module docstring)."""
+    """Composes the phases of a step into optimizer steps over ``problems`` (module docstring),
+    with the rollout backend, token rule and loss of ``parts``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, problems: list[dict], *,
-                 backend: RolloutBackend | None = None, callbacks: list[StepCallback] | None = None,
+                 parts: TrainerParts | None = None, callbacks: list[StepCallback] | None = None,
                  val_problems: list[dict] | None = None, dist: Dist | None = None):
         self.model, self.tokenizer, self.cfg, self.problems = model, tokenizer, cfg, problems
+        parts = parts or TrainerParts()
         self.dist = dist or Dist()  # one process unless given
         cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
         self.stages = stages_for(cfg.order, len(problems), num_stages_of(cfg), cfg.seed)
         self.device = next(model.parameters()).device
         # the decode loop on the policy (its 4-bit layers dequantised once per call where that fits)
-        self.backend = backend or TransformersBackend(model, tokenizer)
+        self.backend = parts.backend or TransformersBackend(model, tokenizer)
         self.callbacks = callbacks or []
         self.val_problems = val_problems or []
         self._synced_step: int | None = None  # the step whose weights the backend's engine holds
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.updater = make_updater(model, self.params, cfg, self.dist)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.updater.optimizer, lr_lambda(cfg))
-        self.passes = PolicyPasses(model, cfg, self.dist, self.updater)
+        rule = build_token_rule(cfg.loss) if parts.rule is None else parts.rule
+        loss = build_loss(cfg.loss, cfg.rollouts.max_new_tokens) if parts.loss is None else parts.loss
+        self.passes = PolicyPasses(model, cfg, self.dist, self.updater, rule, loss)
         self.run = RunDir(cfg.output_dir, cfg.checkpoints.keep_best)
         self.step = 0
         self.guard = NonFiniteGuard(cfg.guards.max_nonfinite_steps)

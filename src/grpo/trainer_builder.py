@@ -1,16 +1,20 @@
 """One builder of a trainer: ``build_trainer(params, device, problems=...)`` makes what the train
-stage runs, and every bench that trains calls it, so a bench measures exactly what the stage runs.
+stage runs, and every bench that trains goes through the same builder (``TrainerBuilder``), so a
+bench measures exactly what the stage runs.
 
-The order is the stage's, and so is every use of the RNG: the seed (``train.seed``), the
-tokenizer, the prompts that fit the engine (``grpo.data.prompts_that_fit``), the policy
+The order is the stage's, and so is every use of the RNG: the tokenizer, the prompts that fit the
+engine (``grpo.data.prompts_that_fit``), the seed (``train.seed``) and the policy
 (``grpo.lora_policy.load_policy``: LoRA's initial weights are drawn here), the step loggers, the
 engine's bounds (``grpo.engine.bounds.train_bounds``), the rollout backend
-(``grpo.engine.policy_engine.policy_rollouts``) and ``grpo.trainer.GRPOTrainer``.
+(``grpo.engine.policy_engine.policy_rollouts``), the token-entropy rule and the loss
+(``grpo.entropy.build_token_rule``, ``grpo.loss.build_loss``: each built once, here) and
+``grpo.trainer.GRPOTrainer``, which receives them (``grpo.trainer.TrainerParts``).
 
 A bench's departures from the params (a token rule, ``mu``, sizes) are params too: ``depart(params,
 {"train.optimizer.mu": 1})`` returns validated params with those keys replaced, and ``departure_line`` words
 them for the bench to print. What a bench changes beyond params (a model already built, fixed
-prompt or completion lengths) is an argument of ``build_trainer``, named there.
+prompt or completion lengths, a rollout phase of its own) is a part of ``TrainerBuilder``: the bench
+subclasses it and overrides that part's method, and every other part is built as the stage builds it.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from grpo.engine.bounds import Bounds, train_bounds
 from grpo.engine.forms import rollouts_per_process
 from grpo.engine.needs import form_here
 from grpo.engine.policy_engine import PolicyEngineSpec, policy_rollouts
+from grpo.entropy import TokenRule, build_token_rule
 from grpo.errors import ParamsError
 from grpo.lora_policy import load_policy
+from grpo.loss import LossSettings, build_loss
 from grpo.rollout_backends import DecodeChoice, RolloutBackend, uses_engine
-from grpo.trainer import GRPOTrainer
+from grpo.trainer import GRPOTrainer, TrainerParts
 from grpo.types import Lengths
 
 
@@ -84,51 +90,97 @@ def departure_line(departures: dict[str, object]) -> str:
     return ", ".join(f"{k}={v}" for k, v in departures.items()) or "none"
 
 
+class TrainerBuilder:
+    """Builds the train stage's trainer for ``params`` on ``device`` part by part, in the stage's
+    order (module docstring): one method per part, each called once by ``build``. ``dist``: this
+    process among the data-parallel ones (one process when ``None``). A bench that replaces a part
+    overrides its method (a model already built: ``tokenizer`` and ``policy``, then no seed is set for
+    them; rollouts of fixed lengths: ``rollout_lengths``; a rollout phase of its own: ``backend``)."""
+
+    def __init__(self, params: Params, device: str, dist: Dist | None = None):
+        self.params, self.device, self.dist = params, device, dist or Dist()
+        self.cfg = params.train
+
+    # ------------------------------------------------------------------ the parts, in build order
+    def tokenizer(self):
+        return load_tokenizer(self.params.model.path)
+
+    def rows(self, tokenizer, problems: list[dict]) -> list[dict]:
+        """The rows of ``problems`` whose prompts fit the engine (``grpo.data.prompts_that_fit``; its
+        message names ``train.data_path``); all of them when the backend cuts every prompt to a
+        length (``rollout_lengths``)."""
+        if self.rollout_lengths()[0] is not None:
+            return problems
+        cfg = self.cfg
+        return prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg.rollouts, cfg.data_path)[0]
+
+    def policy(self):
+        """The peft policy, LoRA's initial weights drawn from ``train.seed``."""
+        torch.manual_seed(self.cfg.seed)
+        return load_policy(self.params.model, self.params.lora, self.device)
+
+    def rollout_lengths(self) -> tuple[int | None, int]:
+        """``(max_prompt_tokens, min_new_tokens)`` of the rollouts (``policy_rollouts``'): the stage's
+        ``(None, 0)``, prompts as they are and completions that may stop early."""
+        return None, 0
+
+    def engine_dir(self) -> Path:
+        """The engine's folder: ``train.output_dir``/engine."""
+        return Path(self.cfg.output_dir) / "engine"
+
+    def weights_form(self) -> str:
+        """The training engine's weights form on this machine (``grpo.engine.needs.form_here``);
+        ``dense`` where the decode loop samples."""
+        return _form(self.params, self.device)
+
+    def backend(self, tokenizer, model, bounds: Bounds) -> RolloutBackend:
+        """The rollout backend of ``train.rollouts.backend`` for ``model`` (an engine starts here)."""
+        cfg, (max_prompt_tokens, min_new_tokens) = self.cfg, self.rollout_lengths()
+        engine = PolicyEngineSpec(self.engine_dir(), cfg.rollouts, self.params.model, self.weights_form(), bounds,
+                                  cfg.seed, self.params.model.dtype)
+        return policy_rollouts(cfg.rollouts.backend, tokenizer, model, engine=engine, dist=self.dist,
+                               limits=Lengths(max_prompt_tokens, min_new_tokens),
+                               decode=DecodeChoice(self.params.decode, cfg.steps * cfg.rollouts.max_new_tokens))
+
+    def token_rule(self) -> TokenRule:
+        return build_token_rule(self.cfg.loss)
+
+    def loss(self) -> LossSettings:
+        return build_loss(self.cfg.loss, self.cfg.rollouts.max_new_tokens)
+
+    # ------------------------------------------------------------------ the trainer
+    def build(self, problems: list[dict], *, loggers: Callable[[], tuple[list, list]] | None = None,
+              val_problems: list[dict] | None = None) -> BuiltTrainer:
+        """The trainer over ``problems``. ``loggers``: makes the step loggers' callbacks and closers,
+        called where the stage makes them (``grpo.step_loggers.step_loggers``; none when ``None``);
+        ``val_problems``: the validation rows (``train.checkpoints.eval_every``). When the trainer
+        cannot be made, the backend is closed before the error goes on."""
+        cfg, dist = self.cfg, self.dist
+        tokenizer = self.tokenizer()
+        problems = self.rows(tokenizer, problems)
+        model = self.policy()
+        callbacks, closers = loggers() if loggers is not None else ([], [])
+        bounds = train_bounds(cfg, model.config, self.device, compute_dtype(self.params.model.dtype, self.device).itemsize,
+                              dist.world_size)
+        t0 = time.perf_counter()
+        backend = self.backend(tokenizer, model, bounds)
+        backend_start_s = time.perf_counter() - t0
+        weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
+        try:
+            parts = TrainerParts(backend, self.token_rule(), self.loss())
+            trainer = GRPOTrainer(model, tokenizer, cfg, problems, parts=parts, callbacks=callbacks,
+                                  val_problems=val_problems, dist=dist)
+        except BaseException:
+            backend.close()  # an engine started for a trainer that failed gives its memory back
+            raise
+        return BuiltTrainer(trainer, tokenizer, model, backend, problems, bounds, weights_form,
+                            rollouts_per_process(weights_form is not None, dist.world_size, weights_form),
+                            backend_start_s, closers)
+
+
 def build_trainer(params: Params, device: str, *, problems: list[dict], dist: Dist | None = None,
-                  loggers: Callable[[], tuple[list, list]] | None = None, val_problems: list[dict] | None = None,
-                  engine_dir: str | Path | None = None, form: str | None = None, model=None, tokenizer=None,
-                  max_prompt_tokens: int | None = None, min_new_tokens: int = 0,
-                  source: str | Path | None = None, backend: RolloutBackend | None = None) -> BuiltTrainer:
-    """The train stage's trainer for ``params`` on ``device`` over ``problems`` (module docstring
-    for the order). ``dist``: this process among the data-parallel ones (one process when
-    ``None``); ``loggers``: makes the step loggers' callbacks and closers, called where the stage
-    makes them (``grpo.step_loggers.step_loggers``; none when ``None``); ``val_problems``: the
-    validation rows (``train.checkpoints.eval_every``); ``engine_dir``: the engine's folder (``train.output_dir``
-    /engine); ``form``: the engine's weights form (default: ``grpo.engine.needs.form_here``'s choice
-    for this machine); ``source``: the rows' file, for the message about prompts that do not fit
-    (``train.data_path``).
-
-    A bench's departures beyond params: ``model``, ``tokenizer`` (already built: not loaded, and no
-    seed is set for them), ``max_prompt_tokens`` and ``min_new_tokens`` (rollouts of fixed lengths),
-    ``backend`` (a rollout backend already made, for a bench whose rollout phase is replaced: then
-    none is started here).
-    When the trainer cannot be made, the backend is closed before the error goes on."""
-    cfg, dist = params.train, dist or Dist()
-    if model is None:
-        torch.manual_seed(cfg.seed)
-    tokenizer = load_tokenizer(params.model.path) if tokenizer is None else tokenizer
-    if max_prompt_tokens is None:  # else the backend cuts every prompt to that length: none is dropped
-        problems, _ = prompts_that_fit(tokenizer, problems, cfg.system_prompt, cfg.rollouts, source or cfg.data_path)
-    model = load_policy(params.model, params.lora, device) if model is None else model
-    callbacks, closers = loggers() if loggers is not None else ([], [])
-    bounds = train_bounds(cfg, model.config, device, compute_dtype(params.model.dtype, device).itemsize,
-                          dist.world_size)
-    t0 = time.perf_counter()
-    if backend is None:
-        engine = PolicyEngineSpec(Path(engine_dir or Path(cfg.output_dir) / "engine"), cfg.rollouts, params.model,
-                                  form or _form(params, device), bounds, cfg.seed, params.model.dtype)
-        backend = policy_rollouts(cfg.rollouts.backend, tokenizer, model, engine=engine, dist=dist,
-                                  limits=Lengths(max_prompt_tokens, min_new_tokens),
-                                  decode=DecodeChoice(params.decode, cfg.steps * cfg.rollouts.max_new_tokens))
-    backend_start_s = time.perf_counter() - t0
-    weights_form = getattr(backend, "weights_form", None)  # None: no engine (the decode loop)
-    try:
-        trainer = GRPOTrainer(model, tokenizer, cfg, problems, backend=backend, callbacks=callbacks,
-                              val_problems=val_problems, dist=dist)
-    except BaseException:
-        backend.close()  # an engine started for a trainer that failed gives its memory back
-        raise
-    return BuiltTrainer(trainer, tokenizer, model, backend, problems, bounds, weights_form,
-                        rollouts_per_process(weights_form is not None, dist.world_size, weights_form),
-                        backend_start_s, closers)
-
+                  loggers: Callable[[], tuple[list, list]] | None = None,
+                  val_problems: list[dict] | None = None) -> BuiltTrainer:
+    """The train stage's trainer for ``params`` on ``device`` over ``problems``:
+    ``TrainerBuilder(params, device, dist).build(...)`` (its parts as the stage builds them)."""
+    return TrainerBuilder(params, device, dist).build(problems, loggers=loggers, val_problems=val_problems)

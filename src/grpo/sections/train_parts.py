@@ -151,14 +151,16 @@ class LossConfig(TrainPart):
 
     @model_validator(mode="after")
     def _check(self):
+        """The chosen rule's check of its options (``grpo.entropy.TokenRule.check``: one line naming the param)."""
         from grpo.choices import registry
 
-        registry("train.loss.entropy_rule")[self.entropy_rule].check(self)
+        registry("train.loss.entropy_rule")[self.entropy_rule].check(self.rule_options())
         return self
 
     def rule_options(self, name: str | None = None):
-        """The options of token rule ``name`` (default: the chosen one)."""
-        return self.entropy_rule_options[name or self.entropy_rule]
+        """The options of token rule ``name`` (default: the chosen one; ``None`` for a rule that
+        declares none)."""
+        return self.entropy_rule_options.get(name or self.entropy_rule)
 
     def clip(self) -> tuple[float, float]:
         """The ordinary clip range's two sides ``(epsilon, epsilon_high)``: the chosen policy term's

@@ -71,10 +71,9 @@ def test_activation_term_matches_autograds_saved_tensors(dtype, dropout, checkpo
                         lora, "cpu")
     prompts, group, p, c = 2, 4, 16, 24
     ids, mask = batch(shapes.vocab, prompts, group, p, c)
-    est, _ = memory.activation_bytes(
-        shapes, rows=prompts * group, prompt=p, completion=c, group=group, b=torch.finfo(getattr(torch, dtype)).bits // 8,
-        lora_rank=lora.rank, targets=lora.target_modules, dropout=dropout, checkpointing=checkpointing,
-        shared=shared and not checkpointing, device="cpu")
+    call = memory.ForwardShape(prompts * group, p, c, group, shared=shared and not checkpointing)
+    est, _ = memory.activation_bytes(shapes, lora, call, b=torch.finfo(getattr(torch, dtype)).bits // 8,
+                                     checkpointing=checkpointing, device="cpu")
     real = saved_activation_bytes(model, ids, mask, p, group if shared else 1)
     assert est == pytest.approx(real, rel=0.03)
 
@@ -96,9 +95,8 @@ def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, t
                         lora, "cpu")
     prompts, group, p, c = 2, 4, 16, 5
     ids, mask = batch(shapes.vocab, prompts, group, p, c)  # completions of 5: none shortened
-    est, _ = memory.activation_bytes(
-        shapes, rows=prompts, prompt=p + group * (c - 1), completion=0, group=group, b=4, lora_rank=lora.rank,
-        targets=lora.target_modules, dropout=0.0, checkpointing=checkpointing, shared=False, device="cpu")
+    est, _ = memory.activation_bytes(shapes, lora, memory.ForwardShape(prompts, p + group * (c - 1), 0, group),
+                                     b=4, checkpointing=checkpointing, device="cpu")
     real = saved_activation_bytes(model, ids, mask, p, group, packed=True)
     assert est == pytest.approx(real, rel=0.03)
 

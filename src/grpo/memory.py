@@ -137,6 +137,7 @@ from grpo.engine.needs import (
 )
 from grpo.model_shapes import Linear, ModelShapes, decoder_linears, model_shapes, prepared_name
 from grpo.model_shapes import count as _n
+from grpo.sections.lora import LoraConfig
 
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
@@ -265,15 +266,32 @@ def _pass_bytes(shapes, per_token, rows, q_len, kv_len, b, padded, device) -> in
     return rows * (q_len * per_token + kv_len * kv + q_len * kv_len * pair_bytes(shapes, b, padded, device))
 
 
-def activation_bytes(shapes: ModelShapes, *, rows: int, prompt: int, completion: int, group: int, b: int,
-                     lora_rank: int, targets: list[str], dropout: float, checkpointing: bool, shared: bool,
-                     padded: bool = True, device: str = "cuda") -> tuple[int, int]:
-    """(saved by the forward, one layer's share for the backward working set) in bytes.
+@dataclass(frozen=True)
+class ForwardShape:
+    """One forward pass with grad: ``rows`` sequences of ``prompt`` + ``completion`` tokens in groups
+    of ``group``; ``shared``: a group's prompt runs once (its completions on the shared cache);
+    ``padded``: the rows carry a padding mask."""
+
+    rows: int
+    prompt: int
+    completion: int
+    group: int = 1
+    shared: bool = False
+    padded: bool = True
+
+
+def activation_bytes(shapes: ModelShapes, lora: LoraConfig, call: ForwardShape, *, b: int, checkpointing: bool,
+                     device: str = "cuda") -> tuple[int, int]:
+    """(saved by the forward, one layer's share for the backward working set) in bytes, for the
+    policy of ``lora`` (``grpo.sections.lora.LoraConfig``: rank, targets, dropout) over ``call``.
 
     Without checkpointing the first layer's input (the frozen embeddings' output) needs no
     gradient, so its q/k/v dropout saves no mask; its first norm saves nothing either, which the
     final norm makes up for."""
-    per_token = layer_token_bytes(shapes, b, lora_rank, targets, dropout, device)
+    rows, prompt, completion, group, shared, padded = (call.rows, call.prompt, call.completion, call.group,
+                                                       call.shared, call.padded)
+    targets, dropout = lora.target_modules, lora.dropout
+    per_token = layer_token_bytes(shapes, b, lora.rank, targets, dropout, device)
     t = prompt + completion
     one_layer = _pass_bytes(shapes, per_token, rows, t, t, b, padded, device)
     if checkpointing:
@@ -648,10 +666,8 @@ def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: in
     packed = train.passes.shared_prompt_forward and g > 1 and n % g == 0 and packed_layout(train.passes.forward_layout, device)
     shared = train.passes.shared_prompt_forward and not gc_on and not packed
     seqs, seq_len = (n // g, p + g * (c - 1)) if packed else (n, p + c)  # a packed group: one sequence
-    saved, one_layer = activation_bytes(
-        shapes, rows=seqs, prompt=seq_len if packed else p, completion=0 if packed else c, group=g,
-        b=b, lora_rank=lora.rank, targets=lora.target_modules, dropout=lora.dropout, checkpointing=gc_on,
-        shared=shared, device=device)
+    call = ForwardShape(seqs, seq_len if packed else p, 0 if packed else c, g, shared)
+    saved, one_layer = activation_bytes(shapes, lora, call, b=b, checkpointing=gc_on, device=device)
     if packed:
         saved += seqs * seq_len * seq_len * b  # the additive block mask
     per_tok = layer_token_bytes(shapes, b, lora.rank, lora.target_modules, lora.dropout, device)

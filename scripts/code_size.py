@@ -61,39 +61,11 @@ def import_graph(root: Path) -> dict[str, set[str]]:
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The cycles of ``graph``: strongly connected components (Tarjan) of two or more modules,
-    and modules that import themselves."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
+    """The cycles of ``graph``: strongly connected components (``grpo.code_deps.strongly_connected``)
+    of two or more modules, and modules that import themselves."""
+    from grpo.code_deps import strongly_connected
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1 or v in graph[v]:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return sorted(out)
+    return sorted(sorted(c) for c in strongly_connected(graph) if len(c) > 1 or next(iter(c)) in graph[next(iter(c))])
 
 
 def main() -> None:

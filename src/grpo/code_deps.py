@@ -276,8 +276,9 @@ def stale(dvc_yaml: Path, project: Project) -> list[str]:
 
 # -- the graph's figures ---------------------------------------------------------------------------
 
-def _strongly_connected(graph: dict[Path, set[Path]]) -> list[set[Path]]:
-    """The strongly connected components of ``graph`` (Tarjan's algorithm, without recursion)."""
+def strongly_connected(graph: dict) -> list[set]:
+    """The strongly connected components of ``graph`` (node -> the nodes it points to; nodes that
+    sort), by Tarjan's algorithm without recursion: a component comes after all those it reaches."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
     for start in sorted(graph):
         if start in index:
@@ -317,7 +318,7 @@ def _strongly_connected(graph: dict[Path, set[Path]]) -> list[set[Path]]:
 def _levels(graph: dict[Path, set[Path]]) -> dict[Path, int]:
     """Each module's level: 1 for a module importing none of ``graph``'s, else one more than the
     highest it imports; the modules of a cycle share one level (the cycle counts as one module)."""
-    components = _strongly_connected(graph)  # Tarjan yields a component after all those it reaches
+    components = strongly_connected(graph)  # Tarjan yields a component after all those it reaches
     of = {m: i for i, c in enumerate(components) for m in c}
     level: dict[int, int] = {}
     for i, component in enumerate(components):
@@ -365,12 +366,12 @@ def graph_report(project: Project) -> list[str]:
     imports = [i for m in modules for i in project.imports(m)]
     top = _graph(imports, modules, ("module",))
     level = _levels(top)
-    cycles_at_import = [c for c in _strongly_connected(top) if len(c) > 1]
+    cycles_at_import = [c for c in strongly_connected(top) if len(c) > 1]
     chain = _chain(top, level)
     out.append(f"levels: {max(level.values())} (the longest chain of module-level imports, a cycle counted as one "
                f"level; module-level cycles: {len(cycles_at_import)}): " + " -> ".join(map(name, chain)))
     running = _graph(imports, modules, ("module", "function", "error", "importlib"))
-    cycles = sorted((c for c in _strongly_connected(running) if len(c) > 1), key=lambda c: sorted(map(str, c)))
+    cycles = sorted((c for c in strongly_connected(running) if len(c) > 1), key=lambda c: sorted(map(str, c)))
     out.append(f"cycles of the running graph (module-level, in-function and importlib imports; not TYPE_CHECKING): "
                f"{len(cycles)}")
     for cycle in cycles:

@@ -86,14 +86,21 @@ def power(delta: float, sd: float, n: int, alpha: float) -> float:
 def detectable(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
     """The smallest mean difference detected with probability ``target`` (``power``) at level
     ``alpha`` by ``n`` paired seeds with difference spread ``sd``."""
+    return _smallest("detectable", lambda d: power(d, sd, n, alpha), sd, n, target)
+
+
+def _smallest(what: str, power_at, sd: float, n: int, target: float) -> float:
+    """The smallest ``x >= 0`` where ``power_at(x)`` (rising in ``x``) reaches ``target``: an upper
+    bound found by doubling from ``sd``, then the root (scipy's ``brentq``); ``what`` names the
+    caller in the error for ``n < 2`` or ``sd <= 0``."""
     from scipy.optimize import brentq
 
     if n < 2 or sd <= 0:
-        raise ValueError(f"detectable: needs n >= 2 and sd > 0 (n={n}, sd={sd})")
+        raise ValueError(f"{what}: needs n >= 2 and sd > 0 (n={n}, sd={sd})")
     hi = sd
-    while power(hi, sd, n, alpha) < target:
+    while power_at(hi) < target:
         hi *= 2
-    return float(brentq(lambda d: power(d, sd, n, alpha) - target, 0.0, hi, xtol=1e-9))
+    return float(brentq(lambda x: power_at(x) - target, 0.0, hi, xtol=1e-9))
 
 
 def noninferiority(diffs: list[float] | tuple[float, ...], margin: float) -> float:
@@ -124,14 +131,7 @@ def noninferiority_power(margin: float, sd: float, n: int, alpha: float, delta: 
 def noninferiority_margin(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
     """The smallest margin that ``noninferiority`` at ``alpha`` establishes with probability
     ``target`` on ``n`` seeds of spread ``sd`` when candidate and incumbent are truly equal."""
-    from scipy.optimize import brentq
-
-    if n < 2 or sd <= 0:
-        raise ValueError(f"noninferiority_margin: needs n >= 2 and sd > 0 (n={n}, sd={sd})")
-    hi = sd
-    while noninferiority_power(hi, sd, n, alpha) < target:
-        hi *= 2
-    return float(brentq(lambda m: noninferiority_power(m, sd, n, alpha) - target, 0.0, hi, xtol=1e-9))
+    return _smallest("noninferiority_margin", lambda m: noninferiority_power(m, sd, n, alpha), sd, n, target)
 
 
 def pooled_sd(diff_lists: list[tuple[float, ...]]) -> float:

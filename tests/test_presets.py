@@ -27,6 +27,7 @@ import grpo.passes as passes_mod
 import grpo.trainer as trainer_mod
 from grpo.base_model import load_tokenizer
 from grpo.lora_policy import load_policy
+from grpo.loss import AGGREGATIONS, POLICY_LOSSES
 from grpo.overlay import overlay_params
 from grpo.params import params_from_dict
 from grpo.rewards import REWARDS
@@ -139,7 +140,11 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     real_clip, real_prompt = torch.nn.utils.clip_grad_norm_, trainer_mod.build_prompt
 
     def spy_loss(*args, **kw):
-        loss_kwargs.append({**kw, "ref_logp": args[2] is not None})
+        settings = args[5] if len(args) > 5 else kw["settings"]  # grpo.loss.LossSettings, built once
+        epsilon, epsilon_high = settings.bounds(kw.get("terms", passes_mod.NO_TERMS))
+        loss_kwargs.append({"ref_logp": args[2] is not None, "beta": settings.beta, "policy": settings.policy,
+                            "aggregation": settings.aggregation, "max_length": settings.max_length,
+                            "epsilon": epsilon, "epsilon_high": epsilon_high})
         return real_loss(*args, **kw)
 
     def spy_no_grad(self, batch, *, adapter):
@@ -224,8 +229,8 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     assert clip_norms == [cfg.optimizer.max_grad_norm] * (2 * cfg.optimizer.mu)
     # the loss got the preset's loss type, policy loss and clip range (a rule with per-token bounds, archer:
     # the params' clip on its low-entropy tokens, its own clip_high on the others)
-    assert {(kw["loss_type"], kw["policy_loss"], kw["max_length"]) for kw in loss_kwargs} == {
-        (cfg.loss.loss_type, cfg.loss.policy_loss, cfg.rollouts.max_new_tokens)}
+    assert {(kw["aggregation"], kw["policy"], kw["max_length"]) for kw in loss_kwargs} == {
+        (AGGREGATIONS[cfg.loss.loss_type], POLICY_LOSSES[cfg.loss.policy_loss], cfg.rollouts.max_new_tokens)}
     wide = {round(o.clip_high, 6) for o in cfg.loss.entropy_rule_options.values() if hasattr(o, "clip_high")}
     for kw in loss_kwargs:
         for got, own in zip((kw["epsilon"], kw["epsilon_high"]), cfg.loss.clip()):

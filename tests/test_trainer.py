@@ -169,7 +169,7 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
 @pytest.mark.slow
 def test_the_acting_counts_take_only_tokens_of_nonzero_advantage_after_the_first_update(tiny_model_dir, tiny_problems,
                                                                                          tmp_path):
-    """``PolicyPasses.acting_counts`` on hand-set ratios: in the first update (no ``old_logp``) only
+    """``PolicyPasses.rule_action``'s counts on hand-set ratios: in the first update (no ``old_logp``) only
     the rows of zero advantage are counted; after it, the tokens of the rows with an advantage, and
     of them those whose ratio the clip binds on the side that removes the gradient."""
     from dataclasses import replace
@@ -187,13 +187,19 @@ def test_the_acting_counts_take_only_tokens_of_nonzero_advantage_after_the_first
     advantages = group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1]), 4)  # (8,): group 1 all alike
     batch = TrainBatch.from_rollout(rollout, advantages, torch.device("cpu"))
     valid = batch.mask.bool()  # (8, C)
-    assert trainer.passes.acting_counts(batch, torch.zeros(valid.shape), LossTerms()) == {"zero_adv_rows": 4.0}
+    norm = trainer.passes.step_normalizer(batch.mask)
+
+    def counts_of(part, logp, old_logp):
+        return trainer.passes.rule_action(part, logp, old_logp, valid, LossTerms(), norm)
+
+    first = counts_of(batch, torch.zeros(valid.shape), torch.zeros(valid.shape))
+    assert first["zero_adv_rows"] == 4.0 and not {"acting_tokens", "clipped_acting"} & set(first)
     logp = torch.zeros(valid.shape)  # (8, C)
     ratio = torch.ones(valid.shape)
     ratio[:, ::2] = 1.5  # above 1 + 0.2: binds where A > 0
     ratio[:, 1::4] = 0.5  # below 1 - 0.2: binds where A < 0
     later = replace(batch, old_logp=logp - ratio.log())
-    counts = trainer.passes.acting_counts(later, logp, LossTerms())
+    counts = counts_of(later, logp, later.old_logp)
     adv = advantages.unsqueeze(1)
     acting = valid & (adv != 0)
     binds = ((ratio > 1.2) & (adv > 0)) | ((ratio < 0.8) & (adv < 0))

@@ -142,12 +142,18 @@ def clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
 clipped.Options = ClippedOptions
 
 
+def clip_sides(ratio: Tensor, adv: Tensor, epsilon: float | Tensor, eps_high: float | Tensor) -> tuple[Tensor, Tensor]:
+    """(N, T) bool each: the tokens the clip cuts from below (``ratio < 1 - epsilon``, ``A < 0``) and
+    from above (``ratio > 1 + eps_high``, ``A > 0``), the sides on which it removes the gradient;
+    ``adv``: (N, 1)."""
+    return (ratio < 1 - epsilon) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
+
+
 @torch.no_grad()
 def clip_stats(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon: float | Tensor,
                eps_high: float | Tensor) -> dict[str, float]:
     """Token means over ``mask`` (N, T) of the clipped fractions and the ratio (N, T); ``adv``: (N, 1)."""
-    low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)  # clipped from below
-    high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)  # clipped from above
+    low, high = (side.to(mask.dtype) for side in clip_sides(ratio, adv, epsilon, eps_high))
     stats = {"clip_low_frac": token_mean(low, mask), "clip_high_frac": token_mean(high, mask),
              "ratio": token_mean(ratio, mask)}
     stats["clip_frac"] = stats["clip_low_frac"] + stats["clip_high_frac"]

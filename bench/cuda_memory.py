@@ -9,9 +9,9 @@ counts the bytes of live CUDA storages (each rounded up to 512 B as CUDA's cachi
 and keeps the peak of each phase and the tensors live at the overall peak. Two steps run; the
 figures are the second's (AdamW's moments exist then, as in every step but the first).
 
-The model is built from the params' model config (``grpo.memory.resolve_config``: the prepared
-``config.json``, or the architecture ``grpo.synthetic`` knows for ``model.name``; no weights), in the
-compute dtype, with NF4 layers as bitsandbytes builds them and the LoRA adapter of ``grpo.lora_policy``.
+The model is built from the params' model config (``grpo.tools.memory.resolve_config``: the prepared
+``config.json``, or the architecture ``grpo.tools.synthetic`` knows for ``model.name``; no weights), in the
+compute dtype, with NF4 layers as bitsandbytes builds them and the LoRA adapter of ``grpo.model.lora_policy``.
 
 Replaced (named in the output): the rollouts (the engine or decode loop; here random token ids of
 ``prompts_per_step * G`` rows, prompts of ``--prompt-tokens``, completions of ``max_new_tokens``,
@@ -34,7 +34,7 @@ them, on a card of ``--cap-gib`` with the measured CUDA context outside the allo
 (``--context-gib``, default the H200 check's ``context.outside_forward_gib``): SENT's call,
 the evaluation's call and the train step whole (its rollouts on the compiled step with their
 cache and kept dense copies, validation's call, the update), each beside ``grpo check``'s
-prediction (``grpo.memory.decode_call``, ``grpo.memory.estimate``); ``bench/fake_cuda/calls.py``
+prediction (``grpo.tools.memory.decode_call``, ``grpo.tools.memory.estimate``); ``bench/fake_cuda/calls.py``
 says what is replaced. ``--json`` then writes ``{"calls": {NAME: {"traced_gib", "predicted_gib",
 "cap_gib", "context_gib", ...}}}``, NAME one of ``sent``, ``evaluation``, ``train_step``.
 """
@@ -88,9 +88,9 @@ def resolve_run(params_path: str, prompt_tokens: int | None):
     """(the params' resolution, the model's config, its source, the prompt tokens) of a trace at
     ``params_path``'s shapes: the config as ``grpo check`` finds it (no weights), the prompt
     ``prompt_tokens`` or, as ``grpo check`` takes it, the longest prepared prompt or its default."""
-    from grpo import memory
-    from grpo.cli import DEFAULT_PROMPT_TOKENS, resolve_params
-    from grpo.engine.needs import longest_prompt_tokens
+    from grpo.rollout.engine.needs import longest_prompt_tokens
+    from grpo.tools import memory
+    from grpo.tools.cli import DEFAULT_PROMPT_TOKENS, resolve_params
 
     res = resolve_params(params_path)
     found = memory.resolve_config(res.params.model, res.root)
@@ -109,15 +109,15 @@ def main(argv=None) -> dict:
     from fake_cuda.trace import DataDependent, LiveBytes, patch_torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from grpo import memory
-    from grpo.metrics import PhaseTimer
+    from grpo.tools import memory
+    from grpo.training.metrics import PhaseTimer
 
     t0 = time.time()
     res, config, source, prompt = resolve_run(args.params, args.prompt_tokens)
     p = res.params
     shapes = memory.model_shapes(config, source)
     # the trace runs the update alone: the estimate without the decode step's kept dense copies
-    from grpo.trainer_builder import depart, departure_line
+    from grpo.training.trainer_builder import depart, departure_line
 
     uncompiled = {"decode.compile_step": "off"}
     print(f"estimate's departures: {departure_line(uncompiled)} (no decode step is traced)")
@@ -151,16 +151,16 @@ def main(argv=None) -> dict:
 
 # ------------------------------------------------------------------------------------- the fake step
 def build_policy(config, p, torch):
-    """The policy as ``grpo.lora_policy.load_policy`` builds it, on fake "cuda" tensors: the base in the
+    """The policy as ``grpo.model.lora_policy.load_policy`` builds it, on fake "cuda" tensors: the base in the
     compute dtype, its linears in NF4 (bitsandbytes' own fake quantize op) unless the params say
     ``quantization: none``, then ``attach_lora``."""
     from transformers import AutoModelForCausalLM
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    from grpo.device import compute_dtype
-    from grpo.lora_policy import attach_lora
-    from grpo.nf4_layers import keep_standard_nf4_layout
-    from grpo.synthetic import char_tokenizer
+    from grpo.core.device import compute_dtype
+    from grpo.model.lora_policy import attach_lora
+    from grpo.model.nf4_layers import keep_standard_nf4_layout
+    from grpo.tools.synthetic import char_tokenizer
 
     dtype = compute_dtype(p.model.dtype, "cuda")
     with torch.device("cuda"):
@@ -181,7 +181,7 @@ def quantize_nf4(model, skip: set[str], dtype, torch) -> None:
     import bitsandbytes as bnb
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from grpo.memory import NF4_BLOCK
+    from grpo.tools.memory import NF4_BLOCK
 
     for name, child in list(model.named_modules()):
         if not isinstance(child, torch.nn.Linear) or any(name == s or name.startswith(s + ".") for s in skip):
@@ -214,9 +214,9 @@ def resident_tensors(model) -> list:
 
 
 def given_policy(model, tok):
-    """The train stage's ``grpo.trainer_builder.TrainerBuilder`` with this bench's policy and
+    """The train stage's ``grpo.training.trainer_builder.TrainerBuilder`` with this bench's policy and
     tokenizer (built here on the fake device: not loaded, and no seed is set for them)."""
-    from grpo.trainer_builder import TrainerBuilder
+    from grpo.training.trainer_builder import TrainerBuilder
 
     class GivenPolicy(TrainerBuilder):
         def tokenizer(self):
@@ -231,9 +231,9 @@ def given_policy(model, tok):
 def make_trainer(model, tok, p, prompt: int, out_dir: str, torch):
     """The real ``GRPOTrainer`` (its passes, updater and schedule) and a function that makes one
     step's ``TrainBatch`` from random rollouts (the rollout phase replaced)."""
-    from grpo.rollout_backends import TransformersBackend
-    from grpo.trainer_builder import depart
-    from grpo.types import Rollout, TrainBatch
+    from grpo.core.types import Rollout, TrainBatch
+    from grpo.rollout.rollout_backends import TransformersBackend
+    from grpo.training.trainer_builder import depart
 
     class Replaced(given_policy(model, tok)):  # no engine starts: the rollout phase is replaced
         def backend(self, tokenizer, model, bounds):
@@ -302,8 +302,8 @@ def compare(traced: int, estimated: int | None) -> dict:
 def report(args, res, shapes, est, prompt, trace, stubs, trainer) -> dict:
     """The traced step against the estimate ``est`` of the params ``res.params``, printed and as the
     JSON record (its ``seconds`` added by the caller)."""
-    from grpo.memory import gib
-    from grpo.passes import micro_slices
+    from grpo.tools.memory import gib
+    from grpo.training.passes import micro_slices
 
     p = res.params
     terms = {t.name: t.bytes for t in est.terms}
@@ -373,9 +373,9 @@ def main_all(args) -> dict:
     from fake_cuda.trace import DataDependent, LiveBytes, patch_torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from grpo import memory
-    from grpo.sampling import compiled_steps
-    from grpo.trainer_builder import depart, departure_line
+    from grpo.rollout.sampling import compiled_steps
+    from grpo.tools import memory
+    from grpo.training.trainer_builder import depart, departure_line
 
     t0 = time.time()
     res, config, source, prompt = resolve_run(args.params, args.prompt_tokens)
@@ -459,7 +459,7 @@ def top_groups(snap, top: int) -> list[dict]:
 def step_trainer(model, tok, p, out_dir: str):
     """The train stage's trainer as ``TrainerBuilder`` makes it (its own decode-loop backend,
     completions at full length), in ``out_dir``, no checkpoints."""
-    from grpo.trainer_builder import depart
+    from grpo.training.trainer_builder import depart
 
     class FullLength(given_policy(model, tok)):
         def rollout_lengths(self) -> tuple[int | None, int]:

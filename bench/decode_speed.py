@@ -9,13 +9,13 @@ and is timed whole (prefill, dense copies, every decode step):
 * ``nf4-dynamic``: the loop CUDA ran before (4-bit layers, LoRA unmerged, rows leave the batch, a
   host sync and a growing mask per token), over ``--before-tokens`` tokens (it is the slow one);
 * ``dense-dynamic``: the same loop on the dense copies with LoRA folded in
-  (``grpo.nf4_layers.dequantized_weights``);
-* ``dense-static``: the static loop (``grpo.sampling``: ``StaticCache``, fixed shapes, EOS checked
+  (``grpo.model.nf4_layers.dequantized_weights``);
+* ``dense-static``: the static loop (``grpo.rollout.sampling``: ``StaticCache``, fixed shapes, EOS checked
   every 16 tokens) on the dense copies, what ``auto`` runs on CUDA where the copies fit;
 * ``dense-static-graph``: the same with the step captured as a CUDA graph (``compile_step``; CUDA
   only: its first call compiles, so it is timed on a second call), on the persistent dense copies
   (``dequantized_weights(persistent=True)``, refilled in place at each call) as training's
-  rollouts run it (``grpo.rollout_backends.TransformersBackend``: the compiled step holds the
+  rollouts run it (``grpo.rollout.rollout_backends.TransformersBackend``: the compiled step holds the
   copies' addresses, so fresh copies each call would recompile it).
 
 Per variant: seconds, milliseconds per token (seconds / tokens), and the share of rows whose
@@ -111,9 +111,9 @@ class Model:
     def __init__(self, args, tmp: Path):
         import torch
 
-        from grpo.device import compute_dtype
-        from grpo.lora_policy import load_policy
-        from grpo.synthetic import random_model_dir
+        from grpo.core.device import compute_dtype
+        from grpo.model.lora_policy import load_policy
+        from grpo.tools.synthetic import random_model_dir
 
         p, config, self.source, self.device = device_update.setup(args)
         self.dtype = compute_dtype(p.model.dtype, self.device)
@@ -131,8 +131,8 @@ class Model:
         """One call's (N, tokens) completion ids, as ``TransformersBackend.generate`` samples them."""
         import contextlib
 
-        from grpo.nf4_layers import dequantized_weights
-        from grpo.sampling import Draw, DynamicLoop, StaticLoop, StaticOptions, decode
+        from grpo.model.nf4_layers import dequantized_weights
+        from grpo.rollout.sampling import Draw, DynamicLoop, StaticLoop, StaticOptions, decode
 
         built = StaticLoop(StaticOptions(compile_step=compile_step)) if loop == "static" else DynamicLoop()
         draw = Draw(tokens, {0}, 0, temperature=1.0, min_new_tokens=tokens, row_seeds=self.seeds)

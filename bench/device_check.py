@@ -64,7 +64,7 @@ Each phase's need and limit are ``bench/device_budgets.py``'s, derived there fro
 took on the H200 at d650e3f and the H100 (their JSON under docs/gpu-runs/): the default phases'
 limits with ``RUN_MARGIN_S`` fill the default budget, 570 s, one device call.
 ``--without dvclive`` runs every phase as on a machine without dvclive (``hide_modules``), which the
-GPU machine lacks: the train stage then logs one warning and goes on (``grpo.step_loggers``), and
+GPU machine lacks: the train stage then logs one warning and goes on (``grpo.training.step_loggers``), and
 ``pack`` does not carry it (dvclive needs dvc and its dependencies).
 
 ``--dry-run`` runs the same plumbing on a CPU: toy sizes, Triton under ``TRITON_INTERPRET=1``, no
@@ -216,7 +216,7 @@ SCHEMA = {
         "python": "str: the Python version", "executable": "str: its path", "torch": "str: torch's version",
         "torch_cuda": "str?: the CUDA torch was built for", "device": "str: the card's name, or cpu",
         "capability": "str?: its compute capability", "memory_gib": "number?: its memory",
-        "driver": "str?: the NVIDIA driver (grpo.engine.preflight.probe_driver)",
+        "driver": "str?: the NVIDIA driver (grpo.rollout.engine.preflight.probe_driver)",
         "cc": "str?: the C compiler Triton would use (preflight.probe_compiler): its path and first line",
         "python_h": "str?: Python.h where Triton looks for it (preflight.probe_python_include), where found", "triton": "str?: triton's version",
         "transformers": "str?: its version", "peft": "str?: its version", "bitsandbytes": "str?: its version",
@@ -477,7 +477,7 @@ def outcome(rc: int | None, text: str) -> tuple[str, int | None, str | None]:
 PROBE = r"""
 import importlib.metadata as md, json, os, platform, subprocess, sys
 import torch
-from grpo.engine import preflight  # grpo doctor's own probes: the compiler and headers Triton would use
+from grpo.rollout.engine import preflight  # grpo doctor's own probes: the compiler and headers Triton would use
 def ver(d):
     try:
         return md.version(d)
@@ -519,9 +519,9 @@ def phase_probe(run: Run, wheels: Path | None):
         if rc != 0:
             return outcome(rc, text)
         probe = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
-        rc_doc, doc = run.child("probe", [sys.executable, "-m", "grpo.cli", "doctor", "--params", SEED003],
+        rc_doc, doc = run.child("probe", [sys.executable, "-m", "grpo.tools.cli", "doctor", "--params", SEED003],
                                 end - time.monotonic())
-        lines = [line for line in doc.split("grpo.cli doctor", 1)[-1].splitlines()[1:] if line.strip()]
+        lines = [line for line in doc.split("grpo.tools.cli doctor", 1)[-1].splitlines()[1:] if line.strip()]
         run.report["probe"] = {**probe, "doctor": lines, "doctor_rc": rc_doc}
         if rc_doc is None:
             return "timed out", None, "grpo doctor was killed at its time limit"

@@ -2,9 +2,9 @@
 weights, an unbroken run against one killed with -9 after its first checkpoint and resumed.
 
 The base is the preset's architecture with random weights, drawn as ``bench/device_update.py`` draws
-it (``device_update.architecture``, ``grpo.synthetic.random_model_dir``: no download); with
+it (``device_update.architecture``, ``grpo.tools.synthetic.random_model_dir``: no download); with
 ``--dry-run`` the ``toy`` architecture on the CPU at toy sizes. The params are the preset put over the
-workspace's ``params.yaml`` (``grpo.overlay.overlay_params``, validated by ``grpo.params.params_from_dict``)
+workspace's ``params.yaml`` (``grpo.config.overlay.overlay_params``, validated by ``grpo.config.params.params_from_dict``)
 with, for this check (``STAGE_KEYS``): ``--steps`` N steps, a checkpoint every step, validation
 (``eval_every``) at step N on ``val_rows`` problems of at most ``--eval-tokens`` new tokens, the decode
 loop (``rollout_backend: transformers``), no warmup, truncated completions scored, and one reward
@@ -18,14 +18,14 @@ The parts, one process of the stage each:
 
 1. ``unbroken``: N steps in one process, alone on the device (its step times are seed 003's step at
    its shapes).
-2. ``dense_export``: ``grpo.lora_policy.export_dense`` of the unbroken run's adapter in this process,
+2. ``dense_export``: ``grpo.model.lora_policy.export_dense`` of the unbroken run's adapter in this process,
    what the final evaluation writes (the train stage itself ships the PEFT adapter only).
 3. Then two lanes, side by side where the device holds two stages at once (``two_lanes``: on CUDA
    when the memory free holds twice the unbroken run's reserved peak and ``CUDA_CONTEXT_GIB``; a
    CPU always), else one after the other, the resume lane first:
 
    * the resume lane: ``killed``, the same params in a folder of its own, SIGKILL to its process
-     group as soon as ``checkpoints/step_000001`` exists (``grpo.checkpoint.save`` renames a
+     group as soon as ``checkpoints/step_000001`` exists (``grpo.training.checkpoint.save`` renames a
      complete checkpoint into place, so its appearance is the moment after it was written); then
      ``resumed``: the killed run's params file again, the stage resumes from the newest checkpoint
      (its ``resumed from`` line) and runs to step N;
@@ -39,7 +39,7 @@ The parts, one process of the stage each:
    against the unbroken run's) and whether it makes two runs equal.
 
 Validation at step N samples ``val_rows`` problems, as many rows as a step's rollouts (the prompts
-padded to a power of two, as a compiled step's call is: ``grpo.sampling.bucketed_call``), of
+padded to a power of two, as a compiled step's call is: ``grpo.rollout.sampling.bucketed_call``), of
 ``--eval-tokens`` tokens (default the rollouts' ``max_new_tokens``): on CUDA, where the stage's
 token steps reach ``decode.compile_min_tokens`` and the step is compiled, validation then reuses
 the rollouts' compiled shape instead of compiling a second one in every process (``compiled``:
@@ -115,7 +115,7 @@ SCHEMA = {
                "counted against --budget-s",
     "budget_s": "number?: --budget-s, the seconds all parts may take from this process's start (null: no limit)",
     "estimate_gib": "number?: grpo check's step peak for the unbroken run's params on this device "
-                    "(grpo.memory.estimate(...).peak), beside the runs' peak_allocated_gib",
+                    "(grpo.tools.memory.estimate(...).peak), beside the runs' peak_allocated_gib",
     "val_rows": "int?: validation problems at step N (a step's rollout rows: the same compiled shape)",
     "lanes": "int?: the resume lane and the kernels' lane ran side by side (2) or one after the other (1)",
     "unbroken": RUN, "unbroken_again": RUN, "killed": RUN, "resumed": RUN,
@@ -132,7 +132,7 @@ SCHEMA = {
                                 "switch's cost",
     "skipped": "list[str]: the parts left out for want of time (--budget-s) or by --deterministic only",
     "dense_export": {
-        "seconds": "number?: grpo.lora_policy.export_dense of the unbroken run's adapter",
+        "seconds": "number?: grpo.model.lora_policy.export_dense of the unbroken run's adapter",
         "files": "list[str]: the weight files it wrote",
         "gib": "number?: their size",
         "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the export; null on a CPU",
@@ -152,12 +152,12 @@ EXPORT_S = 5
 """Seconds a part leaves of the budget beyond its expected time: the record's last save and the exit
 (the dense export, 7.5 s on an H200 at seed 003's size, runs before the lanes)."""
 COMPILED = re.compile(r"compiled the step for (\d+) rows x (\d+) positions")
-"""``grpo.sampling.timed_first_call``'s log line, once per process and shape."""
+"""``grpo.rollout.sampling.timed_first_call``'s log line, once per process and shape."""
 STAGE = (
     "import sys\n"
     f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
     "from device_train import text_length\n"
-    "from grpo.rewards import REWARDS\n"
+    "from grpo.algorithm.rewards import REWARDS\n"
     "REWARDS.register('text_length')(text_length)\n"
     "from tasks.train import main\n"
     "raise SystemExit(main(sys.argv[1:]))\n"
@@ -210,10 +210,10 @@ def stage_params(args, work: Path, base: Path, folder: str, **train_keys) -> tup
     ``--dry-run`` toy sizes."""
     import yaml
 
-    from grpo.cli import workspace_root
-    from grpo.config import read_params_yaml
-    from grpo.overlay import overlay_params
-    from grpo.params import params_from_dict
+    from grpo.config.overlay import overlay_params
+    from grpo.config.params import params_from_dict
+    from grpo.config.reading import read_params_yaml
+    from grpo.tools.cli import workspace_root
 
     preset = Path(args.params)
     root = workspace_root(preset)
@@ -235,7 +235,7 @@ def stage_params(args, work: Path, base: Path, folder: str, **train_keys) -> tup
         keys["passes"] = {"micro_batches": 2}
     keys.update(train_keys)
     raw = overlay_params(raw, {"train": keys, "model": {"path": str(base)}})
-    from grpo.rewards import REWARDS
+    from grpo.algorithm.rewards import REWARDS
 
     with REWARDS.registered("text_length", text_length):  # as in the stage's process; here for this check only
         tokens = args.eval_tokens or params_from_dict(raw).train.rollouts.max_new_tokens  # the rollouts' shape
@@ -248,7 +248,7 @@ def stage_params(args, work: Path, base: Path, folder: str, **train_keys) -> tup
 
 def val_rows(train: dict) -> int:
     """Validation problems whose call has a step's rollout shape: the step's prompts padded to a
-    power of two (``grpo.sampling.bucketed_call``) times the group, one completion each."""
+    power of two (``grpo.rollout.sampling.bucketed_call``) times the group, one completion each."""
     r = train["rollouts"]
     return (1 << (r["prompts_per_step"] - 1).bit_length()) * r["group_size"]
 
@@ -360,11 +360,11 @@ def adapter_diff(a: Path, b: Path) -> float | None:
 
 
 def dense_export(model_cfg: dict, adapter: Path, out: Path, cuda: bool) -> dict:
-    """``grpo.lora_policy.export_dense`` of ``adapter`` in this process, timed."""
+    """``grpo.model.lora_policy.export_dense`` of ``adapter`` in this process, timed."""
     import torch
 
-    from grpo.lora_policy import export_dense
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.model.lora_policy import export_dense
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -563,12 +563,12 @@ def blank_record(args, device: str, source, dtype) -> dict:
 
 
 def step_estimate_gib(params_file: Path, config, source, device: str, prompt_tokens: int) -> float:
-    """``grpo check``'s step peak (``grpo.memory.estimate(...).peak``) for a run's params file."""
+    """``grpo check``'s step peak (``grpo.tools.memory.estimate(...).peak``) for a run's params file."""
     import yaml
 
-    from grpo import memory
-    from grpo.params import params_from_dict
-    from grpo.rewards import REWARDS
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.config.params import params_from_dict
+    from grpo.tools import memory
 
     with REWARDS.registered("text_length", text_length):
         p = params_from_dict(yaml.safe_load(params_file.read_text()))
@@ -581,11 +581,11 @@ def measure(args, save, clock: Clock) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from device_update import architecture
 
-    from grpo.base_model import load_tokenizer
-    from grpo.cli import resolve_params
-    from grpo.data import build_prompt
-    from grpo.device import compute_dtype
-    from grpo.synthetic import random_model_dir
+    from grpo.core.device import compute_dtype
+    from grpo.data.sources import build_prompt
+    from grpo.model.base_model import load_tokenizer
+    from grpo.tools.cli import resolve_params
+    from grpo.tools.synthetic import random_model_dir
 
     if args.dry_run:
         os.environ["GRPO_DEVICE"] = "cpu"  # this process's export and the stage's processes

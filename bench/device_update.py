@@ -1,14 +1,14 @@
 """Seed 003's training update on a real card: CUDA's own memory counters at the preset's shapes.
 
-The model is the preset's architecture with random weights (``grpo.memory.resolve_config``: the
-architecture ``grpo.synthetic`` knows for ``model.name``; no download), saved and loaded back through
-``grpo.lora_policy.load_policy`` as the train stage loads a base (bitsandbytes NF4, LoRA, gradient
+The model is the preset's architecture with random weights (``grpo.tools.memory.resolve_config``: the
+architecture ``grpo.tools.synthetic`` knows for ``model.name``; no download), saved and loaded back through
+``grpo.model.lora_policy.load_policy`` as the train stage loads a base (bitsandbytes NF4, LoRA, gradient
 checkpointing). The update is the one ``bench/cuda_memory.py`` traces on fake tensors, unchanged:
 ``PolicyPasses.fixed_logprobs`` then ``GRPOTrainer.update`` on random rollouts of
 ``prompts_per_step x group_size`` rows (``cuda_memory.make_trainer``), two steps; the figures are the
 second's (AdamW's moments exist then). It prints and writes (``--json``) ``torch.cuda``'s
 ``max_memory_allocated`` / ``max_memory_reserved`` over that step, ``mem_get_info`` after it, and
-``grpo check``'s training estimate for the same params (``grpo.memory.estimate``), with their ratio.
+``grpo check``'s training estimate for the same params (``grpo.tools.memory.estimate``), with their ratio.
 
 ``--entropy-rule RULE`` measures the update under another token rule than the params' (the device
 check's ``rules`` phase: the default beside ``high``). On CUDA it also reads the memory outside
@@ -17,7 +17,7 @@ CUDA context, the kernels' modules loaded so far, and anything another process h
 after CUDA starts, after the load, after the measured step's no-grad forward and after its update;
 ``--memory-cap-gib 7.6`` first caps torch's allocator there (``torch.cuda.set_per_process_memory_fraction``,
 the device check's ``context`` phase: the allocator of an 8 GB card), the allowance ``grpo check``
-adds as ``grpo.memory.CUDA_CONTEXT``.
+adds as ``grpo.tools.memory.CUDA_CONTEXT``.
 
 ``--profile`` profiles one micro-batch of the second step with ``torch.profiler`` (CPU and, on CUDA,
 CUDA activities): the ``PROFILED_CALL``-th call of ``PolicyPasses.loss_backward`` (a micro-batch's
@@ -56,11 +56,11 @@ SCHEMA = {
     "entropy_rule": "str?: train.loss.entropy_rule (its passes and LM-head rows with grad set the step's memory)",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
-    "reserved_after_load_gib": "number?: CUDA reserved after grpo.lora_policy.load_policy (which gives its load's cache back)",
+    "reserved_after_load_gib": "number?: CUDA reserved after grpo.model.lora_policy.load_policy (which gives its load's cache back)",
     "peak_reserved_gib": "number?: torch.cuda.max_memory_reserved over the second step",
     "free_gib": "number?: torch.cuda.mem_get_info's free after the second step",
     "total_gib": "number?: torch.cuda.mem_get_info's total",
-    "estimate_gib": "number?: grpo check's training figure for these params (grpo.memory.estimate)",
+    "estimate_gib": "number?: grpo check's training figure for these params (grpo.tools.memory.estimate)",
     "ratio": "number?: peak allocated / estimate",
     "step_s": "number?: seconds of the second step's passes and update (with --profile, one micro-batch profiled inside)",
     "memory_cap_gib": "number?: --memory-cap-gib, torch's allocator capped there (CUDA only)",
@@ -111,10 +111,10 @@ def parse_args(argv=None):
 
 def architecture(params_path: str, p, root: Path, dry_run: bool):
     """(transformers config, its name, device) of the weights to draw: the params' model
-    (``grpo.memory.resolve_config``) on CUDA; the ``toy`` architecture on the CPU with ``dry_run``
+    (``grpo.tools.memory.resolve_config``) on CUDA; the ``toy`` architecture on the CPU with ``dry_run``
     (``bench/device_train.py`` draws its base the same way)."""
-    from grpo import memory
-    from grpo.synthetic import architecture_config
+    from grpo.tools import memory
+    from grpo.tools.synthetic import architecture_config
 
     if dry_run:
         return architecture_config("toy"), "toy", "cpu"
@@ -127,7 +127,7 @@ def architecture(params_path: str, p, root: Path, dry_run: bool):
 
 def setup(args):
     """(params, model config, architecture name, device) for the run."""
-    from grpo.cli import resolve_params
+    from grpo.tools.cli import resolve_params
 
     res = resolve_params(args.params)
     p = res.params
@@ -136,8 +136,8 @@ def setup(args):
     if args.dry_run:
         update.update(rollouts={"max_new_tokens": 8, "prompts_per_step": 2, "group_size": 2}, passes={"micro_batches": 2})
     if update:
-        from grpo.overlay import overlay_params
-        from grpo.params import params_from_dict
+        from grpo.config.overlay import overlay_params
+        from grpo.config.params import params_from_dict
 
         raw = p.model_dump()  # validated again: an unknown rule is one line, as in the params
         raw = overlay_params(raw, {"train": update})  # a part named merged key by key
@@ -221,12 +221,12 @@ def measure(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cuda_memory import make_trainer
 
-    from grpo import memory
-    from grpo.base_model import load_tokenizer
-    from grpo.device import compute_dtype
-    from grpo.lora_policy import load_policy
-    from grpo.metrics import PhaseTimer
-    from grpo.synthetic import random_model_dir
+    from grpo.core.device import compute_dtype
+    from grpo.model.base_model import load_tokenizer
+    from grpo.model.lora_policy import load_policy
+    from grpo.tools import memory
+    from grpo.tools.synthetic import random_model_dir
+    from grpo.training.metrics import PhaseTimer
 
     p, config, source, device = setup(args)
     dtype = compute_dtype(p.model.dtype, device)

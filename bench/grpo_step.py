@@ -2,7 +2,7 @@
 
 A step is generation -> rewards -> the reference pass (with a KL term) -> training forward
 and backward -> optimizer step, through the project's ``GRPOTrainer.train_step`` on a 4-bit NF4
-base with LoRA on q/k/v/o (``grpo.lora_policy.load_policy``). Each configuration runs in a fresh
+base with LoRA on q/k/v/o (``grpo.model.lora_policy.load_policy``). Each configuration runs in a fresh
 process, so no run inherits another's memory high-water mark, threads or caches.
 
 CPU speed against TRL (needs ``pip install trl==1.16.0``; the default model is ``models/base``,
@@ -78,7 +78,7 @@ def _problems(args) -> list[dict]:
     if args.data and Path(args.data).exists():
         rows = [json.loads(x) for x in Path(args.data).read_text().splitlines() if x.strip()]
     else:
-        from grpo.data import generate_arithmetic
+        from grpo.data.sources import generate_arithmetic
 
         rows = generate_arithmetic(64, 0, prefix="bench", min_digits=1, max_digits=2, operators=["+", "-"])
     if args.prompt_tokens:  # pad questions so that every prompt is cut to exactly --prompt-tokens
@@ -93,8 +93,8 @@ def _model_dir(args, workdir: Path) -> str:
         return args.model
     import torch
 
-    from grpo.device import default_device
-    from grpo.synthetic import architecture_config, random_model_dir
+    from grpo.core.device import default_device
+    from grpo.tools.synthetic import architecture_config, random_model_dir
 
     device = default_device()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -102,8 +102,8 @@ def _model_dir(args, workdir: Path) -> str:
 
 
 def departures(args, overrides: dict, workdir: Path, model_dir: str, rollout: str) -> dict:
-    """Our step's departures from the embedded default params (``grpo.params.AllParams``), as dotted
-    keys for ``grpo.trainer_builder.depart``: the bench's sizes, and TRL's rule (the top entropy
+    """Our step's departures from the embedded default params (``grpo.config.params.AllParams``), as dotted
+    keys for ``grpo.training.trainer_builder.depart``: the bench's sizes, and TRL's rule (the top entropy
     quantile's tokens get gradient, no KL, one update per batch: ``mu`` 1 as TRL's
     ``num_iterations``), then ``overrides`` (a saving switched off, or the params' default rule)."""
     out = {
@@ -126,9 +126,9 @@ def departures(args, overrides: dict, workdir: Path, model_dir: str, rollout: st
 
 
 def default_rule_overrides() -> dict:
-    """The token-entropy rule of the params' defaults (``grpo.sections.train.TrainConfig``) with its
+    """The token-entropy rule of the params' defaults (``grpo.config.sections.train.TrainConfig``) with its
     options and ``mu``, when it is not the ``high`` rule TRL runs; ``{}`` when it is."""
-    from grpo.sections.train import TrainConfig
+    from grpo.config.sections.train import TrainConfig
 
     d = TrainConfig()
     if d.loss.entropy_rule == "high":
@@ -152,17 +152,17 @@ def _memory_fields(device: str) -> dict:
 
 # ---------------------------------------------------------------------------- our step
 def run_ours(args, overrides: dict, rollout: str = "transformers", form: str = "dense") -> dict:
-    """Our ``train_step`` as the train stage builds it (``grpo.trainer_builder.TrainerBuilder``) with
+    """Our ``train_step`` as the train stage builds it (``grpo.training.trainer_builder.TrainerBuilder``) with
     this bench's ``departures``, rollouts from ``rollout``: ``vllm`` (an engine holding the policy,
     synced every step, in the weights ``form``) or ``transformers`` (the project's decode loop). The
     bench's own parts: the tokenizer (cutting prompts on the left), the engine's folder and form, and
     the rollouts' fixed lengths."""
     import torch
 
-    from grpo.base_model import load_tokenizer
-    from grpo.device import default_device
-    from grpo.params import AllParams
-    from grpo.trainer_builder import TrainerBuilder, depart
+    from grpo.config.params import AllParams
+    from grpo.core.device import default_device
+    from grpo.model.base_model import load_tokenizer
+    from grpo.training.trainer_builder import TrainerBuilder, depart
 
     device = default_device()
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,12 +226,12 @@ def run_trl(args, tuned: bool = False) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo.base_model import load_tokenizer
-    from grpo.data import build_prompt
-    from grpo.device import default_device
-    from grpo.lora_policy import load_training_base
-    from grpo.rewards import REWARDS
-    from grpo.sections.model import ModelConfig
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.config.sections.model import ModelConfig
+    from grpo.core.device import default_device
+    from grpo.data.sources import build_prompt
+    from grpo.model.base_model import load_tokenizer
+    from grpo.model.lora_policy import load_training_base
 
     device = default_device()
     reward_weights = {"correctness": 1.0, "format_strict": 0.1}
@@ -368,7 +368,7 @@ def print_speed(rows: dict[str, dict]) -> None:
         mu = rows["ours-default-rule"]["departures"].get("train.optimizer.mu")
         print(f"ours under the params' default rule (mu {mu}) / trl median step time: "
               f"{rows['ours-default-rule']['step_s'] / rows['trl']['step_s']:.2f} (not the same work)")
-    from grpo.trainer_builder import departure_line
+    from grpo.training.trainer_builder import departure_line
 
     for name, s in rows.items():  # what each of our lines ran: the default params but for these keys
         if s.get("departures"):

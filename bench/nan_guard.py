@@ -1,6 +1,6 @@
 """The non-finite guard with a real overflow: a LoRA weight at 1e38 in a bf16 update.
 
-A small random Qwen2 (``grpo.synthetic``'s ``toy``) in bitsandbytes NF4 with bf16 compute and
+A small random Qwen2 (``grpo.tools.synthetic``'s ``toy``) in bitsandbytes NF4 with bf16 compute and
 LoRA, trained by ``GRPOTrainer.train_step`` on the card (or the CPU where there is none). Step 1 is
 clean, so AdamW has moments. From step 2 on, between the rollouts and the update (the rollouts
 are sampled with clean weights: a NaN in sampling is another failure than the one measured), every
@@ -73,10 +73,10 @@ def same(a, b) -> tuple[bool, bool]:
 def build(args, tmp: Path):
     import torch
 
-    from grpo.params import AllParams
-    from grpo.rewards import REWARDS
-    from grpo.synthetic import architecture_config, random_model_dir
-    from grpo.trainer_builder import build_trainer, depart, departure_line
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.config.params import AllParams
+    from grpo.tools.synthetic import architecture_config, random_model_dir
+    from grpo.training.trainer_builder import build_trainer, depart, departure_line
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     REWARDS["varied"] = varied_reward
@@ -97,7 +97,7 @@ def build(args, tmp: Path):
 def run(args) -> dict:
     import torch
 
-    from grpo.errors import StageStop
+    from grpo.core.errors import StageStop
 
     out = {k: None for k in SCHEMA}
     out.update(poison=args.poison, limit=args.limit, skipped=[], dtype="bfloat16")

@@ -5,7 +5,7 @@ a fused matrix-vector kernel for few rows, dequantise + ``F.linear`` for many; d
 cites the lines). The trainer's forwards are long (M = rows x tokens) and an engine's decode steps
 short, so the same weights can give other numbers there. For each distinct linear shape of the
 preset's architecture (q/o, k/v, gate/up, down at seed 003's Qwen2-1.5B), a ``Linear4bit`` (NF4,
-double quantisation, bf16 compute, as ``grpo.lora_policy`` loads the base) computes the same first M
+double quantisation, bf16 compute, as ``grpo.model.lora_policy`` loads the base) computes the same first M
 rows alone (M = 1, 4, 8, 16) and inside one M = 2048 call; it records whether they are equal, the
 largest gap, and whether two calls at M give the same bits.
 
@@ -32,7 +32,7 @@ SHORT = (1, 4, 8, 16)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default="qwen2-1.5b", help="an architecture of grpo.synthetic.ARCHITECTURES")
+    ap.add_argument("--arch", default="qwen2-1.5b", help="an architecture of grpo.tools.synthetic.ARCHITECTURES")
     ap.add_argument("--long", type=int, default=2048, help="rows of the long call")
     ap.add_argument("--dry-run", action="store_true", help="the CPU, the toy architecture, a 64-row long call")
     ap.add_argument("--json", help="write the result here")
@@ -40,10 +40,10 @@ def parse_args(argv=None):
 
 
 def linear_shapes(arch: str) -> dict[str, tuple[int, int]]:
-    """(in, out) of each distinct linear of a transformer layer of ``arch`` (``grpo.model_shapes``),
+    """(in, out) of each distinct linear of a transformer layer of ``arch`` (``grpo.core.model_shapes``),
     the linears of one shape named together: ``q_proj/o_proj``, ``k_proj/v_proj``, ..."""
-    from grpo.model_shapes import model_shapes
-    from grpo.synthetic import architecture_config
+    from grpo.core.model_shapes import model_shapes
+    from grpo.tools.synthetic import architecture_config
 
     by_shape: dict[tuple[int, int], list[str]] = {}
     for x in model_shapes(architecture_config(arch)).layer_linears():

@@ -1,6 +1,6 @@
 """SENT's and the evaluations' decode loop (no vLLM) at their call sizes on a real card.
 
-Where vLLM is missing, ``grpo.engine.sampler.saved_model_sampler`` samples a saved model (SENT: the
+Where vLLM is missing, ``grpo.rollout.engine.sampler.saved_model_sampler`` samples a saved model (SENT: the
 base; the evaluations: the policy exported dense) with ``TransformersBackend``, log-probs included.
 This draws the params' architecture with random weights (``bench/device_update.py``'s ``setup``),
 saves it, and in a process per stage (as the pipeline runs them) opens it as that stage does and
@@ -10,8 +10,8 @@ completion full length: the worst case; prompts of ``--prompt-tokens``). Per cal
 milliseconds per token, CUDA's peak allocated with the allocator capped at ``--memory-cap-gib``
 (seed 003's card), the prompts one decode call took (``TransformersBackend.prompts_per_call``: the
 split under the cap) and the prediction it is held against: the dense weights plus
-``grpo.decode_memory.sampler_call_bytes`` for one such call, and what was allocated before it (the
-weights). The decode loop is the one each stage plans (``grpo.sampling.plan_decode`` on the params'
+``grpo.rollout.decode_memory.sampler_call_bytes`` for one such call, and what was allocated before it (the
+weights). The decode loop is the one each stage plans (``grpo.rollout.sampling.plan_decode`` on the params'
 ``decode`` section, the stage's token steps at the data's sizes: compiled on CUDA).
 
 A call that fails is recorded (``error``; an out-of-memory error with its figures, ``bench/oom.py``)
@@ -41,10 +41,10 @@ CALL = {
     "new_tokens": "int?: tokens per completion", "seconds": "number?: the call's wall seconds, log-probs included",
     "ms_per_token": "number?: seconds / new_tokens, in ms", "peak_allocated_gib": "number?: CUDA's max_memory_allocated",
     "predicted_gib": "number?: dense weights + sampler_call_bytes for one call of prompts_per_call prompts "
-                     "(on a compiled step: padded to it, its kept buffers counted; grpo.decode_memory.split_call)",
+                     "(on a compiled step: padded to it, its kept buffers counted; grpo.rollout.decode_memory.split_call)",
     "prompts_per_call": "int?: the prompts one decode call took (the split under the cap)",
     "allocated_before_gib": "number?: CUDA's memory_allocated before the call (the weights, and what earlier calls kept)",
-    "loop": "str?: the decode loop the call ran (grpo.sampling.plan_decode's why)",
+    "loop": "str?: the decode loop the call ran (grpo.rollout.sampling.plan_decode's why)",
     "error": "str?: why the call did not run, one line",
     **oom.SCHEMA,
 }
@@ -96,8 +96,8 @@ def one_call(sampler, model, prompts: list[str], samples: int, new_tokens: int, 
     that raises leaves its prediction and split there."""
     import torch
 
-    from grpo.decode_memory import CallSize, allocator_budget, model_dims, sampler_call_bytes, split_call
-    from grpo.sampling import compiled_steps
+    from grpo.rollout.decode_memory import CallSize, allocator_budget, model_dims, sampler_call_bytes, split_call
+    from grpo.rollout.sampling import compiled_steps
 
     if cuda:
         row["allocated_before_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
@@ -144,10 +144,10 @@ def stage_call(args) -> dict:
     """``--call STAGE`` (a child process, as the stage is its own): the saved model at ``--base``
     opened as the stage opens it, and its largest call made once: the ``CALL`` record."""
 
-    from grpo.base_model import load_tokenizer
-    from grpo.device import compute_dtype
-    from grpo.engine.sampler import SavedModelRun, saved_model_sampler
-    from grpo.rollout_backends import DecodeChoice, planned_tokens
+    from grpo.core.device import compute_dtype
+    from grpo.model.base_model import load_tokenizer
+    from grpo.rollout.engine.sampler import SavedModelRun, saved_model_sampler
+    from grpo.rollout.rollout_backends import DecodeChoice, planned_tokens
 
     p, _config, _source, device = device_update.setup(args)
     cap_allocator(args, device)
@@ -186,8 +186,8 @@ def measure(args) -> tuple[dict, list[str]]:
     record (``SCHEMA``) and a line per failed call."""
     import torch
 
-    from grpo.device import compute_dtype
-    from grpo.synthetic import random_model_dir
+    from grpo.core.device import compute_dtype
+    from grpo.tools.synthetic import random_model_dir
 
     p, config, source, device = device_update.setup(args)
     dtype = compute_dtype(p.model.dtype, device)

@@ -1,7 +1,7 @@
 """The update's and one decode step's work counted on the CPU, and a modelled time per card.
 
 The project's own code runs at a params file's shapes on fake CUDA tensors (``bench/cuda_memory.py``'s
-machinery: ``FakeTensorMode`` on a "cuda" device, the policy as ``grpo.lora_policy`` builds it, NF4 as
+machinery: ``FakeTensorMode`` on a "cuda" device, the policy as ``grpo.model.lora_policy`` builds it, NF4 as
 bitsandbytes builds it, the real ``GRPOTrainer``):
 
 * ``update``: one step's no-grad passes and update, as ``GRPOTrainer.train_step`` runs them after
@@ -9,9 +9,9 @@ bitsandbytes builds it, the real ``GRPOTrainer``):
   updates of every micro-batch's forward and backward, the optimizer's steps), with AdamW's
   moments made first (``warm_optimizer``), as in every step but the first.
   ``bench/device_update.py`` timed the same call on the H200 (its ``step_s``).
-* ``decode_token``: one iteration of the static decode loop (``grpo.sampling.static_loop``, the loop
+* ``decode_token``: one iteration of the static decode loop (``grpo.rollout.sampling.static_loop``, the loop
   ``decode.loop: auto`` runs on CUDA, its step not compiled) on the dense copies with LoRA folded in
-  (``grpo.nf4_layers.dequantized_weights``, as ``TransformersBackend`` decodes), all
+  (``grpo.model.nf4_layers.dequantized_weights``, as ``TransformersBackend`` decodes), all
   ``prompts_per_step x group_size`` rows, the ``StaticCache`` at the preset's ``prompt +
   max_new_tokens`` positions: the sampler's ops, the loop's bookkeeping and one forward. The loop's
   second step call is where counting starts, its third where it stops.
@@ -57,12 +57,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fake_cuda  # noqa: E402  (before torch: see fake_cuda.load)
 
-from grpo.timing import CARDS, Card  # noqa: E402  (the cards' data-sheet figures; imports no torch)
+from grpo.tools.timing import CARDS, Card  # noqa: E402  (the cards' data-sheet figures; imports no torch)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-# the cards: grpo.timing.CARDS, the one home of their data-sheet figures (grpo check's times read them too)
+# the cards: grpo.tools.timing.CARDS, the one home of their data-sheet figures (grpo check's times read them too)
 
 
 MEASURED_DIR = REPO / "docs" / "gpu-runs" / "2026-11-28-h200"
@@ -350,8 +350,8 @@ def count_triton(counter: OpCounter) -> None:
     log-prob-gradient kernel reads them twice and writes their gradient over them."""
     import importlib
 
-    for module, name, passes in (("grpo.kernels.entropy_logprob", "entropy_logprob_triton", 1),
-                                 ("grpo.kernels.logprob_grad", "logprob_grad_triton", 3)):
+    for module, name, passes in (("grpo.algorithm.kernels.entropy_logprob", "entropy_logprob_triton", 1),
+                                 ("grpo.algorithm.kernels.logprob_grad", "logprob_grad_triton", 3)):
         mod = importlib.import_module(module)
         replaced = getattr(mod, name)
 
@@ -458,7 +458,7 @@ def run_update(trainer, batch_of, counter: OpCounter, flop_mode, rows: int | Non
     """One step's passes and update in ``GRPOTrainer.train_step``'s order, counted: the normaliser
     over every completion, the update's rows (the first ``rows``: ``update_rows``' groups with
     signal), the reference pass, ``mu`` updates. Returns the flop counter's FLOPs of it."""
-    from grpo.metrics import PhaseTimer
+    from grpo.training.metrics import PhaseTimer
 
     step = batch_of()
     before = flop_mode.get_total_flops()
@@ -481,8 +481,8 @@ class OneToken(Exception):
 def run_decode_token(model, p, prompt: int, counter: OpCounter, flop_mode, torch) -> tuple[float, dict]:
     """One iteration of the static loop at the training call's shape (module docstring): the loop's
     ``static_step`` wrapped so that counting runs from its second call's return to its third's."""
-    from grpo import sampling
-    from grpo.nf4_layers import dequantized_weights
+    from grpo.model.nf4_layers import dequantized_weights
+    from grpo.rollout import sampling
 
     r = p.train.rollouts
     prompts, group = r.prompts_per_step, r.group_size
@@ -531,8 +531,8 @@ def run_decode_token(model, p, prompt: int, counter: OpCounter, flop_mode, torch
 def run_decode_call(model, tokens: int, prompt: int, rows: int, group: int, counter: OpCounter, torch) -> None:
     """The whole call ``bench/decode_speed.py``'s profile makes (its ``Model.sample``: dense copies,
     prefill, ``tokens`` tokens of the static loop), counted."""
-    from grpo.nf4_layers import dequantized_weights
-    from grpo.sampling import Draw, StaticLoop, decode
+    from grpo.model.nf4_layers import dequantized_weights
+    from grpo.rollout.sampling import Draw, StaticLoop, decode
 
     ids = torch.randint(10, model.config.vocab_size, (rows // group, prompt), device="cuda")
     mask = torch.ones_like(ids)
@@ -565,7 +565,7 @@ def main(argv=None) -> dict:
     from fake_cuda.trace import DataDependent, patch_torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from grpo.trainer_builder import depart
+    from grpo.training.trainer_builder import depart
 
     t0 = time.time()
     p, config, source, prompt = setup(args)

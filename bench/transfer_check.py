@@ -4,14 +4,14 @@ pipeline: no stage reads it and nothing is chosen on it.
     python bench/transfer_check.py [--n 150] [--adapter models/adapter] [--json out.json]
 
 Two probe sets, each problem asked of the base model and of base + adapter (greedy, the evaluation
-stage's code: ``grpo.evaluate.evaluate`` with ``evaluate.test_path`` pointed at the probe):
+stage's code: ``grpo.evaluation.evaluate.evaluate`` with ``evaluate.test_path`` pointed at the probe):
 
 - ``other-wordings``: the params' operand shape, but only operand multisets that the held-out split
-  gives to test (``grpo.data.split_of``: never a training problem's operands), in phrasings the
+  gives to test (``grpo.data.sources.split_of``: never a training problem's operands), in phrasings the
   generator never uses, word problems among them.
 - ``three-digit``: both operands of three digits (no training problem has one), plain phrasing.
 
-Labels are computed by ``grpo.arithmetic`` from the expression the question states. Prints per set
+Labels are computed by ``grpo.data.arithmetic`` from the expression the question states. Prints per set
 the accuracy before and after with 95% Wilson intervals and the paired difference; needs
 ``models/base`` (``dvc repro``) and the adapter.
 """
@@ -38,8 +38,8 @@ THINGS = ("apples", "stamps", "marbles", "books", "coins")
 
 def other_wordings(n: int, data, seed: int) -> list[dict]:
     """``n`` sums whose operand multisets belong to the test share of ``data``'s split, reworded."""
-    from grpo.arithmetic import Expression, evaluate
-    from grpo.data import split_of
+    from grpo.data.arithmetic import Expression, evaluate
+    from grpo.data.sources import split_of
 
     rng, rows = random.Random(f"transfer:{seed}"), []
     while len(rows) < n:
@@ -54,7 +54,7 @@ def other_wordings(n: int, data, seed: int) -> list[dict]:
 
 
 def three_digit(n: int, seed: int) -> list[dict]:
-    from grpo.arithmetic import Expression, evaluate
+    from grpo.data.arithmetic import Expression, evaluate
 
     rng = random.Random(f"three:{seed}")
     out = []
@@ -66,8 +66,8 @@ def three_digit(n: int, seed: int) -> list[dict]:
 
 
 def run_set(params, rows: list[dict], adapter: str, work: Path) -> dict:
-    from grpo.evaluate import evaluate, wilson_interval
-    from grpo.jsonio import write_jsonl
+    from grpo.core.jsonio import write_jsonl
+    from grpo.evaluation.evaluate import evaluate, wilson_interval
 
     path = work / "probe.jsonl"
     write_jsonl(path, rows)
@@ -91,7 +91,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from grpo.params import load_params
+    from grpo.config.params import load_params
 
     params = load_params(args.params)
     sets = {"other-wordings": other_wordings(args.n, params.data, params.data.seed),

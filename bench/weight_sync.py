@@ -4,7 +4,7 @@ weights with the policy's LoRA adapter.
     python bench/weight_sync.py [--model models/base] [--prompts 32] [--group 8] [--new-tokens 64] [--rounds 3]
                                 [--ways dense nf4] [--dtype auto] [--json FILE]
 
-Each way is the engine ``grpo.engine.policy_engine.policy_rollouts`` builds for the train stage (``train.rollouts.engine_weights``), in a
+Each way is the engine ``grpo.rollout.engine.policy_engine.policy_rollouts`` builds for the train stage (``train.rollouts.engine_weights``), in a
 fresh process, started from the NF4 base as training loads it; the policy's LoRA adapter (r16 /
 alpha 32 on q/k/v/o, B drawn at random so that it matters) changes every round, as an optimizer
 step would. Per round and way: ``sync`` (timed), then ``prompts x group`` completions (temperature 1,
@@ -13,7 +13,7 @@ at most ``new-tokens``; timed), the mean |engine log-prob - policy log-prob| ove
 decode of the prompts compared with the policy's own NF4 + LoRA decode (exactness).
 
 * ``dense``: ``DenseSync`` (``W + s B A`` written into the engine's fused layers).
-* ``nf4``: the engine computes with the policy's own ``Linear4bit`` modules (``grpo.engine.nf4_form``);
+* ``nf4``: the engine computes with the policy's own ``Linear4bit`` modules (``grpo.rollout.engine.nf4_form``);
   ``AdapterSync`` (the adapter saved, loaded under a new id).
 
 Prints engine start, median sync time, median sampling speed, the log-prob gap (mean and largest
@@ -42,16 +42,16 @@ def run(args, way: str) -> dict:
     """One way, in this process."""
     import torch
 
-    from grpo.base_model import load_tokenizer
-    from grpo.data import build_prompt
-    from grpo.engine.policy_engine import PolicyEngineSpec, policy_rollouts
-    from grpo.jsonio import read_jsonl
-    from grpo.lora_policy import load_policy
-    from grpo.rollout_backends import TransformersBackend
-    from grpo.sections.engine import VLLMEngineConfig
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
-    from grpo.sections.shared import DEFAULT_SYSTEM_PROMPT
+    from grpo.config.sections.engine import VLLMEngineConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.config.sections.shared import DEFAULT_SYSTEM_PROMPT
+    from grpo.core.jsonio import read_jsonl
+    from grpo.data.sources import build_prompt
+    from grpo.model.base_model import load_tokenizer
+    from grpo.model.lora_policy import load_policy
+    from grpo.rollout.engine.policy_engine import PolicyEngineSpec, policy_rollouts
+    from grpo.rollout.rollout_backends import TransformersBackend
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=args.model, dtype=args.dtype)

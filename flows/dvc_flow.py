@@ -84,8 +84,8 @@ from flows.workspace import (
     stages_of,
     workspace_lock,
 )
-from grpo.engine.preflight import require_ready_gpu
-from grpo.errors import DeviceError, ParamsError
+from grpo.core.errors import DeviceError, ParamsError
+from grpo.rollout.engine.preflight import require_ready_gpu
 
 NETWORK_STAGES = {"prepare_data", "prepare_model"}
 SLOT_ENV = "GRPO_WORKSPACE_SLOT"  # "off" (or 0/false/no): deployment runs take no workspace slot
@@ -242,10 +242,10 @@ def workspace_slot(root: Path):
 
 def apply_overrides(params_path: Path, overrides: dict[str, str]) -> None:
     """Set dotted keys (``train.optimizer.lr=5e-4``; a string value is read as YAML) in params.yaml, keeping its
-    comments (``grpo.config.write_params``); a result the stages would refuse writes nothing and raises
+    comments (``grpo.config.reading.write_params``); a result the stages would refuse writes nothing and raises
     ``ParamsError`` naming the key."""
     from flows.overrides import override_values, refusal
-    from grpo.params import write_params
+    from grpo.config.params import write_params
 
     try:
         write_params(params_path, override_values(overrides))
@@ -258,7 +258,7 @@ def _publish(workdir: Path, results: list[dict]) -> None:
     table as Prefect artifacts of the flow run."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from grpo.report import inline_images
+    from grpo.evaluation.report import inline_images
 
     report = workdir / "reports" / "report.md"
     if report.exists():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo.errors import ParamsError
+from grpo.core.errors import ParamsError
 
 
 def override_values(overrides: dict[str, str]) -> dict[str, object]:
@@ -30,13 +30,13 @@ def refusal(params_path: Path, overrides: dict[str, str] | None, err: ParamsErro
 
 
 def check_params(params_path: Path, overrides: dict[str, str] | None = None) -> None:
-    """Validate ``params_path`` with ``overrides`` put over it, in memory (``grpo.params``: every
+    """Validate ``params_path`` with ``overrides`` put over it, in memory (``grpo.config.params``: every
     section and the rules across them, what the check_params stage runs); ``ParamsError`` of one line
     naming the key and the overrides (``refusal``). Nothing is written. A workspace without a params
     file and no overrides has nothing to check."""
-    from grpo.config import read_params_yaml
-    from grpo.overlay import overlay_params
-    from grpo.params import params_from_dict
+    from grpo.config.overlay import overlay_params
+    from grpo.config.params import params_from_dict
+    from grpo.config.reading import read_params_yaml
 
     if not overrides and not params_path.exists():
         return
@@ -48,10 +48,10 @@ def check_params(params_path: Path, overrides: dict[str, str] | None = None) -> 
 
 def check_run_params(root: Path, overrides: dict[str, str] | None = None) -> None:
     """``check_params`` of the workspace ``root``'s ``params.yaml`` with ``overrides``, when the run sets
-    any or when ``root``'s ``dvc.yaml`` has a guard stage (``grpo.dvcfile.Stage.guard``: this project's
+    any or when ``root``'s ``dvc.yaml`` has a guard stage (``grpo.core.dvcfile.Stage.guard``: this project's
     ``check_params``, whose check this is, in memory and before any server); a workspace of other
     stages is left to them."""
-    from grpo.dvcfile import DVC_YAML, PARAMS_YAML, read_stages
+    from grpo.core.dvcfile import DVC_YAML, PARAMS_YAML, read_stages
 
     if overrides or any(stage.guard for stage in read_stages(root / DVC_YAML).values()):
         check_params(root / PARAMS_YAML, overrides)

@@ -26,7 +26,7 @@ from flows.overrides import check_run_params
 from flows.process import StageFailed, StageTimeout
 from flows.server_auth import ALLOW_FLAG, check_api_auth
 from flows.workspace import STAGE_TIMEOUT_S, WorkspaceBusy, select_stages, stages_of, workspace_lock
-from grpo.errors import DeviceError, ParamsError
+from grpo.core.errors import DeviceError, ParamsError
 
 # Without PREFECT_API_URL the flow starts Prefect's temporary ("ephemeral") server, which Prefect
 # waits 20 s for by default (prefect/settings/models/server/ephemeral.py); a busy 2-core machine can

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.dvcfile import DVC_DIR, DVC_YAML, find_root, read_stages
+from grpo.core.dvcfile import DVC_DIR, DVC_YAML, find_root, read_stages
 
 FLOW_LOCK = "grpo-flow.lock"
 

@@ -2,7 +2,7 @@
 
 A preset names only what differs from the embedded default; every key it names replaces that
 key's value in params.yaml (comments kept), so params.yaml stays complete, as dvc.yaml's
-``params:`` need (``grpo.config.write_params``, which the flow's ``--set`` uses too). The result is
+``params:`` need (``grpo.config.reading.write_params``, which the flow's ``--set`` uses too). The result is
 validated; a bad preset changes nothing and fails with one line.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpo.config import ParamsError, read_params_yaml
-from grpo.params import write_params
+from grpo.config.reading import ParamsError, read_params_yaml
+from grpo.config.params import write_params
 
 
 def apply_preset(preset: Path, params: Path) -> None:

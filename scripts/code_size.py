@@ -30,7 +30,7 @@ def spans(root: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
 
 
 def module_name(path: Path, root: Path) -> str:
-    """``src/grpo/engine/args.py`` -> ``grpo.engine.args`` (``__init__.py`` names its package)."""
+    """``src/grpo/rollout/engine/args.py`` -> ``grpo.rollout.engine.args`` (``__init__.py`` names its package)."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -61,9 +61,9 @@ def import_graph(root: Path) -> dict[str, set[str]]:
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The cycles of ``graph``: strongly connected components (``grpo.code_deps.strongly_connected``)
+    """The cycles of ``graph``: strongly connected components (``grpo.tools.code_deps.strongly_connected``)
     of two or more modules, and modules that import themselves."""
-    from grpo.code_deps import strongly_connected
+    from grpo.tools.code_deps import strongly_connected
 
     return sorted(sorted(c) for c in strongly_connected(graph) if len(c) > 1 or next(iter(c)) in graph[next(iter(c))])
 

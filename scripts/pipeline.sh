@@ -20,10 +20,10 @@ if ! git rev-parse --git-dir >/dev/null 2>&1; then
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   # a GPU machine: stop here with one line (exit 2) if the driver, card, compiler, Python headers or
-  # the FlashInfer sampler setting would fail a stage later (grpo.engine.preflight)
-  python -m grpo.cli doctor --params params.yaml
+  # the FlashInfer sampler setting would fail a stage later (grpo.rollout.engine.preflight)
+  python -m grpo.tools.cli doctor --params params.yaml
 fi
 dvc repro
 echo "pipeline: done; see reports/report.html (offline) and metrics/headline.json. Next, in any shell:"
 echo "  source .venv/bin/activate          # once a shell: python, grpo and dvc are the project's"
-echo "  python -m grpo.experiments table   # experiments: accuracies and what each changed"
+echo "  python -m grpo.evaluation.experiments table   # experiments: accuracies and what each changed"

@@ -1,6 +1,6 @@
 """Shared entry-point plumbing for the stage modules: argument parsing, clean failures, wall time.
 
-``run_stage`` loads the sections of ``--params`` the stage reads (``grpo.config.load_sections``: the
+``run_stage`` loads the sections of ``--params`` the stage reads (``grpo.config.reading.load_sections``: the
 stage depends on those sections' schemas alone), runs the stage body and writes ``<train.metrics_dir>/time/<stage>.json``
 (``{"seconds": ...}``), a metric of that stage in ``dvc.yaml``, so each run's times live with its
 outputs (an experiment keeps its own). A run of another params file (``--params FILE``, not the
@@ -9,8 +9,8 @@ workspace's: the workspace's file is an output DVC tracks, and a new time in it 
 ``dvc repro`` run the stage again (``time_file``). With ``GRPO_PARAMS_READ_LOG=FILE`` in the environment it
 also appends ``{"stage", "params"}`` to FILE: the params fields the stage read (tests check them
 against the stage's ``params:`` in ``dvc.yaml``). A data-parallel stage passes ``writes`` from
-``grpo.distributed.writes_outputs()``, so only its rank 0 (and the launching process) write them
-(``grpo.distributed`` is not imported here: it would become a DVC dep of every stage).
+``grpo.core.distributed.writes_outputs()``, so only its rank 0 (and the launching process) write them
+(``grpo.core.distributed`` is not imported here: it would become a DVC dep of every stage).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo import console
-from grpo.config import Params, load_sections, read_params_yaml
-from grpo.errors import DeviceError, ModelConfigError, ParamsError, StageStop
-from grpo.fields import Section, reading_params
-from grpo.jsonio import DataError, write_json
-from grpo.sections.shared import SharedTrainKeys
+from grpo.config.reading import Params, load_sections, read_params_yaml
+from grpo.config.sections.shared import SharedTrainKeys
+from grpo.core import console
+from grpo.core.errors import DeviceError, ModelConfigError, ParamsError, StageStop
+from grpo.core.fields import Section, reading_params
+from grpo.core.jsonio import DataError, write_json
 
 USER_ERRORS = (ParamsError, DataError, ModelConfigError, DeviceError, StageStop, FileNotFoundError)
 WORKSPACE_PARAMS = Path("params.yaml")

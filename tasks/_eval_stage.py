@@ -7,9 +7,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from grpo.config import Params
-from grpo.evaluate import evaluate
-from grpo.jsonio import write_json, write_jsonl
+from grpo.config.reading import Params
+from grpo.core.jsonio import write_json, write_jsonl
+from grpo.evaluation.evaluate import evaluate
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ before the train stage refused the value. This stage reads all of ``params.yaml`
 stage depends on its output (``dvc.yaml``); DVC reproduces stages in dependency order and stops at
 the first failure (``dvc/repo/reproduce.py:176-191``, ``on_error="fail"``), so a refusal here ends
 ``dvc repro`` and ``dvc exp run`` before any other stage is looked at: one line on stderr naming the
-key (``grpo.params.load_params``), exit code 2.
+key (``grpo.config.params.load_params``), exit code 2.
 
 Its output, ``STAMP``, is the same bytes whenever the params are valid, so a change that passes
 re-runs nothing downstream for this stage's sake (DVC compares a dependency's hash, not its
@@ -24,10 +24,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from grpo.errors import ParamsError
-from grpo.jsonio import DataError, write_json
-from grpo.params import load_params
-from grpo.split_check import check_params as check_splits
+from grpo.config.params import load_params
+from grpo.core.errors import ParamsError
+from grpo.core.jsonio import DataError, write_json
+from grpo.data.split_check import check_params as check_splits
 
 STAMP = Path("metrics/params_check.json")
 """This stage's one output (``dvc.yaml``): ``{"valid": true}``, written after every successful check."""
@@ -35,7 +35,7 @@ STAMP = Path("metrics/params_check.json")
 
 def check(path: Path) -> None:
     """Validate the params file ``path`` whole (every section, the rules across sections, and the splits
-    at the data source's real sizes: ``grpo.split_check``, as ``grpo check`` does); a refusal is
+    at the data source's real sizes: ``grpo.data.split_check``, as ``grpo check`` does); a refusal is
     a ``ParamsError`` of one line naming the key, with what became of ``params.yaml`` when a
     ``dvc exp run -S`` had written it (``tasks._exp_params.after_refusal``)."""
     try:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from grpo.config import Params
-from grpo.sections.decode import DecodeConfig
-from grpo.sections.evaluate_section import EvaluateConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.shared import OtherStagesTrainKeys
+from grpo.config.reading import Params
+from grpo.config.sections.decode import DecodeConfig
+from grpo.config.sections.evaluate_section import EvaluateConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.shared import OtherStagesTrainKeys
 from tasks._common import run_stage
 from tasks._eval_stage import run_eval
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grpo.config import Params
-from grpo.data import prepare_splits
-from grpo.jsonio import write_json, write_jsonl
-from grpo.sections.data_section import DataConfig
-from grpo.sections.shared import OtherStagesTrainKeys
-from grpo.split_sizes import data_refusals, drawn_supply, refuse, supply
+from grpo.config.reading import Params
+from grpo.config.sections.data_section import DataConfig
+from grpo.config.sections.shared import OtherStagesTrainKeys
+from grpo.core.jsonio import write_json, write_jsonl
+from grpo.data.sources import prepare_splits
+from grpo.data.split_sizes import data_refusals, drawn_supply, refuse, supply
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from grpo.base_model import resolve_base_model
-from grpo.config import Params
-from grpo.sections.model import ModelConfig
-from grpo.sections.shared import OtherStagesTrainKeys
+from grpo.config.reading import Params
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.shared import OtherStagesTrainKeys
+from grpo.model.base_model import resolve_base_model
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grpo.config import Params
-from grpo.jsonio import write_json
-from grpo.params import SECTIONS
-from grpo.report import build_report, headline_of
+from grpo.config.params import SECTIONS
+from grpo.config.reading import Params
+from grpo.core.jsonio import write_json
+from grpo.evaluation.report import build_report, headline_of
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

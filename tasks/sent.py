@@ -10,18 +10,18 @@ import logging
 import time
 from pathlib import Path
 
-from grpo.base_model import check_model_dir, load_tokenizer
-from grpo.config import Params
-from grpo.data import prompts_that_fit, sequence_positions
-from grpo.device import default_device, sampling_dtype
-from grpo.engine.sampler import SavedModelRun, saved_model_sampler
-from grpo.jsonio import read_jsonl, write_json, write_jsonl
-from grpo.rollout_backends import DecodeChoice, planned_tokens
-from grpo.sections.decode import DecodeConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.sent import SentConfig
-from grpo.sections.shared import OtherStagesTrainKeys
-from grpo.semantic_entropy import score_rows
+from grpo.config.reading import Params
+from grpo.config.sections.decode import DecodeConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.sent import SentConfig
+from grpo.config.sections.shared import OtherStagesTrainKeys
+from grpo.core.device import default_device, sampling_dtype
+from grpo.core.jsonio import read_jsonl, write_json, write_jsonl
+from grpo.data.sources import prompts_that_fit, sequence_positions
+from grpo.model.base_model import check_model_dir, load_tokenizer
+from grpo.rollout.engine.sampler import SavedModelRun, saved_model_sampler
+from grpo.rollout.rollout_backends import DecodeChoice, planned_tokens
+from grpo.rollout.semantic_entropy import score_rows
 from tasks._common import run_stage
 
 log = logging.getLogger(__name__)

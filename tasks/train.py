@@ -1,9 +1,9 @@
 """Stage ``train``: GRPO on the (curriculum-ordered) training set; writes the adapter and metrics.
 
-The run is ``grpo.training.run`` (its docstring: the outputs, resume, the data-parallel launch);
+The run is ``grpo.training.run.run`` (its docstring: the outputs, resume, the data-parallel launch);
 this module maps its failures to one line on stderr and an exit code: Ctrl-C 130 (the line says what
-was kept), a failed process of a multi-process launch its exit code (``grpo.launcher.LaunchFailed``),
-a collective timeout in a worker ``grpo.distributed.TIMEOUT_EXIT_CODE``. With
+was kept), a failed process of a multi-process launch its exit code (``grpo.training.launcher.LaunchFailed``),
+a collective timeout in a worker ``grpo.core.distributed.TIMEOUT_EXIT_CODE``. With
 ``train.distribution.num_processes`` N > 1 the launched workers are ``python -m tasks.train`` with the same
 arguments.
 """
@@ -13,15 +13,15 @@ from __future__ import annotations
 import functools
 import sys
 
-from grpo.config import Params
-from grpo.distributed import TIMEOUT_EXIT_CODE, CollectiveTimeout, writes_outputs
-from grpo.launcher import LaunchFailed
-from grpo.sections.decode import DecodeConfig
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.split_check import check_training_files
-from grpo.training import Interrupted, run
+from grpo.config.reading import Params
+from grpo.config.sections.decode import DecodeConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.distributed import TIMEOUT_EXIT_CODE, CollectiveTimeout, writes_outputs
+from grpo.data.split_check import check_training_files
+from grpo.training.launcher import LaunchFailed
+from grpo.training.run import Interrupted, run
 from tasks._common import run_stage
 
 

@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny random Llama with a character-level tokenizer and a chat template
-(``grpo.synthetic``), a real local Prefect server for the deployment tests, and the environment
+(``grpo.tools.synthetic``), a real local Prefect server for the deployment tests, and the environment
 the ``grpo`` command sets. Plain helpers that several test modules share are in helpers.py.
 
 Everything here is built offline in about a second (the server starts in some seconds, once per
@@ -41,7 +41,7 @@ def build_tiny_model_dir(path: Path, seed: int = 0, hidden: int = 64, heads: int
     (``vocab``: its vocabulary padded with filler tokens to that size)."""
     from transformers import LlamaConfig
 
-    from grpo.synthetic import char_tokenizer, random_model_dir
+    from grpo.tools.synthetic import char_tokenizer, random_model_dir
 
     cfg = LlamaConfig(
         vocab_size=vocab or len(char_tokenizer()),
@@ -71,7 +71,7 @@ def tiny_vllm_model_dir(tmp_path_factory) -> Path:
 def model_dtype() -> str:
     """The dtype (its name) the cuda-marked tests load models and start engines in here:
     ``helpers.model_test_dtype`` of the default device and its card (fp32 on a CPU)."""
-    from grpo.device import cuda_capability, default_device
+    from grpo.core.device import cuda_capability, default_device
 
     from .helpers import model_test_dtype
 
@@ -91,7 +91,7 @@ def half_dtype():
     card's, bf16 on a CPU)."""
     import torch
 
-    from grpo.device import cuda_capability
+    from grpo.core.device import cuda_capability
 
     from .helpers import half_test_dtype
 
@@ -108,7 +108,7 @@ def tiny_problems() -> list[dict]:
 
 @pytest.fixture
 def quiet_cli_env(monkeypatch):
-    """``grpo.cli.main`` sets these (setdefault); set them here so the test session gets them back."""
+    """``grpo.tools.cli.main`` sets these (setdefault); set them here so the test session gets them back."""
     for key, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
                        ("TQDM_DISABLE", "1")):
         monkeypatch.setenv(key, value)
@@ -125,11 +125,11 @@ def make_dvc_workspace(ws: Path, params: dict) -> Path:
     for name in ("tasks", "src", "flows"):
         shutil.copytree(REPO / name, ws / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / "dvc.yaml", ws / "dvc.yaml")
-    from grpo.seed_headline import PATH as HEADLINE  # the report stage's one committed data dependency
+    from grpo.evaluation.seed_headline import PATH as HEADLINE  # the report stage's one committed data dependency
 
     (ws / HEADLINE).parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / HEADLINE, ws / HEADLINE)
-    from grpo.overlay import overlay_params
+    from grpo.config.overlay import overlay_params
 
     full = overlay_params(yaml.safe_load((REPO / "params.yaml").read_text()), params)
     (ws / "params.yaml").write_text(yaml.safe_dump(full, sort_keys=False))

@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from grpo import cli
-from grpo.jsonio import write_jsonl
-from grpo.overlay import overlay_params
+from grpo.config.overlay import overlay_params
+from grpo.core.jsonio import write_jsonl
+from grpo.tools import cli
 
 from .conftest import REPO
 
@@ -99,9 +99,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def model_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
     """The dtype (its name) the cuda-marked tests load models and start engines in on ``device``:
     ``float32`` on a CPU (engine and policy then agree to ``FP32_GAP``); on CUDA the card's 16-bit
-    dtype, ``grpo.device.cuda_half_dtype(capability)``: fp16 below 8.0, where vLLM refuses bf16, and
+    dtype, ``grpo.core.device.cuda_half_dtype(capability)``: fp16 below 8.0, where vLLM refuses bf16, and
     bf16 from 8.0. Never fp32 on CUDA: vLLM's LoRA kernels (the nf4 engine) take fp16 and bf16 only."""
-    from grpo.device import cuda_half_dtype
+    from grpo.core.device import cuda_half_dtype
 
     if device != "cuda":
         return "float32"
@@ -110,17 +110,17 @@ def model_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
 
 def auto_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
     """The dtype (its name) the cuda-marked tests that run the product's ``auto`` (``model.dtype``,
-    the saved-model sampler) get on ``device``: ``grpo.device.sampling_dtype("auto", ...)``, on CUDA
+    the saved-model sampler) get on ``device``: ``grpo.core.device.sampling_dtype("auto", ...)``, on CUDA
     the card's 16-bit dtype as ``model_test_dtype``'s."""
-    from grpo.device import sampling_dtype
+    from grpo.core.device import sampling_dtype
 
     return sampling_dtype("auto", device, capability)
 
 
 def half_test_dtype(device: str, capability: tuple[int, int] | None) -> str:
     """The dtype (its name) of the 16-bit inputs of the kernel tests, on any ``device``: the card's
-    16-bit dtype (``grpo.device.cuda_half_dtype``), bf16 where there is no card (``capability`` None)."""
-    from grpo.device import cuda_half_dtype
+    16-bit dtype (``grpo.core.device.cuda_half_dtype``), bf16 where there is no card (``capability`` None)."""
+    from grpo.core.device import cuda_half_dtype
 
     return str(cuda_half_dtype(capability)).removeprefix("torch.")
 
@@ -164,7 +164,7 @@ def engine_gap_to_policy(rollout, model, tok) -> tuple[float, float]:
     """``(mean, max)`` over ``rollout``'s completion tokens of |its log-prob - the policy's|: the
     policy ``model`` teacher-forced on the same tokens (as ``TransformersBackend`` scores its own),
     so ``rollout`` (an engine's, with log-probs) need not be the policy's own decode."""
-    from grpo.rollout_backends import TransformersBackend
+    from grpo.rollout.rollout_backends import TransformersBackend
 
     device = next(model.parameters()).device
     tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
@@ -197,9 +197,9 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
     import pytest
     import torch
 
-    from grpo.rewards import REWARDS
-    from grpo.sections.train import TrainConfig
-    from grpo.trainer import GRPOTrainer, TrainerParts
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.config.sections.train import TrainConfig
+    from grpo.training.trainer import GRPOTrainer, TrainerParts
 
     randomise_adapter(model, std=0.02, seed=7)
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
@@ -233,11 +233,11 @@ def tiny_engine_policy(model_dir, dtype: str = "float32"):
     after ``torch.manual_seed(0)``."""
     import torch
 
-    from grpo.base_model import load_tokenizer
-    from grpo.device import default_device
-    from grpo.lora_policy import load_policy
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.core.device import default_device
+    from grpo.model.base_model import load_tokenizer
+    from grpo.model.lora_policy import load_policy
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(path=str(model_dir), dtype=dtype)
@@ -402,7 +402,7 @@ def fake_stage_repo(repo: Path, real: tuple[str, ...] = (), env: dict | None = N
     is copied (test_dvc_exp_show, test_stage_check_params)."""
     import shutil
 
-    from grpo.dvcfile import read_stages
+    from grpo.core.dvcfile import read_stages
 
     repo.mkdir(parents=True)
     stages = read_stages(REPO / "dvc.yaml")
@@ -410,7 +410,7 @@ def fake_stage_repo(repo: Path, real: tuple[str, ...] = (), env: dict | None = N
     for dep in {d for s in stages.values() for d in s.deps} - produced:  # code and data no stage writes
         src, dst = REPO / dep, repo / dep
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():  # a package dep (src/grpo/kernels) may hold files other stages name one by one
+        if src.is_dir():  # a package dep (src/grpo/algorithm/kernels) may hold files other stages name one by one
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
         else:
             shutil.copy(src, dst)

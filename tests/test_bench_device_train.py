@@ -22,9 +22,9 @@ from report_schema import schema_errors  # noqa: E402
 def test_the_stage_runs_seed_003s_shapes_with_a_checkpoint_every_step_and_the_decode_loop(tmp_path):
     """The params file: the preset over params.yaml, the base given, a checkpoint every step,
     validation at step N, the decode loop, and the added reward beside the preset's."""
-    from grpo.cli import resolve_params
-    from grpo.params import params_from_dict
-    from grpo.rewards import REWARDS
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.config.params import params_from_dict
+    from grpo.tools.cli import resolve_params
 
     args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=None, dry_run=False)
     path, train = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")
@@ -95,10 +95,10 @@ def test_validation_reuses_the_rollouts_compiled_shape_at_seed_003s_sizes(tmp_pa
     positions, so a process compiles one shape, not two."""
     import torch
 
-    from grpo.cli import resolve_params
-    from grpo.data import build_prompt
-    from grpo.sampling import Sampling, bucketed_call, plan_decode
-    from grpo.synthetic import architecture_config, char_tokenizer
+    from grpo.data.sources import build_prompt
+    from grpo.rollout.sampling import Sampling, bucketed_call, plan_decode
+    from grpo.tools.cli import resolve_params
+    from grpo.tools.synthetic import architecture_config, char_tokenizer
 
     args = Namespace(params="presets/seed003.yaml", steps=2, eval_tokens=None, dry_run=False)
     _, train = device_train.stage_params(args, tmp_path, tmp_path / "base", "unbroken")

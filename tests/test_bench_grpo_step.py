@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from grpo.params import AllParams
-from grpo.trainer_builder import depart
+from grpo.config.params import AllParams
+from grpo.training.trainer_builder import depart
 
 from .conftest import REPO
 

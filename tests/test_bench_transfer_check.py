@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from grpo.data import split_of
-from grpo.sections.data_section import DataConfig
+from grpo.config.sections.data_section import DataConfig
+from grpo.data.sources import split_of
 from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location("transfer_check", REPO / "bench" / "transfer_check.py")

@@ -1,4 +1,4 @@
-"""Checkpoints (``grpo.checkpoint``): manifest and checksums, fall-back past damaged checkpoints,
+"""Checkpoints (``grpo.training.checkpoint``): manifest and checksums, fall-back past damaged checkpoints,
 no code run by loading one, fingerprint reset; on the tiny random model."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from grpo import checkpoint
-from grpo.base_model import load_tokenizer
-from grpo.jsonio import write_jsonl
-from grpo.lora_policy import load_policy
-from grpo.overlay import overlay_params
-from grpo.params import params_from_dict
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer
+from grpo.config.overlay import overlay_params
+from grpo.config.params import params_from_dict
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.jsonio import write_jsonl
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.training import checkpoint
+from grpo.training.trainer import GRPOTrainer
 
 from .helpers import DETERMINISTIC, _steps, _train, _write_params
 

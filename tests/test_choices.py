@@ -1,12 +1,12 @@
-"""grpo.choices: every choice param validates against its registry, and only against it."""
+"""grpo.config.choices: every choice param validates against its registry, and only against it."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.choices import REGISTRIES, registry
-from grpo.config import ParamsError
-from grpo.params import params_from_dict
+from grpo.config.choices import REGISTRIES, registry
+from grpo.config.params import params_from_dict
+from grpo.config.reading import ParamsError
 
 
 def _params_with(param: str, name: str):
@@ -36,7 +36,7 @@ def test_an_unknown_name_is_one_line_naming_the_param(param):
 
 def test_an_entry_registered_elsewhere_is_valid_at_once():
     """The allowed values are the registry's: an entry registered from outside the project (here,
-    this test) validates without an edit of grpo.config."""
+    this test) validates without an edit of grpo.config.reading."""
     reg = registry("train.order")
     with pytest.raises(ParamsError):
         _params_with("train.order", "toy_order")

@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from grpo import cli
-from grpo.jsonio import write_jsonl
+from grpo.core.jsonio import write_jsonl
+from grpo.tools import cli
 
 from .conftest import REPO
 from .helpers import run
@@ -46,7 +46,7 @@ def test_check_for_a_gpu_names_seed003s_measurement(capsys):
 def test_unknown_key_exits_2_with_one_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"train": {"learning_rate": 0.1}}))
-    proc = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "grpo.tools.cli", "check", "--params", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -65,7 +65,7 @@ def test_a_preset_is_put_over_the_workspace_params(tmp_path):
     assert (res.params.train.steps, res.params.train.optimizer.lr) == (7, 2.0e-4)
     assert res.changed == ["train.optimizer.lr"]
     assert cli.resolve_params(tmp_path / "params.yaml").changed == []
-    from grpo.dvcstatus import describe
+    from grpo.tools.dvcstatus import describe
 
     assert describe(tmp_path) == [f"dvc: {tmp_path} is not a DVC workspace (it needs a .dvc folder and a dvc.yaml): "
                                   "no stage status"]
@@ -88,7 +88,7 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     still reads the directory and the problems."""
     import shutil
 
-    from grpo.base_model import resolve_base_model
+    from grpo.model.base_model import resolve_base_model
 
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": {"name": str(tiny_model_dir),
@@ -105,7 +105,7 @@ def test_a_preset_is_estimated_for_its_own_model_where_another_was_prepared(tiny
     # not the tiny model's tokenizer on the arithmetic problems: the preset's prompt length is assumed
     assert "prompt 128 tokens (assumed" in out
     model = next(line for line in lines if line.startswith("model: "))
-    assert "grpo.synthetic architecture 'qwen2-1.5b'" in model and f"models/base holds {tiny_model_dir}" in model
+    assert "grpo.tools.synthetic architecture 'qwen2-1.5b'" in model and f"models/base holds {tiny_model_dir}" in model
     assert "hidden 1536" in model and "28 layers" in model
     # both phases with the engine, its arithmetic and the verdict for the card
     assert "engine: train.rollouts.engine_weights auto -> nf4 (auto: dense needs 3.95 GiB > the budget 0.96 GiB)" in out
@@ -181,12 +181,12 @@ def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, cap
 
 
 def test_check_says_what_each_training_process_samples_with(tmp_path, capsys):
-    """The train stage's rule (``grpo.rollout_backends.uses_engine``): with vLLM installed every process runs
+    """The train stage's rule (``grpo.rollout.rollout_backends.uses_engine``): with vLLM installed every process runs
     an engine of its own; the decode loop with ``rollout_backend: transformers`` (the stage test
     with 2 real processes compares this line with its log: tests/test_distributed.py)."""
     import importlib.util
 
-    from grpo.rollout_backends import uses_engine
+    from grpo.rollout.rollout_backends import uses_engine
 
     for backend, processes in (("auto", 2), ("transformers", 2), ("vllm", 1)):
         (tmp_path / "p.yaml").write_text(yaml.safe_dump(
@@ -250,7 +250,7 @@ def test_a_repeated_key_or_bad_yaml_exits_2_with_one_line(text, message, tmp_pat
     """The real ``grpo`` command: the line names the file, the line and the key."""
     path = tmp_path / "preset.yaml"
     path.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "grpo.tools.cli", "check", "--params", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.splitlines() == [f"grpo check: error: {path}:{message}"]
@@ -267,7 +267,7 @@ def test_check_refuses_a_preset_whose_validation_split_would_be_empty(tmp_path):
     preset.write_text(yaml.safe_dump(raw))
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
-    proc = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(preset), "--device", "cuda",
+    proc = subprocess.run([sys.executable, "-m", "grpo.tools.cli", "check", "--params", str(preset), "--device", "cuda",
                            "--gpu-memory", "7.6"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

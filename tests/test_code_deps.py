@@ -1,4 +1,4 @@
-"""grpo.code_deps on a small workspace of its own: which imports count, how ``write`` edits
+"""grpo.tools.code_deps on a small workspace of its own: which imports count, how ``write`` edits
 dvc.yaml (the code deps alone, in place), what ``check`` says, and the graph's figures."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from grpo.code_deps import Project, graph_report, main
+from grpo.tools.code_deps import Project, graph_report, main
 
 FILES = {
     "src/grpo/a.py": """
@@ -121,7 +121,7 @@ def test_the_graph_counts_lazy_imports_and_names_a_cycle_through_importlib(tmp_p
                                         "def get(key):\n    return importlib.import_module(TABLE[key][0])\n",
              "src/grpo/c.py": "def f():\n    import grpo.reg\n"}
     lines = graph_report(Project(_workspace(tmp_path, files)))
-    assert lines[0] == "src/grpo: 6 top-level modules, 1 subpackages (pkg 3 modules)"
+    assert lines[0] == "src/grpo: 6 top-level modules, 1 packages (pkg 3 modules)"
     assert lines[1].startswith("internal imports (statements naming a grpo module): 5, 3 inside functions (60%); "
                                "of all, 2 run when a function is called, 1 only on the way to a raise, "
                                "1 only for a type checker")

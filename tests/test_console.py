@@ -1,4 +1,4 @@
-"""grpo.console: a stage's terminal shows the project's lines; other libraries' go to its log file."""
+"""grpo.core.console: a stage's terminal shows the project's lines; other libraries' go to its log file."""
 
 import os
 import subprocess
@@ -11,10 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import logging, os, sys, warnings
-from grpo import console
+from grpo.core import console
 path = console.setup("demo", verbose=console.verbose_from_env())
 console.route_libraries(path)
-logging.getLogger("grpo.trainer").info("own line")
+logging.getLogger("grpo.training.trainer").info("own line")
 logging.getLogger("__main__").info("stage line")
 logging.getLogger("vllm.engine").info("engine chatter")
 logging.getLogger("bitsandbytes").warning("please pip install kernels")
@@ -66,7 +66,7 @@ def test_a_line_under_a_running_bar_goes_through_tqdm_write(tmp_path):
     code = """
 import io, logging
 from tqdm import tqdm
-from grpo.console import TqdmHandler
+from grpo.core.console import TqdmHandler
 buf = io.StringIO()
 h = TqdmHandler(buf); logging.getLogger().addHandler(h); logging.getLogger().setLevel(logging.INFO)
 with tqdm(total=3, file=buf, desc="train", ascii=True) as bar:

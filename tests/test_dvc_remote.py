@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo.dvcfile import read_stages
+from grpo.core.dvcfile import read_stages
 from tests.conftest import REPO
 
 # stage `raw` writes raw.txt from src.txt; stage `total` sums it into total.json; both log the run

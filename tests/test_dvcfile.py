@@ -1,11 +1,11 @@
-"""grpo.dvcfile: the stages of this repo's dvc.yaml as every reader sees them, a file with the
+"""grpo.core.dvcfile: the stages of this repo's dvc.yaml as every reader sees them, a file with the
 forms DVC accepts, and the walk up to a workspace or a DVC repository."""
 
 from __future__ import annotations
 
 import yaml
 
-from grpo.dvcfile import DVC_DIR, Stage, find_root, read_stages
+from grpo.core.dvcfile import DVC_DIR, Stage, find_root, read_stages
 
 from .conftest import REPO
 
@@ -16,7 +16,7 @@ def test_the_repos_stages_in_file_order_with_what_each_reads_and_writes():
                             "final_eval", "report"]
     assert [name for name, s in stages.items() if s.guard] == ["check_params"]  # `meta: {guard: true}`
     train = stages["train"]
-    assert train.cmd == "python -m tasks.train" and "src/grpo/trainer.py" in train.deps
+    assert train.cmd == "python -m tasks.train" and "tasks/train.py" in train.deps
     assert train.params == ("train", "lora", "decode", "model.path", "model.quantization", "model.dtype",
                             "model.gradient_checkpointing") and not train.all_params
     assert train.outs == ("models/adapter", "metrics/train.json", "metrics/time/train.json",

@@ -1,5 +1,5 @@
 """Bytecode is no dependency: the project's ``.dvcignore`` keeps ``__pycache__`` folders out of the
-hash DVC records for a directory dependency (``src/grpo/sections`` and ``src/grpo/kernels`` are
+hash DVC records for a directory dependency (``src/grpo/config`` and ``src/grpo/algorithm/kernels`` are
 whole-directory deps), so importing the code in a workspace, or not, leaves every stage's lock
 entry valid (a fresh clone after ``dvc pull`` runs nothing; a lock made without bytecode does not
 go stale once Python has run)."""
@@ -13,7 +13,7 @@ import sys
 
 import yaml
 
-from grpo.dvcfile import read_stages
+from grpo.core.dvcfile import read_stages
 
 from .conftest import REPO
 
@@ -45,8 +45,8 @@ def _write_bytecode(ws) -> None:
     """Import every section (as a stage does) and compile the rest, Python writing ``__pycache__``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPATH"] = str(ws / "src")
-    code = ("import importlib, pkgutil, grpo.sections as s\n"
-            "for m in pkgutil.iter_modules(s.__path__): importlib.import_module(f'grpo.sections.{m.name}')\n")
+    code = ("import importlib, pkgutil, grpo.config.sections as s\n"
+            "for m in pkgutil.iter_modules(s.__path__): importlib.import_module(f'grpo.config.sections.{m.name}')\n")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=ws)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ws / "src")], env=env, check=True)
 
@@ -55,7 +55,7 @@ def test_importing_the_code_leaves_every_directory_dep_unchanged(tmp_path, monke
     from dvc.repo import Repo
 
     ws, dirs = _workspace(tmp_path, monkeypatch)
-    assert "src/grpo/sections" in dirs
+    assert "src/grpo/config" in dirs
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["code"]["deps"]
     for dep in lock:  # the lock counts the sources alone
         assert dep["nfiles"] == sum(1 for p in (ws / dep["path"]).rglob("*") if p.is_file()), dep["path"]

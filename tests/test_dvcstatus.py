@@ -1,4 +1,4 @@
-"""Which stages ``dvc repro`` would run (``grpo.dvcstatus``, for ``grpo check``): the stages downstream of
+"""Which stages ``dvc repro`` would run (``grpo.tools.dvcstatus``, for ``grpo check``): the stages downstream of
 changed ones, the stages reading a changed params key, ``dvc status --json``'s entries in a few words, and
 ``describe`` over a real DVC workspace before and after a repro, with a preset's keys and with edits."""
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from grpo.dvcfile import Stage
-from grpo.dvcstatus import _why, describe, downstream, dvc_error_line, dvc_status, flat_keys, stages_reading
+from grpo.core.dvcfile import Stage
+from grpo.tools.dvcstatus import _why, describe, downstream, dvc_error_line, dvc_status, flat_keys, stages_reading
 
 GRAPH = {
     "prepare": Stage(outs=("data/raw",), params=("data",)),
@@ -62,7 +62,7 @@ def test_a_stages_status_in_a_few_words():
     """``dvc status --json`` entries as DVC 3 prints them: code (a .py or a path under src/, tasks/,
     flows/), params by key, data inputs (three named, then a count), outputs missing or modified, and
     DVC's own phrases; each said once."""
-    assert _why([{"changed deps": {"src/grpo/trainer.py": "modified", "params.yaml": {"train.optimizer.lr": "modified",
+    assert _why([{"changed deps": {"src/grpo/training/trainer.py": "modified", "params.yaml": {"train.optimizer.lr": "modified",
                                                                                      "lora.rank": "new"}}}]) \
         == "code; params lora.rank, train.optimizer.lr"
     assert _why([{"changed deps": {f"data/{i}.jsonl": "modified" for i in range(5)}},

@@ -1,11 +1,11 @@
-"""grpo.engine.adapter: the nf4 engine's sync (the engine side is tested in tests/test_engine_nf4_form.py)."""
+"""grpo.rollout.engine.adapter: the nf4 engine's sync (the engine side is tested in tests/test_engine_nf4_form.py)."""
 
 from __future__ import annotations
 
-from grpo.engine.adapter import AdapterSync, policy_lora_rank
-from grpo.lora_policy import load_policy
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.engine.adapter import AdapterSync, policy_lora_rank
 
 
 def test_the_policy_lora_rank_is_its_largest(tiny_model_dir):

@@ -1,4 +1,4 @@
-"""grpo.engine.args: the one builder of every engine's ``LLM`` arguments (a saved model's sampler,
+"""grpo.rollout.engine.args: the one builder of every engine's ``LLM`` arguments (a saved model's sampler,
 the policy's engine in one or several processes, the nf4 form), the environment an engine
 starts in, and vLLM's LoRA ranks."""
 
@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from grpo.engine.args import LORA_RANKS, EngineRole, engine_args, engine_lora_rank, start_environment
-from grpo.engine.bounds import CPU_BLOCK_SIZE, Bounds
-from grpo.sections.engine import VLLMEngineConfig
-from grpo.sections.train import TrainConfig
+from grpo.config.sections.engine import VLLMEngineConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.rollout.engine.args import LORA_RANKS, EngineRole, engine_args, engine_lora_rank, start_environment
+from grpo.rollout.engine.bounds import CPU_BLOCK_SIZE, Bounds
 
 SECTION = VLLMEngineConfig(gpu_memory_utilization=0.3, max_model_len=512)
 
@@ -94,6 +94,6 @@ def test_request_amx_asks_where_the_cpu_has_amx():
     ``request_amx`` asks on an AMX CPU and is a harmless False elsewhere."""
     import torch
 
-    from grpo.engine.args import request_amx
+    from grpo.rollout.engine.args import request_amx
 
     assert request_amx() == torch.cpu._is_amx_tile_supported()

@@ -1,4 +1,4 @@
-"""grpo.engine.bounds: a step's generation calls, the train engine's bounds for them, a saved
+"""grpo.rollout.engine.bounds: a step's generation calls, the train engine's bounds for them, a saved
 model's sampler bounded to its stage's call, and a CPU engine's KV cache against the bytes a real
 transformers KV cache of those sequences holds."""
 
@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.engine.bounds import (
+from grpo.config.sections.engine import VLLMEngineConfig
+from grpo.config.sections.evaluate_section import EvaluateConfig
+from grpo.config.sections.sent import SentConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.rollout.engine.bounds import (
     CPU_BLOCK_SIZE,
     SAVED_MODEL_SEQS,
     Bounds,
@@ -18,10 +22,6 @@ from grpo.engine.bounds import (
     step_limits,
     train_bounds,
 )
-from grpo.sections.engine import VLLMEngineConfig
-from grpo.sections.evaluate_section import EvaluateConfig
-from grpo.sections.sent import SentConfig
-from grpo.sections.train import TrainConfig
 
 
 @pytest.mark.parametrize(("n", "g", "size", "expected"), [
@@ -56,11 +56,11 @@ def test_the_engine_is_bounded_to_one_generation_call(fields, processes, expecte
 def test_a_cpu_engine_holds_one_calls_kv_cache_in_whole_blocks():
     """``cpu_kv_bytes``: keys and values of every layer for the call's sequences at ``max_model_len``
     rounded up to whole ``CPU_BLOCK_SIZE`` blocks; grouped KV heads counted as the model has them
-    (the same formula as ``grpo.memory.kv_cache_bytes``, which tests/test_memory.py checks against
+    (the same formula as ``grpo.tools.memory.kv_cache_bytes``, which tests/test_memory.py checks against
     a real KV cache)."""
     from transformers import LlamaConfig
 
-    from grpo import memory
+    from grpo.tools import memory
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=100)

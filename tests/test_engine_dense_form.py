@@ -1,4 +1,4 @@
-"""The ``dense`` sync's weights (``grpo.engine.dense_form``): ``PolicyWeights.fused()`` is ``W + (alpha / r) B A``
+"""The ``dense`` sync's weights (``grpo.rollout.engine.dense_form``): ``PolicyWeights.fused()`` is ``W + (alpha / r) B A``
 for every adapted layer, stacked into vLLM's fused parameters in order (q, k, v -> qkv_proj; gate, up ->
 gate_up_proj), with the current adapter and the engine's dtype; ``write_into`` copies them into a module
 tree named as vLLM's and refuses a missing module or a shape that differs (no vLLM needed: the engine
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.engine.dense_form import PolicyWeights, write_into
-from grpo.lora_policy import load_policy
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.engine.dense_form import PolicyWeights, write_into
 
 from .helpers import randomise_adapter, tiny_engine_policy
 

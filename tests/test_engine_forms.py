@@ -1,11 +1,11 @@
-"""grpo.engine.forms: the ``auto`` weights form decided once from the usable forms' needs, and the
+"""grpo.rollout.engine.forms: the ``auto`` weights form decided once from the usable forms' needs, and the
 one line of what each training process runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.engine.forms import choose_form, rollouts_per_process
+from grpo.rollout.engine.forms import choose_form, rollouts_per_process
 
 GIB = 2**30
 NF4_NEEDS = 1 * GIB
@@ -48,10 +48,10 @@ def test_what_each_process_runs():
 
 
 def test_each_form_is_named_by_its_registration_and_nf4_needs_the_4bit_base():
-    from grpo.config import ParamsError
-    from grpo.engine.forms import form_name
-    from grpo.engine.forms_catalogue import WEIGHTS_FORMS
-    from grpo.params import params_from_dict
+    from grpo.config.params import params_from_dict
+    from grpo.config.reading import ParamsError
+    from grpo.rollout.engine.forms import form_name
+    from grpo.rollout.engine.forms_catalogue import WEIGHTS_FORMS
 
     dense, nf4 = WEIGHTS_FORMS["dense"], WEIGHTS_FORMS["nf4"]
     assert object.__new__(nf4).name == "nf4" and object.__new__(dense).name == "dense"

@@ -1,18 +1,18 @@
-"""The weights forms' catalogue (``grpo.engine.forms_catalogue``): importing it registers every form;
+"""The weights forms' catalogue (``grpo.rollout.engine.forms_catalogue``): importing it registers every form;
 a name looks up its class, or fails naming the param; which forms can serve the params."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.engine.forms_catalogue import WEIGHTS_FORMS, usable_forms, weights_form
-from grpo.params import params_from_dict
+from grpo.config.params import params_from_dict
+from grpo.rollout.engine.forms_catalogue import WEIGHTS_FORMS, usable_forms, weights_form
 
 
 def test_the_catalogue_registers_every_form_in_its_order():
-    from grpo.choices import registry
-    from grpo.engine.dense_form import DenseForm
-    from grpo.engine.nf4_form import NF4Form
+    from grpo.config.choices import registry
+    from grpo.rollout.engine.dense_form import DenseForm
+    from grpo.rollout.engine.nf4_form import NF4Form
 
     assert registry("train.rollouts.engine_weights") is WEIGHTS_FORMS  # the param's registry
     assert dict(WEIGHTS_FORMS) == {"dense": DenseForm, "nf4": NF4Form}
@@ -29,8 +29,8 @@ def _register_in(order: list[str], entries: dict) -> None:
 def test_auto_tries_the_forms_by_their_priority_whatever_the_import_order():
     """``auto``'s order is each form's ``auto_priority``: a form registered last with a priority
     between dense's and nf4's comes second, and reversing the registration order changes nothing."""
-    from grpo.engine.forms import WeightsForm
-    from grpo.engine.forms_catalogue import auto_order
+    from grpo.rollout.engine.forms import WeightsForm
+    from grpo.rollout.engine.forms_catalogue import auto_order
 
     class Middle(WeightsForm):
         auto_priority = (WEIGHTS_FORMS["dense"].auto_priority + WEIGHTS_FORMS["nf4"].auto_priority) // 2

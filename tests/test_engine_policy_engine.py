@@ -22,18 +22,18 @@ import pytest
 import torch
 import yaml
 
-from grpo.base_model import load_tokenizer
-from grpo.engine.bounds import cpu_kv_bytes, train_bounds
-from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
-from grpo.jsonio import write_jsonl
-from grpo.lora_policy import load_policy
-from grpo.loss import LossSettings
-from grpo.rollout_backends import TransformersBackend
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer
-from grpo.types import TrainBatch
+from grpo.algorithm.loss import LossSettings
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.jsonio import write_jsonl
+from grpo.core.types import TrainBatch
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.engine.bounds import cpu_kv_bytes, train_bounds
+from grpo.rollout.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
+from grpo.rollout.rollout_backends import TransformersBackend
+from grpo.training.trainer import GRPOTrainer
 
 from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
@@ -105,7 +105,7 @@ def test_the_engine_is_bounded_to_one_step_and_its_kv_cache_to_one_call(engine, 
     the bytes per token ``grpo check`` counts (in ``model_dtype``: 4 bytes an entry on the CPU)."""
     from transformers import AutoConfig
 
-    from grpo import memory
+    from grpo.tools import memory
 
     model, tok, backend = engine
     sched = backend.sampler.llm.llm_engine.vllm_config.scheduler_config
@@ -251,7 +251,7 @@ class _RecordingSampler:
 def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
     """The real ``PolicyEngine`` and dense form (``DenseForm``, its ``DenseSync``) on ``device`` over the
     recording engine (no vLLM needed)."""
-    from grpo.engine.dense_form import DenseForm, DenseSync
+    from grpo.rollout.engine.dense_form import DenseForm, DenseSync
 
     form = object.__new__(DenseForm)
     form.sync = object.__new__(DenseSync)
@@ -263,7 +263,7 @@ def _policy_backend(device: str, calls: list[str]) -> PolicyEngine:
 def test_the_cuda_cache_is_emptied_before_every_wake_up(monkeypatch):
     """The trainer's order per step: sync (wakes the engine) and generate, then sleep for the update.
     On CUDA every wake-up comes right after ``torch.cuda.empty_cache()`` (vLLM maps the engine's
-    memory back beside PyTorch's cache: grpo.engine.policy_engine.PolicyEngine.wake_up); on the CPU
+    memory back beside PyTorch's cache: grpo.rollout.engine.policy_engine.PolicyEngine.wake_up); on the CPU
     the engine never sleeps, so the cache is never touched."""
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))

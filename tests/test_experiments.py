@@ -1,4 +1,4 @@
-"""Seed sweeps (``grpo.experiments``): queued as real DVC experiments, run by DVC's queue, compared
+"""Seed sweeps (``grpo.evaluation.experiments``): queued as real DVC experiments, run by DVC's queue, compared
 from the real ``dvc exp show --json``; the t quantiles against the t distribution itself."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo import experiments
-from grpo.experiments import comparison, exp_show, group_runs, parse_runs, queue_commands, summarize, t975
+from grpo.evaluation import experiments
+from grpo.evaluation.experiments import comparison, exp_show, group_runs, parse_runs, queue_commands, summarize, t975
 
 from .helpers import git_dvc_init
 
@@ -154,10 +154,10 @@ def _show_entry(name, params, after, state="success"):
 
 
 def test_the_narrow_table_lists_the_commit_and_finished_experiments_with_what_each_changed():
-    """``python -m grpo.experiments table`` on a hand-made ``dvc exp show --json``: the workspace
+    """``python -m grpo.evaluation.experiments table`` on a hand-made ``dvc exp show --json``: the workspace
     and unfinished experiments are left out; the changed column names only the params that differ
     from the commit's, by their last key where it is unique."""
-    from grpo.experiments import narrow_table, table_rows
+    from grpo.evaluation.experiments import narrow_table, table_rows
 
     base = {"train": {"order": "curriculum", "seed": 0, "loss": {"beta": 0.0}}, "sent": {"seed": 0}}
     show = [{"rev": "workspace", "data": {}, "experiments": []},
@@ -173,7 +173,7 @@ def test_the_narrow_table_lists_the_commit_and_finished_experiments_with_what_ea
     assert lines[2].endswith("0.5200  0.5100  order=shuffled seed=1")
     assert lines[3].endswith("beta=0.04") and lines[1].rstrip().endswith("0.6900")
     assert max(len(line) for line in lines) < 80
-    from grpo.experiments import short_keys
+    from grpo.evaluation.experiments import short_keys
 
     assert short_keys(["sent.seed", "train.seed", "train.loss.beta"]) == {
         "sent.seed": "sent.seed", "train.seed": "train.seed", "train.loss.beta": "beta"}

@@ -1,4 +1,4 @@
-"""grpo.fields: a section built on it fails in one line naming the field, records the keys read,
+"""grpo.core.fields: a section built on it fails in one line naming the field, records the keys read,
 and the module reaches neither a registry nor the params' reading."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import ClassVar
 
 import pytest
 
-from grpo.code_deps import Project
-from grpo.errors import ParamsError
-from grpo.fields import Fraction, Positive, Section, reading_params
+from grpo.core.errors import ParamsError
+from grpo.core.fields import Fraction, Positive, Section, reading_params
+from grpo.tools.code_deps import Project
 
 from .conftest import REPO
 
@@ -39,5 +39,5 @@ def test_reading_params_records_the_keys_read():
 
 
 def test_fields_reach_no_registry_and_no_params_reading():
-    deps = Project(REPO).code_deps(REPO / "src" / "grpo" / "fields.py")
-    assert deps == {"src/grpo/fields.py", "src/grpo/errors.py"}
+    deps = Project(REPO).code_deps(REPO / "src/grpo/core/fields.py")
+    assert deps == {"src/grpo/core/__init__.py", "src/grpo/core/fields.py", "src/grpo/core/errors.py"}

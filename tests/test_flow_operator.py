@@ -33,7 +33,7 @@ from tests.helpers import wait_log as _wait_log
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-LABELS = ("python -c \"import json; from grpo.data import generate_arithmetic; "
+LABELS = ("python -c \"import json; from grpo.data.sources import generate_arithmetic; "
           "open('labels.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r in generate_arithmetic(20, 1)))\"")
 FAIL = ("python -c \"import sys; print('fail: reading the problems'); "
         "print('fail: no problem has an answer', file=sys.stderr); sys.exit(3)\"")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flows.overrides import check_params, check_run_params, override_values
-from grpo.errors import ParamsError
+from grpo.core.errors import ParamsError
 
 from .conftest import REPO
 

@@ -58,7 +58,7 @@ def test_bad_params_are_refused_in_one_line_before_prefect_is_imported(tmp_path,
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("flow: error: ") and f"{key}: " in errors[0], errors
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "grpo.params" in imported and not [m for m in imported if m.split(".")[0] == "prefect"]
+    assert "grpo.config.params" in imported and not [m for m in imported if m.split(".")[0] == "prefect"]
     assert (ws / "params.yaml").read_text() == text and not (ws / ".dvc" / "tmp" / "grpo-flow.lock").exists()
 
 

@@ -1,10 +1,10 @@
-"""grpo.headline_pages: the README and the docs' front pages carry the committed record's headline."""
+"""grpo.evaluation.headline_pages: the README and the docs' front pages carry the committed record's headline."""
 
 import json
 import shutil
 from pathlib import Path
 
-from grpo import headline_pages, seed_headline
+from grpo.evaluation import headline_pages, seed_headline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def copy_of_the_record(tmp: Path) -> Path:
 
 
 def test_every_page_carries_the_headline_the_committed_record_writes():
-    assert headline_pages.stale(REPO) == [], "run: python -m grpo.headline_pages write"
+    assert headline_pages.stale(REPO) == [], "run: python -m grpo.evaluation.headline_pages write"
     for page in headline_pages.PAGES:
         assert "\n".join(headline_pages.render(REPO)) in (REPO / page).read_text(), page
 

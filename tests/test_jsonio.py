@@ -1,4 +1,4 @@
-"""The stages' JSON files (``grpo.jsonio``): problem rows read back with a ``DataError`` naming the file and
+"""The stages' JSON files (``grpo.core.jsonio``): problem rows read back with a ``DataError`` naming the file and
 line of a bad one; writes that never leave a half-written file under the final name."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from grpo.jsonio import DataError, read_jsonl, write_json, write_jsonl
+from grpo.core.jsonio import DataError, read_jsonl, write_json, write_jsonl
 
 ROWS = [{"question": "What is 2 + 2?", "answer": "4", "id": "p0"}, {"question": "Deux fois trois ?", "answer": 6}]
 

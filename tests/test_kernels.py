@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.entropy import token_entropy
-from grpo.kernels import entropy_logprob, entropy_logprob_torch, triton_available
-from grpo.kernels.entropy_logprob import entropy_logprob_triton
-from grpo.kernels.logprob_grad import logprob_grad, logprob_grad_torch, logprob_grad_triton
-from grpo.logprobs import chunked_entropy_logprobs, selected_logprobs
+from grpo.algorithm.entropy import token_entropy
+from grpo.algorithm.kernels import entropy_logprob, entropy_logprob_torch, triton_available
+from grpo.algorithm.kernels.entropy_logprob import entropy_logprob_triton
+from grpo.algorithm.kernels.logprob_grad import logprob_grad, logprob_grad_torch, logprob_grad_triton
+from grpo.algorithm.logprobs import chunked_entropy_logprobs, selected_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda,
@@ -149,7 +149,7 @@ def test_logprob_grad_at_qwen2_vocab_on_cuda(half_dtype):
 def test_cpu_fallbacks_in_row_blocks_equal_one_pass(dtype):
     """On CPU tensors the torch fallbacks run a few rows at a time (``by_row_blocks``): the same
     values, and the same gradient written over the logits, as one pass over every row."""
-    from grpo.kernels.entropy_logprob import CPU_BLOCK_BYTES
+    from grpo.algorithm.kernels.entropy_logprob import CPU_BLOCK_BYTES
 
     vocab = CPU_BLOCK_BYTES // 4 // 3  # 3 rows a block: 10 rows make 4 blocks, the last partial
     torch.manual_seed(1)

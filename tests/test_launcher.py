@@ -1,4 +1,4 @@
-"""``grpo.launcher.launch_processes`` on real processes (``python -c``, no training): the rank and
+"""``grpo.training.launcher.launch_processes`` on real processes (``python -c``, no training): the rank and
 exit code of a process that fails, and the hung rank when another timed out in a collective. The
 train stage's own launch (a rank killed, a rank that hangs) runs in tests/test_distributed.py."""
 
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from grpo.distributed import LAUNCHER_PID, TIMEOUT_EXIT_CODE
-from grpo.launcher import LaunchFailed, launch_processes
+from grpo.core.distributed import LAUNCHER_PID, TIMEOUT_EXIT_CODE
+from grpo.training.launcher import LaunchFailed, launch_processes
 
 
 @pytest.fixture(autouse=True)

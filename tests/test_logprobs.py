@@ -1,4 +1,4 @@
-"""``grpo.logprobs``: the shared-prompt forward of a group equals the full forward, and so does
+"""``grpo.algorithm.logprobs``: the shared-prompt forward of a group equals the full forward, and so does
 the group packed into one sequence; the chunked LM
 head with grad (``selected_logprobs``) equals ``log_softmax`` of the full logits in value and
 gradients (hidden rows, a trained head, tied embeddings, bf16) and saves no (K, V) tensor; the
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.logprobs import selected_logprobs
-from grpo.lora_policy import load_policy
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
+from grpo.algorithm.logprobs import selected_logprobs
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.model.lora_policy import load_policy
 
 from .helpers import LORA, give_adapter_a_say
 
@@ -22,7 +22,7 @@ PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(
 
 def adapter_policy(model_dir, checkpointing: bool, dtype: str = "float32", device: str = "cpu"):
     """An NF4 + LoRA policy whose adapter changes the output, in train mode, and its body."""
-    from grpo.lora_policy import lm_parts
+    from grpo.model.lora_policy import lm_parts
 
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(model_dir), dtype=dtype, gradient_checkpointing=checkpointing),
@@ -35,7 +35,7 @@ def adapter_policy(model_dir, checkpointing: bool, dtype: str = "float32", devic
 def states_and_grads(model, body, c_mask: torch.Tensor, **layout) -> tuple[torch.Tensor, dict]:
     """``completion_hidden``'s (6, C, 64) states of PROMPTS + random completions under ``c_mask``,
     and the LoRA gradients of a fixed random weighting of the states at valid positions."""
-    from grpo.logprobs import completion_hidden
+    from grpo.algorithm.logprobs import completion_hidden
 
     torch.manual_seed(1)
     completions = torch.randint(3, 90, c_mask.shape) * c_mask  # padding holds token 0
@@ -87,7 +87,7 @@ def test_packed_groups_equal_padded_rows_values_and_lora_grads(tiny_model_dir, c
 def test_packed_groups_equal_padded_rows_on_the_default_device(tiny_model_dir, model_dtype):
     """The packed layout against padded rows where ``pytest -m cuda`` runs it: on a card in its
     16-bit dtype (SDPA with the block mask; tolerances for 16-bit rounding), on a CPU in fp32."""
-    from grpo.device import default_device
+    from grpo.core.device import default_device
 
     model, body = adapter_policy(tiny_model_dir, False, model_dtype, default_device())
     c_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 2, 6, 4]).unsqueeze(1)).long()  # (6, 6)
@@ -198,13 +198,13 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
     """The real update (``PolicyPasses.accumulate_gradients``, entropy mask at 0.3, two
     micro-batches, tied embeddings, chunks of 3 kept rows) gives the loss, kept tokens and LoRA
     gradients that the full log-softmax head gives."""
-    from grpo import passes
-    from grpo.base_model import load_tokenizer
-    from grpo.data import build_prompt
-    from grpo.loss import LossSettings
-    from grpo.rollout_backends import TransformersBackend
-    from grpo.trainer import GRPOTrainer
-    from grpo.types import TrainBatch
+    from grpo.algorithm.loss import LossSettings
+    from grpo.core.types import TrainBatch
+    from grpo.data.sources import build_prompt
+    from grpo.model.base_model import load_tokenizer
+    from grpo.rollout.rollout_backends import TransformersBackend
+    from grpo.training import passes
+    from grpo.training.trainer import GRPOTrainer
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)

@@ -1,4 +1,4 @@
-"""The policy of ``grpo.lora_policy``: 4-bit base + LoRA, the reference as the adapter switched off, and a
+"""The policy of ``grpo.model.lora_policy``: 4-bit base + LoRA, the reference as the adapter switched off, and a
 clear error for a LoRA target the model does not have."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.errors import ModelConfigError
-from grpo.lora_policy import load_policy
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.core.errors import ModelConfigError
+from grpo.model.lora_policy import load_policy
 
 from .helpers import LORA, give_adapter_a_say
 
@@ -41,23 +41,23 @@ def test_unknown_lora_target_is_a_clear_error(tiny_model_dir):
 
 
 def test_export_dense_frees_the_cache_once_the_4bit_copy_is_gone(tiny_model_dir, tmp_path, monkeypatch):
-    """``export_dense`` hands the device's cached memory back (``grpo.device.free_cuda_cache``) on
+    """``export_dense`` hands the device's cached memory back (``grpo.core.device.free_cuda_cache``) on
     the device it loaded the 4-bit base on, at a point where none of its 4-bit layers is still
     referenced (else the cache keeps them: the evaluation engine then finds the GPU memory taken)."""
     import gc
 
     import bitsandbytes as bnb
 
-    import grpo.lora_policy
-    from grpo.device import default_device
+    import grpo.model.lora_policy
+    from grpo.core.device import default_device
 
     def live_4bit() -> int:
         gc.collect()
         return sum(isinstance(o, bnb.nn.Linear4bit) for o in gc.get_objects())
 
     before, calls = live_4bit(), []
-    monkeypatch.setattr(grpo.lora_policy, "free_cuda_cache", lambda device: calls.append((device, live_4bit())))
-    out = grpo.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
+    monkeypatch.setattr(grpo.model.lora_policy, "free_cuda_cache", lambda device: calls.append((device, live_4bit())))
+    out = grpo.model.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
     assert calls == [(default_device(), before)]
     assert out["weights"] == "dense weights (NF4 dequantised)" and (tmp_path / "dense" / "config.json").exists()
 
@@ -70,7 +70,7 @@ def _export_as_before(model_cfg: ModelConfig, adapter_dir) -> dict[str, torch.Te
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from grpo.nf4_layers import dense_weight, nf4_config
+    from grpo.model.nf4_layers import dense_weight, nf4_config
 
     model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32,
                                                  quantization_config=nf4_config(torch.float32), device_map={"": "cpu"})
@@ -106,7 +106,7 @@ def test_export_dense_writes_shard_by_shard_the_weights_it_wrote_whole_before(dt
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import grpo.lora_policy
+    import grpo.model.lora_policy
 
     base = tiny_model_dir
     if dtype != torch.float32:  # a checkpoint in the engine's dtype, as the hub's are (bf16): both load the same values
@@ -122,7 +122,7 @@ def test_export_dense_writes_shard_by_shard_the_weights_it_wrote_whole_before(dt
     out = tmp_path / "dense"
     out.mkdir()
     (out / "model-00001-of-00009.safetensors").write_bytes(b"an older export's shard")
-    result = grpo.lora_policy.export_dense(model_cfg, tmp_path / "adapter", out, dtype=dtype, max_shard_bytes=40_000)
+    result = grpo.model.lora_policy.export_dense(model_cfg, tmp_path / "adapter", out, dtype=dtype, max_shard_bytes=40_000)
     assert result["weights"] == "dense weights (NF4 dequantised) + LoRA merged"
     assert result["dtype"] == str(dtype).removeprefix("torch.")
     files = result["files"]
@@ -142,21 +142,21 @@ def test_export_dense_writes_shard_by_shard_the_weights_it_wrote_whole_before(dt
 
 
 def test_export_dense_defaults_to_the_compute_dtype_in_one_file(tiny_model_dir, tmp_path):
-    """Without ``dtype``: ``grpo.device.compute_dtype(model.dtype)``; a model under one shard is one
+    """Without ``dtype``: ``grpo.core.device.compute_dtype(model.dtype)``; a model under one shard is one
     ``model.safetensors`` without an index, as ``save_pretrained`` writes it. The 4-bit weights are
     training's own: the base is quantised from the checkpoint loaded in that dtype, as
     ``load_training_base`` does (the tiny checkpoint is fp32, so its bf16 base is not the fp32 one's)."""
     import bitsandbytes as bnb
 
-    import grpo.lora_policy
-    from grpo.device import compute_dtype, default_device
-    from grpo.lora_policy import load_training_base
-    from grpo.nf4_layers import dense_weight
+    import grpo.model.lora_policy
+    from grpo.core.device import compute_dtype, default_device
+    from grpo.model.lora_policy import load_training_base
+    from grpo.model.nf4_layers import dense_weight
 
-    out = grpo.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
+    out = grpo.model.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir)), None, tmp_path / "dense")
     assert out["dtype"] == str(compute_dtype("auto", default_device())).removeprefix("torch.")
     assert out["files"] == ["model.safetensors"] and not (tmp_path / "dense" / "model.safetensors.index.json").exists()
-    out = grpo.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), None, tmp_path / "bf16")
+    out = grpo.model.lora_policy.export_dense(ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), None, tmp_path / "bf16")
     assert out["dtype"] == "bfloat16"
     written = _read_export(tmp_path / "bf16")
     assert {t.dtype for t in written.values()} == {torch.bfloat16}

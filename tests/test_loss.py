@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import (
+from grpo.algorithm.loss import (
     AGGREGATIONS,
     POLICY_LOSSES,
     LossSettings,
@@ -92,7 +92,7 @@ def test_epsilon_high():
 
 def test_per_token_clip_bounds_equal_the_scalar_ones():
     """The ``clipped`` policy loss takes (N, T) tensors as its clip bounds (the hook of a token rule
-    with entropy-dependent clipping, ``grpo.entropy.TokenRule``): tensors filled with the scalars give
+    with entropy-dependent clipping, ``grpo.algorithm.entropy.TokenRule``): tensors filled with the scalars give
     the same loss and statistics; a looser upper bound on token (0, 0) alone unclips it."""
     scalar = grpo_loss(LOGP, OLD, None, ADV, MASK, S(epsilon=0.2, epsilon_high=0.3))
     low, high = torch.full_like(LOGP, 0.2), torch.full_like(LOGP, 0.3)
@@ -134,7 +134,7 @@ def test_micro_batches_sum_to_full_batch(loss_type):
 def test_unknown_loss_type_and_policy_loss():
     """``build_loss`` turns the names into the entries: an unknown one is one line naming the param
     (the params' validation says it first; ``model_construct`` skips it here)."""
-    from grpo.sections.train_parts import LossConfig
+    from grpo.config.sections.train_parts import LossConfig
 
     with pytest.raises(ValueError, match="train.loss.loss_type: no loss aggregation 'ppo'"):
         build_loss(LossConfig.model_construct(loss_type="ppo"), None)
@@ -145,7 +145,7 @@ def test_unknown_loss_type_and_policy_loss():
 def test_build_loss_takes_the_params_settings():
     """The settings of a loss part: its entries by name, its clip (``epsilon_high`` null: ``epsilon``),
     ``beta`` and T_max as given."""
-    from grpo.sections.train_parts import LossConfig
+    from grpo.config.sections.train_parts import LossConfig
 
     cfg = LossConfig(loss_type="grpo", beta=0.04, policy_loss_options={"clipped": {"epsilon": 0.1, "epsilon_high": 0.28}})
     assert build_loss(cfg, 24) == LossSettings(POLICY_LOSSES["clipped"], AGGREGATIONS["grpo"], 0.1, 0.28, 0.04, 24)
@@ -360,8 +360,8 @@ def test_archer_and_sent_kl_token_terms_by_hand():
     the ``kl`` statistic is the mean k3 of every valid token either way."""
     from dataclasses import replace
 
-    from grpo.entropy import build_token_rule
-    from grpo.sections.train import TrainConfig
+    from grpo.algorithm.entropy import build_token_rule
+    from grpo.config.sections.train import TrainConfig
 
     e01, e04, e03, em01 = math.exp(0.3), math.exp(-0.4), math.exp(-0.3), math.exp(-0.1)
     policy = {"archer": [[-1.0, -1.2, -e01, -em01, 0.0], [0.4, 0.5 * e04, 0.5, 0.0, 0.0]],

@@ -1,4 +1,4 @@
-"""The memory estimate's exact parts (``grpo.memory``), checked against real objects on the tiny Llama and
+"""The memory estimate's exact parts (``grpo.tools.memory``), checked against real objects on the tiny Llama and
 on a random model of SmolLM2-135M's width (2 of its 30 layers: the per-layer shapes are the real ones):
 LoRA parameters against peft's trainable count, NF4 weight bytes against bitsandbytes' storage,
 the KV cache against a ``DynamicCache``, saved activations against autograd's saved tensors
@@ -13,9 +13,9 @@ import pytest
 import torch
 import yaml
 
-from grpo import memory
-from grpo.engine import needs
-from grpo.trainer_builder import depart
+from grpo.rollout.engine import needs
+from grpo.tools import memory
+from grpo.training.trainer_builder import depart
 
 from .conftest import REPO
 from .real_memory import batch, real_kv_bytes, real_lora_params, real_weight_bytes, saved_activation_bytes
@@ -25,7 +25,7 @@ from .real_memory import batch, real_kv_bytes, real_lora_params, real_weight_byt
 def smol_width_dir(tmp_path_factory):
     """A random model of SmolLM2-135M's exact width (hidden 576, 9/3 heads, intermediate 1536,
     vocab 49,152, tied), 2 layers."""
-    from grpo.synthetic import architecture_config, random_model_dir
+    from grpo.tools.synthetic import architecture_config, random_model_dir
 
     cfg = architecture_config("smollm2-135m")
     cfg.num_hidden_layers = 2
@@ -36,9 +36,9 @@ def smol_width_dir(tmp_path_factory):
 def test_lora_nf4_and_kv_cache_terms_equal_the_real_objects(which, tiny_model_dir, smol_width_dir):
     from transformers import AutoConfig
 
-    from grpo.lora_policy import attach_lora, load_training_base
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.model.lora_policy import attach_lora, load_training_base
 
     path = tiny_model_dir if which == "tiny" else smol_width_dir
     shapes = memory.model_shapes(AutoConfig.from_pretrained(path))
@@ -60,9 +60,9 @@ def test_lora_nf4_and_kv_cache_terms_equal_the_real_objects(which, tiny_model_di
 def test_activation_term_matches_autograds_saved_tensors(dtype, dropout, checkpointing, shared, tiny_model_dir):
     from transformers import AutoConfig
 
-    from grpo.lora_policy import load_policy
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.model.lora_policy import load_policy
 
     torch.manual_seed(0)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
@@ -84,9 +84,9 @@ def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, t
     full length (the estimate's worst case): one pass over N / G sequences of P + G (C - 1) tokens."""
     from transformers import AutoConfig
 
-    from grpo.lora_policy import load_policy
-    from grpo.sections.lora import LoraConfig
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
+    from grpo.model.lora_policy import load_policy
 
     torch.manual_seed(0)
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
@@ -102,7 +102,7 @@ def test_packed_activation_term_matches_autograds_saved_tensors(checkpointing, t
 
 
 def test_shapes_from_a_hub_name_and_the_lora_count_of_seed003():
-    from grpo.sections.model import ModelConfig
+    from grpo.config.sections.model import ModelConfig
 
     shapes = memory.resolve_shapes(ModelConfig(name="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
                                                path="models/none"), REPO)
@@ -113,7 +113,7 @@ def test_shapes_from_a_hub_name_and_the_lora_count_of_seed003():
 def test_measured_figures_name_real_params_and_a_bad_file_is_one_line(tmp_path):
     """measured.yaml (the one home of the figures ``grpo check`` prints) names params fields that
     exist; an entry missing a key fails with one line naming the file."""
-    from grpo.params import AllParams
+    from grpo.config.params import AllParams
 
     entries = memory.load_measured()
     assert {m["device"] for m in entries} == {"cpu", "cuda"}
@@ -127,7 +127,7 @@ def test_measured_figures_name_real_params_and_a_bad_file_is_one_line(tmp_path):
 
 
 def _preset(name: str):
-    from grpo.cli import resolve_params
+    from grpo.tools.cli import resolve_params
 
     return resolve_params(REPO / "presets" / f"{name}.yaml").params
 
@@ -178,7 +178,7 @@ def test_saved_model_engines_of_the_tiny_model_by_hand(tiny_model_dir):
     the KV cache of that call; the budget is the section's share of the card."""
     from transformers import AutoConfig
 
-    from grpo.params import AllParams
+    from grpo.config.params import AllParams
 
     shapes = memory.model_shapes(AutoConfig.from_pretrained(tiny_model_dir))
     params = AllParams.model_validate({
@@ -266,7 +266,7 @@ def test_the_compiled_decode_step_is_kept_and_the_saved_model_calls_fit_seed003s
     on a CPU the terms are the dynamic loop's. SENT's and the evaluation's calls
     (``decode_call``) are split to fit the 7.6 GiB card beside the CUDA context, onto a step of a
     power of two of prompts, and not split where the card is unknown."""
-    from grpo.decode_memory import compiled_step_bytes, shapes_dims
+    from grpo.rollout.decode_memory import compiled_step_bytes, shapes_dims
 
     params = depart(_preset("seed003"), {"train.rollouts.backend": "transformers"})
     shapes = memory.resolve_shapes(params.model, REPO)

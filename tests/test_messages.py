@@ -1,4 +1,4 @@
-"""grpo.messages: the one-line wording of invalid params: a pydantic error as ``section.key: what is
+"""grpo.core.messages: the one-line wording of invalid params: a pydantic error as ``section.key: what is
 wrong``, the did-you-mean of an unknown key or section (with the names other tools use, ``ALIASES``),
 the hint for a number written as text, and a YAML file's error with its line."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from grpo.config import ParamsError
-from grpo.messages import ALIASES, did_you_mean, suggest, unknown_section, yaml_error_line
-from grpo.params import load_params, params_from_dict
-from grpo.sections.train import TrainConfig
+from grpo.config.params import load_params, params_from_dict
+from grpo.config.reading import ParamsError
+from grpo.config.sections.train import TrainConfig
+from grpo.core.messages import ALIASES, did_you_mean, suggest, unknown_section, yaml_error_line
 
 
 @pytest.mark.parametrize(("raw", "message"), [

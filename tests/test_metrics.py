@@ -1,4 +1,4 @@
-"""The step's statistics (``grpo.metrics``) on hand-worked values: how each declared statistic adds up
+"""The step's statistics (``grpo.training.metrics``) on hand-worked values: how each declared statistic adds up
 over micro-batches, over the ``mu`` updates and into the step row; the phase timer's keys; the reward
 statistics of a whole step."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from grpo.distributed import Dist
-from grpo.metrics import (
+from grpo.core.distributed import Dist
+from grpo.training.metrics import (
     OWN,
     STATS,
     TIMES,
@@ -179,7 +179,7 @@ def test_where_the_rule_acted_is_shown_as_shares_of_summed_micro_batches():
 
 
 def test_a_share_without_its_denominator_is_left_out():
-    from grpo.metrics import rule_action_row
+    from grpo.training.metrics import rule_action_row
 
     assert rule_action_row({"policy_grad_abs": 0.0, "kept_grad": 0.0, "wide_tokens": 0.0, "band_tokens": 0.0,
                             "band_grad": 0.0}) == {}

@@ -1,7 +1,8 @@
 """The test files mirror the code they test, so the tests of a module are found by its name:
 
-- ``test_<name>.py``        src/grpo/<name>.py (or the package src/grpo/<name>/)
-- ``test_<pkg>_<name>.py``  src/grpo/<pkg>/<name>.py, a module of a subpackage
+- ``test_<name>.py``        src/grpo/<layer>/<name>.py (or the package src/grpo/<layer>/<name>/); the
+                            layer package (``grpo.tools.code_deps.LAYERS``) is no part of the name
+- ``test_<pkg>_<name>.py``  src/grpo/<layer>/<pkg>/<name>.py, a module of a subpackage
 - ``test_stage_<name>.py``  tasks/<name>.py, the DVC stage run as ``python -m tasks.<name>``
 - ``test_flow_<name>.py``   flows/<name>.py
 - ``test_bench_<name>.py``  bench/<name>.py or bench/<name>.sh
@@ -18,10 +19,14 @@ Both ways for the library: every module of src/grpo has its own test file (a sub
 from __future__ import annotations
 
 import ast
+from pathlib import Path
+
+from grpo.tools.code_deps import LAYERS
 
 from .conftest import REPO
 
 TESTS = REPO / "tests"
+LAYER_DIRS = [REPO / "src" / "grpo" / layer for layer in LAYERS]
 
 EXCEPTIONS = {
     "test_pipeline.py": "the whole DVC pipeline (dvc.yaml) end to end in a temporary workspace, then the flow over it",
@@ -35,10 +40,11 @@ EXCEPTIONS = {
     "test_prefect_yaml.py": "prefect.yaml: the deployment it declares equals flows/schedule.yaml",
     "test_flow_operator.py": "flows/pipeline.py, dvc_flow.py, deploy.py and server_auth.py as an operator runs them: a worker "
                              "started by its path, a failed stage's log, a server with an auth string",
-    "test_registries.py": "each registry of grpo.choices: a toy entry, registered from the test alone, used by a step",
+    "test_registries.py": "each registry of grpo.config.choices: a toy entry, registered from the test alone, used by a step",
     "test_dvcignore.py": ".dvcignore: importing the code (its __pycache__) leaves every directory dep's hash in dvc.lock "
                          "unchanged",
     "test_module_names.py": "src/: no two modules share a file name",
+    "test_layers.py": "src/grpo: every module in a layer package, imports down the layers only",
 }
 
 PACKAGE_TESTS = {"kernels": "test_kernels.py", "sections": "test_sections.py"}
@@ -60,11 +66,12 @@ def subject(test_file: str) -> list:
         if stem.startswith(prefix):
             return [REPO / folder / (stem.removeprefix(prefix) + s) for s in suffixes]
     name = stem.removeprefix("test_")
-    grpo = REPO / "src" / "grpo"
-    found = [grpo / f"{name}.py", grpo / name / "__init__.py"]
-    for i, ch in enumerate(name):  # test_<pkg>_<name>.py: src/grpo/<pkg>/<name>.py
-        if ch == "_" and (grpo / name[:i]).is_dir():
-            found.append(grpo / name[:i] / f"{name[i + 1:]}.py")
+    found = []
+    for layer in LAYER_DIRS:
+        found += [layer / f"{name}.py", layer / name / "__init__.py"]
+        for i, ch in enumerate(name):  # test_<pkg>_<name>.py: src/grpo/<layer>/<pkg>/<name>.py
+            if ch == "_" and (layer / name[:i]).is_dir():
+                found.append(layer / name[:i] / f"{name[i + 1:]}.py")
     return found
 
 
@@ -105,11 +112,12 @@ def test_every_library_module_has_its_own_test_file():
     missing = []
     for path in sorted(grpo.rglob("*.py")):
         rel = path.relative_to(grpo)
-        if path.name == "__init__.py" and (path.parent == grpo or not _holds_code(path)):
+        inner = rel.parts[1:]  # without the layer package
+        if path.name == "__init__.py" and (len(inner) < 2 or not _holds_code(path)):
             continue
-        if len(rel.parts) > 1 and rel.parts[0] in PACKAGE_TESTS:
+        if len(inner) > 1 and inner[0] in PACKAGE_TESTS:
             continue
-        parts = rel.with_suffix("").parts
+        parts = Path(*inner).with_suffix("").parts
         name = "_".join(parts[:-1] if parts[-1] == "__init__" else parts)
         if f"test_{name}.py" not in TEST_FILES:
             missing.append(f"src/grpo/{rel}: no tests/test_{name}.py")
@@ -118,4 +126,4 @@ def test_every_library_module_has_its_own_test_file():
 
 def test_package_tests_exist():
     for package, test_file in PACKAGE_TESTS.items():
-        assert (REPO / "src" / "grpo" / package).is_dir() and test_file in TEST_FILES
+        assert any((layer / package).is_dir() for layer in LAYER_DIRS) and test_file in TEST_FILES

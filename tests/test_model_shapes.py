@@ -1,4 +1,4 @@
-"""A model's shapes from its config.json (``grpo.model_shapes``): counted on the meta device as
+"""A model's shapes from its config.json (``grpo.core.model_shapes``): counted on the meta device as
 ``from_pretrained`` builds the model; a prepared directory without a config is one line."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from grpo.model_shapes import count, decoder_linears, norm_params, prepared_name, prepared_shapes
+from grpo.core.model_shapes import count, decoder_linears, norm_params, prepared_name, prepared_shapes
 
 
 def test_the_tiny_models_shapes_from_its_config(tiny_model_dir):

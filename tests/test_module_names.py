@@ -1,7 +1,7 @@
 """Names that say which is which: no two modules of ``src/`` share a file name (``__init__.py``
 aside), so a traceback, an editor tab or a ``dvc status`` line naming ``data.py`` names one module.
 A section's schema that would take a library module's name is ``<section>_section.py``
-(``grpo.sections.data_section`` beside ``grpo.data``)."""
+(``grpo.config.sections.data_section`` beside ``grpo.data.sources``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_no_two_modules_of_src_share_a_file_name():
 
 
 def test_the_check_sees_a_name_taken_twice(tmp_path):
-    for rel in ("grpo/data.py", "grpo/sections/data.py", "grpo/sections/__init__.py", "grpo/__init__.py"):
+    for rel in ("lib/one/train.py", "lib/two/train.py", "lib/two/__init__.py", "lib/__init__.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
-    assert shared_file_names(tmp_path) == {"data.py": ["grpo/data.py", "grpo/sections/data.py"]}
+    assert shared_file_names(tmp_path) == {"train.py": ["lib/one/train.py", "lib/two/train.py"]}

@@ -1,26 +1,26 @@
-"""``grpo.nf4_layers``: 4-bit layers keep the standard NF4 layout, and their dense copies are exact and temporary."""
+"""``grpo.model.nf4_layers``: 4-bit layers keep the standard NF4 layout, and their dense copies are exact and temporary."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo.lora_policy import load_policy
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.model.lora_policy import load_policy
 
 from .helpers import LORA, give_adapter_a_say
 
 
 def test_4bit_layers_keep_the_standard_layout_and_repacked_ones_are_refused(tiny_model_dir):
     """bitsandbytes repacks a Linear4bit into its CPU-kernel layout on an eval no-grad forward on
-    CPUs with AVX512-BF16, after which dequantize_4bit is wrong: grpo.nf4_layers switches that off, and
+    CPUs with AVX512-BF16, after which dequantize_4bit is wrong: grpo.model.nf4_layers switches that off, and
     ``dense_weight`` refuses a repacked layer instead of returning wrong weights."""
     import bitsandbytes as bnb
     from bitsandbytes.functional import has_avx512bf16
 
-    from grpo.lora_policy import load_training_base
-    from grpo.nf4_layers import dense_weight
+    from grpo.model.lora_policy import load_training_base
+    from grpo.model.nf4_layers import dense_weight
 
     model = load_training_base(ModelConfig(path=str(tiny_model_dir), dtype="float32"), "cpu")
     layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
@@ -42,7 +42,7 @@ def test_4bit_layers_keep_the_standard_layout_and_repacked_ones_are_refused(tiny
 def test_dequantized_weights_are_exact_and_temporary(tiny_model_dir):
     import bitsandbytes as bnb
 
-    from grpo.nf4_layers import dequantized_weights
+    from grpo.model.nf4_layers import dequantized_weights
 
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.5)  # the adapter must still apply inside the block

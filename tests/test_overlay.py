@@ -1,4 +1,4 @@
-"""grpo.overlay: params put over a base (a preset's sections, or dotted keys as ``dvc exp run -S`` and
+"""grpo.config.overlay: params put over a base (a preset's sections, or dotted keys as ``dvc exp run -S`` and
 the flow's ``--set`` write them), the base left as it was; what it refuses, and what it leaves for
 validation to name."""
 
@@ -9,9 +9,9 @@ import io
 import pytest
 from ruamel.yaml import YAML
 
-from grpo.errors import ParamsError
-from grpo.overlay import overlay_params
-from grpo.params import params_from_dict
+from grpo.config.overlay import overlay_params
+from grpo.config.params import params_from_dict
+from grpo.core.errors import ParamsError
 
 
 def test_overlay_takes_a_preset_or_dotted_keys_and_leaves_the_base_as_it_was():
@@ -41,7 +41,7 @@ def test_nothing_over_nothing_is_empty_and_a_missing_section_or_key_is_added_for
 
 
 def test_a_ruamel_documents_comments_and_order_come_along():
-    """``grpo.params.write_params`` writes the result back into the file: its comments stay."""
+    """``grpo.config.params.write_params`` writes the result back into the file: its comments stay."""
     yaml = YAML()
     doc = yaml.load("train:\n  lr: 0.001  # the step size\n  steps: 5\nlora:\n  rank: 4\n")
     out = io.StringIO()

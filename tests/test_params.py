@@ -1,12 +1,12 @@
-"""grpo.params: every section of a file together; params.yaml equals the code's defaults."""
+"""grpo.config.params: every section of a file together; params.yaml equals the code's defaults."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from grpo.config import ParamsError
-from grpo.params import AllParams, load_params, params_from_dict, write_params
+from grpo.config.params import AllParams, load_params, params_from_dict, write_params
+from grpo.config.reading import ParamsError
 
 from .conftest import REPO
 from .helpers import _keys

@@ -1,4 +1,4 @@
-"""The passes over the policy (``grpo.passes``) on the tiny 4-bit + LoRA Llama: micro-batch slices; the
+"""The passes over the policy (``grpo.training.passes``) on the tiny 4-bit + LoRA Llama: micro-batch slices; the
 no-grad pass's fixed log-probs (the reference policy's with the adapter off) as a new record; the step's
 entropy threshold, the kept side of it (``entropy_rule``) and its gradients; the engine gap by hand;
 micro-batches change memory and not the update; updates raise the rewarded completion."""
@@ -10,19 +10,19 @@ import math
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.data import build_prompt
-from grpo.distributed import Dist
-from grpo.entropy import build_token_rule
-from grpo.lora_policy import load_policy
-from grpo.loss import LossSettings, build_loss
-from grpo.passes import PolicyPasses, micro_slices
-from grpo.rollout_backends import TransformersBackend
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.types import TrainBatch
-from grpo.updater import AdamWUpdater
+from grpo.algorithm.entropy import build_token_rule
+from grpo.algorithm.loss import LossSettings, build_loss
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.distributed import Dist
+from grpo.core.types import TrainBatch
+from grpo.data.sources import build_prompt
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.rollout_backends import TransformersBackend
+from grpo.training.passes import PolicyPasses, micro_slices
+from grpo.training.updater import AdamWUpdater
 
 from .helpers import LORA, give_adapter_a_say
 
@@ -212,8 +212,8 @@ def test_updates_raise_the_rewarded_completion(tiny_model_dir, tmp_path, quantil
     """A group with one rewarded and one unrewarded completion (each twice): a few GRPO updates
     raise the log-likelihood of the rewarded one relative to the other (by 1.7 nats with every
     token kept, 0.3 with the top 20%, when this was written)."""
-    from grpo.logprobs import chunked_entropy_logprobs, completion_hidden
-    from grpo.loss import group_advantages
+    from grpo.algorithm.logprobs import chunked_entropy_logprobs, completion_hidden
+    from grpo.algorithm.loss import group_advantages
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
@@ -293,8 +293,8 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
     pass (``ref_logp`` filled), keep every valid token (``kept_frac`` 1) and every row (the KL term
     has a gradient at zero advantage: ``update_frac`` 1), log a positive KL, and their loss is
     ``high``'s plus their KL term (the ratio is 1 on policy, so only the KL changes its value)."""
-    from grpo.rewards import REWARDS
-    from grpo.trainer import GRPOTrainer
+    from grpo.algorithm.rewards import REWARDS
+    from grpo.training.trainer import GRPOTrainer
 
     refs: list[torch.Tensor | None] = []
     real = PolicyPasses.fixed_logprobs
@@ -331,7 +331,7 @@ def test_where_the_rule_acts_is_counted_from_the_update_itself(policy):
     are clipped, so the band carries all of the policy gradient."""
     from dataclasses import replace
 
-    from grpo.entropy import per_response_high
+    from grpo.algorithm.entropy import per_response_high
 
     model, tok = policy
     batch = _hand_batch(tok, [1.0, -1.0, 0.5, -0.5])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.dvcfile import read_stages
+from grpo.core.dvcfile import read_stages
 from tests.conftest import make_dvc_workspace
 from tests.helpers import TINY_PARAMS, workspace_md5
 

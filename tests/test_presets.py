@@ -1,7 +1,7 @@
 """Every GPU preset's training switches, run together for two optimizer steps on the CPU.
 
 A preset (``presets/*.yaml``) is put over ``params.yaml`` as ``scripts/apply_preset.py`` does
-(``grpo.overlay.overlay_params``); then only size knobs are shrunk (steps, prompts per step, new
+(``grpo.config.overlay.overlay_params``); then only size knobs are shrunk (steps, prompts per step, new
 tokens, output directories, and the model: the tiny random Llama of ``conftest.py`` stands in for
 the preset's hub id, keeping its quantization, dtype and gradient checkpointing). Every other key the
 preset sets in ``train``, ``lora`` and ``model`` is asserted to be in the run's config, and the
@@ -23,15 +23,15 @@ import pytest
 import torch
 import yaml
 
-import grpo.passes as passes_mod
-import grpo.trainer as trainer_mod
-from grpo.base_model import load_tokenizer
-from grpo.lora_policy import load_policy
-from grpo.loss import AGGREGATIONS, POLICY_LOSSES
-from grpo.overlay import overlay_params
-from grpo.params import params_from_dict
-from grpo.rewards import REWARDS
-from grpo.trainer import GRPOTrainer, lr_lambda
+import grpo.training.passes as passes_mod
+import grpo.training.trainer as trainer_mod
+from grpo.algorithm.loss import AGGREGATIONS, POLICY_LOSSES
+from grpo.algorithm.rewards import REWARDS
+from grpo.config.overlay import overlay_params
+from grpo.config.params import params_from_dict
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.training.trainer import GRPOTrainer, lr_lambda
 
 from .conftest import REPO
 
@@ -93,8 +93,8 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
             assert getattr(mcfg, key) == value, f"model.{key}"
     for key, value in raw.get("lora", {}).items():
         assert getattr(lcfg, key) == value, f"lora.{key}"
-    from grpo.dvcstatus import flat_keys
-    from grpo.memory import _get
+    from grpo.tools.dvcstatus import flat_keys
+    from grpo.tools.memory import _get
 
     for key, value in flat_keys({"train": raw.get("train", {})}).items():  # every leaf, parts included
         leaf = key.rsplit(".", 1)[-1]
@@ -140,7 +140,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
     real_clip, real_prompt = torch.nn.utils.clip_grad_norm_, trainer_mod.build_prompt
 
     def spy_loss(*args, **kw):
-        settings = args[5] if len(args) > 5 else kw["settings"]  # grpo.loss.LossSettings, built once
+        settings = args[5] if len(args) > 5 else kw["settings"]  # grpo.algorithm.loss.LossSettings, built once
         epsilon, epsilon_high = settings.bounds(kw.get("terms", passes_mod.NO_TERMS))
         loss_kwargs.append({"ref_logp": args[2] is not None, "beta": settings.beta, "policy": settings.policy,
                             "aggregation": settings.aggregation, "max_length": settings.max_length,
@@ -275,11 +275,11 @@ def test_preset_with_an_unknown_key_fails_with_one_line(preset, tmp_path):
 
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
 def test_preset_splits_exist_at_the_sources_real_sizes(preset):
-    """Each preset passes the split check (grpo.split_check) at its source's real sizes, with a
+    """Each preset passes the split check (grpo.data.split_check) at its source's real sizes, with a
     validation split of the asked size wherever training evaluates."""
-    from grpo.cli import resolve_params
-    from grpo.split_check import check_params
-    from grpo.split_sizes import expected_rows, supply
+    from grpo.data.split_check import check_params
+    from grpo.data.split_sizes import expected_rows, supply
+    from grpo.tools.cli import resolve_params
 
     params = resolve_params(preset).params
     check_params(params, REPO)

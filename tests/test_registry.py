@@ -1,10 +1,10 @@
-"""grpo.registry: names -> entries, registered once, each unknown name a one-line error."""
+"""grpo.core.registry: names -> entries, registered once, each unknown name a one-line error."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.registry import Registry
+from grpo.core.registry import Registry
 
 
 def make() -> Registry:

@@ -18,8 +18,9 @@ import pytest
 from matplotlib.figure import Figure
 from PIL import Image
 
-from grpo.answers import CLASS_WORDS
-from grpo.report import (
+from grpo.algorithm.rewards import extract_answer
+from grpo.data.answers import CLASS_WORDS
+from grpo.evaluation.report import (
     TRAIN_ROWS,
     adapter_in_words,
     build_report,
@@ -28,7 +29,6 @@ from grpo.report import (
     plot_curves,
     read_step_metrics,
 )
-from grpo.rewards import extract_answer
 
 
 def trailing_mean(values, window):
@@ -410,7 +410,7 @@ def test_the_params_file_is_folded_away_in_the_html(workspace, tmp_path):
 
 
 def test_inline_images_inlines_existing_pngs_and_keeps_other_links(tmp_path):
-    from grpo.report import inline_images
+    from grpo.evaluation.report import inline_images
 
     png = b"\x89PNG fake"
     (tmp_path / "a.png").write_bytes(png)
@@ -425,7 +425,7 @@ def test_the_report_says_what_was_learned_with_intervals_that_count_a_problem_on
     clustered bounds, distinct problems and effective n and names the method; the classes and the
     digit groups come out as tables with a few answers of each class; the train summary states
     where archer's band acted."""
-    from grpo.evaluate import what_was_learned
+    from grpo.evaluation.evaluate import what_was_learned
 
     root, _ = workspace
     records = {"baseline": [("Compute 5 + 1.", "6", "To solve 5 + 1, we add 5 and 1."),
@@ -459,7 +459,7 @@ def test_the_report_says_what_was_learned_with_intervals_that_count_a_problem_on
 
 
 def test_a_cell_with_pipes_stays_one_cell_in_the_html():
-    from grpo.report import _cell, to_html
+    from grpo.evaluation.report import _cell, to_html
 
     words = "their share of the policy gradient (|dL/dlogp|), mean per step"
     html = to_html("\n".join(["| quantity | value |", "|---|---|", f"| {_cell(words)} | {_cell('0.55%')} |", ""]))
@@ -468,7 +468,7 @@ def test_a_cell_with_pipes_stays_one_cell_in_the_html():
 
 
 def test_a_signal_flat_at_every_step_is_left_out_with_its_value():
-    from grpo.report import signal_panels
+    from grpo.evaluation.report import signal_panels
 
     steps = [{"step": i, "entropy_mean": 0.5 + i, "kept_frac": 1.0, "wide_band_frac": 0.01 * i} for i in range(3)]
     shown, left_out = signal_panels(steps)

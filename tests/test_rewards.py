@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from grpo.rewards import (
+from grpo.algorithm.rewards import (
     REWARDS,
     combined_rewards,
     correctness,
@@ -18,7 +18,7 @@ from grpo.rewards import (
     format_strict,
     normalize_answer,
 )
-from grpo.sections.train import TrainConfig
+from grpo.config.sections.train import TrainConfig
 
 # (completion, expected extract_answer)
 EXTRACTION_CASES = [

@@ -1,4 +1,4 @@
-"""grpo.rollout_backends: the decode loop behind the backend interface (sync / sleep / close are no-ops
+"""grpo.rollout.rollout_backends: the decode loop behind the backend interface (sync / sleep / close are no-ops
 there), the rule that picks an engine, the factories' choices and fallbacks (logged), the EOS
 mask, the decode loop's shapes and log-probs."""
 
@@ -9,22 +9,22 @@ import logging
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.config import ParamsError
-from grpo.engine.policy_engine import PolicyEngineSpec, check_engine_memory, policy_rollouts
-from grpo.engine.sampler import SavedModelRun, saved_model_sampler
-from grpo.lora_policy import load_policy
-from grpo.rollout_backends import (
+from grpo.config.reading import ParamsError
+from grpo.config.sections.engine import VLLMEngineConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.core.types import Lengths
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.engine.policy_engine import PolicyEngineSpec, check_engine_memory, policy_rollouts
+from grpo.rollout.engine.sampler import SavedModelRun, saved_model_sampler
+from grpo.rollout.rollout_backends import (
     DecodeChoice,
     TransformersBackend,
     completion_mask_from_eos,
     fallback_note,
     uses_engine,
 )
-from grpo.sections.engine import VLLMEngineConfig
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.types import Lengths
 
 from .helpers import ENGINE_RAM, LORA
 
@@ -84,7 +84,7 @@ def test_a_data_parallel_engine_that_does_not_fit_is_refused_before_it_starts(po
     """Rank 0 of 2 asking for engine rollouts at 0.6 of the RAM each: refused before the dense base
     is written or an engine starts (no process group is needed for that); ``LOCAL_WORLD_SIZE``
     (torchrun's, the engines on this machine) is the count that is checked."""
-    from grpo.distributed import Dist
+    from grpo.core.distributed import Dist
 
     model, tok = policy
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # an engine started earlier in this process set it to 1
@@ -101,7 +101,7 @@ def test_auto_without_vllm_says_so_once(policy, tiny_model_dir, monkeypatch, cap
     """``auto`` where vLLM is not installed: the transformers backend and one warning, worded for
     what is sampled (the availability probe is what is replaced here, not the factory)."""
     model, tok = policy
-    monkeypatch.setattr("grpo.rollout_backends.vllm_available", lambda: False)
+    monkeypatch.setattr("grpo.rollout.rollout_backends.vllm_available", lambda: False)
     with caplog.at_level(logging.WARNING):
         assert policy_rollouts("auto", tok, model).name == "transformers"
         assert saved_model_sampler("auto", tok, tiny_model_dir).name == "transformers"
@@ -183,9 +183,9 @@ def test_decode_working_bytes_counts_the_static_cache_and_the_dense_rule(tiny_mo
     5 positions), and ``dense_decode`` on the CPU; ``dense_fits`` by hand."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.decode_memory import decode_working_bytes
-    from grpo.rollout_backends import dense_decode, dense_fits
-    from grpo.sampling import prefill, static_cache
+    from grpo.rollout.decode_memory import decode_working_bytes
+    from grpo.rollout.rollout_backends import dense_decode, dense_fits
+    from grpo.rollout.sampling import prefill, static_cache
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
@@ -202,7 +202,7 @@ def test_a_call_split_to_fit_the_memory_left_gives_the_one_calls_rows(tiny_model
     calls of fewer prompts. Here the memory reading (CUDA's, ``allocator_budget``) is replaced by a
     budget of two prompts' prediction; the split itself is the real one: a saved model's sampler
     (SENT's and the evaluations') gives the same tokens, masks, texts and log-probs as one call, fp32."""
-    from grpo.decode_memory import sampler_call_bytes
+    from grpo.rollout.decode_memory import sampler_call_bytes
 
     tok = load_tokenizer(tiny_model_dir)
     prompts = ["What is 1 + 2?", "Hi", "7 * 8 = ?", "Add 12 and 30.", "9 - 4"]
@@ -211,8 +211,8 @@ def test_a_call_split_to_fit_the_memory_left_gives_the_one_calls_rows(tiny_model
         whole = sampler.generate(prompts, 3, **kw)
         width = sampler.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)["input_ids"]
         two = sampler_call_bytes(sampler.model, 2, 3, width.shape[1], 10, sampler.LOGPROB_ROWS)
-        monkeypatch.setattr("grpo.rollout_backends.allocator_budget", lambda device: two)
-        with caplog.at_level(logging.INFO, logger="grpo.rollout_backends"):
+        monkeypatch.setattr("grpo.rollout.rollout_backends.allocator_budget", lambda device: two)
+        with caplog.at_level(logging.INFO, logger="grpo.rollout.rollout_backends"):
             split = sampler.generate(prompts, 3, **kw)
     assert any("2 prompts a call" in m for m in caplog.messages)
     assert split.texts == whole.texts
@@ -226,8 +226,8 @@ def test_a_samplers_compiled_steps_are_released_when_it_closes(tiny_model_dir):
     """A saved model's sampler on the decode loop with its step compiled (``decode.compile_step:
     on``; Inductor on the CPU) holds the step for its next calls, and gives it back at ``close``
     (``with sampler:``, as SENT and the evaluations use it): nothing held for its model after."""
-    from grpo.sampling import compiled_steps
-    from grpo.sections.decode import DecodeConfig
+    from grpo.config.sections.decode import DecodeConfig
+    from grpo.rollout.sampling import compiled_steps
 
     tok = load_tokenizer(tiny_model_dir)
     with saved_model_sampler("transformers", tok, tiny_model_dir, run=SavedModelRun(dtype="float32"),

@@ -1,4 +1,4 @@
-"""Phase 1 of a step (``grpo.rollout_phase``): per-completion sampling seeds (so a step's samples do not
+"""Phase 1 of a step (``grpo.training.rollout_phase``): per-completion sampling seeds (so a step's samples do not
 depend on how its prompts are split into calls or processes), cut-off completions zeroed, and the
 scoring of hand-written completions into rewards and group-relative advantages."""
 
@@ -9,16 +9,16 @@ import math
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.distributed import Dist
-from grpo.lora_policy import load_policy
-from grpo.rewards import REWARDS
-from grpo.rollout_backends import TransformersBackend
-from grpo.rollout_phase import gather_rewards, sample, sample_seed, score, zero_cut_off
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.types import Rollout
+from grpo.algorithm.rewards import REWARDS
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.distributed import Dist
+from grpo.core.types import Rollout
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.rollout_backends import TransformersBackend
+from grpo.training.rollout_phase import gather_rewards, sample, sample_seed, score, zero_cut_off
 
 from .helpers import LORA
 

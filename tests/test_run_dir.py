@@ -1,4 +1,4 @@
-"""grpo.run_dir: what a run writes."""
+"""grpo.training.run_dir: what a run writes."""
 
 import hashlib
 import os
@@ -13,7 +13,7 @@ SHIP = """
 import sys, torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from grpo.run_dir import RunDir
+from grpo.training.run_dir import RunDir
 model_dir, out = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(

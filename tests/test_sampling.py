@@ -1,15 +1,15 @@
-"""``grpo.sampling``: the sampler's distribution, and the decode loop against ``model.generate``."""
+"""``grpo.rollout.sampling``: the sampler's distribution, and the decode loop against ``model.generate``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.lora_policy import load_policy
-from grpo.sampling import DECODE_LOOPS, Draw, DynamicLoop, StaticLoop, StaticOptions, decode, sample_tokens
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.sampling import DECODE_LOOPS, Draw, DynamicLoop, StaticLoop, StaticOptions, decode, sample_tokens
 
 from .helpers import give_adapter_a_say
 
@@ -108,7 +108,7 @@ def test_static_loop_gives_the_dynamic_loops_tokens(tiny_model_dir):
 
 
 def test_auto_loop_is_dynamic_on_the_cpu_and_a_bad_name_is_one_line():
-    from grpo.sampling import resolve_loop
+    from grpo.rollout.sampling import resolve_loop
 
     assert resolve_loop("auto", "cpu") == "dynamic" and resolve_loop("auto", "cuda") == "static"
     assert resolve_loop("static", "cpu") == "static"
@@ -118,7 +118,7 @@ def test_auto_loop_is_dynamic_on_the_cpu_and_a_bad_name_is_one_line():
 
 
 def _dense_fp32(tiny_model_dir):
-    from grpo.lora_policy import load_base_model
+    from grpo.model.lora_policy import load_base_model
 
     torch.manual_seed(0)
     return load_base_model(tiny_model_dir, "float32", "cpu"), load_tokenizer(tiny_model_dir)
@@ -132,7 +132,7 @@ def test_the_compiled_step_gives_the_uncompiled_tokens_and_compiles_once_per_buc
     uncompiled loop's tokens, and only the first call compiles (dynamo's graph count stays)."""
     from torch._dynamo.utils import counters
 
-    from grpo.sampling import compiled_steps
+    from grpo.rollout.sampling import compiled_steps
 
     model, tok = _dense_fp32(tiny_model_dir)
     tok.padding_side = "left"
@@ -156,7 +156,7 @@ def test_the_compiled_step_gives_the_uncompiled_tokens_and_compiles_once_per_buc
 def test_a_call_is_padded_to_its_bucket_and_the_extra_rows_repeat_the_last_prompts():
     """``bucketed_call``: 3 prompts of 5 tokens -> 4 prompts of 8 (bucket 8), the added prompt a copy
     of the last, its completions drawing the last prompt's uniform numbers; masks 0 on the padding."""
-    from grpo.sampling import Sampling, bucketed_call
+    from grpo.rollout.sampling import Sampling, bucketed_call
 
     ids = torch.arange(15).reshape(3, 5) + 1
     mask = torch.ones(3, 5, dtype=torch.long)
@@ -174,8 +174,8 @@ def test_plan_decode_picks_the_loop_and_the_compile_by_device_and_call_size():
     """``decode.loop``/``decode.compile_step`` -> ``plan_decode``: auto is dynamic on a CPU, static on
     CUDA with the step compiled once the planned token steps reach ``compile_min_tokens``; ``on``
     picks the static loop under ``auto``; a dynamic loop cannot be compiled (one line naming the key)."""
-    from grpo.sampling import plan_decode
-    from grpo.sections.decode import DecodeConfig
+    from grpo.config.sections.decode import DecodeConfig
+    from grpo.rollout.sampling import plan_decode
 
     auto = DecodeConfig()
     cpu = plan_decode(auto, "cpu", 10**6).loop
@@ -201,8 +201,8 @@ def test_the_compiled_step_follows_the_policy_as_its_adapter_moves(tiny_model_di
     and refilled in place (``dequantized_weights(persistent=True)``), not made anew."""
     from torch._dynamo.utils import counters
 
-    from grpo.nf4_layers import holds_dense_copies
-    from grpo.rollout_backends import DecodeChoice, TransformersBackend
+    from grpo.model.nf4_layers import holds_dense_copies
+    from grpo.rollout.rollout_backends import DecodeChoice, TransformersBackend
 
     model, tok = _policy(tiny_model_dir)
     eager = TransformersBackend(model, tok, decode=DecodeChoice(loop=DynamicLoop()))
@@ -228,7 +228,7 @@ def test_one_compiled_step_per_row_count_is_held_and_release_drops_them(tiny_mod
     import gc
     import weakref
 
-    from grpo.sampling import call_shape, compiled_step, compiled_steps, release_compiled_steps
+    from grpo.rollout.sampling import call_shape, compiled_step, compiled_steps, release_compiled_steps
 
     model, _ = _dense_fp32(tiny_model_dir)
     cpu = torch.device("cpu")
@@ -253,9 +253,9 @@ def test_every_registered_decode_loop_keeps_the_contract(name, tiny_model_dir):
     dynamic loop's for the same row seeds (sampled with top-p, with ``min_new_tokens``, greedy),
     trailing pads and length included; ``compile_step: on`` builds it compiled where it
     ``compiles``, and is refused in one line where it does not."""
-    from grpo.decode_memory import CallSize, model_dims, split_call
-    from grpo.sampling import plan_decode
-    from grpo.sections.decode import DecodeConfig
+    from grpo.config.sections.decode import DecodeConfig
+    from grpo.rollout.decode_memory import CallSize, model_dims, split_call
+    from grpo.rollout.sampling import plan_decode
 
     plan = plan_decode(DecodeConfig(loop=name, compile_step="off"), "cpu", 10**6)
     loop = plan.loop
@@ -281,7 +281,7 @@ def test_every_registered_decode_loop_keeps_the_contract(name, tiny_model_dir):
 def test_the_static_loops_own_defaults_are_the_decode_sections():
     """``StaticOptions``' defaults (a static loop built without the section: benches, tests) equal
     the ``decode`` section's, which hold them."""
-    from grpo.sections.decode import DecodeConfig
+    from grpo.config.sections.decode import DecodeConfig
 
     cfg = DecodeConfig()
     assert StaticOptions() == StaticOptions(cfg.check_every, False, cfg.length_bucket)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from grpo.params import load_params
+from grpo.config.params import load_params
 
 from .conftest import REPO
 from .helpers import _keys
@@ -24,7 +24,7 @@ def test_apply_preset_keeps_params_complete_and_takes_the_preset_values(preset, 
     assert proc.returncode == 0, proc.stderr
     after, overrides = yaml.safe_load(target.read_text()), yaml.safe_load((REPO / preset).read_text())
     assert _keys(after) == _keys(yaml.safe_load((REPO / "params.yaml").read_text()))
-    from grpo.dvcstatus import flat_keys
+    from grpo.tools.dvcstatus import flat_keys
 
     got = flat_keys(after)
     for key, value in flat_keys(overrides).items():  # every leaf the preset names, at any depth

@@ -1,13 +1,13 @@
-"""grpo.sections: each section's fields and bounds (a bad value names its field in one line), moved keys, and
+"""grpo.config.sections: each section's fields and bounds (a bad value names its field in one line), moved keys, and
 the train keys other stages read. The messages' wording (did-you-mean, hints): tests/test_messages.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.config import ParamsError
-from grpo.params import params_from_dict
-from grpo.sections.train import TrainConfig
+from grpo.config.params import params_from_dict
+from grpo.config.reading import ParamsError
+from grpo.config.sections.train import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_the_shared_train_keys_are_the_train_sections_own_and_other_stages_read_
     """``TrainConfig`` inherits the keys every stage reads (one home for their defaults); a stage
     other than train reads the train section through ``OtherStagesTrainKeys``, which validates those and
     leaves the rest to the train stage."""
-    from grpo.sections.shared import OtherStagesTrainKeys, SharedTrainKeys
+    from grpo.config.sections.shared import OtherStagesTrainKeys, SharedTrainKeys
 
     own = TrainConfig()
     for name in SharedTrainKeys.model_fields:
@@ -64,8 +64,8 @@ def test_the_shared_train_keys_are_the_train_sections_own_and_other_stages_read_
 
 
 def test_every_section_is_named_in_the_list_the_stages_check_files_against():
-    from grpo.config import SECTION_NAMES
-    from grpo.params import SECTIONS
+    from grpo.config.params import SECTIONS
+    from grpo.config.reading import SECTION_NAMES
 
     assert tuple(SECTIONS) == SECTION_NAMES
     assert all(cls.SECTION == name for name, cls in SECTIONS.items())
@@ -102,8 +102,8 @@ def test_an_entrys_options_live_under_its_name_and_a_moved_key_says_where(raw, m
 
 
 def test_an_entry_left_out_of_its_options_takes_its_own_defaults():
-    from grpo.curriculum import CurriculumOptions
-    from grpo.entropy import ArcherOptions, LowOptions, QuantileOptions, SentKLOptions
+    from grpo.algorithm.curriculum import CurriculumOptions
+    from grpo.algorithm.entropy import ArcherOptions, LowOptions, QuantileOptions, SentKLOptions
 
     cfg = TrainConfig(order_options={"curriculum": {"num_stages": 2}}, loss={"entropy_rule_options": {"sent_kl": {"kl_low": 0.3}}})
     assert cfg.loss.entropy_rule_options == {"high": QuantileOptions(), "low": LowOptions(), "archer": ArcherOptions(),
@@ -135,7 +135,7 @@ def test_no_level_of_the_train_section_has_more_than_twenty_keys():
 def test_an_old_flat_train_section_is_answered_key_by_key():
     """Every key the flat train section had (issue 59's list, at its last flat commit) is either
     still a top-level key or one line naming its new place, and the place named exists."""
-    from grpo.sections.train_parts import MOVED
+    from grpo.config.sections.train_parts import MOVED
 
     flat = ("data_path order order_options output_dir adapter_dir seed deterministic steps prompts_per_step "
             "group_size max_new_tokens rollout_backend max_num_batched_tokens engine_weights "
@@ -162,7 +162,7 @@ def test_an_old_flat_train_section_is_answered_key_by_key():
 def test_an_old_params_file_gets_every_moved_key_in_one_message():
     """A whole flat train section: one error that names the new place of each of its moved keys
     (the user migrates the file in one pass, not one key a run)."""
-    from grpo.sections.train_parts import MOVED
+    from grpo.config.sections.train_parts import MOVED
 
     old = {key: 1 for key in MOVED}
     with pytest.raises(ParamsError) as err:

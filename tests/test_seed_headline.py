@@ -1,14 +1,14 @@
-"""The headline over seeds: written by ``grpo.ablations`` from a grid's runs, read by the report of a
+"""The headline over seeds: written by ``grpo.evaluation.ablations`` from a grid's runs, read by the report of a
 run whose settings are one of the grid's variants."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo import ablations, seed_headline
-from grpo.ablations import Grid
-from grpo.experiments import Run
-from grpo.report import build_report
+from grpo.evaluation import ablations, seed_headline
+from grpo.evaluation.ablations import Grid
+from grpo.evaluation.experiments import Run
+from grpo.evaluation.report import build_report
 
 
 def _runs(vals):

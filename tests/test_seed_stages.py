@@ -1,4 +1,4 @@
-"""The stages a grid's experiments of one seed share (``grpo.seed_stages``); the queue that runs
+"""The stages a grid's experiments of one seed share (``grpo.evaluation.seed_stages``); the queue that runs
 them once per seed is tested end to end in ``tests/test_ablations.py``."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.ablations import load_grid
-from grpo.dvcfile import read_stages
-from grpo.seed_stages import check_clean, shared_stages
+from grpo.core.dvcfile import read_stages
+from grpo.evaluation.ablations import load_grid
+from grpo.evaluation.seed_stages import check_clean, shared_stages
 
 from .helpers import git_dvc_init
 

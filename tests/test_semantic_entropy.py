@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from grpo.semantic_entropy import cluster_ids, score_prompt, semantic_entropy, sort_by_entropy
+from grpo.rollout.semantic_entropy import cluster_ids, score_prompt, semantic_entropy, sort_by_entropy
 
 
 @pytest.mark.parametrize("logprobs", [None, [-0.1, -2.0, -5.0, -0.7]])
@@ -67,7 +67,7 @@ def test_score_prompt_clusters_equivalent_final_answers():
     ("18", ["#### 18.00", "#### $18", "no idea"], 2 / 3),
 ])
 def test_pass_rate_scores_like_the_correctness_reward(answer, completions, expected):
-    from grpo.rewards import correctness
+    from grpo.algorithm.rewards import correctness
 
     out = score_prompt(completions, None, "count", answer)
     assert out["pass_rate"] == pytest.approx(expected)

@@ -1,4 +1,4 @@
-"""grpo.split_check: training's use of the splits (an evaluation interval with no validation row,
+"""grpo.data.split_check: training's use of the splits (an evaluation interval with no validation row,
 a curriculum stage smaller than a step) at the source's sizes (``check_params``) and on the files
 the train stage reads (``check_training_files``)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.jsonio import DataError, write_jsonl
-from grpo.params import params_from_dict
-from grpo.sections.train import TrainConfig
-from grpo.split_check import check_params, check_training_files, train_refusals
+from grpo.config.params import params_from_dict
+from grpo.config.sections.train import TrainConfig
+from grpo.core.jsonio import DataError, write_jsonl
+from grpo.data.split_check import check_params, check_training_files, train_refusals
 
 
 def _params(data: dict, train: dict | None = None):

@@ -1,4 +1,4 @@
-"""grpo.split_sizes: each source's real sizes per split (GSM8K's constants, a jsonl file's rows, the
+"""grpo.data.split_sizes: each source's real sizes per split (GSM8K's constants, a jsonl file's rows, the
 arithmetic generator's questions per split against what the generator really draws, reasoning-gym's
 templates) and the refusals of a split that would be empty or short."""
 
@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from grpo import arithmetic
-from grpo.data import GSM8K_ROWS, prepare_splits, split_of
-from grpo.jsonio import DataError
-from grpo.sections.data_section import DataConfig
-from grpo.split_sizes import SPLITS, data_refusals, drawn_supply, expected_rows, supply
+from grpo.config.sections.data_section import DataConfig
+from grpo.core.jsonio import DataError
+from grpo.data import arithmetic
+from grpo.data.sources import GSM8K_ROWS, prepare_splits, split_of
+from grpo.data.split_sizes import SPLITS, data_refusals, drawn_supply, expected_rows, supply
 
 
 def test_gsm8ks_whole_train_split_leaves_no_validation_row():

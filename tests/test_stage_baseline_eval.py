@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from grpo.jsonio import write_jsonl
+from grpo.core.jsonio import write_jsonl
 from tests.conftest import REPO
 
 
@@ -28,13 +28,13 @@ def test_baseline_eval_names_an_empty_model_folder_and_leaves_nothing(tmp_path, 
     assert proc.stderr.splitlines() == [f"baseline_eval: error: model.path: models/base: no model there ({lacks}); "
                                         "run `dvc repro prepare_model` first"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "outputs") == ["data", "models", "params.yaml"]
-    outputs = tmp_path / "outputs"  # at most the stage's log of other libraries' lines (grpo.console), never a result
+    outputs = tmp_path / "outputs"  # at most the stage's log of other libraries' lines (grpo.core.console), never a result
     assert not outputs.exists() or [p.name for p in outputs.iterdir()] == ["logs"]
 
 
 def test_an_evaluation_that_fails_midway_removes_its_work_folder(tmp_path, monkeypatch):
     """The exported weights' folder is removed when the evaluation raises after writing it."""
-    from grpo.params import AllParams
+    from grpo.config.params import AllParams
     from tasks import _eval_stage
 
     def failing(params, adapter_dir, work):

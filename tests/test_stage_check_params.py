@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo.dvcfile import read_stages
-from grpo.dvcstatus import downstream
+from grpo.core.dvcfile import read_stages
+from grpo.tools.dvcstatus import downstream
 
 from .conftest import REPO
 from .helpers import fake_stage_repo, workspace_md5
@@ -193,7 +193,7 @@ def test_a_valid_experiment_runs_the_guard_and_only_the_stages_that_read_the_key
 def test_a_split_the_source_cannot_fill_is_refused_before_any_stage(tmp_path):
     """seed 003's old data section (all 7473 of GSM8K's train rows for training, params.yaml's
     val_size 200): no validation row can be drawn, so the guard refuses it, naming data.val_size,
-    and writes no stamp (grpo.split_check, as grpo check)."""
+    and writes no stamp (grpo.data.split_check, as grpo check)."""
     other = tmp_path / "old_seed003.yaml"
     other.write_text("data:\n  source: gsm8k\n  train_size: 7473\n  test_size: 1319\n")
     proc = _check(tmp_path, "--params", str(other))

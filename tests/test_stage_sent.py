@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from grpo.jsonio import write_jsonl
+from grpo.core.jsonio import write_jsonl
 from tests.conftest import REPO
 
 

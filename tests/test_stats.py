@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from grpo.stats import detectable, holm, paired_test, pooled_sd, power
+from grpo.algorithm.stats import detectable, holm, paired_test, pooled_sd, power
 
 
 def test_paired_test_matches_the_t_statistic_by_hand():
@@ -55,8 +55,8 @@ def test_pooled_sd_weights_by_degrees_of_freedom():
 
 
 def test_clustered_interval_of_single_row_clusters_is_wilsons():
-    from grpo.evaluate import wilson_interval
-    from grpo.stats import clustered_interval
+    from grpo.algorithm.stats import clustered_interval
+    from grpo.evaluation.evaluate import wilson_interval
 
     outcomes = [True] * 41 + [False] * 459
     ci = clustered_interval(outcomes, list(range(500)))
@@ -68,7 +68,7 @@ def test_clustered_interval_counts_a_repeated_problem_once():
     """Ten problems each asked twice, both askings answered alike: the pairs are 10 draws, not 20.
     By hand: p = 0.5, y_g - p n_g = +-1 in every cluster, var = 10 / 400 = 0.025, binomial
     0.25 / 20 = 0.0125, deff = 2, n_eff = 10: the clusters."""
-    from grpo.stats import clustered_interval, wilson
+    from grpo.algorithm.stats import clustered_interval, wilson
 
     outcomes = [g < 5 for g in range(10) for _ in range(2)]
     keys = [g for g in range(10) for _ in range(2)]
@@ -83,7 +83,7 @@ def test_clustered_interval_counts_a_repeated_problem_once():
 
 def test_clustered_interval_never_narrows_below_independent_rows():
     """Mixed clusters (one right, one wrong each) vary less than independent rows: deff is floored at 1."""
-    from grpo.stats import clustered_interval
+    from grpo.algorithm.stats import clustered_interval
 
     ci = clustered_interval([True, False] * 10, [g for g in range(10) for _ in range(2)])
     assert ci.design_effect == 1.0 and ci.effective_n == 20
@@ -97,7 +97,7 @@ def test_the_noninferiority_test_and_its_power_agree_with_a_simulation():
     when the candidate is truly worse by exactly the margin."""
     import random
 
-    from grpo.stats import noninferiority, noninferiority_margin, noninferiority_power
+    from grpo.algorithm.stats import noninferiority, noninferiority_margin, noninferiority_power
 
     sd, n = 0.1, 8
     margin = noninferiority_margin(sd, n, 0.05)

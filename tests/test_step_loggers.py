@@ -1,4 +1,4 @@
-"""``grpo.step_loggers``: dvclive's step files from the trainer's rows (a None value left out at
+"""``grpo.training.step_loggers``: dvclive's step files from the trainer's rows (a None value left out at
 its step), dvclive optional (not importable: one warning, the other loggers still log), wandb off
 when disabled (``WANDB_MODE`` over ``train.wandb.mode``). wandb's offline run through the stage:
 tests/test_stage_train.py."""
@@ -9,8 +9,8 @@ import json
 import logging
 import sys
 
-from grpo.params import AllParams
-from grpo.step_loggers import dvclive_logger, step_loggers, wandb_logger
+from grpo.config.params import AllParams
+from grpo.training.step_loggers import dvclive_logger, step_loggers, wandb_logger
 
 
 def _params(tmp_path, **train) -> AllParams:
@@ -40,12 +40,12 @@ def test_wandb_disabled_by_the_param_or_the_environment_logs_nothing(tmp_path, m
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "grpo.step_loggers" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "grpo.training.step_loggers" and r.levelno == logging.WARNING]
 
 
 def test_without_dvclive_one_warning_line_and_no_logger(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "dvclive", None)  # `import dvclive` raises ImportError, as when absent
-    with caplog.at_level(logging.WARNING, logger="grpo.step_loggers"):
+    with caplog.at_level(logging.WARNING, logger="grpo.training.step_loggers"):
         assert dvclive_logger(tmp_path) == (None, None)
     [line] = _warnings(caplog)
     assert "dvclive" in line and "dvc plots" in line and str(tmp_path / "train.json") in line
@@ -56,7 +56,7 @@ def test_without_dvclive_the_other_loggers_still_log(tmp_path, monkeypatch, capl
     monkeypatch.setitem(sys.modules, "dvclive", None)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with caplog.at_level(logging.WARNING, logger="grpo.step_loggers"):
+    with caplog.at_level(logging.WARNING, logger="grpo.training.step_loggers"):
         loggers, closers = step_loggers(_params(tmp_path, wandb={"mode": "offline"}))
     assert len(loggers) == len(closers) == 1 and len(_warnings(caplog)) == 1  # wandb alone
     loggers[0]({"step": 1, "loss": 0.5})

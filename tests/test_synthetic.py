@@ -1,4 +1,4 @@
-"""The offline stand-ins (``grpo.synthetic``): the character tokenizer (one token a character, its chat
+"""The offline stand-ins (``grpo.tools.synthetic``): the character tokenizer (one token a character, its chat
 template, filler tokens past the characters), random model directories that load like a checkpoint and
 repeat by seed, and the named architectures' configs (the names the models map to:
 tests/test_architectures.py)."""
@@ -10,7 +10,7 @@ import string
 import pytest
 import torch
 
-from grpo.synthetic import (
+from grpo.tools.synthetic import (
     ARCHITECTURES,
     architecture_config,
     char_tokenizer,
@@ -61,7 +61,7 @@ def test_a_random_model_dir_loads_like_a_checkpoint_and_repeats_by_seed(tmp_path
     seed others."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.base_model import load_tokenizer
+    from grpo.model.base_model import load_tokenizer
 
     vocab = 128
     dirs = [random_model_dir(tmp_path / name, _tiny_config(vocab), seed=seed)

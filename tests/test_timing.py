@@ -1,14 +1,14 @@
-"""grpo.timing: the modelled time of each stage on a card, and grpo check's lines."""
+"""grpo.tools.timing: the modelled time of each stage on a card, and grpo check's lines."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from grpo import memory
-from grpo.overlay import overlay_params
-from grpo.params import AllParams
-from grpo.timing import CARDS, decode_step_s, format_times, load_reference, stage_seconds, update_s
+from grpo.config.overlay import overlay_params
+from grpo.config.params import AllParams
+from grpo.tools import memory
+from grpo.tools.timing import CARDS, decode_step_s, format_times, load_reference, stage_seconds, update_s
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_a_slower_card_is_never_modelled_faster_and_work_adds_up(shapes):
 
 
 def test_grpo_check_prints_each_stage_for_every_card(shapes, capsys):
-    from grpo.cli import main
+    from grpo.tools.cli import main
 
     assert main(["check", "--params", str(REPO / "presets/seed003.yaml"), "--device", "cuda", "--gpu-memory", "7.6"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -1,4 +1,4 @@
-"""The trainer (``grpo.trainer``) on a tiny random model: gradients reach only LoRA and follow the mask,
+"""The trainer (``grpo.training.trainer``) on a tiny random model: gradients reach only LoRA and follow the mask,
 generation micro-batches, the logged curriculum stage, and the groups without signal left out of the
 update (the passes themselves, micro-batches and the update's direction: tests/test_passes.py)."""
 
@@ -9,17 +9,17 @@ import json
 import pytest
 import torch
 
-from grpo.base_model import load_tokenizer
-from grpo.data import build_prompt
-from grpo.lora_policy import load_policy
-from grpo.overlay import overlay_params
-from grpo.rewards import REWARDS
-from grpo.rollout_backends import TransformersBackend
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
-from grpo.trainer import GRPOTrainer, TrainerParts
-from grpo.types import TrainBatch
+from grpo.algorithm.rewards import REWARDS
+from grpo.config.overlay import overlay_params
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.types import TrainBatch
+from grpo.data.sources import build_prompt
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.rollout.rollout_backends import TransformersBackend
+from grpo.training.trainer import GRPOTrainer, TrainerParts
 
 from .helpers import LORA, give_adapter_a_say
 
@@ -55,7 +55,7 @@ def test_with_mu_2_the_first_update_gives_the_later_ones_old_logp(tiny_model_dir
     takes its threshold from a no-grad pass at each update's weights."""
     from dataclasses import replace
 
-    from grpo.metrics import PhaseTimer
+    from grpo.training.metrics import PhaseTimer
 
     tok = load_tokenizer(tiny_model_dir)
     fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, checkpoints={"every": 0}, optimizer={"mu": 2, "warmup_steps": 0, "lr": 0.05, "lr_schedule": "constant"}, loss={"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 0.3}}}, passes={"micro_batches": micro_batches})
@@ -123,8 +123,8 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     every token kept the update over the other two (the loss normalised over all three) has the
     gradients of the update over all three. With ``beta > 0`` nothing is dropped; a process whose
     groups all lack signal keeps one group with every token masked out (it gives no gradient)."""
-    from grpo.loss import group_advantages
-    from grpo.types import StepRollouts
+    from grpo.algorithm.loss import group_advantages
+    from grpo.core.types import StepRollouts
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
@@ -174,8 +174,8 @@ def test_the_acting_counts_take_only_tokens_of_nonzero_advantage_after_the_first
     of them those whose ratio the clip binds on the side that removes the gradient."""
     from dataclasses import replace
 
-    from grpo.entropy import LossTerms
-    from grpo.loss import group_advantages
+    from grpo.algorithm.entropy import LossTerms
+    from grpo.algorithm.loss import group_advantages
 
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
@@ -239,7 +239,7 @@ def test_a_non_finite_step_applies_no_update_and_training_goes_on(tiny_model_dir
     moments = lambda: [s["exp_avg"].clone() for s in trainer.updater.optimizer.state.values()]  # noqa: E731
     snapshots = []
     trainer.callbacks.append(lambda row: snapshots.append((row["step"], lora(), moments())))
-    with caplog.at_level("WARNING", logger="grpo.trainer"):
+    with caplog.at_level("WARNING", logger="grpo.training.trainer"):
         rows = trainer.train(progress=False)
     assert [r.get("update_skipped", 0) for r in rows] == [0, 1, 0, 0]
     assert rows[1]["loss"] is None and rows[1]["reward_mean"] is None and rows[0]["loss"] is not None
@@ -266,7 +266,7 @@ def test_with_mu_2_a_non_finite_second_update_undoes_the_first(tiny_model_dir, t
     verdicts = iter([True, False])
     real = trainer.finite_everywhere
     monkeypatch.setattr(trainer, "finite_everywhere", lambda sums: real(sums) and next(verdicts))
-    with caplog.at_level("WARNING", logger="grpo.trainer"):
+    with caplog.at_level("WARNING", logger="grpo.training.trainer"):
         row = trainer.train_step()
     assert row["update_skipped"] == 1
     assert all(torch.equal(p, lora[n]) for n, p in model.named_parameters() if p.requires_grad)
@@ -277,7 +277,7 @@ def test_with_mu_2_a_non_finite_second_update_undoes_the_first(tiny_model_dir, t
 def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
     """Every step from the third on is infinite: with ``max_nonfinite_steps`` 2 training stops after
     step 4 with one line naming the steps and the last good checkpoint (step 2's)."""
-    from grpo.errors import StageStop
+    from grpo.core.errors import StageStop
 
     trainer, _ = _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls=set(range(3, 10)),
                               steps=6, checkpoints={"every": 2}, guards={"max_nonfinite_steps": 2})
@@ -293,11 +293,11 @@ def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, t
 def test_the_engine_gap_guard_warns_then_stops_after_steps_in_a_row(caplog):
     """Rows as the trainer logs them: a gap above the bound warns, one at or below it (or none: the
     decode loop measures none) resets the count, the limit stops with one line naming the steps."""
-    from grpo.errors import StageStop
-    from grpo.trainer import EngineGapGuard
+    from grpo.core.errors import StageStop
+    from grpo.training.trainer import EngineGapGuard
 
     guard = EngineGapGuard(bound=0.1, limit=2)
-    with caplog.at_level("WARNING", logger="grpo.trainer"):
+    with caplog.at_level("WARNING", logger="grpo.training.trainer"):
         for step, gap in enumerate([0.05, 0.3, 0.1, None, 0.2], start=1):
             guard.check({"step": step, "logp_mismatch_mean": gap})
     assert [m.split(":")[0] for m in caplog.messages] == ["step 2", "step 5"] and guard.count == 1
@@ -307,10 +307,10 @@ def test_the_engine_gap_guard_warns_then_stops_after_steps_in_a_row(caplog):
 
 def test_the_validation_interval_counts_a_problem_asked_twice_once():
     """Two wordings of 3 + 4 (one cluster, both right) and 5 + 6 asked once (wrong): 3 rows, 2
-    clusters; the interval is the evaluations' (``grpo.stats.clustered_interval``) on those keys."""
-    from grpo.answers import cluster_key
-    from grpo.stats import clustered_interval
-    from grpo.trainer import validation_interval
+    clusters; the interval is the evaluations' (``grpo.algorithm.stats.clustered_interval``) on those keys."""
+    from grpo.algorithm.stats import clustered_interval
+    from grpo.data.answers import cluster_key
+    from grpo.training.trainer import validation_interval
 
     questions = ["What is 3 + 4?", "Compute 4 + 3.", "What is 5 + 6?"]
     outcomes = [(True, cluster_key(questions[0])), (True, cluster_key(questions[1])), (False, cluster_key(questions[2]))]
@@ -321,7 +321,7 @@ def test_the_validation_interval_counts_a_problem_asked_twice_once():
 
 
 def test_the_bar_shows_the_last_validation_measured_so_far():
-    from grpo.trainer import progress_postfix
+    from grpo.training.trainer import progress_postfix
 
     rows = [{"reward_mean": 0.25, "rollout_accuracy": 0.125}]
     assert progress_postfix(rows) == {"reward": "0.250", "acc": "0.125", "val": "-"}

@@ -1,4 +1,4 @@
-"""grpo.trainer_builder: a bench's departures from the params (``depart``, ``departure_line``) and
+"""grpo.training.trainer_builder: a bench's departures from the params (``depart``, ``departure_line``) and
 ``build_trainer``, the train stage's trainer, on the tiny model (seconds on the CPU)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.errors import ParamsError
-from grpo.params import AllParams, load_params
-from grpo.trainer_builder import build_trainer, depart, departure_line
+from grpo.config.params import AllParams, load_params
+from grpo.core.errors import ParamsError
+from grpo.training.trainer_builder import build_trainer, depart, departure_line
 
 from .helpers import _write_params
 
@@ -26,8 +26,8 @@ def test_depart_replaces_the_keys_named_and_keeps_the_rest():
 
 
 def test_depart_keeps_the_sections_a_stage_loaded_and_no_others(tmp_path):
-    from grpo.config import load_sections
-    from grpo.sections.train import TrainConfig
+    from grpo.config.reading import load_sections
+    from grpo.config.sections.train import TrainConfig
 
     path = tmp_path / "params.yaml"
     path.write_text("train:\n  optimizer:\n    lr: 0.1\n")
@@ -111,8 +111,8 @@ def test_a_prompt_that_does_not_fit_is_left_out_and_the_loggers_are_made_once(ti
 def test_the_rule_and_the_loss_are_built_once_and_handed_to_the_passes(tiny_params, tiny_problems, monkeypatch):
     """``build_token_rule`` and ``build_loss`` run once per build; the passes hold those objects, of
     the params' rule, options, clip and T_max."""
-    import grpo.trainer_builder as builder_mod
-    from grpo.entropy import Archer
+    import grpo.training.trainer_builder as builder_mod
+    from grpo.algorithm.entropy import Archer
 
     calls = []
     for name in ("build_token_rule", "build_loss"):
@@ -133,8 +133,8 @@ def test_a_bench_swaps_one_part_and_the_rest_is_built_as_the_stage_builds_it(tin
     """A subclass of ``TrainerBuilder`` overriding ``token_rule`` and ``rollout_lengths`` (a bench's
     departures beyond params): the trainer runs that rule, its backend those lengths, and the policy
     is the stage's (the same seed, the same LoRA weights)."""
-    from grpo.entropy import KeepHigh, QuantileOptions
-    from grpo.trainer_builder import TrainerBuilder
+    from grpo.algorithm.entropy import KeepHigh, QuantileOptions
+    from grpo.training.trainer_builder import TrainerBuilder
 
     mine = KeepHigh(QuantileOptions(top_quantile=0.5))
 

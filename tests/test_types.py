@@ -1,10 +1,10 @@
-"""The records of ``grpo.types``."""
+"""The records of ``grpo.core.types``."""
 
 from __future__ import annotations
 
 import torch
 
-from grpo.types import Rollout
+from grpo.core.types import Rollout
 
 
 def test_rollout_concat_repads_prompts_left_and_completions_right():

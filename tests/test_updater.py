@@ -1,4 +1,4 @@
-"""The optimizer side of the update (``grpo.updater``) on a tiny linear layer: backward and step equal a
+"""The optimizer side of the update (``grpo.training.updater``) on a tiny linear layer: backward and step equal a
 hand-run ``clip_grad_norm_`` + ``torch.optim.AdamW``, the norm is reported before clipping, gradients are
 cleared, the state round-trips; which updater ``make_updater`` picks and which one masks rows."""
 
@@ -10,9 +10,9 @@ import io
 import pytest
 import torch
 
-from grpo.distributed import Dist
-from grpo.sections.train import TrainConfig
-from grpo.updater import AdamWUpdater, make_updater
+from grpo.config.sections.train import TrainConfig
+from grpo.core.distributed import Dist
+from grpo.training.updater import AdamWUpdater, make_updater
 
 CFG = TrainConfig(optimizer={"lr": 0.1, "weight_decay": 0.01, "max_grad_norm": 0.5})
 X = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]])  # (2, 3)
@@ -98,7 +98,7 @@ def test_make_updater_is_adamw_without_a_deepspeed_config():
     """Without ``train.distribution.deepspeed_config``: ``AdamWUpdater`` over the given parameters with the
     params' lr and weight decay. It drops the rows without signal (``masks_rows`` false); DeepSpeed's
     ZeRO updater keeps them masked (true: every rank must run the same backward passes)."""
-    from grpo.zero import ZeroUpdater  # imports without deepspeed; only building one needs it
+    from grpo.training.zero import ZeroUpdater  # imports without deepspeed; only building one needs it
 
     layer = _layer()
     params = [layer.weight]  # the trainable subset only

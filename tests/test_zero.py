@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 with the optimizer offloaded to CPU (``train.distribution.deepspeed_config``, ``grpo.zero``) on
+"""DeepSpeed ZeRO-2 with the optimizer offloaded to CPU (``train.distribution.deepspeed_config``, ``grpo.training.zero``) on
 the tiny model: the shipped configs parse and accelerate's plugin takes the JSON; 1 and 2 gloo
 processes under ZeRO-2 + DeepSpeedCPUAdam make the plain path's steps; resume restarts the moments
 from the checkpoint's weights.
@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo import checkpoint
-from grpo.base_model import load_tokenizer
-from grpo.distributed import Dist, init_from_env, shutdown
-from grpo.lora_policy import load_policy
-from grpo.sections.lora import LoraConfig
-from grpo.sections.model import ModelConfig
-from grpo.sections.train import TrainConfig
+from grpo.config.sections.lora import LoraConfig
+from grpo.config.sections.model import ModelConfig
+from grpo.config.sections.train import TrainConfig
+from grpo.core.distributed import Dist, init_from_env, shutdown
+from grpo.model.base_model import load_tokenizer
+from grpo.model.lora_policy import load_policy
+from grpo.training import checkpoint
 
 from .conftest import REPO
 
@@ -46,13 +46,13 @@ def _length_rewards(completions: list[str], answers: list[str], weights: dict) -
 
 def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
     """A trainer on the tiny 4-bit model with a seeded non-zero adapter, 4 prompts x G = 2 a step."""
-    import grpo.rollout_phase
-    import grpo.trainer
+    import grpo.training.rollout_phase
+    import grpo.training.trainer
 
     if monkeypatch is not None:
-        monkeypatch.setattr(grpo.rollout_phase, "combined_rewards", _length_rewards)
+        monkeypatch.setattr(grpo.training.rollout_phase, "combined_rewards", _length_rewards)
     else:  # a spawned worker
-        grpo.rollout_phase.combined_rewards = _length_rewards
+        grpo.training.rollout_phase.combined_rewards = _length_rewards
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=model_dir, dtype="float32"), LoraConfig(**LORA))  # fp32 on every CPU
     gen = torch.Generator().manual_seed(1)
@@ -60,7 +60,7 @@ def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
         if "lora_B" in n:
             p.data = torch.randn(p.shape, generator=gen) * 0.3  # non-zero adapter: gradients reach A and B
     cfg = TrainConfig(output_dir=str(out), steps=4, truncated="score", **train, rollouts={"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 8}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 1e-2, "weight_decay": 0.1}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.5}}, "entropy_rule": "high"})  # a random model's completions all hit max_new_tokens: score them
-    return grpo.trainer.GRPOTrainer(model, load_tokenizer(model_dir), cfg, PROBLEMS, dist=dist)
+    return grpo.training.trainer.GRPOTrainer(model, load_tokenizer(model_dir), cfg, PROBLEMS, dist=dist)
 
 
 def _lora(trainer) -> dict[str, torch.Tensor]:
@@ -93,7 +93,7 @@ def test_shipped_configs_parse_and_the_trainer_sets_the_update_fields(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DeepSpeedPlugin
 
-    from grpo.zero import engine_config
+    from grpo.training.zero import engine_config
 
     launch = load_config_from_file(str(REPO / "configs" / "accelerate" / "zero2_offload.yaml"))
     path = REPO / launch.deepspeed_config["deepspeed_config_file"]
@@ -175,7 +175,7 @@ def test_two_gloo_processes_under_zero2_offload_make_the_one_process_steps(tiny_
 def test_bf16_json_on_a_float32_policy_is_refused_naming_model_dtype(tiny_model_dir, tmp_path, monkeypatch):
     """Seed 000's JSON (bf16) would cast the whole float32 CPU policy to bfloat16 under the sampler's
     feet (measured: 'expected m1 and m2 to have the same dtype' in the first rollout)."""
-    from grpo.config import ParamsError
+    from grpo.config.reading import ParamsError
 
     with pytest.raises(ParamsError, match=r"bf16.enabled .* float32; set model.dtype: bfloat16"):
         _trainer(str(tiny_model_dir), tmp_path, Dist(), monkeypatch,

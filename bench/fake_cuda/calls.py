@@ -3,7 +3,7 @@ import after ``fake_cuda.load()``).
 
 ``on_a_card``: the 8 GB card as the code sees it (``torch.cuda.mem_get_info``: the card less the
 CUDA context less the live traced bytes; the allocator's reserved and allocated figures the live
-bytes), so ``grpo.decode_memory.allocator_budget`` splits calls as it would there. ``EagerStep``:
+bytes), so ``grpo.rollout.decode_memory.allocator_budget`` splits calls as it would there. ``EagerStep``:
 what ``torch.compile`` returns here (a compiled step cannot run on fake tensors): the step runs
 eagerly, and between its calls a stand-in of its CUDA graph's pool stays allocated, as large as
 the step's eager transient peak (a graph replays its transients at fixed addresses in a private
@@ -81,8 +81,8 @@ def eager_compile(trace):
 
 @contextlib.contextmanager
 def full_length_decoding(stubs):
-    """Every ``grpo.sampling.decode`` call the backends make under ``stubs.decoding`` (module docstring)."""
-    import grpo.rollout_backends as rb
+    """Every ``grpo.rollout.sampling.decode`` call the backends make under ``stubs.decoding`` (module docstring)."""
+    import grpo.rollout.rollout_backends as rb
 
     decode = rb.decode
 
@@ -99,7 +99,7 @@ def full_length_decoding(stubs):
 
 def tokenizer():
     """The character tokenizer, its texts replaced (module docstring)."""
-    from grpo.synthetic import char_tokenizer
+    from grpo.tools.synthetic import char_tokenizer
 
     tok = char_tokenizer()
     tok.batch_decode = lambda ids, **_: [""] * len(ids)
@@ -107,8 +107,8 @@ def tokenizer():
 
 
 def prompts_of(tok, system_prompt: str, tokens: int, n: int) -> list[str]:
-    """``n`` chat prompts (``grpo.data.build_prompt``) of exactly ``tokens`` tokens each."""
-    from grpo.data import build_prompt
+    """``n`` chat prompts (``grpo.data.sources.build_prompt``) of exactly ``tokens`` tokens each."""
+    from grpo.data.sources import build_prompt
 
     base = len(tok(build_prompt(tok, "", system_prompt), add_special_tokens=False)["input_ids"])
     if tokens < base:
@@ -127,7 +127,7 @@ def saved_model(config, dtype):
 
 def stage_sampler(model, tok, params, section: str, stage_prompts: int):
     """The stage's decode-loop sampler, as ``saved_model_sampler`` builds it."""
-    from grpo.rollout_backends import DecodeChoice, TransformersBackend, planned_tokens
+    from grpo.rollout.rollout_backends import DecodeChoice, TransformersBackend, planned_tokens
 
     cfg = getattr(params, section)
     return TransformersBackend(model, tok, return_logprobs=True, dequantize=False,
@@ -139,9 +139,9 @@ def saved_model_call(params, config, section: str, prompt: int, stage_prompts: i
     prompts through ``generate_in_batches``, as the stage makes it, then the sampler closed:
     (the ``LiveBytes`` trace, what the call did)."""
     from fake_cuda.trace import LiveBytes
-    from grpo.memory import saved_model_dtype
-    from grpo.rollout_backends import generate_in_batches
-    from grpo.sampling import compiled_steps
+    from grpo.rollout.rollout_backends import generate_in_batches
+    from grpo.rollout.sampling import compiled_steps
+    from grpo.tools.memory import saved_model_dtype
 
     cfg = getattr(params, section)
     model = saved_model(config, saved_model_dtype(params, section, "cuda"))
@@ -172,9 +172,9 @@ def train_step(trace, trainer, tok, params, prompt: int, val_prompts: int) -> di
     """The train stage's step twice (``GRPOTrainer.rollout`` through its own backend, the no-grad
     passes, the update), each followed by validation's generate call; the figures from the second
     step on (AdamW's moments and the compiled step exist then, as at every later step)."""
-    from grpo.metrics import PhaseTimer
-    from grpo.sampling import compiled_steps
-    from grpo.types import TrainBatch
+    from grpo.core.types import TrainBatch
+    from grpo.rollout.sampling import compiled_steps
+    from grpo.training.metrics import PhaseTimer
 
     cfg = trainer.cfg
     rows = prompts_of(tok, cfg.system_prompt, prompt, cfg.rollouts.prompts_per_step)

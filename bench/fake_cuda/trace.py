@@ -32,7 +32,7 @@ def patch_torch() -> None:
             t1.fake_device = t2.fake_device
 
     torch.utils.swap_tensors = swap_or_set
-    kernel = importlib.import_module("grpo.kernels.entropy_logprob")
+    kernel = importlib.import_module("grpo.algorithm.kernels.entropy_logprob")
 
     def triton_outputs(logits, targets, block=4096):  # the launch replaced: the kernel's two outputs
         if logits.stride(-1) != 1:
@@ -43,7 +43,7 @@ def patch_torch() -> None:
 
     kernel.entropy_logprob_triton = triton_outputs
     # the LM head's kernel writes its gradient over the logits: its launch leaves two fp32 outputs
-    importlib.import_module("grpo.kernels.logprob_grad").logprob_grad_triton = triton_outputs
+    importlib.import_module("grpo.algorithm.kernels.logprob_grad").logprob_grad_triton = triton_outputs
     torch.nn.functional.scaled_dot_product_attention = sdpa_as_on_cuda
 
 

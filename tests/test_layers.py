@@ -1,0 +1,51 @@
+"""The library in layers (``grpo.tools.code_deps.LAYERS``): every module lives in one of the packages,
+each package says what it holds, and imports run down the layers only."""
+
+from __future__ import annotations
+
+import ast
+
+from grpo.tools.code_deps import LAYERS, Project, layer_breaches
+
+from .conftest import REPO
+
+LIBRARY = REPO / "src" / "grpo"
+
+
+def test_every_module_lives_in_a_layer_package_that_says_what_it_holds():
+    assert sorted(p.name for p in LIBRARY.glob("*.py")) == []
+    packages = sorted(p.name for p in LIBRARY.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert packages == sorted(LAYERS)
+    for name in LAYERS:
+        doc = ast.get_docstring(ast.parse((LIBRARY / name / "__init__.py").read_text())) or ""
+        assert "May import:" in doc, f"src/grpo/{name}/__init__.py: its docstring does not say what it may import"
+        held = sorted(p.name for p in (LIBRARY / name).iterdir()
+                      if p.name not in ("__init__.py", "__pycache__") and (p.is_dir() or p.suffix in (".py", ".yaml")))
+        unnamed = [h for h in held if h not in doc]
+        assert unnamed == [], f"src/grpo/{name}/__init__.py: its docstring does not name {unnamed}"
+
+
+def test_imports_run_down_the_layers_only():
+    project = Project(REPO)
+    breaches = [f"{project.relative(i.source)}:{i.line} -> {project.relative(i.target)} ({i.kind})"
+                for i in layer_breaches(project)]
+    assert breaches == []
+
+
+def test_an_import_up_the_layers_is_named(tmp_path):
+    """The check can fail: a core module importing a tool, and a lazy one in a function, are both named;
+    an import for a type checker alone is not."""
+    for name in LAYERS:
+        (tmp_path / "src" / "grpo" / name).mkdir(parents=True)
+        (tmp_path / "src" / "grpo" / name / "__init__.py").write_text('"""May import: below."""\n')
+    (tmp_path / "src/grpo/tools/cli.py").write_text("from grpo.core import errors\n")
+    (tmp_path / "src/grpo/core/errors.py").write_text(
+        "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+        "import grpo.tools.cli\nif TYPE_CHECKING:\n    from grpo.training import trainer\n"
+        "def f():\n    from grpo.config.params import X\n")
+    (tmp_path / "src/grpo/config/params.py").write_text("")
+    (tmp_path / "src/grpo/training/trainer.py").write_text("")
+    project = Project(tmp_path)
+    named = [(project.relative(i.source), i.line, project.relative(i.target)) for i in layer_breaches(project)]
+    assert named == [("src/grpo/core/errors.py", 3, "src/grpo/tools/cli.py"),
+                     ("src/grpo/core/errors.py", 7, "src/grpo/config/params.py")]

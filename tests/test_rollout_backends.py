@@ -120,7 +120,7 @@ def test_wrong_arguments_are_one_line_errors(policy, tiny_model_dir):
     with pytest.raises(TypeError, match="need engine_dir"):
         policy_rollouts("vllm", tok, model)
     with pytest.raises(ValueError, match="engine_weights: must be one of dense, nf4"):
-        policy_rollouts("vllm", tok, model, engine=PolicyEngineSpec("x", form="auto"))
+        policy_rollouts("vllm", tok, model, engine=PolicyEngineSpec("x", VLLMEngineConfig(), form="auto"))
 
 
 def test_completion_mask_from_eos():

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo.config.sections.model import ModelConfig
 from grpo.core.device import (
     attention_implementation,
     compute_dtype,
@@ -29,8 +28,9 @@ from grpo.core.device import (
 from grpo.core.errors import ModelConfigError
 from grpo.model.nf4_layers import dense_weight, keep_standard_nf4_layout, nf4_config
 
-if TYPE_CHECKING:  # the lora section is the train stage's: the samplers that load a saved adapter read no lora key
+if TYPE_CHECKING:  # sections are the config layer's, above this one: the callers hand them in
     from grpo.config.sections.lora import LoraConfig
+    from grpo.config.sections.model import ModelConfig
 
 
 def _check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:

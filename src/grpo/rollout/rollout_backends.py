@@ -39,12 +39,11 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from grpo.config.sections.decode import DecodeConfig
 from grpo.core.registry import Registry
 from grpo.core.types import Rollout
 from grpo.model.nf4_layers import dequantized_weights
@@ -60,11 +59,15 @@ from grpo.rollout.sampling import (
     DecodeLoop,
     DecodePlan,
     Draw,
+    DynamicLoop,
     compiled_steps,
     decode,
     plan_decode,
     release_compiled_steps,
 )
+
+if TYPE_CHECKING:
+    from grpo.config.sections.decode import DecodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +151,11 @@ class DecodeChoice:
     """What picks a ``TransformersBackend``'s decode loop: the ``decode`` section and the token steps
     the stage will decode (``planned_tokens``; ``None``: unknown), from which
     ``grpo.rollout.sampling.plan_decode`` builds the loop at the first call (on the model's device); or
-    ``loop``, a loop the caller built (a bench, a test), used as it is."""
+    ``loop``, a loop the caller built (a bench, a test), used as it is. With neither (a test's
+    backend): the dynamic loop, which every device runs. The stages hand their section in: this
+    layer reads no params."""
 
-    section: DecodeConfig = field(default_factory=DecodeConfig)
+    section: DecodeConfig | None = None
     planned_tokens: int | None = None
     loop: DecodeLoop | None = None
 
@@ -158,6 +163,8 @@ class DecodeChoice:
         """The loop to decode with on ``device``, and why."""
         if self.loop is not None:
             return DecodePlan(self.loop, "chosen by the caller")
+        if self.section is None:
+            return DecodePlan(DynamicLoop(), "no decode section given")
         return plan_decode(self.section, device, self.planned_tokens)
 
 
@@ -171,8 +178,8 @@ class TransformersBackend(RolloutBackend):
         return_logprobs: bool = False, min_new_tokens: int = 0, decode: DecodeChoice | None = None,
     ):
         """``dequantize``: ``None`` (where it fits, ``dense_decode``), or forced on or off;
-        ``decode``: what picks the decode loop (``DecodeChoice``; the ``decode`` section's defaults
-        when ``None``), planned at the first call."""
+        ``decode``: what picks the decode loop (``DecodeChoice``; ``None``: the dynamic loop),
+        planned at the first call."""
         self.model = model
         self.decode_choice = decode or DecodeChoice()
         self.plan: DecodePlan | None = None

@@ -29,11 +29,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from grpo.config.reading import ParamsError
-from grpo.config.sections.engine import VLLMEngineConfig
-from grpo.config.sections.model import ModelConfig
 from grpo.core.device import compute_dtype, default_device, free_cuda_cache
+from grpo.core.errors import ParamsError
 from grpo.core.types import Lengths
 from grpo.rollout.engine.adapter import policy_lora_rank
 from grpo.rollout.engine.args import EngineRole, engine_args, start_environment
@@ -50,6 +49,10 @@ from grpo.rollout.rollout_backends import (
     fallback_note,
     uses_engine,
 )
+
+if TYPE_CHECKING:
+    from grpo.config.sections.engine import VLLMEngineConfig
+    from grpo.config.sections.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +117,14 @@ class PolicyEngine(RolloutBackend):
 class PolicyEngineSpec:
     """What ``policy_rollouts`` starts a policy's vLLM engine from: ``engine_dir`` (its folder, which
     the form writes: for ``dense`` from ``base``, the base's ``ModelConfig``, when given, else it is
-    already there), ``section`` (``gpu_memory_utilization``, ``max_model_len``; its defaults when
-    ``None``), ``form`` (the weights form's registered name: ``dense``, ``nf4``; resolved, not
+    already there), ``section`` (the train stage's ``train.rollouts``: ``gpu_memory_utilization``,
+    ``max_model_len``), ``form`` (the weights form's registered name: ``dense``, ``nf4``; resolved, not
     ``auto``), ``bounds`` (``grpo.rollout.engine.bounds.train_bounds``; default: a saved model's), ``seed``
     (+ rank), ``dtype``, ``enforce_eager`` (forced by a form that needs it: ``nf4``, whose
     bitsandbytes calls are not captured)."""
 
     engine_dir: str | Path
-    section: VLLMEngineConfig | None = None
+    section: VLLMEngineConfig
     base: ModelConfig | None = None
     form: str = "dense"
     bounds: Bounds | None = None
@@ -167,7 +170,7 @@ def _policy_engine(tokenizer, policy, spec: PolicyEngineSpec, dist, limits: Leng
     """``policy_rollouts``' vLLM engine holding ``policy``."""
     kind = weights_form(spec.form)  # before the engine's folder is written
     device, engine_dir, seed = default_device(), Path(spec.engine_dir), spec.seed
-    section = spec.section or VLLMEngineConfig()
+    section = spec.section
     processes = dist.world_size if dist is not None and dist.active else 1
     if processes > 1:
         if device == "cpu":

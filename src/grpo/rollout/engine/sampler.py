@@ -17,10 +17,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from grpo.config.sections.engine import VLLMEngineConfig
 from grpo.core.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.core.types import Lengths, Rollout
 from grpo.rollout.engine.args import engine_args, start_environment
@@ -34,6 +34,9 @@ from grpo.rollout.rollout_backends import (
     fallback_note,
     uses_engine,
 )
+
+if TYPE_CHECKING:
+    from grpo.config.sections.engine import VLLMEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +183,7 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
 
     ``choice``: ``vllm``, ``transformers`` or ``auto`` (vLLM when installed; otherwise the decode
     loop, with a logged warning). vLLM: ``VLLMSampler`` on ``model_dir`` with
-    the calling stage's engine params ``section`` (its defaults when ``None``), bounded to the
+    the calling stage's engine params ``section`` (required: this layer reads no params), bounded to the
     stage's generation call (``grpo.rollout.engine.bounds.saved_model_bounds``); transformers: the
     model loaded in ``run.dtype`` on the default device (after ``torch.manual_seed(run.seed)``),
     sampled by the decode loop that ``decode`` picks (``grpo.rollout.rollout_backends.DecodeChoice``: the
@@ -212,7 +215,8 @@ def _vllm_sampler(tokenizer, model_dir, section, run: SavedModelRun, limits: Len
     """``saved_model_sampler``'s vLLM engine."""
     device = default_device()
     start_environment(device, in_process=False)
-    section = section or VLLMEngineConfig()
+    if section is None:
+        raise ValueError("a vLLM sampler needs the calling stage's engine section (the sent or evaluate section)")
     torch_dtype = compute_dtype(run.dtype, device)
     kv = None
     if device == "cpu" and run.positions is not None:

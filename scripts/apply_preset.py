@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpo.config.reading import ParamsError, read_params_yaml
 from grpo.config.params import write_params
+from grpo.config.reading import ParamsError, read_params_yaml
 
 
 def apply_preset(preset: Path, params: Path) -> None:

@@ -3,7 +3,9 @@ included), and its import cycles.
 
     python scripts/code_size.py [src/grpo] [--top 5]
 
-A plain measure of how much a reader must hold at once. Import cycles: every ``import`` and
+A plain measure of how much a reader must hold at once. Wide signatures: every function taking more
+than ``--max-params`` parameters (``self``/``cls`` not counted; ``*args``/``**kwargs`` one each;
+``tests/test_layers.py`` holds src/grpo to 8). Import cycles: every ``import`` and
 ``from ... import`` of a module of the tree, at the top or inside a function (a lazy import is
 still a dependency: DVC's deps follow it), as a graph of modules; each strongly connected
 component of more than one module, and each module importing itself, is a cycle.
@@ -27,6 +29,21 @@ def spans(root: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
                 entry = (node.end_lineno - first + 1, f"{path}:{node.lineno} {node.name}")
                 (classes if isinstance(node, ast.ClassDef) else funcs).append(entry)
     return sorted(funcs, reverse=True), sorted(classes, reverse=True)
+
+
+def wide_signatures(root: Path, limit: int = 8) -> list[tuple[int, str]]:
+    """(parameters, "file:line name") of every function under ``root`` taking more than ``limit``
+    parameters, the widest first."""
+    wide = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                count = len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+                if count > limit:
+                    wide.append((count, f"{path}:{node.lineno} {node.name}"))
+    return sorted(wide, reverse=True)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -72,12 +89,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default="src/grpo")
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--max-params", type=int, default=8)
     args = ap.parse_args()
     funcs, classes = spans(Path(args.root))
     for title, rows in (("functions", funcs), ("classes", classes)):
         print(f"longest {title} in {args.root}:")
         for n, where in rows[: args.top]:
             print(f"  {n:4d}  {where}")
+    wide = wide_signatures(Path(args.root), args.max_params)
+    print(f"functions over {args.max_params} parameters in {args.root}: {len(wide)}")
+    for n, where in wide:
+        print(f"  {n:4d}  {where}")
     cycles = import_cycles(import_graph(Path(args.root)))
     print(f"import cycles in {args.root}: {len(cycles)}")
     for comp in cycles:

@@ -4,6 +4,7 @@ each package says what it holds, and imports run down the layers only."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 
 from grpo.tools.code_deps import LAYERS, Project, layer_breaches
 
@@ -49,3 +50,25 @@ def test_an_import_up_the_layers_is_named(tmp_path):
     named = [(project.relative(i.source), i.line, project.relative(i.target)) for i in layer_breaches(project)]
     assert named == [("src/grpo/core/errors.py", 3, "src/grpo/tools/cli.py"),
                      ("src/grpo/core/errors.py", 7, "src/grpo/config/params.py")]
+
+
+def code_size():
+    """scripts/code_size.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("code_size", REPO / "scripts" / "code_size.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_function_of_the_library_takes_more_than_eight_parameters():
+    """What travels together is one record (grpo.core.types) or one component, not a wide signature."""
+    assert code_size().wide_signatures(LIBRARY, 8) == []
+
+
+def test_a_wide_signature_is_named(tmp_path):
+    """The check can fail: nine parameters are named, eight and ``self`` are not, ``**kwargs`` counts."""
+    (tmp_path / "m.py").write_text("def wide(a, b, c, d, e, f, g, h, i): ...\n"
+                                   "class C:\n    def ok(self, a, b, c, d, e, f, g, h): ...\n"
+                                   "def kw(a, b, c, d, e, f, g, h, **rest): ...\n")
+    assert code_size().wide_signatures(tmp_path, 8) == [(9, f"{tmp_path / 'm.py'}:4 kw"),
+                                                        (9, f"{tmp_path / 'm.py'}:1 wide")]

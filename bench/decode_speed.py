@@ -132,9 +132,10 @@ class Model:
         import contextlib
 
         from grpo.model.nf4_layers import dequantized_weights
-        from grpo.rollout.sampling import Draw, DynamicLoop, StaticLoop, StaticOptions, decode
+        from grpo.rollout.sampling import DECODE_LOOPS, Draw, decode
 
-        built = StaticLoop(StaticOptions(compile_step=compile_step)) if loop == "static" else DynamicLoop()
+        entry = DECODE_LOOPS[loop]  # its own options at their defaults; compile_step: a loop that compiles
+        built = entry(compile_step=True) if compile_step else entry()
         draw = Draw(tokens, {0}, 0, temperature=1.0, min_new_tokens=tokens, row_seeds=self.seeds)
         # the compiled step keeps its copies, as TransformersBackend does: dequantized_weights(model, persistent=compiled)
         with dequantized_weights(self.policy, persistent=compile_step) if dense else contextlib.nullcontext():

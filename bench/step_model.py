@@ -513,7 +513,7 @@ def run_decode_token(model, p, prompt: int, counter: OpCounter, flop_mode, torch
         with dequantized_weights(model):
             draw = sampling.Draw(r.max_new_tokens, {0}, 0, r.temperature, r.top_p,
                                  row_seeds=list(range(prompts * group)))
-            loop = sampling.StaticLoop(sampling.StaticOptions(check_every=p.decode.check_every))
+            loop = sampling.StaticLoop(p.decode.loop_options["static"])
             sampling.decode(model, ids, mask, group, draw, loop)
     except OneToken:
         pass

@@ -12,6 +12,8 @@
   ``half_test_dtype``, ``DTYPE_FIXTURES`` (the rules of conftest.py's ``model_dtype``, ``auto_dtype`` and
   ``half_dtype``), ``LogpGap``, ``logp_gap``, ``engine_gap_to_policy`` (the engine tests, test_cuda,
   test_evaluate, test_engine_sampler, test_kernels);
+- a trainer made directly, its parts built as the train stage's builder builds them: ``trainer_parts``,
+  ``make_trainer`` (test_trainer, test_passes, test_checkpoint, test_distributed, test_zero, the engine tests, ...);
 - ``give_adapter_a_say``, a non-zero LoRA B for tests whose adapter must change the output or get gradients;
 - a Prefect server's API from tests: ``prefect_env``, ``sh``, ``api_call``, ``wait_final``, ``run_states``,
   ``wait_until``, ``log_entries``, ``run_logs``, ``wait_log`` (test_flow_deploy, test_flow_operator);
@@ -173,6 +175,25 @@ def engine_gap_to_policy(rollout, model, tok) -> tuple[float, float]:
     return float(gap.mean()), float(gap.max())
 
 
+def trainer_parts(cfg, backend=None):
+    """The ``grpo.training.trainer.TrainerParts`` of the train section ``cfg``: its token rule and loss
+    built by the library's builders (``build_token_rule``, ``build_loss``, as
+    ``grpo.training.trainer_builder.TrainerBuilder`` builds them); ``backend``: ``None``, the decode loop."""
+    from grpo.algorithm.entropy import build_token_rule
+    from grpo.algorithm.loss import build_loss
+    from grpo.training.trainer import TrainerParts
+
+    return TrainerParts(backend, build_token_rule(cfg.loss), build_loss(cfg.loss, cfg.rollouts.max_new_tokens))
+
+
+def make_trainer(model, tok, cfg, problems, *, backend=None, **kw):
+    """A ``GRPOTrainer`` made directly, with ``trainer_parts(cfg, backend)``; ``kw``: its other
+    keywords (``callbacks``, ``val_problems``, ``dist``)."""
+    from grpo.training.trainer import GRPOTrainer
+
+    return GRPOTrainer(model, tok, cfg, problems, parts=trainer_parts(cfg, backend), **kw)
+
+
 ENGINE_LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 """The adapter of the engine tests (tests/test_engine_policy_engine.py, test_engine_nf4_form.py)."""
 ENGINE_PROMPTS = ["What is 1 + 2?", "Hi there", "Compute 7 + 5 please", "abc def", "Tell me 9 + 0"]
@@ -199,14 +220,12 @@ def train_on_engine_rollouts(model, tok, backend, problems, out_dir, monkeypatch
 
     from grpo.algorithm.rewards import REWARDS
     from grpo.config.sections.train import TrainConfig
-    from grpo.training.trainer import GRPOTrainer, TrainerParts
-
     randomise_adapter(model, std=0.02, seed=7)
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
     settings = dict(output_dir=str(out_dir), steps=3, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 1e-2})
     settings = overlay_params({"train": settings}, {"train": cfg})["train"]  # a part named merged key by key
     val = problems[:3] if settings["checkpoints"].get("eval_every") else None
-    trainer = GRPOTrainer(model, tok, TrainConfig(**settings), problems, parts=TrainerParts(backend=backend), val_problems=val)
+    trainer = make_trainer(model, tok, TrainConfig(**settings), problems, backend=backend, val_problems=val)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rows = trainer.train(progress=False)
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -112,7 +112,7 @@ def test_validation_reuses_the_rollouts_compiled_shape_at_seed_003s_sizes(tmp_pa
         enc = tok([build_prompt(tok, row["question"], train["system_prompt"]) for row in rows], return_tensors="pt",
                   padding=True, add_special_tokens=False)
         s = Sampling(new_tokens, torch.tensor([0]), 0, 1.0, 1.0, 0, None)
-        ids, _, _ = bucketed_call(enc["input_ids"], enc["attention_mask"], s, samples, decode.length_bucket)
+        ids, _, _ = bucketed_call(enc["input_ids"], enc["attention_mask"], s, samples, decode.loop_options["static"].length_bucket)
         return ids.shape[0] * samples, ids.shape[1] + new_tokens
 
     data, n = device_train.arithmetic_rows(64), r["prompts_per_step"]

@@ -28,7 +28,7 @@ from grpo.model.lora_policy import load_policy
 from grpo.training import checkpoint
 from grpo.training.trainer import GRPOTrainer
 
-from .helpers import DETERMINISTIC, _steps, _train, _write_params
+from .helpers import DETERMINISTIC, _steps, _train, _write_params, make_trainer
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 STEPS = 4  # in-process runs: a checkpoint after every step, "killed" after step 4 is logged
@@ -85,7 +85,7 @@ def _trainer(policy, problems, out: Path, callbacks=None) -> GRPOTrainer:
     set_peft_model_state_dict(model, initial)
     torch.manual_seed(0)
     cfg = TrainConfig(output_dir=str(out), steps=STEPS, rewards={"correctness": 1.0, "format_soft": 0.5}, rollouts={"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 6}, checkpoints={"every": 1})
-    return GRPOTrainer(model, tok, cfg, problems, callbacks=callbacks)
+    return make_trainer(model, tok, cfg, problems, callbacks=callbacks)
 
 
 @pytest.fixture(scope="module")

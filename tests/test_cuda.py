@@ -26,10 +26,9 @@ from grpo.config.sections.train import TrainConfig
 from grpo.core.device import cuda_capability, cuda_half_dtype
 from grpo.model.base_model import load_tokenizer
 from grpo.model.lora_policy import load_policy
-from grpo.training.trainer import GRPOTrainer
 
 from .conftest import REPO
-from .helpers import DTYPE_FIXTURES, model_test_dtype
+from .helpers import DTYPE_FIXTURES, make_trainer, model_test_dtype
 
 CARDS = {(7, 5): "float16", (8, 6): "bfloat16"}
 """Compute capability -> the dtype every cuda-marked test must run in on such a card: a Turing
@@ -60,7 +59,7 @@ def test_one_4bit_lora_step_on_cuda(tiny_model_dir, auto_dtype, tiny_problems, t
     assert four_bit[0].compute_dtype == cuda_half_dtype(cuda_capability())  # auto: the card's 16-bit dtype
     cfg = TrainConfig(output_dir=str(tmp_path), steps=1, rewards={"correctness": 1.0, "chars": 0.01}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, passes={"micro_batches": 2}, loss={"beta": 0.04, "entropy_rule": "high"}, checkpoints={"every": 0})  # a random model writes all 8 tokens: scored, so the groups have signal
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    (row,) = GRPOTrainer(model, tok, cfg, tiny_problems).train(progress=False)
+    (row,) = make_trainer(model, tok, cfg, tiny_problems).train(progress=False)
 
     assert row["step"] == 1 and row["completion_len"] > 0
     assert row["peak_mem_mb"] > 0 and row["peak_reserved_mb"] >= row["peak_mem_mb"]

@@ -23,7 +23,7 @@ from grpo.rollout.decode_memory import (
     sampler_call_bytes,
     split_call,
 )
-from grpo.rollout.sampling import StaticLoop, StaticOptions
+from grpo.rollout.sampling import StaticLoop
 from grpo.tools.synthetic import architecture_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def test_a_compiled_call_is_split_onto_a_step_already_held(qwen_1_5b):
     for 16 rows x 640 positions, a call of 64 greedy prompts runs 16 a call on that step (no new
     step, no new cache) although more would fit beside it; a call too long for the held step makes
     a new one; with nothing held, the most prompts whose padded call fits."""
-    d, loop = model_dims(qwen_1_5b), StaticLoop(StaticOptions(compile_step=True, length_bucket=64))
+    d, loop = model_dims(qwen_1_5b), StaticLoop(StaticLoop.Options(length_bucket=64), compile_step=True)
     assert split_call(d, CallSize(64, 1, 128, 512), None, None, loop) == (64, CompiledCall(64, 128))
     big = 6 * GIB
     n, c = split_call(d, CallSize(64, 1, 100, 512), big, 64, loop, held=[(16, 640)])

@@ -27,10 +27,9 @@ from grpo.core.distributed import TIMEOUT_EXIT_CODE, Dist, init_from_env, shutdo
 from grpo.core.types import TrainBatch
 from grpo.model.base_model import load_tokenizer
 from grpo.model.lora_policy import load_policy
-from grpo.training.trainer import GRPOTrainer, TrainerParts
 
 from .conftest import REPO
-from .helpers import DETERMINISTIC, LORA, _steps, _write_params, engine_ram_share
+from .helpers import DETERMINISTIC, LORA, _steps, _write_params, engine_ram_share, make_trainer
 
 G, PROMPTS, P_LEN, C_LEN = 2, 4, 6, 8
 # (micro_batches, loss_type, engine): engine rollouts carry the sampler's log-probs (truncated IS weights)
@@ -75,7 +74,7 @@ def _gradients(model_dir: str, dist: Dist, reduce: bool = True) -> list[dict]:
     for micro_batches, loss_type, engine in CASES:
         batch = _fixed_batch(tok.pad_token_id, engine)
         cfg = TrainConfig(output_dir="unused", rollouts={"prompts_per_step": PROMPTS, "group_size": G, "max_new_tokens": C_LEN}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.2}}, "entropy_rule": "high", "loss_type": loss_type}, passes={"micro_batches": micro_batches})
-        trainer = GRPOTrainer(model, tok, cfg, [{"question": "q", "answer": "1"}], dist=dist)
+        trainer = make_trainer(model, tok, cfg, [{"question": "q", "answer": "1"}], dist=dist)
         mine = dist.shard(PROMPTS)
         part = batch[slice(mine.start * G, mine.stop * G)]
         model.zero_grad(set_to_none=True)
@@ -401,7 +400,7 @@ def _engine_worker(rank: int, model_dir: str, problems: list[dict], port: int, o
         backend = policy_rollouts("vllm", tok, model, engine=spec, dist=dist)
         lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
         before = lora()
-        trainer = GRPOTrainer(model, tok, cfg, problems, parts=TrainerParts(backend=backend), val_problems=problems[:3],
+        trainer = make_trainer(model, tok, cfg, problems, backend=backend, val_problems=problems[:3],
                               dist=dist)
         rows = trainer.train(progress=False)
         dist.barrier()

@@ -36,6 +36,7 @@ from .helpers import (
     ENGINE_RAM,
     engine_gap_to_policy,
     logp_gap,
+    make_trainer,
     randomise_adapter,
     tiny_engine_policy,
     train_on_engine_rollouts,
@@ -200,7 +201,6 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     from grpo.algorithm.rewards import REWARDS
     from grpo.config.sections.train import TrainConfig
     from grpo.core.errors import StageStop
-    from grpo.training.trainer import GRPOTrainer, TrainerParts
 
     model, tok, backend = engine
     bound = logp_gap(model_dtype).mean
@@ -208,7 +208,7 @@ def test_a_sync_that_does_not_land_stops_training_with_one_line(engine, model_dt
     monkeypatch.setattr(backend.form, "push", lambda sampler, policy: 0)  # syncs from here on do nothing
     monkeypatch.setitem(REWARDS, "chars", lambda completions, answers: [float(len(c)) for c in completions])
     cfg = TrainConfig(output_dir=str(tmp_path), steps=6, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 5e-2}, guards={"max_logp_gap": bound, "max_logp_gap_steps": 2})
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, parts=TrainerParts(backend=backend))
+    trainer = make_trainer(model, tok, cfg, tiny_problems, backend=backend)
     with pytest.raises(StageStop) as err:
         trainer.train(progress=False)
     line, gaps = str(err.value), [r["logp_mismatch_mean"] for r in trainer.history]

@@ -33,7 +33,6 @@ from grpo.model.lora_policy import load_policy
 from grpo.rollout.engine.bounds import cpu_kv_bytes, train_bounds
 from grpo.rollout.engine.policy_engine import PolicyEngine, PolicyEngineSpec, policy_rollouts
 from grpo.rollout.rollout_backends import TransformersBackend
-from grpo.training.trainer import GRPOTrainer
 
 from .conftest import REPO
 from .helpers import ENGINE_LORA as LORA
@@ -43,6 +42,7 @@ from .helpers import (
     engine_gap_to_policy,
     engine_kv_cache,
     logp_gap,
+    make_trainer,
     tiny_engine_policy,
     train_on_engine_rollouts,
 )
@@ -154,10 +154,10 @@ def test_truncated_importance_sampling_weighs_the_gradient(tiny_model_dir, tiny_
     base = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.device("cpu"))
     loss = {"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}}
     fields = dict(output_dir=str(tmp_path), loss=loss, optimizer={"mu": 1})
-    own_logp = GRPOTrainer(model, tok, TrainConfig(**fields, rollouts={"group_size": 2, "max_new_tokens": 6}), tiny_problems).passes.no_grad_pass(base, adapter=True)[1]
+    own_logp = make_trainer(model, tok, TrainConfig(**fields, rollouts={"group_size": 2, "max_new_tokens": 6}), tiny_problems).passes.no_grad_pass(base, adapter=True)[1]
 
     def grads(correct: bool, shift: float | None):
-        trainer = GRPOTrainer(model, tok, TrainConfig(**fields, rollouts={"group_size": 2, "max_new_tokens": 6,
+        trainer = make_trainer(model, tok, TrainConfig(**fields, rollouts={"group_size": 2, "max_new_tokens": 6,
                                                                    "importance_sampling_cap": 2.0 if correct else None}), tiny_problems)
         batch = TrainBatch(**{**vars(base), "sampling_logp": None if shift is None else own_logp - shift})
         model.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ from grpo.config.sections.model import ModelConfig
 from grpo.config.sections.train import TrainConfig
 from grpo.model.lora_policy import load_policy
 
-from .helpers import LORA, give_adapter_a_say
+from .helpers import LORA, give_adapter_a_say, make_trainer
 
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]).repeat_interleave(3, 0)  # (6, 5): G = 3, left padding
 
@@ -204,14 +204,13 @@ def test_update_gradients_equal_the_log_softmax_heads(tiny_model_dir, tiny_probl
     from grpo.model.base_model import load_tokenizer
     from grpo.rollout.rollout_backends import TransformersBackend
     from grpo.training import passes
-    from grpo.training.trainer import GRPOTrainer
 
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
     cfg = TrainConfig(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 10}, checkpoints={"every": 0}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.3}}, "entropy_rule": "high"}, passes={"micro_batches": 2, "logprob_chunk": 3})
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    trainer = make_trainer(model, tok, cfg, tiny_problems)
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=10)
     batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2]),

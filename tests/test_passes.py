@@ -24,7 +24,7 @@ from grpo.rollout.rollout_backends import TransformersBackend
 from grpo.training.passes import PolicyPasses, micro_slices
 from grpo.training.updater import AdamWUpdater
 
-from .helpers import LORA, give_adapter_a_say
+from .helpers import LORA, give_adapter_a_say, make_trainer
 
 
 def _passes(model, cfg: TrainConfig) -> PolicyPasses:
@@ -294,7 +294,6 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
     has a gradient at zero advantage: ``update_frac`` 1), log a positive KL, and their loss is
     ``high``'s plus their KL term (the ratio is 1 on policy, so only the KL changes its value)."""
     from grpo.algorithm.rewards import REWARDS
-    from grpo.training.trainer import GRPOTrainer
 
     refs: list[torch.Tensor | None] = []
     real = PolicyPasses.fixed_logprobs
@@ -312,7 +311,7 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
             torch.manual_seed(0)
             model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
             give_adapter_a_say(model, std=0.3)
-            rows[rule] = GRPOTrainer(model, load_tokenizer(tiny_model_dir), cfg, tiny_problems).train_step()
+            rows[rule] = make_trainer(model, load_tokenizer(tiny_model_dir), cfg, tiny_problems).train_step()
     high, archer, sent = rows["high"], rows["archer"], rows["sent_kl"]
     assert refs[0] is None and refs[1] is not None and refs[2] is not None
     assert high["kl"] == 0 and 0 < high["kept_frac"] < 1

@@ -31,9 +31,10 @@ from grpo.config.overlay import overlay_params
 from grpo.config.params import params_from_dict
 from grpo.model.base_model import load_tokenizer
 from grpo.model.lora_policy import load_policy
-from grpo.training.trainer import GRPOTrainer, lr_lambda
+from grpo.training.trainer import lr_lambda
 
 from .conftest import REPO
+from .helpers import make_trainer
 
 PRESETS = sorted((REPO / "presets").glob("*.yaml"))
 # train keys that are sizes or paths: shrunk or redirected for a CPU test; every other key a preset
@@ -177,7 +178,7 @@ def test_preset_switches_run_two_steps_on_the_cpu(preset, tiny_model_dir, tiny_p
 
     model.disable_adapter = spy_disable
 
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    trainer = make_trainer(model, tok, cfg, tiny_problems)
     real_generate = trainer.backend.generate
 
     def spy_generate(prompts, n, **kw):

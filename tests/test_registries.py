@@ -30,9 +30,8 @@ from grpo.rollout.engine.dense_form import DenseForm
 from grpo.rollout.engine.forms import FormNeeds
 from grpo.rollout.engine.forms_catalogue import WEIGHTS_FORMS
 from grpo.tools import cli
-from grpo.training.trainer import GRPOTrainer
 
-from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, randomise_adapter, tiny_engine_policy
+from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, make_trainer, randomise_adapter, tiny_engine_policy
 
 STEP = dict(steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1}, wandb={"mode": "disabled"})
 """One step (one update) of the tiny model; a reward that differs within a group (the completion's characters:
@@ -84,7 +83,7 @@ def _one_step(model_dir, problems, out_dir, **loss) -> tuple[dict, dict[str, tor
     cfg = params_from_dict({"train": {**STEP, "output_dir": str(out_dir), "loss": loss}}).train
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**LORA))
-    trainer = GRPOTrainer(model, load_tokenizer(model_dir), cfg, problems)
+    trainer = make_trainer(model, load_tokenizer(model_dir), cfg, problems)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     CALLS.clear()
     row = trainer.train_step()

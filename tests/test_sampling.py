@@ -9,7 +9,7 @@ from grpo.config.sections.lora import LoraConfig
 from grpo.config.sections.model import ModelConfig
 from grpo.model.base_model import load_tokenizer
 from grpo.model.lora_policy import load_policy
-from grpo.rollout.sampling import DECODE_LOOPS, Draw, DynamicLoop, StaticLoop, StaticOptions, decode, sample_tokens
+from grpo.rollout.sampling import DECODE_LOOPS, Draw, DynamicLoop, StaticLoop, decode, sample_tokens
 
 from .helpers import give_adapter_a_say
 
@@ -101,7 +101,7 @@ def test_static_loop_gives_the_dynamic_loops_tokens(tiny_model_dir):
         dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw, DynamicLoop())
         for check_every in (1, 3, 16):
             static = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw,
-                            StaticLoop(StaticOptions(check_every=check_every)))
+                            StaticLoop(StaticLoop.Options(check_every=check_every)))
             assert static.shape == dynamic.shape and torch.equal(static, dynamic), (temperature, check_every)
         finished_early |= bool((dynamic == tok.pad_token_id).any())
     assert finished_early  # some row did leave the dynamic batch
@@ -146,7 +146,7 @@ def test_the_compiled_step_gives_the_uncompiled_tokens_and_compiles_once_per_buc
         draw = Draw(12, set(range(3, 40)), tok.pad_token_id, 1.5, 0.9, row_seeds=seeds)
         dynamic = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw, DynamicLoop())
         compiled = decode(model, enc["input_ids"], enc["attention_mask"], 4, draw,
-                          StaticLoop(StaticOptions(compile_step=True, length_bucket=64)))
+                          StaticLoop(StaticLoop.Options(length_bucket=64), compile_step=True))
         assert compiled.shape == dynamic.shape and torch.equal(compiled, dynamic), i
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[1] == graphs[0] and graphs[2] == graphs[0], graphs
@@ -183,7 +183,7 @@ def test_plan_decode_picks_the_loop_and_the_compile_by_device_and_call_size():
     big, small = plan_decode(auto, "cuda", 40 * 512), plan_decode(auto, "cuda", 8 * 64)
     assert type(big.loop) is type(small.loop) is StaticLoop
     assert big.loop.compiled and not small.loop.compiled
-    assert big.loop.options == StaticOptions(auto.check_every, True, auto.length_bucket)
+    assert big.loop.options is auto.loop_options["static"] and big.loop.options == StaticLoop.Options()
     assert "20480 planned token steps >= decode.compile_min_tokens 1024" in big.why
     assert "512 planned token steps < decode.compile_min_tokens 1024" in small.why
     on = plan_decode(DecodeConfig(compile_step="on"), "cpu", 1)
@@ -206,7 +206,7 @@ def test_the_compiled_step_follows_the_policy_as_its_adapter_moves(tiny_model_di
 
     model, tok = _policy(tiny_model_dir)
     eager = TransformersBackend(model, tok, decode=DecodeChoice(loop=DynamicLoop()))
-    compiled = TransformersBackend(model, tok, decode=DecodeChoice(loop=StaticLoop(StaticOptions(compile_step=True))))
+    compiled = TransformersBackend(model, tok, decode=DecodeChoice(loop=StaticLoop(compile_step=True)))
     prompts, kw = ["What is 1 + 2?", "Hi", "7 * 8 = ?"], dict(max_new_tokens=10, temperature=1.3, seeds=list(range(12)))
     graphs = []
     for step in range(3):
@@ -278,10 +278,15 @@ def test_every_registered_decode_loop_keeps_the_contract(name, tiny_model_dir):
             plan_decode(on, "cpu")
 
 
-def test_the_static_loops_own_defaults_are_the_decode_sections():
-    """``StaticOptions``' defaults (a static loop built without the section: benches, tests) equal
-    the ``decode`` section's, which hold them."""
+def test_the_static_loops_options_are_its_own_under_decode_loop_options():
+    """``StaticLoop.Options`` are read from ``decode.loop_options.static`` (its own defaults where
+    left out, the defaults of a loop built without the section: benches, tests); ``plan_decode``
+    builds the loop from them, ``compile_step`` its own flag; the loop without options has no entry."""
     from grpo.config.sections.decode import DecodeConfig
+    from grpo.rollout.sampling import plan_decode
 
-    cfg = DecodeConfig()
-    assert StaticOptions() == StaticOptions(cfg.check_every, False, cfg.length_bucket)
+    assert StaticLoop().options == DecodeConfig().loop_options["static"] and not StaticLoop().compiled
+    assert DynamicLoop.Options is None and set(DecodeConfig().loop_options) == set(DECODE_LOOPS.with_options())
+    cfg = DecodeConfig(loop="static", loop_options={"static": {"check_every": 4}}, compile_step="on")
+    loop = plan_decode(cfg, "cpu").loop
+    assert loop.options == StaticLoop.Options(check_every=4, length_bucket=64) and loop.compiled

@@ -92,6 +92,13 @@ def test_every_section_is_named_in_the_list_the_stages_check_files_against():
      "train.loss.entropy_rule_options.archer.clip: unknown key; did you mean train.loss.entropy_rule_options.archer.clip_high?"),
     ({"train": {"order_options": {"curriculum": {"num_stages": 0}}}},
      "train.order_options.curriculum.num_stages: must be > 0, got 0"),
+    ({"decode": {"check_every": 8}}, "decode.check_every: moved to decode.loop_options.static.check_every"),
+    ({"decode": {"check_every": 8, "length_bucket": 32}}, "decode.check_every: moved to decode.loop_options.static.check_every; "
+                                                          "decode.length_bucket: moved to decode.loop_options.static.length_bucket"),
+    ({"decode": {"loop_options": {"dynamic": {}}}},
+     "decode.loop_options.dynamic: no decode loop of that name has options; those that do: static"),
+    ({"decode": {"loop_options": {"static": {"check_every": 0}}}},
+     "decode.loop_options.static.check_every: must be > 0, got 0"),
 ])
 def test_an_entrys_options_live_under_its_name_and_a_moved_key_says_where(raw, message):
     """Each registered entry validates its own options (its ``Options`` model); an old params file's

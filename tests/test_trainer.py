@@ -19,9 +19,8 @@ from grpo.data.sources import build_prompt
 from grpo.model.base_model import load_tokenizer
 from grpo.model.lora_policy import load_policy
 from grpo.rollout.rollout_backends import TransformersBackend
-from grpo.training.trainer import GRPOTrainer, TrainerParts
 
-from .helpers import LORA, give_adapter_a_say
+from .helpers import LORA, give_adapter_a_say, make_trainer
 
 
 @pytest.mark.slow
@@ -35,7 +34,7 @@ def test_trainer_gradients_reach_only_lora_and_follow_the_mask(tiny_model_dir, t
     cfg = TrainConfig(
         output_dir=str(tmp_path), steps=2, rewards={"chars": 0.1}, rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8}, checkpoints={"every": 0}, optimizer={"mu": 2}, loss={"beta": 0.05, "entropy_rule": "high"}, passes={"micro_batches": 2},  # the mask
     )
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    trainer = make_trainer(model, tok, cfg, tiny_problems)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rows = trainer.train(progress=False)
     assert [r["step"] for r in rows] == [1, 2]
@@ -65,7 +64,7 @@ def test_with_mu_2_the_first_update_gives_the_later_ones_old_logp(tiny_model_dir
         model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
         give_adapter_a_say(model, std=0.3)
         mu = 1 if way == "on policy twice" else 2
-        trainer = GRPOTrainer(model, tok, TrainConfig(**{**fields, "optimizer": {**fields["optimizer"], "mu": mu}}), tiny_problems)
+        trainer = make_trainer(model, tok, TrainConfig(**{**fields, "optimizer": {**fields["optimizer"], "mu": mu}}), tiny_problems)
         prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
         rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
         batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3, 1.2, -1.2]), torch.device("cpu"))
@@ -92,7 +91,7 @@ def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_m
     calls = []
     generate = backend.generate
     backend.generate = lambda prompts, n, **kw: calls.append(len(prompts) * n) or generate(prompts, n, **kw)
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems, parts=TrainerParts(backend=backend))
+    trainer = make_trainer(model, tok, cfg, tiny_problems, backend=backend)
     prompts = ["What is 1 + 2?", "Hi"]
     roll = trainer.rollout(prompts)
     assert calls == [3, 1, 3, 1]
@@ -108,7 +107,7 @@ def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_probl
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
     cfg = TrainConfig(output_dir=str(tmp_path), steps=6, order_options={"curriculum": {"num_stages": 3}}, rollouts={"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 3}, checkpoints={"every": 0}, optimizer={"warmup_steps": 0})
-    trainer = GRPOTrainer(model, tok, cfg, tiny_problems)
+    trainer = make_trainer(model, tok, cfg, tiny_problems)
     stage_of_question = {tiny_problems[i]["question"]: s for s, idx in enumerate(trainer.stages) for i in idx}
     rows = trainer.train(progress=False)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
@@ -131,7 +130,7 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)
     fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 3, "group_size": 4, "max_new_tokens": 8}, checkpoints={"every": 0}, loss={"entropy_rule": "high", "entropy_rule_options": {"high": {"top_quantile": 1.0}}}, optimizer={"mu": 1})
-    trainer = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)
+    trainer = make_trainer(model, tok, TrainConfig(**fields), tiny_problems)
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:3]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0])  # (12,): group 1 all alike
@@ -151,17 +150,17 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-6)
     assert any(g.abs().max() > 1e-4 for g in grads[0].values())
 
-    with_kl = GRPOTrainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04}}), tiny_problems)
+    with_kl = make_trainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04}}), tiny_problems)
     assert with_kl.update_rows(batch, scored) is batch
     rank = StepRollouts(tiny_problems[1:2], 1, ["1"] * 4, rollout, rewards[4:8].tolist(), rewards, {}, advantages[4:8])
     placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only
     assert len(placeholder) == 4 and placeholder.mask.sum() == 0
 
     # the choice of its own (train.optimizer.equal_reward_groups): keep without a KL term, drop beside one
-    keep = GRPOTrainer(model, tok, TrainConfig(**{**fields, "optimizer": {"mu": 1, "equal_reward_groups": "keep"}}),
+    keep = make_trainer(model, tok, TrainConfig(**{**fields, "optimizer": {"mu": 1, "equal_reward_groups": "keep"}}),
                        tiny_problems)
     assert keep.update_rows(batch, scored) is batch
-    drop = GRPOTrainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04},
+    drop = make_trainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04},
                                                   "optimizer": {"mu": 1, "equal_reward_groups": "drop"}}), tiny_problems)
     assert torch.equal(drop.update_rows(batch, scored).input_ids, rows.input_ids)
 
@@ -181,7 +180,7 @@ def test_the_acting_counts_take_only_tokens_of_nonzero_advantage_after_the_first
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
                   checkpoints={"every": 0})
-    trainer = GRPOTrainer(model, tok, TrainConfig(**fields), tiny_problems)
+    trainer = make_trainer(model, tok, TrainConfig(**fields), tiny_problems)
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
     rollout = TransformersBackend(model, tok, min_new_tokens=3).generate(prompts, 4, max_new_tokens=8)
     advantages = group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1]), 4)  # (8,): group 1 all alike
@@ -226,7 +225,7 @@ def _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls
             "rollouts": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
             "checkpoints": {"every": 0, "eval_every": 0}, "optimizer": {"warmup_steps": 0, "lr": 1e-2}}
     train = TrainConfig(**overlay_params({"train": base}, {"train": cfg})["train"])
-    return GRPOTrainer(model, tok, train, tiny_problems), model
+    return make_trainer(model, tok, train, tiny_problems), model
 
 
 def test_a_non_finite_step_applies_no_update_and_training_goes_on(tiny_model_dir, tiny_problems, tmp_path,
@@ -327,3 +326,13 @@ def test_the_bar_shows_the_last_validation_measured_so_far():
     assert progress_postfix(rows) == {"reward": "0.250", "acc": "0.125", "val": "-"}
     rows += [{"reward_mean": 0.5, "rollout_accuracy": 0.5, "val_accuracy": 0.375}, {"reward_mean": None, "rollout_accuracy": 0.75}]
     assert progress_postfix(rows) == {"reward": "-", "acc": "0.750", "val": "0.375"}
+
+
+def test_the_trainer_builds_none_of_its_parts():
+    """``GRPOTrainer`` receives its token rule and loss built (``TrainerParts``, every part but the
+    backend required): the trainer's module imports none of their builders."""
+    import grpo.training.trainer as trainer_mod
+
+    assert not hasattr(trainer_mod, "build_token_rule") and not hasattr(trainer_mod, "build_loss")
+    with pytest.raises(TypeError):
+        trainer_mod.TrainerParts(backend=None)  # the rule and the loss are required

@@ -27,6 +27,7 @@ from grpo.model.lora_policy import load_policy
 from grpo.training import checkpoint
 
 from .conftest import REPO
+from .helpers import make_trainer
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (optional: pip install -e .[deepspeed])")
 
@@ -47,7 +48,6 @@ def _length_rewards(completions: list[str], answers: list[str], weights: dict) -
 def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
     """A trainer on the tiny 4-bit model with a seeded non-zero adapter, 4 prompts x G = 2 a step."""
     import grpo.training.rollout_phase
-    import grpo.training.trainer
 
     if monkeypatch is not None:
         monkeypatch.setattr(grpo.training.rollout_phase, "combined_rewards", _length_rewards)
@@ -60,7 +60,7 @@ def _trainer(model_dir: str, out: Path, dist: Dist, monkeypatch=None, **train):
         if "lora_B" in n:
             p.data = torch.randn(p.shape, generator=gen) * 0.3  # non-zero adapter: gradients reach A and B
     cfg = TrainConfig(output_dir=str(out), steps=4, truncated="score", **train, rollouts={"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 8}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "lr": 1e-2, "weight_decay": 0.1}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.5}}, "entropy_rule": "high"})  # a random model's completions all hit max_new_tokens: score them
-    return grpo.training.trainer.GRPOTrainer(model, load_tokenizer(model_dir), cfg, PROBLEMS, dist=dist)
+    return make_trainer(model, load_tokenizer(model_dir), cfg, PROBLEMS, dist=dist)
 
 
 def _lora(trainer) -> dict[str, torch.Tensor]:

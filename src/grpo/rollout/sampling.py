@@ -1,9 +1,10 @@
 """Autoregressive sampling with a KV cache: the decode loop of ``TransformersBackend``.
 
 ``decode`` replaces ``model.generate`` and has two loops (``DECODE_LOOPS``: each a ``DecodeLoop``
-class that ``plan_decode`` builds once from the ``decode`` section, and that its callers ask what
-it holds instead of its name; docs/howto/add-a-decode-loop.md), which give the same tokens for the
-same ``row_seeds`` (tested for every registered loop):
+class that ``plan_decode`` builds once from its own options, ``decode.loop_options.<name>``, and the
+``decode`` section, and that its callers ask what it holds instead of its name;
+docs/howto/add-a-decode-loop.md), which give the same tokens for the same ``row_seeds`` (tested for
+every registered loop):
 
 ``dynamic`` (the CPU's; ``DynamicCache``):
 
@@ -21,9 +22,9 @@ preallocated for ``P + max_new_tokens`` positions, then every step runs all ``N`
 of fixed shape and address: the attention mask is built once for every position (the causal mask
 comes from the cache's own length, so the future is hidden without growing a mask), a finished row
 keeps running but writes ``pad_id``, and the host asks whether every row has finished only every
-``check_every`` tokens. A step with no host sync and no new shape is what a GPU runs without
+``check_every`` tokens (``decode.loop_options.static``). A step with no host sync and no new shape is what a GPU runs without
 waiting on Python, and what ``torch.compile(mode="reduce-overhead")`` captures as a CUDA graph
-(``StaticOptions.compile_step``); where a launch costs more than the compute (a small batch on a large card),
+(``StaticLoop(compile_step=True)``); where a launch costs more than the compute (a small batch on a large card),
 that is the step's time.
 
 EOS is suppressed for the first ``min_new_tokens`` tokens. Greedy decoding (temperature 0) gives
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 from grpo.algorithm.logprobs import position_ids_from_mask
+from grpo.core.fields import Positive, Section
 from grpo.core.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -120,12 +122,16 @@ class Draw:
 
 class DecodeLoop:
     """A decode loop, registered by name in ``DECODE_LOOPS`` and built once from its own options
-    (``plan``: from the ``decode`` section; a bench or a test builds one directly), then called for
-    every decode call: ``loop(model, ids, mask, num_samples, sampling) -> (N, C)`` tokens.
+    (``Options``, a ``grpo.core.fields.Section`` under ``decode.loop_options.<name>``; ``None``: a
+    loop without options) by ``plan`` (``plan_decode`` hands it those options and the ``decode``
+    section; a bench or a test builds one directly), then called for every decode call:
+    ``loop(model, ids, mask, num_samples, sampling) -> (N, C)`` tokens.
 
     What the callers ask it instead of its name (``plan_decode``, ``grpo.rollout.rollout_backends``,
     ``grpo.rollout.decode_memory.split_call``, ``grpo.tools.memory``):
 
+    * ``suits(device)`` (a class method): whether ``decode.loop: auto`` picks it on ``device``
+      (the first registered loop that suits);
     * ``compiles`` (of the class): whether it can compile its step; ``decode.compile_step: on``
       needs a loop that can, and picks the first that can under ``loop: auto``;
     * ``compiled``: whether this loop's step is compiled. Its calls are then padded to the step's
@@ -134,13 +140,21 @@ class DecodeLoop:
       uncompiled loop holds nothing after a call, and its memory is the uncompiled terms'.
     """
 
+    Options: ClassVar[type[Section] | None] = None
+    """The loop's options model (``None``: a loop without options)."""
     compiles: ClassVar[bool] = False
     compiled: bool = False
 
     @classmethod
-    def plan(cls, cfg, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
-        """This loop built from the ``decode`` section ``cfg`` for ``device`` and the stage's
-        ``planned_tokens``, and why, in words."""
+    def suits(cls, device: torch.device | str) -> bool:
+        """Whether ``decode.loop: auto`` picks this loop on ``device``."""
+        return False
+
+    @classmethod
+    def plan(cls, cfg, options: Section | None, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
+        """This loop built from its ``options`` (``decode.loop_options.<name>``, an ``Options``; ``None``
+        for a loop that declares none) and the ``decode`` section ``cfg`` for ``device`` and the
+        stage's ``planned_tokens``, and why, in words."""
         raise NotImplementedError
 
     def step_shape(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
@@ -155,14 +169,16 @@ class DecodeLoop:
 
 
 DECODE_LOOPS: Registry[type[DecodeLoop]] = Registry("decode loop", "decode loop", also=("auto",))
-"""Loop name -> its ``DecodeLoop`` class; ``auto``: ``static`` on CUDA, ``dynamic`` elsewhere
-(``resolve_loop``). ``plan_decode`` is where a name becomes a loop."""
+"""Loop name -> its ``DecodeLoop`` class; ``auto``: the first registered loop that ``suits`` the
+device (static on CUDA, dynamic elsewhere: ``resolve_loop``). ``plan_decode`` is where a name
+becomes a loop."""
 
 
 def resolve_loop(choice: str, device: torch.device | str) -> str:
-    """The loop ``choice`` names; ``auto``: ``static`` on CUDA, ``dynamic`` elsewhere."""
+    """The loop ``choice`` names; ``auto``: the first registered loop that ``suits`` ``device``
+    (static on CUDA, dynamic elsewhere)."""
     if DECODE_LOOPS.check(choice, "loop") in DECODE_LOOPS.also:
-        return "static" if torch.device(device).type == "cuda" else "dynamic"
+        return next(name for name, entry in DECODE_LOOPS.items() if entry.suits(device))
     return choice
 
 
@@ -177,8 +193,9 @@ class DecodePlan:
 
 def plan_decode(cfg, device: torch.device | str, planned_tokens: int | None = None) -> DecodePlan:
     """The decode loop of the ``decode`` section ``cfg`` (``grpo.config.sections.decode.DecodeConfig``),
-    built: ``loop: auto`` is static on CUDA, dynamic elsewhere (``compile_step: on`` makes it the
-    first registered loop that ``compiles``, anywhere); the entry builds itself from ``cfg``
+    built: ``loop: auto`` is the first registered loop that ``suits`` the device, static on CUDA,
+    dynamic elsewhere (``compile_step: on`` makes it the first registered loop that ``compiles``,
+    anywhere); the entry builds itself from its options (``decode.loop_options.<name>``) and ``cfg``
     (``DecodeLoop.plan``: the static loop compiles its step under ``compile_step: auto`` on CUDA
     when ``planned_tokens``, the token steps the stage will decode, ``None``: unknown, taken as
     enough, reach ``cfg.compile_min_tokens``). ``compile_step: on`` with a loop that cannot compile
@@ -191,7 +208,7 @@ def plan_decode(cfg, device: torch.device | str, planned_tokens: int | None = No
     if cfg.compile_step == "on" and not entry.compiles:
         loops = " or ".join(compiling)
         raise ValueError(f"decode.compile_step: on needs the {loops} loop; set decode.loop: {loops} or auto")
-    return entry.plan(cfg, device, planned_tokens)
+    return entry.plan(cfg, cfg.loop_options.get(name), device, planned_tokens)
 
 
 @torch.no_grad()
@@ -250,10 +267,15 @@ def dynamic_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling
 
 @DECODE_LOOPS.register("dynamic")
 class DynamicLoop(DecodeLoop):
-    """``dynamic_loop``: finished rows leave the batch; no options, nothing compiled."""
+    """``dynamic_loop``: finished rows leave the batch; no options, nothing compiled. ``auto``'s
+    loop off CUDA, where the rows that leave are compute saved."""
 
     @classmethod
-    def plan(cls, cfg, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
+    def suits(cls, device: torch.device | str) -> bool:
+        return torch.device(device).type != "cuda"
+
+    @classmethod
+    def plan(cls, cfg, options: None, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
         auto = " (decode.loop: auto on a CPU)" if cfg.loop == "auto" else ""
         return DecodePlan(cls(), f"dynamic: finished rows leave the batch{auto}")
 
@@ -405,30 +427,34 @@ def fill_static_cache(cache, prompt_cache, num_samples: int) -> None:
         layer.cumulative_length.fill_(keys.shape[2])
 
 
-@dataclass(frozen=True)
-class StaticOptions:
-    """The static loop's options, read from the ``decode`` section by ``StaticLoop.plan`` (whose
-    fields hold their defaults: these equal them, tested): a host sync every ``check_every``
-    tokens; ``compile_step``: the step compiled (resolved: ``decode.compile_step``'s ``auto``
-    decided); ``length_bucket``: a compiled step's prompt lengths' bucket."""
-
-    check_every: int = 16
-    compile_step: bool = False
-    length_bucket: int = 64
-
-
 @DECODE_LOOPS.register("static")
 class StaticLoop(DecodeLoop):
-    """``static_loop`` with its ``StaticOptions``; it can compile its step (``compiles``)."""
+    """``static_loop`` with its ``Options`` (``decode.loop_options.static``); it can compile its step
+    (``compiles``; ``compile_step``: whether it does, ``decode.compile_step`` resolved by ``plan``).
+    ``auto``'s loop on CUDA."""
+
+    class Options(Section):
+        SECTION: ClassVar[str] = "decode.loop_options.static"
+        check_every: Positive = 16
+        """The static loop asks whether every row has ended every this many tokens (one host sync)."""
+        length_bucket: Positive = 64
+        """A compiled step's prompts are left-padded to a multiple of this many tokens (and a call's
+        prompts to a power of two), so that calls of one bucket share one compilation."""
 
     compiles: ClassVar[bool] = True
 
-    def __init__(self, options: StaticOptions | None = None):
-        self.options = options or StaticOptions()
-        self.compiled = self.options.compile_step
+    def __init__(self, options: StaticLoop.Options | None = None, *, compile_step: bool = False):
+        """``options``: an ``Options`` (``None``: its defaults); ``compile_step``: the step compiled."""
+        self.options = options or self.Options()
+        self.compiled = compile_step
 
     @classmethod
-    def plan(cls, cfg, device: torch.device | str, planned_tokens: int | None) -> DecodePlan:
+    def suits(cls, device: torch.device | str) -> bool:
+        return torch.device(device).type == "cuda"
+
+    @classmethod
+    def plan(cls, cfg, options: StaticLoop.Options | None, device: torch.device | str,
+             planned_tokens: int | None) -> DecodePlan:
         """``compile_step: auto`` compiles on CUDA when ``planned_tokens`` (``None``: unknown, taken
         as enough) reaches ``cfg.compile_min_tokens``; ``on``/``off`` as they say."""
         planned = "unknown" if planned_tokens is None else str(planned_tokens)
@@ -443,7 +469,7 @@ class StaticLoop(DecodeLoop):
         else:
             compiled = cfg.compile_step == "on"
             why = f"static, step {'compiled' if compiled else 'not compiled'} (decode.compile_step: {cfg.compile_step})"
-        return DecodePlan(cls(StaticOptions(cfg.check_every, compiled, cfg.length_bucket)), why)
+        return DecodePlan(cls(options, compile_step=compiled), why)
 
     def step_shape(self, prompts: int, samples: int, prompt_len: int, new_tokens: int,
                    held=()) -> tuple[int, int]:
@@ -453,16 +479,17 @@ class StaticLoop(DecodeLoop):
         return call_shape(prompts, samples, prompt_len, new_tokens, self.options.length_bucket, held)
 
     def __call__(self, model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling) -> Tensor:
-        return static_loop(model, ids, mask, num_samples, s, self.options)
+        return static_loop(model, ids, mask, num_samples, s, self.options, self.compiled)
 
 
-def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling, options: StaticOptions) -> Tensor:
+def static_loop(model, ids: Tensor, mask: Tensor, num_samples: int, s: Sampling, options: StaticLoop.Options,
+                compile_step: bool = False) -> Tensor:
     """Every row runs every step on fixed shapes; one host sync per ``options.check_every`` tokens
-    (module docstring). With ``options.compile_step`` the step is compiled once per shape
+    (module docstring). With ``compile_step`` the step is compiled once per shape
     (``call_shape``: a step already held for as many rows or more, else a new bucket;
     ``bucketed_call``, ``compiled_step``; ``options.length_bucket``: the prompt lengths' bucket).
     Returns the tokens up to the last row's EOS, as the dynamic loop does."""
-    check_every, compile_step, length_bucket = options.check_every, options.compile_step, options.length_bucket
+    check_every, length_bucket = options.check_every, options.length_bucket
     n_real = ids.shape[0] * num_samples
     if compile_step:
         shape = compiled_call_shape(model, ids.shape[0], num_samples, ids.shape[1], s.max_new_tokens, length_bucket)

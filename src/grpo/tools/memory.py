@@ -561,7 +561,7 @@ COMPILED_STEP = "compiled decode step (kept)"
 
 def _compiled_step_terms(est: Estimate, shapes: ModelShapes, params, rows: int, p: int, b: int, loop) -> None:
     """Training's rollouts on the compiled step of ``loop`` (its ``step_shape``: the static loop's
-    prompts to a power of two, their length to ``decode.length_bucket``): its ``StaticCache``, mask
+    prompts to a power of two, their length to ``decode.loop_options.static.length_bucket``): its ``StaticCache``, mask
     and CUDA graph pool (``grpo.rollout.decode_memory.compiled_step_bytes``) in both phases, and the prompts'
     own cache while the prefill copies it in. Validation's calls run on the same step
     (``grpo.rollout.decode_memory.split_call`` takes a held step first: as many prompts as its rows hold)."""

@@ -55,8 +55,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo.algorithm.curriculum import batch_indices, num_stages_of, stage_of_step, stages_for
-from grpo.algorithm.entropy import TokenRule, build_token_rule
-from grpo.algorithm.loss import LossSettings, build_loss, signal_groups
+from grpo.algorithm.entropy import TokenRule
+from grpo.algorithm.loss import LossSettings, signal_groups
 from grpo.algorithm.rewards import REWARDS
 from grpo.algorithm.stats import clustered_interval
 from grpo.config.sections.train import TrainConfig
@@ -173,16 +173,15 @@ def progress_postfix(history: list[dict]) -> dict[str, str]:
 @dataclass(frozen=True)
 class TrainerParts:
     """What a trainer runs besides the policy and the params, each built once by the trainer
-    builder (``grpo.training.trainer_builder.TrainerBuilder``, the train stage's) and handed down. A part
-    left ``None`` is built by the trainer as the builder builds it (a trainer made directly, as a
-    test makes one)."""
+    builder (``grpo.training.trainer_builder.TrainerBuilder``, the train stage's) and handed down:
+    the trainer builds none of them."""
 
-    backend: RolloutBackend | None = None
+    backend: RolloutBackend | None
     """Samples the rollouts; ``None``: the decode loop on the policy (``TransformersBackend``)."""
-    rule: TokenRule | None = None
-    """The token-entropy rule; ``None``: ``grpo.algorithm.entropy.build_token_rule`` of ``train.loss``."""
-    loss: LossSettings | None = None
-    """The loss's fixed settings; ``None``: ``grpo.algorithm.loss.build_loss`` of ``train.loss``."""
+    rule: TokenRule
+    """The token-entropy rule (``grpo.algorithm.entropy.build_token_rule`` of ``train.loss``)."""
+    loss: LossSettings
+    """The loss's fixed settings (``grpo.algorithm.loss.build_loss`` of ``train.loss``)."""
 
 
 class GRPOTrainer:
@@ -190,10 +189,9 @@ class GRPOTrainer:
     with the rollout backend, token rule and loss of ``parts``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, problems: list[dict], *,
-                 parts: TrainerParts | None = None, callbacks: list[StepCallback] | None = None,
+                 parts: TrainerParts, callbacks: list[StepCallback] | None = None,
                  val_problems: list[dict] | None = None, dist: Dist | None = None):
         self.model, self.tokenizer, self.cfg, self.problems = model, tokenizer, cfg, problems
-        parts = parts or TrainerParts()
         self.dist = dist or Dist()  # one process unless given
         cfg.check_split(self.dist.world_size)  # fails early unless the prompts split evenly
         self.stages = stages_for(cfg.order, len(problems), num_stages_of(cfg), cfg.seed)
@@ -206,9 +204,7 @@ class GRPOTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.updater = make_updater(model, self.params, cfg, self.dist)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.updater.optimizer, lr_lambda(cfg))
-        rule = build_token_rule(cfg.loss) if parts.rule is None else parts.rule
-        loss = build_loss(cfg.loss, cfg.rollouts.max_new_tokens) if parts.loss is None else parts.loss
-        self.passes = PolicyPasses(model, cfg, self.dist, self.updater, rule, loss)
+        self.passes = PolicyPasses(model, cfg, self.dist, self.updater, parts.rule, parts.loss)
         self.run = RunDir(cfg.output_dir, cfg.checkpoints.keep_best)
         self.step = 0
         self.guard = NonFiniteGuard(cfg.guards.max_nonfinite_steps)

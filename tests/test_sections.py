@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from grpo.config.choices import registry
 from grpo.config.params import params_from_dict
 from grpo.config.reading import ParamsError
 from grpo.config.sections.train import TrainConfig
@@ -71,6 +72,12 @@ def test_every_section_is_named_in_the_list_the_stages_check_files_against():
     assert all(cls.SECTION == name for name, cls in SECTIONS.items())
 
 
+def with_options(param: str) -> str:
+    """The entries of ``param``'s registry that have options, as the refusal lists them (a new
+    entry with options joins the list with no edit here)."""
+    return ", ".join(registry(param).with_options())
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ({"train": {"entropy_kl_low": 0.3}}, "train.entropy_kl_low: moved to train.loss.entropy_rule_options.sent_kl.kl_low "
                                          "(and .archer.kl_low)"),
@@ -78,7 +85,7 @@ def test_every_section_is_named_in_the_list_the_stages_check_files_against():
     ({"train": {"num_stages": 2}}, "train.num_stages: moved to train.order_options.curriculum.num_stages (and "
                                    ".reversed.num_stages)"),
     ({"train": {"order_options": {"shuffled": {"num_stages": 2}}}},
-     "train.order_options.shuffled: no order of that name has options; those that do: curriculum, reversed"),
+     f"train.order_options.shuffled: no order of that name has options; those that do: {with_options('train.order')}"),
     ({"train": {"loss": {"entropy_rule_options": {"high": {"kl_low": 0.1}}}}},
      "train.loss.entropy_rule_options.high.kl_low: unknown key; train.loss.entropy_rule_options.high has no key like it "
      "(1 keys: docs/configuration.md)"),
@@ -96,7 +103,7 @@ def test_every_section_is_named_in_the_list_the_stages_check_files_against():
     ({"decode": {"check_every": 8, "length_bucket": 32}}, "decode.check_every: moved to decode.loop_options.static.check_every; "
                                                           "decode.length_bucket: moved to decode.loop_options.static.length_bucket"),
     ({"decode": {"loop_options": {"dynamic": {}}}},
-     "decode.loop_options.dynamic: no decode loop of that name has options; those that do: static"),
+     f"decode.loop_options.dynamic: no decode loop of that name has options; those that do: {with_options('decode.loop')}"),
     ({"decode": {"loop_options": {"static": {"check_every": 0}}}},
      "decode.loop_options.static.check_every: must be > 0, got 0"),
 ])

@@ -90,7 +90,8 @@ def resolve_run(params_path: str, prompt_tokens: int | None):
     ``prompt_tokens`` or, as ``grpo check`` takes it, the longest prepared prompt or its default."""
     from grpo.rollout.engine.needs import longest_prompt_tokens
     from grpo.tools import memory
-    from grpo.tools.cli import DEFAULT_PROMPT_TOKENS, resolve_params
+    from grpo.tools.check_report import DEFAULT_PROMPT_TOKENS
+    from grpo.tools.cli import resolve_params
 
     res = resolve_params(params_path)
     found = memory.resolve_config(res.params.model, res.root)

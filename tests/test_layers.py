@@ -1,5 +1,6 @@
 """The library in layers (``grpo.tools.code_deps.LAYERS``): every module lives in one of the packages,
-each package says what it holds, and imports run down the layers only."""
+each package says what it holds, and imports run down the layers only; an import inside a function
+is the exception, with its reason."""
 
 from __future__ import annotations
 
@@ -24,6 +25,22 @@ def test_every_module_lives_in_a_layer_package_that_says_what_it_holds():
                       if p.name not in ("__init__.py", "__pycache__") and (p.is_dir() or p.suffix in (".py", ".yaml")))
         unnamed = [h for h in held if h not in doc]
         assert unnamed == [], f"src/grpo/{name}/__init__.py: its docstring does not name {unnamed}"
+
+
+def test_an_import_inside_a_function_says_why_and_few_do():
+    """Every statement importing a grpo module inside a function carries ``# lazy: <reason>`` on its
+    line or the line above, and at most 10% of the library's internal imports sit in functions."""
+    project = Project(REPO)
+    statements = {(i.source, i.line): i for m in sorted(LIBRARY.rglob("*.py")) for i in project.imports(m)
+                  if i.kind != "importlib"}
+    lazy = [key for key, i in statements.items() if i.in_function]
+    unsaid = []
+    for source, line in lazy:
+        lines = source.read_text().splitlines()
+        if "# lazy: " not in lines[line - 1] and not lines[line - 2].strip().startswith("# lazy: "):
+            unsaid.append(f"{project.relative(source)}:{line}")
+    assert unsaid == [], "imports inside functions without a '# lazy: <reason>' comment"
+    assert len(lazy) <= 0.10 * len(statements), f"{len(lazy)} of {len(statements)} internal imports inside functions"
 
 
 def test_imports_run_down_the_layers_only():

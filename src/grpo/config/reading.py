@@ -67,7 +67,8 @@ def section_mappings(raw: dict | None) -> dict[str, dict]:
         raise ParamsError(f"params: must be a mapping of sections, got {raw!r}")
     for key in raw:
         if key not in SECTION_NAMES:
-            from grpo.core.messages import unknown_section  # the wording: a failure path's, no stage's dep
+            # lazy: a failure path's wording; grpo.core.messages stays out of every stage's deps
+            from grpo.core.messages import unknown_section
 
             raise ParamsError(unknown_section(key, SECTION_NAMES))
     out = {}
@@ -121,7 +122,8 @@ def read_params_yaml(path: str | Path) -> dict:
     try:
         raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
-        from grpo.core.messages import yaml_error_line  # the wording: a failure path's, no stage's dep
+        # lazy: a failure path's wording; grpo.core.messages stays out of every stage's deps
+        from grpo.core.messages import yaml_error_line
 
         raise ParamsError(yaml_error_line(path, err)) from None
     if raw is not None and not isinstance(raw, dict):

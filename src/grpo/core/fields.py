@@ -60,7 +60,8 @@ class Section(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as err:
-            from grpo.core.messages import one_line  # the wording: a failure path's, no stage's dep
+            # lazy: a failure path's wording; grpo.core.messages stays out of every stage's deps
+            from grpo.core.messages import one_line
 
             raise ParamsError(one_line(err, type(self))) from None
 

@@ -44,9 +44,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from grpo.algorithm.logprobs import chunked_entropy_logprobs, completion_hidden
 from grpo.core.registry import Registry
 from grpo.core.types import Rollout
-from grpo.model.nf4_layers import dequantized_weights
+from grpo.model.lora_policy import lm_parts
+from grpo.model.nf4_layers import dense_copy_bytes, dequantized_weights, holds_dense_copies
 from grpo.rollout.decode_memory import (
     LOGPROB_ROWS,
     CallSize,
@@ -131,8 +133,6 @@ def dense_decode(model, rows: int, positions: int) -> tuple[bool, str]:
     """Whether the decode loop uses ``dequantized_weights`` for a call of ``rows`` x ``positions``,
     and why: always on a CPU (bitsandbytes dequantises a whole weight per token there); on CUDA when
     ``dense_fits`` the memory free now (``torch.cuda.mem_get_info``)."""
-    from grpo.model.nf4_layers import dense_copy_bytes, holds_dense_copies
-
     device = next(model.parameters()).device
     if device.type != "cuda":
         return True, "on the CPU"
@@ -307,9 +307,6 @@ class TransformersBackend(RolloutBackend):
         prompt + completion, about ``rows`` sequences (whole groups of ``group`` completions of one
         prompt) at a time; each group's prompt runs once (``completion_hidden``) and no (N, C, V)
         logits are ever held."""
-        from grpo.algorithm.logprobs import chunked_entropy_logprobs, completion_hidden
-        from grpo.model.lora_policy import lm_parts
-
         body, head = lm_parts(self.model)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + C)
         mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P + C)

@@ -16,9 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
+from grpo.core.device import default_device
 from grpo.core.errors import ModelConfigError
 from grpo.data.sources import build_prompt
 from grpo.model.base_model import check_model_dir, load_tokenizer
+from grpo.model.lora_policy import export_dense, load_base_model
 
 
 def check_dirs(model_path: Path, adapter_dir: Path | None) -> None:
@@ -32,10 +34,6 @@ def check_dirs(model_path: Path, adapter_dir: Path | None) -> None:
 
 def load_for_answering(model_cfg, adapter_dir: Path | None):
     """``(model, tokenizer, how)``: the dense policy (adapter merged) that evaluation decodes."""
-    # torch and the model code load with a model, not with check_dirs or `grpo ask --help`
-    from grpo.core.device import default_device
-    from grpo.model.lora_policy import export_dense, load_base_model
-
     with tempfile.TemporaryDirectory(prefix="grpo-ask-") as tmp:
         export = export_dense(model_cfg, adapter_dir, Path(tmp) / "weights")
         model = load_base_model(export["path"], model_cfg.dtype, default_device())

@@ -121,12 +121,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from grpo.algorithm.entropy import build_token_rule
+from grpo.algorithm.logprobs import packed_layout
 from grpo.config.sections.lora import LoraConfig
-from grpo.core.device import attention_implementation
+from grpo.core.architectures import architecture_for_model
+from grpo.core.device import attention_implementation, compute_dtype, sampling_dtype
 from grpo.core.model_shapes import Linear, ModelShapes, decoder_linears, model_shapes, prepared_name
 from grpo.core.model_shapes import count as _n
+from grpo.rollout.decode_memory import LOGPROB_ROWS, CallSize, call_bytes, compiled_step_bytes, shapes_dims, split_call
 from grpo.rollout.engine import bounds
 from grpo.rollout.engine.args import engine_args, engine_lora_rank
+from grpo.rollout.engine.bounds import largest_call
 from grpo.rollout.engine.dense_form import DenseForm
 from grpo.rollout.engine.needs import (
     ENGINE_BLOCK,
@@ -138,6 +143,10 @@ from grpo.rollout.engine.needs import (
     engine_step_tokens,
     kv_bytes_per_token,
 )
+from grpo.rollout.rollout_backends import planned_tokens
+from grpo.rollout.sampling import plan_decode
+from grpo.tools.synthetic import architecture_config
+from grpo.training.passes import micro_slices
 
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default blocksize for 4-bit)
 NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
@@ -159,9 +168,6 @@ def resolve_config(model_cfg, root: Path):
     pipeline) is estimated for the preset's model.
     """
     from transformers import AutoConfig
-
-    from grpo.core.architectures import architecture_for_model
-    from grpo.tools.synthetic import architecture_config
 
     path = root / model_cfg.path
     other = prepared_name(path)
@@ -310,8 +316,6 @@ def activation_bytes(shapes: ModelShapes, lora: LoraConfig, call: ForwardShape, 
 
 def micro_batch_rows(n: int, micro_batches: int, group: int) -> int:
     """Rows of the first (largest) micro-batch of the update (``grpo.training.passes.micro_slices``)."""
-    from grpo.training.passes import micro_slices
-
     first = micro_slices(n, micro_batches, group)[0]
     return first.stop - first.start
 
@@ -349,8 +353,6 @@ def saved_model_dtype(params, section: str, device: str):
     """The torch dtype of ``section``'s engine, as its stage picks it: SENT
     ``grpo.core.device.sampling_dtype(sent.dtype)`` (tasks/sent.py), the evaluations the sampler's
     default ``auto`` (``grpo.evaluation.evaluate``: the compute dtype ``auto`` gives on ``device``)."""
-    from grpo.core.device import compute_dtype, sampling_dtype
-
     setting = sampling_dtype(params.sent.dtype, device) if section == "sent" else "auto"
     return compute_dtype(setting, device)
 
@@ -482,8 +484,6 @@ def estimate(params, shapes: ModelShapes, device: str, prompt_tokens: int, promp
     rollouts from the decode loop, or with ``engine`` from that vLLM engine, which holds its whole
     budget while awake (its needs where the card is unknown) and, asleep during the update, only
     what lies outside its pool."""
-    from grpo.core.device import compute_dtype
-
     model, lora = params.model, params.lora
     dtype = compute_dtype(model.dtype, device)
     b = dtype.itemsize
@@ -528,14 +528,10 @@ DENSE_COPIES = "dense 4-bit copies (decode)"
 
 def _decode_loop_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The generation phase's terms with rollouts from the decode loop on the policy."""
-    from grpo.rollout.engine.bounds import largest_call
-
     model, lora, train = params.model, params.lora, params.train
     add, g, c = est.terms.append, train.rollouts.group_size, train.rollouts.max_new_tokens
     nf4, qn = model.quantization == "nf4", shapes.quantized_params
     rows_gen = largest_call(train.rollouts.prompts_per_step, g, train.rollouts.generation_batch_size)
-    from grpo.rollout.sampling import plan_decode
-
     loop = plan_decode(params.decode, device, train.steps * c).loop
     kept = loop.compiled
     if kept:  # the compiled step's buffers stay for the next step's rollouts and validation's calls
@@ -565,8 +561,6 @@ def _compiled_step_terms(est: Estimate, shapes: ModelShapes, params, rows: int, 
     and CUDA graph pool (``grpo.rollout.decode_memory.compiled_step_bytes``) in both phases, and the prompts'
     own cache while the prefill copies it in. Validation's calls run on the same step
     (``grpo.rollout.decode_memory.split_call`` takes a held step first: as many prompts as its rows hold)."""
-    from grpo.rollout.decode_memory import compiled_step_bytes, shapes_dims
-
     train, g = params.train, params.train.rollouts.group_size
     c = train.rollouts.max_new_tokens
     prompts, length = loop.step_shape(rows // g, g, p, c)
@@ -611,10 +605,6 @@ def decode_call(params, shapes: ModelShapes, device: str, section: str, prompt_t
     its first call against the budget ``card - context - weights`` (``card`` None: not split), on a
     compiled step where ``decode.*`` compiles one for the stage's token steps (``stage_prompts``
     prompts; None: unknown, taken as enough)."""
-    from grpo.rollout.decode_memory import LOGPROB_ROWS, CallSize, call_bytes, shapes_dims, split_call
-    from grpo.rollout.rollout_backends import planned_tokens
-    from grpo.rollout.sampling import plan_decode
-
     cfg = getattr(params, section)
     dtype = saved_model_dtype(params, section, device)
     b, d = dtype.itemsize, shapes_dims(shapes, dtype.itemsize)
@@ -656,9 +646,6 @@ def forward_tokens(n: int, g: int, p: int, c: int, *, packed: bool, shared: bool
 
 def _update_terms(est: Estimate, shapes: ModelShapes, params, device: str, p: int, b: int) -> None:
     """The training phase's terms (one micro-batch's forward and backward)."""
-    from grpo.algorithm.entropy import build_token_rule
-    from grpo.algorithm.logprobs import packed_layout
-
     model, lora, train = params.model, params.lora, params.train
     add, g, c = est.terms.append, train.rollouts.group_size, train.rollouts.max_new_tokens
     n = micro_batch_rows(train.rollouts.prompts_per_step * g, train.passes.micro_batches, g)

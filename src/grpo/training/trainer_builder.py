@@ -28,6 +28,7 @@ import torch
 
 from grpo.algorithm.entropy import TokenRule, build_token_rule
 from grpo.algorithm.loss import LossSettings, build_loss
+from grpo.config.overlay import overlay_params
 from grpo.config.reading import Params
 from grpo.core.device import compute_dtype
 from grpo.core.distributed import Dist
@@ -64,8 +65,6 @@ def depart(params: Params, departures: dict[str, object]) -> Params:
     """``params`` with each dotted key of ``departures`` (``{"train.optimizer.mu": 1}``, any depth)
     replaced, each changed section built again, so validated (``ParamsError`` of one line on a bad
     value or key). A key names a section and a key in it; ``params`` is left as it was."""
-    from grpo.config.overlay import overlay_params
-
     sections = {name: getattr(params, name) for name in type(params).model_fields} | dict(params.model_extra or {})
     names = {key.partition(".")[0] for key in departures}
     for key in departures:

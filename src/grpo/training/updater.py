@@ -26,6 +26,7 @@ import torch
 from grpo.config.sections.train import TrainConfig
 from grpo.core.distributed import Dist
 from grpo.core.types import StepResult
+from grpo.training.zero import ZeroUpdater
 
 
 class Updater(Protocol):
@@ -97,7 +98,5 @@ class AdamWUpdater:
 def make_updater(model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig, dist: Dist) -> Updater:
     """DeepSpeed ZeRO when ``train.distribution.deepspeed_config`` names a JSON, else AdamW + all-reduce."""
     if cfg.distribution.deepspeed_config:
-        from grpo.training.zero import ZeroUpdater
-
         return ZeroUpdater(model, params, cfg, dist)
     return AdamWUpdater(params, cfg, dist)

@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from grpo.config.choices import Choice, EntryOptions, entry_defaults
+from grpo.config.choices import Choice, EntryOptions, entry_defaults, registry
 from grpo.config.sections.engine import VLLMEngineConfig
 from grpo.core.fields import Fraction, NonNegative, Positive, PositiveFloat, Section
 
@@ -152,8 +152,6 @@ class LossConfig(TrainPart):
     @model_validator(mode="after")
     def _check(self):
         """The chosen rule's check of its options (``grpo.algorithm.entropy.TokenRule.check``: one line naming the param)."""
-        from grpo.config.choices import registry
-
         registry("train.loss.entropy_rule")[self.entropy_rule].check(self.rule_options())
         return self
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.core.model_shapes import ModelShapes, count
+from grpo.model.lora_policy import export_dense
+from grpo.model.nf4_layers import dense_weight
 from grpo.rollout.engine.forms import WEIGHTS_FORMS, FormNeeds, WeightsForm
 
 if TYPE_CHECKING:
@@ -60,8 +62,6 @@ class PolicyWeights:
 
     def __init__(self, model, dtype: torch.dtype):
         from peft.tuners.lora.layer import LoraLayer
-
-        from grpo.model.nf4_layers import dense_weight
 
         self.dtype = dtype
         modules = dict(model.get_base_model().named_modules())
@@ -147,8 +147,6 @@ class DenseForm(WeightsForm):
     def write_folder(self, policy, tokenizer, base) -> None:
         """The dense export of ``base`` (nothing written without ``base``: the folder is already there)."""
         if base is not None:
-            from grpo.model.lora_policy import export_dense
-
             export_dense(base, None, self.engine_dir)
 
     def start(self, args: dict, tokenizer, policy, limits: Lengths):

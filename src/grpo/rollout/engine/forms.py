@@ -116,6 +116,7 @@ class WeightsForm:
         return None
 
     def start(self, args: dict, tokenizer, policy, limits: Lengths) -> VLLMSampler:
+        # lazy: the sampler loads torch; forms imports no torch (module docstring), only a started engine needs it
         from grpo.rollout.engine.sampler import VLLMSampler
 
         return VLLMSampler(args, tokenizer, progress=False, limits=limits)

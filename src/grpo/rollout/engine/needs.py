@@ -22,7 +22,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo.core.device import compute_dtype
 from grpo.core.model_shapes import ModelShapes, prepared_name, prepared_shapes
+from grpo.data.sources import build_prompt
+from grpo.model.base_model import load_tokenizer
 from grpo.rollout.engine import bounds
 from grpo.rollout.engine.args import EngineRole, engine_args
 from grpo.rollout.engine.forms import choose_form
@@ -129,8 +132,6 @@ def engine_needs(params, shapes: ModelShapes, device: str, prompt_tokens: int, f
     stage would start it with (``grpo.rollout.engine.args.engine_args`` over ``grpo.rollout.engine.bounds.step_limits``,
     the form's LoRA rank), the form's own needs; one step's tokens: ``prompt_tokens +
     train.rollouts.max_new_tokens`` per completion of the largest call."""
-    from grpo.core.device import compute_dtype
-
     train, kind = params.train, weights_form(form)
     dtype = compute_dtype(params.model.dtype, device)
     b, name = dtype.itemsize, str(dtype).removeprefix("torch.")
@@ -224,9 +225,6 @@ def longest_prompt_tokens(params, root: Path, paths: tuple[str, ...] | None = No
     if provenance and (prepared_name(tok_dir) not in (None, params.model.name) or
                        _prepared_source(root / params.data.out_dir) not in (None, params.data.source)):
         return None
-    from grpo.data.sources import build_prompt
-    from grpo.model.base_model import load_tokenizer
-
     tok = load_tokenizer(tok_dir)
     questions = [json.loads(line)["question"] for line in rows_path.read_text().splitlines() if line.strip()]
     if not questions:

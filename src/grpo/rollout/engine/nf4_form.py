@@ -54,7 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Parameter
 
+from grpo.core.errors import ParamsError
 from grpo.core.model_shapes import ModelShapes, count, norm_params
+from grpo.rollout.engine.adapter import AdapterSync
 from grpo.rollout.engine.forms import WEIGHTS_FORMS, FormNeeds, WeightsForm, lora_buffer_bytes
 
 if TYPE_CHECKING:
@@ -273,8 +275,6 @@ class NF4Form(WeightsForm):
 
     def start(self, args: dict, tokenizer, policy, limits: Lengths):
         """The engine built inside ``sharing(policy)``, the method registered with vLLM first."""
-        from grpo.rollout.engine.adapter import AdapterSync
-
         register()
         with sharing(policy):
             sampler = super().start(args, tokenizer, policy, limits)
@@ -289,8 +289,6 @@ class NF4Form(WeightsForm):
 
     @classmethod
     def check_params(cls, params) -> None:
-        from grpo.core.errors import ParamsError
-
         if cls.unusable(params) is not None:
             raise ParamsError("train.rollouts.engine_weights: nf4 shares the trainer's 4-bit base, and model.quantization is "
                               f"{params.model.quantization}; set model.quantization: nf4, or engine_weights dense or auto")

@@ -203,6 +203,7 @@ def _gib(n: float) -> str:
 
 
 def check_driver(driver: str | None, cuda: str, torch_version: str) -> Check:
+    # lazy: grpo.core.device loads torch; preflight imports without it (grpo --help, the Prefect flow's process)
     from grpo.core.device import MIN_DRIVER
 
     need = MIN_DRIVER.get(cuda.split(".")[0])
@@ -361,6 +362,7 @@ def run_preflight(estimate_bytes: int | Callable[[int], int | None] | None = Non
     estimated peak GPU memory to compare free memory with, or a function of the card's total
     memory giving it (the engines' budgets are shares of the card), or None: none given. On a CPU build of
     torch, or with ``GRPO_DEVICE=cpu``, nothing is checked and the one line says so."""
+    # lazy: grpo.core.device loads torch; preflight imports without it (grpo --help, the Prefect flow's process)
     from grpo.core.device import DEVICE_ENV
 
     environ = os.environ if environ is None else environ

@@ -23,6 +23,7 @@ import torch
 
 from grpo.core.device import compute_dtype, default_device, refuse_half_overflow
 from grpo.core.types import Lengths, Rollout
+from grpo.model.lora_policy import load_base_model
 from grpo.rollout.engine.args import engine_args, start_environment
 from grpo.rollout.engine.bounds import saved_model_bounds
 from grpo.rollout.rollout_backends import (
@@ -202,8 +203,6 @@ def saved_model_sampler(choice: str, tokenizer, model_dir: str | Path, section: 
             log.warning(engine_failed(err))
     elif note := fallback_note(choice):
         log.warning(note)
-    from grpo.model.lora_policy import load_base_model
-
     torch.manual_seed(run.seed)
     model = load_base_model(model_dir, run.dtype, default_device())
     return TransformersBackend(model, tokenizer, return_logprobs=True, dequantize=False, decode=decode,

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with pinned versions (idempotent; a second run is quick).
+# Create .venv and install the project with pinned versions (idempotent: a run whose files, extras,
+# sources and TORCH_*/GRPO_NO_VLLM/PYTHON match the last finished one's says so and installs nothing;
+# GRPO_SETUP_FORCE=1 installs again).
 # Needs Python 3.11, 3.12 or 3.13 with its venv module, and a package index (PyPI or a mirror).
 #   1. torch (scripts/install_torch.sh): on CPU machines the CPU build, from the configured pip
 #      sources or else from PyTorch's CPU index (TORCH_CPU_INDEX names another); where nvidia-smi
@@ -53,12 +55,25 @@ extras() {  # the extras of the project install on this machine, then those name
   (IFS=,; echo "$base${*:+,$*}")
 }
 
+setup_key() {  # what the install depends on: this folder, the extras, the sources, the env knobs, the files
+  { printf '%s\n' "$PWD" "$EXTRAS" "$sources" "${TORCH_CUDA_INDEX:-}" "${TORCH_CPU_INDEX:-}" "${GRPO_NO_VLLM:-}" \
+      "${PYTHON:-}"
+    cat pyproject.toml scripts/setup.sh scripts/install_torch.sh scripts/pip_sources.py; } | sha256sum | cut -d' ' -f1
+}
+
 UV_PIN=uv==0.13.9  # the installer of the project step
+STAMP=.venv/.grpo-setup  # the setup_key of the last setup that finished
 make_venv
-.venv/bin/python -m pip install -q --upgrade pip "$UV_PIN"
-bash scripts/install_torch.sh .venv/bin/python
 EXTRAS=$(extras "$@")
 sources=$(.venv/bin/python scripts/pip_sources.py)  # a failure here stops setup (set -e)
+KEY=$(setup_key)
+if [ -z "${GRPO_SETUP_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ]; then
+  echo "setup: up to date (.venv was set up from these files, extras [$EXTRAS] and sources; GRPO_SETUP_FORCE=1 installs again)"
+  exit 0
+fi
+rm -f "$STAMP"
+.venv/bin/python -m pip install -q --upgrade pip "$UV_PIN"
+bash scripts/install_torch.sh .venv/bin/python
 mapfile -t SOURCES < <(printf '%s' "$sources")     # one argument a line; none when pip names no source
 # unsafe-best-match: the best version over all the sources, as pip resolves (uv's default stops at
 # the first source that has the package)
@@ -76,3 +91,4 @@ vllm = "yes" if importlib.util.find_spec("vllm") else "no (transformers fallback
 print(f"setup: done (torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
       f"bitsandbytes {bitsandbytes.__version__}, triton {triton.__version__}, vllm: {vllm})")
 PY
+echo "$KEY" > "$STAMP"

@@ -194,3 +194,51 @@ def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):
         "--find-links", "/wheels"]
     env = {**bare, "PIP_CONFIG_FILE": str(conf), "PIP_INDEX_URL": "file:///local/simple"}
     assert _pip_sources(env)[:2] == ["--index-url", "file:///local/simple"]
+
+
+def _stand_in_project(root: Path) -> Path:
+    """setup.sh, pip_sources.py and pyproject.toml in a project folder whose .venv holds stand-in
+    installers: python, uv and install_torch.sh append what they were asked to ``calls.log``
+    (the installs themselves are not under test here, only whether setup starts them)."""
+    (root / "scripts").mkdir(parents=True)
+    for name in ("setup.sh", "pip_sources.py"):
+        shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    log = root / "calls.log"
+    (root / "scripts" / "install_torch.sh").write_text(f'echo torch >> "{log}"\n')
+    (root / ".venv" / "bin").mkdir(parents=True)
+    stand_ins = {
+        "python": "#!/bin/sh\n"
+                  f'case "$1 $2" in "-m pip") echo "pip $3" >> "{log}"; exit 0 ;; esac\n'
+                  'case "$1" in scripts/pip_sources.py) exit 0 ;; -) cat >/dev/null; exit 0 ;; esac\n'
+                  "exit 3\n",
+        "uv": f'#!/bin/sh\necho "uv $2" >> "{log}"\n',
+    }
+    for name, text in stand_ins.items():
+        (root / ".venv" / "bin" / name).write_text(text)
+        (root / ".venv" / "bin" / name).chmod(0o755)
+    return log
+
+
+def test_a_second_setup_with_nothing_changed_installs_nothing(tmp_path):
+    """The stamp: a finished setup records what it installed from; the next run with the same files,
+    extras, sources and knobs says so in one line and starts no installer; a changed pyproject.toml,
+    another extra or GRPO_SETUP_FORCE=1 installs again."""
+    root = tmp_path / "project"
+    log = _stand_in_project(root)
+
+    def setup(*extras: str, **env: str) -> tuple[str, list[str]]:
+        before = log.read_text().splitlines() if log.exists() else []
+        proc = subprocess.run(["bash", "scripts/setup.sh", *extras], cwd=root, capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        installs = [c for c in log.read_text().splitlines()[len(before):] if c != "pip --version"]
+        return proc.stdout.strip(), installs
+
+    assert setup()[1][:3] == ["pip install", "torch", "uv install"]  # then uv uninstall where no nvidia-smi
+    out, installs = setup()
+    assert installs == [] and out.startswith("setup: up to date (.venv was set up from these files, extras [dev,")
+    assert setup("deepspeed")[1] != [] and setup("deepspeed")[1] == []
+    assert setup("deepspeed", GRPO_SETUP_FORCE="1")[1] != []
+    (root / "pyproject.toml").write_text((root / "pyproject.toml").read_text() + "\n# an edit\n")
+    assert setup("deepspeed")[1] != []

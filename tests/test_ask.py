@@ -132,6 +132,7 @@ def _ask_cli(params, adapter):
                            str(adapter)], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_an_adapter_that_does_not_fit_the_base_is_one_line_naming_both(adapter_dir, tiny_model_dir, tiny_params,
                                                                         tmp_path):
     """A rank-8 adapter's weights under a rank-r config (two adapters mixed in one folder), and a

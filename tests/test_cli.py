@@ -71,6 +71,7 @@ def test_a_card_size_that_is_not_positive_is_one_line(capsys):
     assert (code, out, err.strip()) == (2, "", "grpo check: error: --gpu-memory: must be > 0 GiB")
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_check_on_a_cuda_build_without_a_usable_gpu_is_one_line(monkeypatch, capsys):
     """The device line says why, and the estimate for this machine stops with the one-line error
     (``--device cuda`` still estimates for a card this machine does not have)."""

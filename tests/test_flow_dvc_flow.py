@@ -30,6 +30,7 @@ def test_slot_name_is_per_workspace_path(tmp_path):
     assert slot_name(tmp_path).startswith("grpo-workspace-")
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_a_temporary_server_that_does_not_start_is_one_line(tmp_path):
     """Prefect's temporary server given no time to start (the timeout the flow otherwise raises to
     fit a busy machine): the flow ends with one line saying what to do, exit code 1, no traceback."""

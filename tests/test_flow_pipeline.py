@@ -38,6 +38,7 @@ def test_a_busy_workspace_is_refused_before_prefect_is_imported(tmp_path):
     assert "flows.workspace" in imported and not [m for m in imported if m.split(".")[0] == "prefect"]
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 @pytest.mark.parametrize(("argv", "key"), [(["--set", "train.nonexistent=1"], "train.nonexistent"),
                                            (["--set", "train.seed=2", "--set", "train.steps=forty"], "train.steps"),
                                            ([], "lora.rank")])

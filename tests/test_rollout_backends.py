@@ -141,6 +141,7 @@ def test_generation_backend_shapes(tiny_model_dir):
     assert torch.equal(roll.finished, ended)  # finished: ended on an EOS, not cut off at 6 tokens
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_finished_says_which_completions_max_new_tokens_cut_off(tiny_vllm_model_dir):
     """Both backends: with EOS suppressed for the first k tokens every completion of k tokens was
     cut off; a completion that stopped early ended on an EOS (vLLM's finish_reason "stop")."""

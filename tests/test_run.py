@@ -73,6 +73,7 @@ for path in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_train_deterministic_turns_on_torchs_flag_and_the_cublas_workspace(tiny_model_dir, tiny_problems, tmp_path):
     """A real run in a fresh process (the flag is process-wide): off leaves torch as it is; on turns
     deterministic algorithms on (warn only) and sets the workspace before the model is built."""

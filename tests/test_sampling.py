@@ -85,6 +85,7 @@ def test_finished_rows_leave_the_batch_and_min_new_tokens_holds(tiny_model_dir):
     assert fixed.shape == (4, 6) and not torch.isin(fixed, torch.tensor(sorted(stop))).any()
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_static_loop_gives_the_dynamic_loops_tokens(tiny_model_dir):
     """The static loop (fixed shapes, EOS checked every few tokens) against the dynamic one, same
     row seeds: left-padded prompts of three lengths, rows finishing at different steps, sampled at

@@ -15,6 +15,7 @@ from .conftest import REPO
 from .helpers import _keys
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 @pytest.mark.parametrize("preset", ["presets/seed003.yaml", "presets/seed001.yaml"])
 def test_apply_preset_keeps_params_complete_and_takes_the_preset_values(preset, tmp_path):
     target = tmp_path / "params.yaml"

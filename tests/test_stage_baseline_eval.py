@@ -11,6 +11,7 @@ from grpo.core.jsonio import write_jsonl
 from tests.conftest import REPO
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 @pytest.mark.parametrize("files", [[], ["config.json"]], ids=["empty", "no-weights"])
 def test_baseline_eval_names_an_empty_model_folder_and_leaves_nothing(tmp_path, tiny_problems, files):
     """In a workspace whose model folder is empty, or has a config but no weights: exit 2, one line

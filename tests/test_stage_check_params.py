@@ -30,6 +30,7 @@ def _check(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_a_valid_file_writes_the_same_stamp_and_a_bad_one_is_one_line(tmp_path):
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
     assert _check(tmp_path).returncode == 0
@@ -190,6 +191,7 @@ def test_a_valid_experiment_runs_the_guard_and_only_the_stages_that_read_the_key
     assert GUARD in readers and ran_stages == readers | set(downstream(stages, readers)) and "sent" not in ran_stages
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_a_split_the_source_cannot_fill_is_refused_before_any_stage(tmp_path):
     """seed 003's old data section (all 7473 of GSM8K's train rows for training, params.yaml's
     val_size 200): no validation row can be drawn, so the guard refuses it, naming data.val_size,

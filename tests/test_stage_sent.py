@@ -60,6 +60,7 @@ def test_sent_stage_transformers_fallback(tmp_path, tiny_model_dir, tiny_problem
     _check_sorted_rows(rows, tiny_problems)
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 @pytest.mark.parametrize("files", [[], ["config.json", "tokenizer.json"]], ids=["empty", "no-weights"])
 def test_sent_stage_names_an_empty_model_folder(tmp_path, tiny_problems, files):
     """A model folder without config.json, or without weights: exit 2 and one line naming the folder,

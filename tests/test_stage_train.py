@@ -163,6 +163,7 @@ def test_a_changed_setting_moves_the_earlier_run_aside(tiny_model_dir, tiny_prob
     assert [r["step"] for r in _steps(tmp_path)] == [1, 2, 3]
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_an_empty_validation_file_stops_the_stage_before_the_model_loads(tiny_problems, tmp_path):
     """eval_every with a validation file of no row: one line naming the key, exit 2, no model read
     (the model path does not exist)."""

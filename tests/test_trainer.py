@@ -102,6 +102,7 @@ def test_generation_micro_batches_keep_groups_contiguous_and_fixed_length(tiny_m
     assert row["completion_len"] == 5 and row["time_optimizer_s"] > 0
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_logged_stage_is_the_stage_the_rows_came_from(tiny_model_dir, tiny_problems, tmp_path):
     torch.manual_seed(0)
     tok = load_tokenizer(tiny_model_dir)
@@ -228,6 +229,7 @@ def _nan_trainer(tiny_model_dir, tiny_problems, tmp_path, monkeypatch, bad_calls
     return make_trainer(model, tok, train, tiny_problems), model
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_a_non_finite_step_applies_no_update_and_training_goes_on(tiny_model_dir, tiny_problems, tmp_path,
                                                                   monkeypatch, caplog):
     """Step 2's rewards are infinite: its loss and gradients are NaN. Its update is not applied (the
@@ -273,6 +275,7 @@ def test_with_mu_2_a_non_finite_second_update_undoes_the_first(tiny_model_dir, t
     assert any("step 2: inner update 2 of mu 2 was not applied: the 1 before it are undone" in m for m in caplog.messages)
 
 
+@pytest.mark.slow  # over ~5 s in the fast tier (the slow marker's rule, pyproject.toml)
 def test_non_finite_steps_in_a_row_stop_training_with_one_line(tiny_model_dir, tiny_problems, tmp_path, monkeypatch):
     """Every step from the third on is infinite: with ``max_nonfinite_steps`` 2 training stops after
     step 4 with one line naming the steps and the last good checkpoint (step 2's)."""

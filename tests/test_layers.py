@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 
-from grpo.tools.code_deps import LAYERS, Project, layer_breaches
+from grpo.tools.code_deps import LAYERS, Project, import_statements, layer_breaches
 
 from .conftest import REPO
 
@@ -31,8 +31,7 @@ def test_an_import_inside_a_function_says_why_and_few_do():
     """Every statement importing a grpo module inside a function carries ``# lazy: <reason>`` on its
     line or the line above, and at most 10% of the library's internal imports sit in functions."""
     project = Project(REPO)
-    statements = {(i.source, i.line): i for m in sorted(LIBRARY.rglob("*.py")) for i in project.imports(m)
-                  if i.kind != "importlib"}
+    statements = import_statements(project)
     lazy = [key for key, i in statements.items() if i.in_function]
     unsaid = []
     for source, line in lazy:

@@ -372,16 +372,23 @@ def layer_breaches(project: Project) -> list[Import]:
     return out
 
 
+def import_statements(project: Project) -> dict[tuple[Path, int], Import]:
+    """Each statement of the library (``src/grpo``) that imports a grpo module, keyed by (file, line):
+    one entry per statement, however many modules it names; ``importlib`` tables are not statements."""
+    statements: dict[tuple[Path, int], Import] = {}
+    for module in sorted(project.root.joinpath(*PACKAGES["grpo"]).rglob("*.py")):
+        for i in project.imports(module):
+            if i.kind != "importlib":
+                statements.setdefault((module, i.line), i)
+    return statements
+
+
 def graph_report(project: Project) -> list[str]:
     """The lines of ``python -m grpo.tools.code_deps graph``: the library (``src/grpo``) as an import graph."""
     library = project.root.joinpath(*PACKAGES["grpo"])
     modules = sorted(library.rglob("*.py"))
     subpackages = sorted(p.parent for p in library.glob("*/__init__.py"))
-    statements = {}
-    for module in modules:
-        for i in project.imports(module):
-            if i.kind != "importlib":
-                statements.setdefault((module, i.line), i)
+    statements = import_statements(project)
     kinds = [i.kind for i in statements.values()]
     lazy = sum(i.in_function for i in statements.values())
     name = lambda p: project.relative(p).removeprefix("src/").removesuffix(".py").replace("/", ".")  # noqa: E731

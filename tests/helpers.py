@@ -177,13 +177,13 @@ def engine_gap_to_policy(rollout, model, tok) -> tuple[float, float]:
 
 def trainer_parts(cfg, backend=None):
     """The ``grpo.training.trainer.TrainerParts`` of the train section ``cfg``: its token rule and loss
-    built by the library's builders (``build_token_rule``, ``build_loss``, as
-    ``grpo.training.trainer_builder.TrainerBuilder`` builds them); ``backend``: ``None``, the decode loop."""
+    built as ``grpo.training.trainer_builder.TrainerBuilder`` builds them (``build_token_rule``,
+    ``loss_of``); ``backend``: ``None``, the decode loop."""
     from grpo.algorithm.entropy import build_token_rule
-    from grpo.algorithm.loss import build_loss
     from grpo.training.trainer import TrainerParts
+    from grpo.training.trainer_builder import loss_of
 
-    return TrainerParts(backend, build_token_rule(cfg.loss), build_loss(cfg.loss, cfg.rollouts.max_new_tokens))
+    return TrainerParts(backend, build_token_rule(cfg.loss), loss_of(cfg))
 
 
 def make_trainer(model, tok, cfg, problems, *, backend=None, **kw):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo.algorithm.entropy import build_token_rule
-from grpo.algorithm.loss import LossSettings, build_loss
+from grpo.algorithm.loss import LossSettings
 from grpo.config.sections.lora import LoraConfig
 from grpo.config.sections.model import ModelConfig
 from grpo.config.sections.train import TrainConfig
@@ -22,6 +22,7 @@ from grpo.model.base_model import load_tokenizer
 from grpo.model.lora_policy import load_policy
 from grpo.rollout.rollout_backends import TransformersBackend
 from grpo.training.passes import PolicyPasses, micro_slices
+from grpo.training.trainer_builder import loss_of
 from grpo.training.updater import AdamWUpdater
 
 from .helpers import LORA, give_adapter_a_say, make_trainer
@@ -31,8 +32,7 @@ def _passes(model, cfg: TrainConfig) -> PolicyPasses:
     """The passes as the trainer builds them, one process, AdamW on the LoRA parameters, the rule
     and the loss of ``cfg.loss``."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return PolicyPasses(model, cfg, Dist(), AdamWUpdater(params, cfg, Dist()), build_token_rule(cfg.loss),
-                        build_loss(cfg.loss, cfg.rollouts.max_new_tokens))
+    return PolicyPasses(model, cfg, Dist(), AdamWUpdater(params, cfg, Dist()), build_token_rule(cfg.loss), loss_of(cfg))
 
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from grpo.algorithm.entropy import TokenRule, build_token_rule
 from grpo.algorithm.loss import LossSettings, build_loss
 from grpo.config.overlay import overlay_params
 from grpo.config.reading import Params
+from grpo.config.sections.train import TrainConfig
 from grpo.core.device import compute_dtype
 from grpo.core.distributed import Dist
 from grpo.core.errors import ParamsError
@@ -89,6 +90,12 @@ def departure_line(departures: dict[str, object]) -> str:
     return ", ".join(f"{k}={v}" for k, v in departures.items()) or "none"
 
 
+
+def loss_of(cfg: TrainConfig) -> LossSettings:
+    """The loss's settings for the train section ``cfg``: ``train.loss`` with the rollouts' length
+    (``build_loss``'s T_max), as the builder builds them."""
+    return build_loss(cfg.loss, cfg.rollouts.max_new_tokens)
+
 class TrainerBuilder:
     """Builds the train stage's trainer for ``params`` on ``device`` part by part, in the stage's
     order (module docstring): one method per part, each called once by ``build``. ``dist``: this
@@ -145,7 +152,7 @@ class TrainerBuilder:
         return build_token_rule(self.cfg.loss)
 
     def loss(self) -> LossSettings:
-        return build_loss(self.cfg.loss, self.cfg.rollouts.max_new_tokens)
+        return loss_of(self.cfg)
 
     # ------------------------------------------------------------------ the trainer
     def build(self, problems: list[dict], *, loggers: Callable[[], tuple[list, list]] | None = None,

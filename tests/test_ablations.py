@@ -493,3 +493,44 @@ def test_the_cost_grids_margin_is_what_its_design_establishes_with_80_percent_po
              for c in ("every-token-mu1", "every-token-mu2", "archer-mu1")]
     need = noninferiority_margin(pooled_sd(diffs), len(grid.seeds), ablations.ALPHA / len(d["candidates"]))
     assert need <= d["margin"] < need + 0.01
+
+
+def test_a_confirmation_grid_of_one_variant_writes_its_headline_as_the_chosen_one(tmp_path):
+    """A grid of one variant and no decision (the chosen default on fresh seeds): its table, plot and
+    headline file are written, the headline's pick is that variant (the pages read it), and a grid of
+    two variants without a decision picks none."""
+    from grpo.evaluation import seed_headline
+
+    grid = Grid("chosen", (8, 9, 10), {"chosen": {"train.optimizer.mu": 1}}, confirms="experiments/grid.yaml")
+    after, before = {"chosen": {8: 0.50, 9: 0.40, 10: 0.45}}, {"chosen": {8: 0.09, 9: 0.11, 10: 0.07}}
+    table = ablations.rows(grid, {ablations.TEST: _runs(after), ablations.SELECT: _runs(after),
+                                  ablations.BEFORE: _runs(before)})
+    assert "| **chosen** | 3 |" in ablations.markdown(grid, table)
+    ablations.forest_plot(grid, table, tmp_path / "plot.png")
+    path = tmp_path / "headline.json"
+    ablations.write_headlines(path, "experiments/confirm.yaml", grid, table)
+    head = seed_headline.read(path)
+    assert head["chosen"] == "chosen" and head["confirms"] == "experiments/grid.yaml"
+    assert head["variants"]["chosen"]["seeds"] == [8, 9, 10]
+    assert head["variants"]["chosen"]["after"]["mean"] == pytest.approx(0.45)
+    words = " ".join(seed_headline.words(head, {"train.optimizer.mu": 1}))
+    assert "(the default `experiments/grid.yaml` chose, on seeds it never saw)" in words and "0.450" in words
+    plain = Grid("chosen", (8, 9, 10), {"chosen": {"train.optimizer.mu": 1}})  # one variant, confirming nothing
+    assert ablations.headline_pick(plain, table) is None
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"confirms": "experiments/missing.yaml"}, "not a file of the repository"),
+    ({"confirms": "params.yaml", "variants": {"a": {}, "b": {"train.seed": 1}}}, "a grid of one variant"),
+    ({"confirms": 3}, "a string"),
+])
+def test_confirms_names_a_file_in_a_grid_of_one_variant(tmp_path, extra, words):
+    path = _grid_file(tmp_path, {"a": {}}, reference="a")
+    raw = {**yaml.safe_load(path.read_text()), **extra}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=words):
+        load_grid(path)
+    raw["confirms"] = "params.yaml"
+    raw["variants"] = {"a": {}}
+    path.write_text(yaml.safe_dump(raw))
+    assert load_grid(path).confirms == "params.yaml"

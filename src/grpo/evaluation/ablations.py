@@ -5,7 +5,8 @@
 
 The grid file names a ``reference`` variant, the ``seeds`` and ``variants``: name -> params overrides
 (``{"train.order": "shuffled"}``), each checked against ``grpo.config.reading`` before anything is queued;
-optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``: the
+``confirms``: the grid file whose decision a grid of one variant and no decision runs again on
+fresh seeds (its headline is that variant's: ``headline_pick``); optionally a ``decision``: the rule that picks a default from the results (``candidates``, ``margin``: the
 cheapest within the margin of the best; or ``rule: noninferior`` with an ``incumbent``: the cheapest
 candidate shown not worse than the incumbent by the margin; ``decide``),
 and ``paired_with``: variants compared to another variant than the reference (the curriculum against
@@ -100,6 +101,7 @@ class Grid:
     paired_with: dict[str, str] = field(default_factory=dict)  # variant -> the variant it is compared to (else reference)
     seed_keys: tuple[str, ...] = (SEED_KEY,)  # the params keys set to the experiment's seed
     pinned: tuple[str, ...] = ()  # params keys every variant sets itself
+    confirms: str | None = None  # the grid file whose decision this one-variant grid confirms on fresh seeds
 
     def partner(self, variant: str) -> str:
         """The variant ``variant`` is paired with: its ``paired_with`` entry, else the reference."""
@@ -183,6 +185,19 @@ def check_decision(path: Path, decision: object, variants: dict) -> dict | None:
     return decision
 
 
+def check_confirms(path: Path, confirms: object, variants: dict, decision: dict | None) -> str | None:
+    """The grid's ``confirms`` (None when it has none): the grid file, relative to the repository,
+    whose decision this grid confirms. Such a grid has one variant and no decision of its own."""
+    if confirms is None:
+        return None
+    if not isinstance(confirms, str) or len(variants) != 1 or decision is not None:
+        raise ValueError(f"{path}: 'confirms' names the grid file whose chosen default this grid runs on fresh seeds: "
+                         "a string, in a grid of one variant and no 'decision'")
+    if not (Path(path).resolve().parent.parent / confirms).is_file():
+        raise ValueError(f"{path}: confirms {confirms!r}, which is not a file of the repository")
+    return confirms
+
+
 def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     """The grid in ``path``; every variant's overrides validated over ``params_path`` (params.yaml
     beside the grid's repository by default) so that a typo fails here, not an hour into a queue."""
@@ -204,7 +219,8 @@ def load_grid(path: Path, params_path: Path | None = None) -> Grid:
     grid = Grid(reference=reference, seeds=tuple(seeds),
                 variants={name: dict(over or {}) for name, over in variants.items()}, decision=decision,
                 paired_with=check_pairs(path, raw.get("paired_with") or {}, variants, reference),
-                seed_keys=check_keys(path, raw, "seed_keys", (SEED_KEY,)), pinned=check_keys(path, raw, "pinned", ()))
+                seed_keys=check_keys(path, raw, "seed_keys", (SEED_KEY,)), pinned=check_keys(path, raw, "pinned", ()),
+                confirms=check_confirms(path, raw.get("confirms"), variants, decision))
     params = read_params_yaml(params_path or Path(path).resolve().parent.parent / "params.yaml")
     check_seed_and_pinned_keys(grid, params)
     for name, overrides in grid.variants.items():
@@ -769,10 +785,19 @@ def read_table(root: Path, grid: Grid, record: Path | None = None) -> list[Row]:
     return rows(grid, read_all(root, record))
 
 
+def headline_pick(grid: Grid, table: list[Row]) -> str | None:
+    """The variant the headline stands for: the decision's pick; in a grid that ``confirms`` another's
+    decision, its one variant; else None."""
+    if grid.decision:
+        return choose(grid, table)[0]
+    return next(iter(grid.variants)) if grid.confirms else None
+
+
 def write_headlines(path: Path, grid_file: str, grid: Grid, table: list[Row]) -> None:
     """Every variant's ``headline`` with its overrides and the decision's pick, in the layout
     ``grpo.evaluation.seed_headline`` reads (the report shows the entry its run's params match)."""
-    pick = choose(grid, table)[0] if grid.decision else None
+    pick = headline_pick(grid, table)
+
     def side(t: PairedTest) -> dict[str, float | None]:
         return {"mean": t.mean, "low": t.low, "high": t.high}
 
@@ -780,7 +805,8 @@ def write_headlines(path: Path, grid_file: str, grid: Grid, table: list[Row]) ->
                             "n_eff_before": h.n_eff_before, "n_eff_after": h.n_eff_after, "rows": h.rows}
                 for r in table if (h := headline(table, r.variant))}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"cpu": cpu_kind(), "grid": grid_file, "chosen": pick, "variants": variants},
+    path.write_text(json.dumps({"cpu": cpu_kind(), "grid": grid_file, "chosen": pick, "confirms": grid.confirms,
+                                "variants": variants},
                                indent=1, default=list) + "\n")
 
 

@@ -36,11 +36,12 @@ def render(root: Path) -> list[str]:
     name, e = head["chosen"], head["variants"][head["chosen"]]
     b, f = (json.loads((root / "metrics" / f"{s}.json").read_text()) for s in ("baseline", "final"))
     seeds = e["seeds"]
+    chosen_by = f" (chosen by `{head['confirms']}`, seeds it never saw)" if head.get("confirms") else ""
     return [
         "| run | before | after |",
         "|---|---|---|",
         f"| {len(seeds)} seed triples ({seeds[0]}-{seeds[-1]}: each draws its own splits, SENT samples and training "
-        f"run), `{name}` of `{head['grid']}` on an {head['cpu']}: mean, 95% t interval across seeds (effective n per seed "
+        f"run), `{name}`{chosen_by} of `{head['grid']}` on an {head['cpu']}: mean, 95% t interval across seeds (effective n per seed "
         f"{e['n_eff_before']:.0f} / {e['n_eff_after']:.0f} of {e['rows']:.0f} rows) "
         f"| {_ci(**e['before'])} | **{_ci(**e['after'])}** |",
         f"| the committed run (`dvc.lock`, seed 0; its machine: `reports/report.md`, Run): 95% Wilson at the "

@@ -138,7 +138,8 @@ def test_a_measured_figure_of_another_token_rule_is_named_as_the_nearest_shape()
     them (each rule's LM head differs: 1/q rows with grad for the rules that drop no token)."""
     preset = _preset("seed003")
     # the shape those runs had: 8 micro-batches (the preset runs 2 since bench/step_model.py counted its launches)
-    params = depart(preset, {"train.loss.entropy_rule": "high", "train.passes.micro_batches": 8})
+    params = depart(preset, {"train.loss.entropy_rule": "high", "train.passes.micro_batches": 8,
+                             "train.loss.entropy_rule_options.high.top_quantile": 0.2})  # high's quantile then
     shapes = memory.resolve_shapes(params.model, REPO)
     same = [line for line in memory.measured_for(params, shapes, "cuda", 128) if "H100, " in line]
     assert same and all(", this shape: " in line for line in same), same

@@ -258,7 +258,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_model_dir, tiny_problem
     tok = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(path=str(tiny_model_dir), dtype="float32"), LoraConfig(**LORA))
     give_adapter_a_say(model, std=0.3)  # non-zero adapter: gradients reach A and B
-    fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 10}, checkpoints={"every": 0}, loss={"entropy_rule_options": {"archer": {"kl_low": 0.0}, "sent_kl": {"kl_low": 0.0}}, "entropy_rule": rule}, optimizer={"mu": mu})
+    fields = dict(output_dir=str(tmp_path), rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 10}, checkpoints={"every": 0}, loss={"entropy_rule_options": {"high": {"top_quantile": 0.2}, "archer": {"kl_low": 0.0}, "sent_kl": {"kl_low": 0.0}}, "entropy_rule": rule}, optimizer={"mu": mu})
     one = _passes(model, TrainConfig(**fields, passes={"micro_batches": 1}))
     four = _passes(model, TrainConfig(**fields, passes={"micro_batches": 4}))
     prompts = [build_prompt(tok, r["question"], "Answer as '#### N'.") for r in tiny_problems[:2]]
@@ -307,7 +307,7 @@ def test_rules_that_keep_every_token_train_every_token_with_the_reference(tiny_m
     rows = {}
     with REWARDS.registered("toy_chars", lambda completions, answers: [float(len(c)) for c in completions]):
         for rule in ("high", "archer", "sent_kl"):
-            cfg = TrainConfig(output_dir=str(tmp_path / rule), steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1}, wandb={"mode": "disabled"}, loss={"entropy_rule": rule})
+            cfg = TrainConfig(output_dir=str(tmp_path / rule), steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1, "equal_reward_groups": "auto"}, wandb={"mode": "disabled"}, loss={"entropy_rule": rule, "entropy_rule_options": {"high": {"top_quantile": 0.2}}})
             torch.manual_seed(0)
             model = load_policy(ModelConfig(path=str(tiny_model_dir)), LoraConfig(**LORA))
             give_adapter_a_say(model, std=0.3)

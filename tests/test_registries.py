@@ -33,7 +33,7 @@ from grpo.tools import cli
 
 from .helpers import ENGINE_LORA, ENGINE_PROMPTS, ENGINE_RAM, LORA, make_trainer, randomise_adapter, tiny_engine_policy
 
-STEP = dict(steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1}, wandb={"mode": "disabled"})
+STEP = dict(steps=1, rewards={"toy_chars": 1.0}, truncated="score", rollouts={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "backend": "transformers"}, checkpoints={"every": 0, "eval_every": 0}, optimizer={"warmup_steps": 0, "mu": 1, "equal_reward_groups": "auto"}, wandb={"mode": "disabled"})
 """One step (one update) of the tiny model; a reward that differs within a group (the completion's characters:
 the random model seldom ends on EOS, so its completions are scored as cut off)."""
 CALLS: list[str] = []
@@ -79,8 +79,9 @@ class KeepNone(TokenRule):
 
 def _one_step(model_dir, problems, out_dir, **loss) -> tuple[dict, dict[str, torch.Tensor]]:
     """One training step of a fresh tiny policy (seeded: the same rollouts every call) with the
-    loss part ``loss`` over ``STEP``'s: the step's row and the change of every LoRA weight."""
-    cfg = params_from_dict({"train": {**STEP, "output_dir": str(out_dir), "loss": loss}}).train
+    loss part ``loss`` over ``STEP``'s and ``archer`` (a rule with a KL term, so both terms' paths run):
+    the step's row and the change of every LoRA weight."""
+    cfg = params_from_dict({"train": {**STEP, "output_dir": str(out_dir), "loss": {"entropy_rule": "archer", **loss}}}).train
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(model_dir)), LoraConfig(**LORA))
     trainer = make_trainer(model, load_tokenizer(model_dir), cfg, problems)
@@ -98,7 +99,7 @@ def toy_reward():
 
 @pytest.fixture(scope="module")
 def default_step(toy_reward, tiny_model_dir, tiny_problems, tmp_path_factory):
-    """The step with the default entries (``clipped``, ``dapo``, ``high``)."""
+    """The step with the default entries (``clipped``, ``dapo``) under ``archer``."""
     row, delta = _one_step(tiny_model_dir, tiny_problems, tmp_path_factory.mktemp("default"))
     assert row["kept_frac"] > 0 and row["grad_norm"] > 0
     assert any(d.abs().max() > 0 for d in delta.values())
@@ -125,7 +126,7 @@ def test_a_toy_aggregation_chosen_in_params_gives_the_loss(default_step, tiny_mo
     logged before clipping)."""
     with AGGREGATIONS.registered("toy_half_mean", HalfTokenMean):
         row, _ = _one_step(tiny_model_dir, tiny_problems, tmp_path, loss_type="toy_half_mean")
-    # the loss's aggregate, then (the default rule has a KL term) one for each term's gradient norm,
+    # the loss's aggregate, then (archer has a KL term) one for each term's gradient norm,
     # then the rule action's gradient magnitudes (grpo.algorithm.loss.policy_token_grads)
     assert CALLS == ["normalizer", "aggregate", "aggregate", "aggregate", "aggregate"]
     assert row["kl_grad_share"] == pytest.approx(default_step[0]["kl_grad_share"], rel=1e-5)  # both terms doubled

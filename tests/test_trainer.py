@@ -151,7 +151,8 @@ def test_groups_without_signal_leave_the_update_unchanged(tiny_model_dir, tiny_p
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-6)
     assert any(g.abs().max() > 1e-4 for g in grads[0].values())
 
-    with_kl = make_trainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04}}), tiny_problems)
+    with_kl = make_trainer(model, tok, TrainConfig(**{**fields, "loss": {**fields["loss"], "beta": 0.04},
+                                                      "optimizer": {"mu": 1, "equal_reward_groups": "auto"}}), tiny_problems)
     assert with_kl.update_rows(batch, scored) is batch
     rank = StepRollouts(tiny_problems[1:2], 1, ["1"] * 4, rollout, rewards[4:8].tolist(), rewards, {}, advantages[4:8])
     placeholder = trainer.update_rows(batch[4:8], rank)  # this process holds the uniform group only

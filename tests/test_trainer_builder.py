@@ -112,7 +112,7 @@ def test_the_rule_and_the_loss_are_built_once_and_handed_to_the_passes(tiny_para
     """``build_token_rule`` and ``build_loss`` run once per build; the passes hold those objects, of
     the params' rule, options, clip and T_max."""
     import grpo.training.trainer_builder as builder_mod
-    from grpo.algorithm.entropy import Archer
+    from grpo.algorithm.entropy import TOKEN_RULES
 
     calls = []
     for name in ("build_token_rule", "build_loss"):
@@ -122,7 +122,7 @@ def test_the_rule_and_the_loss_are_built_once_and_handed_to_the_passes(tiny_para
     try:
         passes, loss = built.trainer.passes, tiny_params.train.loss
         assert calls == ["build_token_rule", "build_loss"]
-        assert isinstance(passes.rule, Archer) and passes.rule.options == loss.rule_options() and passes.rule.clip == loss.clip()
+        assert type(passes.rule) is TOKEN_RULES[loss.entropy_rule] and passes.rule.options == loss.rule_options() and passes.rule.clip == loss.clip()
         assert (passes.loss.epsilon, passes.loss.beta, passes.loss.max_length) == (
             loss.clip()[0], loss.beta, tiny_params.train.rollouts.max_new_tokens)
     finally:

@@ -407,10 +407,12 @@ def markdown(grid: Grid, table: list[Row]) -> str:
              *_power_line(table)]
     if per_seed := _acting_per_seed(grid, table):
         lines += ["", "Where the entropy rule acted, per seed:", "", *per_seed]
-    pick = None
+    pick = headline_pick(grid, table)
     if grid.decision:
-        pick, decision = choose(grid, table)
-        lines += ["", *decision]
+        lines += ["", *choose(grid, table)[1]]
+    elif grid.confirms:
+        lines += ["", f"Confirms the default `{grid.confirms}` chose, **{pick}**, on seeds it never saw (nothing is "
+                  "chosen here)."]
     if heads := _headline_table(table, pick):
         lines += ["", *heads]
     return "\n".join(lines) + "\n"

@@ -10,7 +10,6 @@ beside the spread of the seeds it is one of.
 File layout::
 
     {"cpu": "...", "grid": "experiments/rule_mu_grid.yaml", "chosen": "archer-mu2" | null,
-     "confirms": "experiments/cost_grid.yaml" | null (a grid that ran another's chosen default on fresh seeds),
      "variants": {name: {"overrides": {dotted key: value}, "seeds": [0, 1, ...],
                          "before": {"mean", "low", "high"}, "after": {...},
                          "n_eff_before", "n_eff_after", "rows"}}}
@@ -55,8 +54,6 @@ def words(headlines: dict | None, flat_params: dict[str, object], source: str = 
                 f"(`{source}`), so no spread over seeds is known for them.", ""]
     e = headlines["variants"][name]
     chosen = " (the default the grid chose)" if headlines.get("chosen") == name else ""
-    if chosen and headlines.get("confirms"):
-        chosen = f" (the default `{headlines['confirms']}` chose, on seeds it never saw)"
     n_eff = (f" Effective n per seed (operand multisets as clusters): {e['n_eff_before']:.0f} before, "
              f"{e['n_eff_after']:.0f} after, of {e['rows']:.0f} rows." if e.get("n_eff_before") and e.get("n_eff_after")
              and e.get("rows") else "")

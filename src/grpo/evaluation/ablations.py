@@ -407,10 +407,12 @@ def markdown(grid: Grid, table: list[Row]) -> str:
              *_power_line(table)]
     if per_seed := _acting_per_seed(grid, table):
         lines += ["", "Where the entropy rule acted, per seed:", "", *per_seed]
-    pick = headline_pick(grid, table)
+    pick = None
     if grid.decision:
-        lines += ["", *choose(grid, table)[1]]
+        pick, decision = choose(grid, table)
+        lines += ["", *decision]
     elif grid.confirms:
+        pick = headline_pick(grid, table)
         lines += ["", f"Confirms the default `{grid.confirms}` chose, **{pick}**, on seeds it never saw (nothing is "
                   "chosen here)."]
     if heads := _headline_table(table, pick):

@@ -14,8 +14,10 @@ from .helpers import _keys
 
 def test_repo_params_yaml_is_valid():
     params = load_params(REPO / "params.yaml")
+    loss = yaml.safe_load((REPO / "params.yaml").read_text())["train"]["loss"]
     assert params.model.quantization == "nf4"
-    assert params.train.loss.rule_options().top_quantile == 0.2
+    assert params.train.loss.rule_options() == params.train.loss.entropy_rule_options.get(loss["entropy_rule"])
+    assert params.train.loss.rule_options().top_quantile == loss["entropy_rule_options"][loss["entropy_rule"]]["top_quantile"]
 
 
 def test_defaults_fill_missing_sections():

@@ -65,3 +65,17 @@ def test_the_report_shows_the_headline_over_seeds_of_its_settings(headline_file,
     assert "variant **et2**" in md and f"-> {et2.after.mean:.3f} [" in md
     (root / "params.yaml").write_text("train:\n  optimizer:\n    mu: 4\n")
     assert "none of the variants" in build_report(root, tmp_path / "r2").read_text()
+
+
+def test_a_confirmation_says_which_grid_chose_its_variant(tmp_path):
+    """A one-variant grid with ``confirms``: the report names the grid whose decision it confirms and
+    that its seeds were never used to choose."""
+    grid = Grid("et1", (8, 9), {"et1": {"train.optimizer.mu": 1}}, confirms="experiments/g.yaml")
+    after = {"et1": {8: 0.40, 9: 0.36}}
+    table = ablations.rows(grid, {ablations.TEST: _runs(after), ablations.SELECT: _runs(after),
+                                  ablations.BEFORE: _runs({"et1": {8: 0.09, 9: 0.11}})})
+    path = tmp_path / "headline.json"
+    ablations.write_headlines(path, "experiments/c.yaml", grid, table)
+    text = " ".join(seed_headline.words(seed_headline.read(path), {"train.optimizer.mu": 1}))
+    assert "variant **et1** (the default `experiments/g.yaml` chose, on seeds it never saw)" in text
+    assert "the grid `experiments/c.yaml`" in text and "2 seeds (8, 9)" in text

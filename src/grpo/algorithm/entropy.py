@@ -184,21 +184,26 @@ class QuantileOptions(Section):
     """``train.loss.entropy_rule_options.high``: the rule's share of high-entropy tokens."""
 
     SECTION: ClassVar[str] = "train.loss.entropy_rule_options.high"
-    top_quantile: Fraction = 0.2
+    top_quantile: Fraction = 1.0
     """The fraction q of the step's valid completion tokens, by highest entropy, that the rule
-    counts as high-entropy (1.0: every token, no entropy treatment)."""
+    counts as high-entropy (1.0, the default: every token, no entropy treatment; the masking
+    paper's 0.2: its forking tokens only)."""
 
 
 class LowOptions(QuantileOptions):
     """``train.loss.entropy_rule_options.low``."""
 
     SECTION: ClassVar[str] = "train.loss.entropy_rule_options.low"
+    top_quantile: Fraction = 0.2
+    """The share q by highest entropy that ``low`` leaves out (below 1: it keeps the others)."""
 
 
 class SentKLOptions(QuantileOptions):
     """``train.loss.entropy_rule_options.sent_kl``."""
 
     SECTION: ClassVar[str] = "train.loss.entropy_rule_options.sent_kl"
+    top_quantile: Fraction = 0.2
+    """The share q by highest entropy free of the KL; the tokens below the threshold get it."""
     kl_low: Annotated[float, Field(ge=0)] = 0.001
     """The coefficient c of the k3 KL to the reference policy on the low-entropy tokens, which needs
     the reference pass even at ``train.loss.beta`` 0 (0: no KL, no pass)."""

@@ -54,6 +54,8 @@ def words(headlines: dict | None, flat_params: dict[str, object], source: str = 
                 f"(`{source}`), so no spread over seeds is known for them.", ""]
     e = headlines["variants"][name]
     chosen = " (the default the grid chose)" if headlines.get("chosen") == name else ""
+    if chosen and headlines.get("confirms"):
+        chosen = f" (the default `{headlines['confirms']}` chose, on seeds it never saw)"
     n_eff = (f" Effective n per seed (operand multisets as clusters): {e['n_eff_before']:.0f} before, "
              f"{e['n_eff_after']:.0f} after, of {e['rows']:.0f} rows." if e.get("n_eff_before") and e.get("n_eff_after")
              and e.get("rows") else "")

@@ -110,9 +110,10 @@ class OptimizerConfig(TrainPart):
     """After warm-up: ``constant``, ``linear`` or ``cosine`` decay to zero."""
     max_grad_norm: PositiveFloat = 1.0
     """Clip the global gradient norm to this value."""
-    mu: Positive = 2
-    """Policy updates per batch of rollouts (against fixed old log-probs)."""
-    equal_reward_groups: Literal["auto", "keep", "drop"] = "auto"
+    mu: Positive = 1
+    """Policy updates per batch of rollouts (against fixed old log-probs; at 1 the ratio is 1 and
+    PPO's clip never binds)."""
+    equal_reward_groups: Literal["auto", "keep", "drop"] = "drop"
     """The rows of the groups whose completions all earned the same reward (zero advantage, so no
     policy gradient): ``keep`` them in the update, ``drop`` them (DAPO's filter, without its
     re-sampling; a KL term then acts on the other rows only), or ``auto``: kept where the loss has a
@@ -136,11 +137,11 @@ class LossConfig(TrainPart):
     groups whose rewards are all equal (their gradient is zero then: ``GRPOTrainer.update_rows``)."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """``group``, ``batch`` or ``none``: what the centred rewards are divided by."""
-    entropy_rule: Choice("train.loss.entropy_rule") = "archer"
+    entropy_rule: Choice("train.loss.entropy_rule") = "high"
     """The token-entropy rule (``grpo.algorithm.entropy.TOKEN_RULES``), how tokens are treated by their
-    entropy (the default ``archer``, with ``train.optimizer.mu`` 2, chosen by the decision rule of
-    docs/results.md): ``high``, only the top ``top_quantile`` get gradient (arXiv 2506.01939;
-    ``top_quantile`` 1.0: every token, no entropy treatment); ``low``, only the others (the masking
+    entropy (the default ``high`` at ``top_quantile`` 1.0, every token, with ``train.optimizer.mu`` 1:
+    the cost grid's decision rule chose it, docs/results.md): ``high``, only the top ``top_quantile``
+    get gradient (arXiv 2506.01939 at 0.2; ``top_quantile`` 1.0: every token, no entropy treatment); ``low``, only the others (the masking
     paper's contrast, for ablations); ``archer``, every token, the top ``top_quantile`` of each
     response with a wider clip, the others with a KL (Archer); ``sent_kl``, every token, those below
     the step's threshold with a KL (after SENT). Each rule's docstring says what it does."""

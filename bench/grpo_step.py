@@ -125,16 +125,21 @@ def departures(args, overrides: dict, workdir: Path, model_dir: str, rollout: st
     return out
 
 
-def default_rule_overrides() -> dict:
-    """The token-entropy rule of the params' defaults (``grpo.config.sections.train.TrainConfig``) with its
-    options and ``mu``, when it is not the ``high`` rule TRL runs; ``{}`` when it is."""
+def default_rule_overrides(quantile: float) -> dict:
+    """The token-entropy rule of the params' defaults (``grpo.config.sections.train.TrainConfig``) with
+    its options, ``mu`` and ``equal_reward_groups``, as departures, when it is not the work the bench
+    runs at TRL's rule (``high`` at ``quantile``, ``mu`` 1); ``{}`` when it is."""
     from grpo.config.sections.train import TrainConfig
 
     d = TrainConfig()
-    if d.loss.entropy_rule == "high":
+    options = d.loss.rule_options()
+    if (d.loss.entropy_rule, getattr(options, "top_quantile", None), d.optimizer.mu) == ("high", quantile, 1):
         return {}
-    return {"loss.entropy_rule": d.loss.entropy_rule, "loss.entropy_rule_options": d.model_dump()["loss"]["entropy_rule_options"],
-            "optimizer.mu": d.optimizer.mu}
+    out = {"loss.entropy_rule": d.loss.entropy_rule, "optimizer.mu": d.optimizer.mu,
+           "optimizer.equal_reward_groups": d.optimizer.equal_reward_groups}
+    for key, value in (options.model_dump() if options else {}).items():
+        out[f"loss.entropy_rule_options.{d.loss.entropy_rule}.{key}"] = value
+    return out
 
 
 def _memory_fields(device: str) -> dict:
@@ -437,7 +442,7 @@ def main() -> None:
         name = "ours" if i == 0 else f"ours-{form or rollout}"
         results[name] = _worker(args, {"impl": "ours", "rollout": rollout, "form": form})
         speed[name] = summarise(results[name])
-    default_rule = default_rule_overrides()
+    default_rule = default_rule_overrides(args.quantile)
     if not args.no_ours and default_rule:  # the params' default rule, beside the rule TRL runs
         spec = {"impl": "ours", "overrides": default_rule, "rollout": runs[0][0], "form": runs[0][1]}
         results["ours-default-rule"] = _worker(args, spec)

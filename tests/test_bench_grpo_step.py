@@ -44,8 +44,11 @@ def test_ours_runs_trls_rule_at_mu_1_and_the_default_rule_at_its_own_mu(tmp_path
     bench = _bench()
     ours = depart(AllParams(), bench.departures(_args(), {}, tmp_path, "m", "transformers")).train
     assert (ours.loss.entropy_rule, ours.optimizer.mu, ours.loss.beta) == ("high", 1, 0.0)
-    default = depart(AllParams(), bench.departures(_args(), bench.default_rule_overrides(), tmp_path, "m", "vllm")).train
-    assert (default.loss.entropy_rule, default.optimizer.mu) == (AllParams().train.loss.entropy_rule, AllParams().train.optimizer.mu)
+    default = depart(AllParams(), bench.departures(_args(), bench.default_rule_overrides(0.2), tmp_path, "m", "vllm")).train
+    want = AllParams().train
+    assert (default.loss.entropy_rule, default.optimizer.mu, default.optimizer.equal_reward_groups) == \
+        (want.loss.entropy_rule, want.optimizer.mu, want.optimizer.equal_reward_groups)
+    assert default.loss.rule_options() == want.loss.rule_options()
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def copy_of_the_record(tmp: Path) -> Path:
-    for rel in (*headline_pages.PAGES, *headline_pages.PLOT, seed_headline.PATH, "metrics/baseline.json",
+    for rel in (*headline_pages.PAGES, *(f for pair in headline_pages.PLOTS for f in pair), seed_headline.PATH, "metrics/baseline.json",
                 "metrics/final.json"):
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, tmp / rel)
@@ -34,3 +34,12 @@ def test_a_hand_edited_figure_or_a_new_record_makes_the_pages_stale(tmp_path):
     assert set(headline_pages.stale(root)) == set(headline_pages.PAGES)
     headline_pages.write(root)
     assert headline_pages.stale(root) == [] and f"{final['accuracy'] + 0.01:.3f} [" in page.read_text()
+
+
+def test_a_plot_copy_that_differs_from_the_reports_is_stale(tmp_path):
+    root = copy_of_the_record(tmp_path)
+    for _, dst in headline_pages.PLOTS:
+        (root / dst).write_bytes(b"an older plot")
+    assert headline_pages.stale(root) == [dst for _, dst in headline_pages.PLOTS]
+    headline_pages.write(root)
+    assert headline_pages.stale(root) == []

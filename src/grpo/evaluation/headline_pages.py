@@ -5,7 +5,7 @@ the grid's headline over seeds (``grpo.evaluation.seed_headline.PATH``: the vari
 with their 95% t intervals) and the committed run (``metrics/baseline.json`` and
 ``metrics/final.json``: the clustered interval the report shows). Each page of ``PAGES`` holds it
 between ``BEGIN`` and ``END``; ``python -m grpo.evaluation.headline_pages write`` rewrites those blocks and copies
-the committed run's accuracy plot into the docs (``PLOT``), ``check`` exits 1 naming every page or
+the committed run's plots into the docs (``PLOTS``), ``check`` exits 1 naming every page or
 file that differs (``tests/test_headline_pages.py`` runs it), so no page can drift from the record.
 """
 
@@ -20,8 +20,8 @@ from grpo.evaluation import seed_headline
 PAGES = ("README.md", "docs/index.md", "docs/results.md")
 BEGIN = "<!-- headline: python -m grpo.evaluation.headline_pages write (from the committed record; do not edit) -->"
 END = "<!-- /headline -->"
-PLOT = ("reports/accuracy.png", "docs/img/accuracy.png")
-"""The committed run's accuracy plot (the report stage's) and its copy on the docs' front page."""
+PLOTS = (("reports/accuracy.png", "docs/img/accuracy.png"), ("reports/curves.png", "docs/img/curves.png"))
+"""The committed run's plots (the report stage's: test accuracy, the training curves) and their copies in the docs."""
 
 
 def _ci(mean: float, low: float, high: float) -> str:
@@ -66,19 +66,20 @@ def stale(root: Path) -> list[str]:
     """The pages (and the plot copy) that differ from what the record writes."""
     new = block(root)
     out = [p for p in PAGES if _replaced((root / p).read_text(), new, p) != (root / p).read_text()]
-    src, dst = (root / p for p in PLOT)
-    if not dst.exists() or dst.read_bytes() != src.read_bytes():
-        out.append(PLOT[1])
+    for src, dst in PLOTS:
+        if not (root / dst).exists() or (root / dst).read_bytes() != (root / src).read_bytes():
+            out.append(dst)
     return out
 
 
 def write(root: Path) -> list[str]:
-    """Rewrite every stale page's block and the plot copy; return what changed."""
+    """Rewrite every stale page's block and the plots' copies; return what changed."""
     changed = stale(root)
     new = block(root)
     for p in PAGES:
         (root / p).write_text(_replaced((root / p).read_text(), new, p))
-    (root / PLOT[1]).write_bytes((root / PLOT[0]).read_bytes())
+    for src, dst in PLOTS:
+        (root / dst).write_bytes((root / src).read_bytes())
     return changed
 
 

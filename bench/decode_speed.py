@@ -95,7 +95,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU, the toy model, 8 tokens: checks the script")
     ap.add_argument("--json", help="write the figures here (after each variant)")
     args = ap.parse_args(argv)
-    args.entropy_rule = None  # device_update.setup's other knobs
+    args.entropy_rule = args.top_quantile = None  # device_update.setup's other knobs
     if args.dry_run:
         args.rows, args.prompt_tokens, args.new_tokens, args.before_tokens, args.profile_tokens = 4, 16, 8, 8, 4
         args.uncompiled_tokens = min(args.uncompiled_tokens or 8, 8)

@@ -179,8 +179,9 @@ DRY_NEED_S = 10
 """A phase's need on ``--dry-run`` (toy sizes: the floor below which no phase starts)."""
 CONTEXT_CAP_GIB = 7.6
 """The context phase's allocator cap: seed 003's card (``grpo check --gpu-memory 7.6``)."""
-RULE_BESIDE = "high"
-"""The token rule the rules phase measures beside the params' own."""
+RULE_BESIDE = ("high", 0.2)
+"""The token rule and its ``top_quantile`` the rules phase measures beside the params' own: the mask,
+the LM head with grad at its kept tokens only."""
 PHASE = {
     "status": "str: passed | failed | timed out | skipped",
     "rc": "int?: the child's exit code (null: killed at its limit or not run)",
@@ -583,7 +584,8 @@ def phase_rules(run: Run, toy: list[str]):
             if status != "passed":
                 return status, rc, f"the default rule: {why}"
         rules["default_rule"] = rules["default"]["entropy_rule"]
-        result, data = run.script_json("rules", [*base, "--entropy-rule", RULE_BESIDE],
+        rule, quantile = RULE_BESIDE
+        result, data = run.script_json("rules", [*base, "--entropy-rule", rule, "--top-quantile", str(quantile)],
                                        limit if reuse else limit - (time.monotonic() - t0))
         if data is not None:
             rules["high"] = data

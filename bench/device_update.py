@@ -10,8 +10,8 @@ second's (AdamW's moments exist then). It prints and writes (``--json``) ``torch
 ``max_memory_allocated`` / ``max_memory_reserved`` over that step, ``mem_get_info`` after it, and
 ``grpo check``'s training estimate for the same params (``grpo.tools.memory.estimate``), with their ratio.
 
-``--entropy-rule RULE`` measures the update under another token rule than the params' (the device
-check's ``rules`` phase: the default beside ``high``). On CUDA it also reads the memory outside
+``--entropy-rule RULE`` (and ``--top-quantile Q``) measures the update under another token rule than
+the params' (the device check's ``rules`` phase: the default beside ``high`` at 0.2, the mask). On CUDA it also reads the memory outside
 torch's allocator, ``total - free - reserved`` (``mem_get_info`` against ``memory_reserved``: the
 CUDA context, the kernels' modules loaded so far, and anything another process holds on the card),
 after CUDA starts, after the load, after the measured step's no-grad forward and after its update;
@@ -54,6 +54,7 @@ SCHEMA = {
     "rows": "int?: completions in the step", "prompt_tokens": "int?: prompt length",
     "completion_tokens": "int?: completion length", "micro_batches": "int?: train.passes.micro_batches",
     "entropy_rule": "str?: train.loss.entropy_rule (its passes and LM-head rows with grad set the step's memory)",
+    "top_quantile": "number?: that rule's top_quantile (1.0: every token)", "mu": "int?: train.optimizer.mu",
     "resident_gib": "number?: CUDA allocated before the first step (weights, quantisation state, LoRA)",
     "peak_allocated_gib": "number?: torch.cuda.max_memory_allocated over the second step",
     "reserved_after_load_gib": "number?: CUDA reserved after grpo.model.lora_policy.load_policy (which gives its load's cache back)",
@@ -73,7 +74,7 @@ TOP = 12
 """Rows of the profile's tables."""
 OPERATOR = {"name": "str: the operator or kernel", "cuda_ms": "number?: its self CUDA time over the step (null on a CPU)",
             "cpu_ms": "number: its self CPU time over the step", "calls": "int: how many times it ran"}
-PROFILED_CALL = 3
+PROFILED_CALL = 2
 """The ``loss_backward`` call of the second step that is profiled (past its first micro-batch)."""
 PROFILE = {
     "device": "str?: cuda, or cpu (no CUDA activity: the CUDA figures are null)",
@@ -100,6 +101,8 @@ def parse_args(argv=None):
     ap.add_argument("--params", default="presets/seed003.yaml", help="params file (a preset over params.yaml)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (the preset's cap)")
     ap.add_argument("--entropy-rule", help="train.loss.entropy_rule to measure under (default: the params')")
+    ap.add_argument("--top-quantile", type=float,
+                    help="that rule's top_quantile (train.loss.entropy_rule_options.<rule>.top_quantile; default: the params')")
     ap.add_argument("--memory-cap-gib", type=float,
                     help="on CUDA: cap torch's allocator at this many GiB (set_per_process_memory_fraction)")
     ap.add_argument("--profile", action="store_true", help="one micro-batch of the second step under torch.profiler "
@@ -133,6 +136,9 @@ def setup(args):
     p = res.params
     config, source, device = architecture(args.params, p, res.root, args.dry_run)
     update = {"loss": {"entropy_rule": args.entropy_rule}} if args.entropy_rule else {}
+    if args.top_quantile is not None:
+        rule = args.entropy_rule or p.train.loss.entropy_rule
+        update.setdefault("loss", {})["entropy_rule_options"] = {rule: {"top_quantile": args.top_quantile}}
     if args.dry_run:
         update.update(rollouts={"max_new_tokens": 8, "prompts_per_step": 2, "group_size": 2}, passes={"micro_batches": 2})
     if update:
@@ -239,7 +245,8 @@ def measure(args) -> dict:
     t = p.train
     out.update(device=device, model=str(source), dtype=str(dtype).removeprefix("torch."),
                rows=t.rollouts.prompts_per_step * t.rollouts.group_size, prompt_tokens=args.prompt_tokens,
-               completion_tokens=t.rollouts.max_new_tokens, micro_batches=t.passes.micro_batches, entropy_rule=t.loss.entropy_rule)
+               completion_tokens=t.rollouts.max_new_tokens, micro_batches=t.passes.micro_batches, entropy_rule=t.loss.entropy_rule,
+               top_quantile=t.loss.rule_options().top_quantile, mu=t.optimizer.mu)
     if cuda:
         torch.cuda.init()
         if args.memory_cap_gib:
@@ -310,7 +317,7 @@ def main(argv=None) -> dict:
     out = measure(args)
     print(f"{args.params}: {out['model']} (random weights), {out['dtype']}, {out['rows']} rows x "
           f"({out['prompt_tokens']} + {out['completion_tokens']}) tokens, {out['micro_batches']} micro-batches, "
-          f"entropy rule {out['entropy_rule']}")
+          f"entropy rule {out['entropy_rule']} (top_quantile {out['top_quantile']}), mu {out['mu']}")
     for key in ("reserved_after_load_gib", "resident_gib", "peak_allocated_gib", "peak_reserved_gib", "free_gib", "total_gib", "estimate_gib",
                 "ratio", "step_s", "memory_cap_gib", "outside_init_gib", "outside_load_gib", "outside_forward_gib",
                 "outside_step_gib"):

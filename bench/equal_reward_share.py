@@ -1,7 +1,7 @@
-"""What the groups of equal rewards carry in the default's update: their share of its gradient and time.
+"""What the groups of equal rewards carry in an update that keeps them: their share of its gradient and time.
 
-Under a token rule with a KL term (``archer``'s ``kl_low``), ``train.optimizer.equal_reward_groups:
-auto`` keeps the groups whose completions all earned the same reward. Their advantage is 0, so
+Under a token rule with a KL term (``archer``'s ``kl_low``, the default before the cost grid),
+``train.optimizer.equal_reward_groups: keep`` or ``auto`` keeps the groups whose completions all earned the same reward. Their advantage is 0, so
 their whole gradient is the KL term's, and it is zero where the policy is the reference (LoRA's
 zero init): the share is measured at a trained adapter, on the batches of its last steps.
 

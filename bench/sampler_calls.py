@@ -69,7 +69,7 @@ def parse_args(argv=None):
     ap.add_argument("--call", choices=("sent", "evaluate"), help=argparse.SUPPRESS)  # one call, in a child process
     ap.add_argument("--base", help=argparse.SUPPRESS)  # the saved random base the children open
     args = ap.parse_args(argv)
-    args.entropy_rule = None  # device_update.setup's other knobs
+    args.entropy_rule = args.top_quantile = None  # device_update.setup's other knobs
     if args.dry_run:
         args.prompt_tokens = 12
     return args

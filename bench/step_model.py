@@ -35,8 +35,9 @@ cost per kernel. It assumes no overlap of the host's launch cost with the card's
 reuse between ops; docs/benchmarks.md ("The update's work, counted") sets it beside the measured
 figures (``MEASURED``: docs/gpu-runs/).
 
-Variants (``VARIANTS``): the update counted again under params that change only time and memory,
-or the update's rows (what the model shows dominates, cut without code changes).
+Variants (``VARIANTS``): the update counted again under other params: those that change only time
+and memory (the micro-batches), the update's rows, and the rules and ``mu`` the cost grid weighed
+(docs/results.md), one of them at the settings of the H200's measured update (``MEASURED_VARIANT``).
 
     python bench/step_model.py --json FILE [--params presets/seed003.yaml] [--variants all|none|NAME,...]
 """
@@ -367,22 +368,29 @@ def count_triton(counter: OpCounter) -> None:
 
 
 # ------------------------------------------------------------------------------------- the runs
+MEASURED_VARIANT = "archer, mu 2, every group kept, micro_batches 8 (the H200's measured update)"
+"""The variant at the settings of the H200's measured update (``MEASURED_DIR``: seed 003 before the
+cost grid changed the default and before its micro-batches went from 8 to 2)."""
+
 VARIANTS = {
     # name -> (departures from the params, share of the step's groups the update keeps)
     "micro_batches 8 (seed 003 before 2)": ({"train.passes.micro_batches": 8}, 1.0),
     "micro_batches 4": ({"train.passes.micro_batches": 4}, 1.0),
-    "micro_batches 2": ({"train.passes.micro_batches": 2}, 1.0),
     "micro_batches 1": ({"train.passes.micro_batches": 1}, 1.0),
-    "mu 1": ({"train.optimizer.mu": 1}, 1.0),
-    "mu 1, micro_batches 2": ({"train.optimizer.mu": 1, "train.passes.micro_batches": 2}, 1.0),
-    "archer kl_low 0 (no reference pass)": ({"train.loss.entropy_rule_options.archer.kl_low": 0.0}, 1.0),
-    "archer kl_low 0, half the groups uniform (dropped)": ({"train.loss.entropy_rule_options.archer.kl_low": 0.0}, 0.5),
-    "high, mu 1 (the H100 runs' update)": ({"train.loss.entropy_rule": "high", "train.optimizer.mu": 1}, 1.0),
+    "half the groups uniform (dropped)": ({}, 0.5),
+    "mu 2": ({"train.optimizer.mu": 2}, 1.0),
+    "high at 0.2 (the mask; the H100 runs' update)": ({"train.loss.entropy_rule": "high",
+                                                       "train.loss.entropy_rule_options.high.top_quantile": 0.2}, 1.0),
+    "archer, mu 2, every group kept (the default before the cost grid)": (
+        {"train.loss.entropy_rule": "archer", "train.optimizer.mu": 2, "train.optimizer.equal_reward_groups": "keep"}, 1.0),
+    MEASURED_VARIANT: ({"train.loss.entropy_rule": "archer", "train.optimizer.mu": 2,
+                        "train.optimizer.equal_reward_groups": "keep", "train.passes.micro_batches": 8}, 1.0),
 }
-"""Params the update's time and rows depend on. A rule without a KL term (``archer`` at ``kl_low`` 0,
-``high``) lets ``GRPOTrainer.update_rows`` drop the groups of equal rewards; which groups those are
-depends on the rewards, which fake tensors do not have: the last variant keeps the first half of the
-groups, as ``update_rows`` keeps the groups with signal."""
+"""Params the update's time and rows depend on. Where the update leaves out the groups of equal
+rewards (``GRPOTrainer.update_rows``: ``train.optimizer.equal_reward_groups``), which groups those are
+depends on the rewards, which fake tensors do not have: every group counts as one with signal, and
+the "half" variant keeps the first half of the groups, as ``update_rows`` keeps the groups with
+signal. The kept share of the data-dependent stubs is each variant's ``top_quantile``."""
 
 
 def parse_args(argv=None):
@@ -603,7 +611,9 @@ def main(argv=None) -> dict:
                 g = vt.cfg.rollouts.group_size
                 rows = max(g, int(n // g * share) * g)
                 counter.reset()
+                stubs.keep = vp.train.loss.rule_options().top_quantile
                 fc = run_update(vt, vbatch_of, counter, flop_mode, rows)
+                stubs.keep = p.train.loss.rule_options().top_quantile
                 variants[name] = {"departures": departures, "shape": update_shape(vp, vt, prompt, rows),
                                   **counter.summary(args.top, fc)}
                 progress(t0, f"variant {name}")
@@ -677,8 +687,11 @@ def report(out: dict, top: int) -> None:
             print("  phases (h200): " + "; ".join(f"{k} {fmt_s(v['seconds'])}, {v['launches']:,} launches"
                                                   for k, v in c["phases"].items()))
     if "update" in out:
-        print(f"\nmeasured on the H200 ({meas['source']}): update {meas['update']['seconds']:.2f} s; "
-              f"modelled {fmt_s(out['update']['seconds']['h200'])}")
+        at = out.get("variants", {}).get(MEASURED_VARIANT)
+        u = meas["update"]
+        print(f"\nmeasured on the H200 ({meas['source']}): update {u['seconds']:.2f} s under {u['entropy_rule']}, "
+              f"{u['micro_batches']} micro-batches; modelled at those settings: "
+              + (fmt_s(at["seconds"]["h200"]) if at else f"not counted (variant {MEASURED_VARIANT!r})"))
     if "decode_token" in out:
         m = meas["decode"]
         chk = out["decode_profile_check"]
@@ -689,10 +702,10 @@ def report(out: dict, top: int) -> None:
               f"{chk['launches_per_token']:.1f} per token over the profiled call")
     if out.get("variants"):
         base = out["update"]
-        print(f"\nvariants of the update (h200 / rtx3060ti modelled):\n  {'variant':<52}{'rows':>5}{'TFLOP':>8}"
+        print(f"\nvariants of the update (h200 / rtx3060ti modelled):\n  {'variant':<72}{'rows':>5}{'TFLOP':>8}"
               f"{'launches':>10}{'h200':>10}{'3060 Ti':>10}")
         for name, v in {"as the params say": base, **out["variants"]}.items():
-            print(f"  {name:<52}{v['shape']['rows']:>5}{v['flops'] / 1e12:>8.1f}{v['launches']:>10,}"
+            print(f"  {name:<72}{v['shape']['rows']:>5}{v['flops'] / 1e12:>8.1f}{v['launches']:>10,}"
                   f"{fmt_s(v['seconds']['h200']):>10}{fmt_s(v['seconds']['rtx3060ti']):>10}")
     print(f"\ndata-dependent answers given: {out['data_dependent_answers']}; {out['seconds']:.0f} s")
 

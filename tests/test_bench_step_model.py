@@ -49,7 +49,7 @@ def run_bench(tmp_path, prompts: int, variants: str) -> dict:
 
 @pytest.mark.slow
 def test_counts_follow_the_shapes(tmp_path):
-    two = run_bench(tmp_path, 2, "micro_batches 1,micro_batches 4,mu 1")
+    two = run_bench(tmp_path, 2, "micro_batches 1,micro_batches 4,mu 2")
     four = run_bench(tmp_path, 4, "none")
     for part in ("update", "decode_token"):
         for figures in (two, four):
@@ -73,9 +73,9 @@ def test_counts_follow_the_shapes(tmp_path):
     base = two["update"]
     assert v["micro_batches 1"]["launches"] < base["launches"] < v["micro_batches 4"]["launches"]
     assert v["micro_batches 4"]["flops"] == pytest.approx(base["flops"], rel=0.05)
-    # mu 1: one update instead of two (the reference pass stays)
-    assert base["shape"]["mu"] == 2 and v["mu 1"]["shape"]["mu"] == 1
-    assert 0.4 * base["flops"] < v["mu 1"]["flops"] < 0.75 * base["flops"]
+    # mu 2: two updates instead of one (the default's rule has no reference pass)
+    assert base["shape"]["mu"] == 1 and v["mu 2"]["shape"]["mu"] == 2 and not base["shape"]["reference_pass"]
+    assert 1.6 * base["flops"] < v["mu 2"]["flops"] < 2.2 * base["flops"]
     # the measured figures it is set beside come from the device runs' JSON
     assert two["measured"]["update"]["seconds"] > 0 and two["measured"]["decode"]["static_launches_per_token"] > 0
 

@@ -628,8 +628,9 @@ def _acting_per_seed(grid: Grid, table: list[Row]) -> list[str]:
 
 
 def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:
-    """Paired differences to the reference with their 95% intervals (validation and test), one row
-    per variant, the per-seed differences as dots."""
+    """Paired differences to each variant's partner (``Grid.partner``: the reference unless
+    ``paired_with`` names another) with their 95% intervals (validation and test), one row per
+    variant labelled with both names, the per-seed differences as dots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -647,10 +648,10 @@ def forest_plot(grid: Grid, table: list[Row], path: Path) -> None:
             ax.plot(p.test.mean, y, "s", color="tab:blue")
             ax.plot(p.diffs, [y] * len(p.diffs), "o", color="gray", alpha=0.5, ms=4)
         ax.axvline(0, color="black", lw=0.8)
-        ax.set_title(f"{title}: variant - {grid.reference}", fontsize=10)
+        ax.set_title(f"{title}: variant - its partner", fontsize=10)
         ax.set_xlabel("paired difference (mean, 95% interval; dots: seeds)", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(range(len(others)), [r.variant for r in reversed(others)])
+    axes[0].set_yticks(range(len(others)), [f"{r.variant} - {grid.partner(r.variant)}" for r in reversed(others)])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -63,7 +63,7 @@ def _replaced(text: str, new: str, page: str) -> str:
 
 
 def stale(root: Path) -> list[str]:
-    """The pages (and the plot copy) that differ from what the record writes."""
+    """The pages (and the plots' copies) that differ from what the record writes."""
     new = block(root)
     out = [p for p in PAGES if _replaced((root / p).read_text(), new, p) != (root / p).read_text()]
     for src, dst in PLOTS:
